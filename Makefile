@@ -1,0 +1,47 @@
+# megasuite: `make install`, then `make test`.  `make help` lists the targets.
+
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build on CPU machines.  A torch already importable that satisfies
+# megacore's range (a CUDA build, say) is kept; see scripts/install.py.
+TORCH_SPEC ?= torch==2.13.0
+
+PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/install.py
+STAMP := $(VENV)/.installed
+BIN := $(VENV)/bin
+
+.PHONY: help install test lint format clean
+
+help:
+	@echo "make install   create $(VENV) with torch and the four packages (editable, test extras)"
+	@echo "make test      install if needed, then ruff and pytest over every package and tests/"
+	@echo "make lint      ruff check and format check only"
+	@echo "make format    let ruff fix imports and formatting"
+	@echo "make clean     remove $(VENV) and caches"
+
+install: $(STAMP)
+
+# The stamp makes a second `make install` a no-op until a pyproject changes.
+# The version check is shell, not Python, so an old interpreter cannot fail on syntax first.
+$(STAMP): $(PACKAGE_FILES)
+	@command -v $(PYTHON) >/dev/null 2>&1 || { \
+	  echo "make install: no Python interpreter '$(PYTHON)' found; install Python >= 3.10 or run: make install PYTHON=/path/to/python3"; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
+	  echo "make install: megasuite needs Python >= 3.10, but $(PYTHON) is $$($(PYTHON) -V 2>&1); run: make install PYTHON=/path/to/python3.10-or-newer"; exit 1; }
+	@$(PYTHON) scripts/install.py --venv $(VENV) --torch "$(TORCH_SPEC)"
+	@touch $@
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

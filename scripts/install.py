@@ -1,0 +1,137 @@
+"""Create the development virtual environment and install the four packages into it.
+
+Called by `make install` after the Makefile has checked the Python version.
+Steps: create the venv (seeing the base interpreter's site-packages when that
+already has a torch megacore accepts, so a CUDA build is reused, not replaced),
+install `--torch` unless a suitable torch is importable, then the packages in
+editable mode with their test extras and the root dev extras.
+
+pip's output goes to <venv>/install.log; on failure this prints one line that
+says what could not be installed and why, and exits 1.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("megacore", "megadata", "megatrain", "megaeval")
+
+# pip's words for "the index could not be reached" (urllib3, requests, socket errors).
+NETWORK_ERROR = re.compile(
+    r"NewConnectionError|Failed to establish a new connection|Connection refused"
+    r"|Temporary failure in name resolution|Name or service not known|Network is unreachable"
+    r"|No route to host|ConnectTimeoutError|Read timed out|ProxyError|SSLError"
+    r"|Could not fetch URL|connection broken"
+)
+
+
+def _vendored(module: str):
+    """packaging and tomli as pip vendors them, for a base Python that lacks them."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        return __import__(f"pip._vendor.{module}", fromlist=["_"])
+
+
+def torch_requirement():
+    """megacore's torch requirement, the one range every package agrees on."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = _vendored("tomli")
+    requirement_cls = _vendored("packaging.requirements").Requirement
+    with open(ROOT / "packages" / "megacore" / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return next(r for r in map(requirement_cls, deps) if r.name == "torch")
+
+
+def importable_torch(python: Path | str) -> str | None:
+    """The version of torch that `python` imports, or None."""
+    code = "import torch; print(torch.__version__)"
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def satisfies(version: str | None, requirement) -> bool:
+    # Local labels (+cpu, +cu128) do not matter for the range.
+    return version is not None and requirement.specifier.contains(
+        version.split("+")[0], prereleases=True
+    )
+
+
+def fail(message: str) -> None:
+    print(f"make install: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def explain_pip_failure(output: str, what: str, log: Path) -> str:
+    missing = re.findall(r"No matching distribution found for (\S+)", output)
+    target = missing[0] if missing else what
+    if NETWORK_ERROR.search(output):
+        return (
+            f"cannot reach the package index to get {target}; check the network, proxy "
+            f"or PIP_INDEX_URL and run make install again (pip log: {log})"
+        )
+    if missing:
+        return f"no release of {target} on the package index fits this machine (pip log: {log})"
+    errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+    reason = errors[-1].removeprefix("ERROR:").strip() if errors else "see the log"
+    return f"pip could not install {what}: {reason} (pip log: {log})"
+
+
+def pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
+    print(f"installing {what} (log: {log})", flush=True)
+    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    if proc.returncode != 0:
+        fail(explain_pip_failure(proc.stdout + proc.stderr, what, log))
+
+
+def create_venv(venv: Path, torch_req) -> None:
+    base_torch = importable_torch(sys.executable)
+    cmd = [sys.executable, "-m", "venv", str(venv)]
+    if satisfies(base_torch, torch_req):
+        cmd.append("--system-site-packages")
+        print(f"reusing torch {base_torch} from {sys.executable} (venv sees its site-packages)")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        detail = (proc.stdout + proc.stderr).strip().splitlines()
+        hint = "; on Debian/Ubuntu: apt install python3-venv" if "ensurepip" in proc.stderr else ""
+        fail(f"{sys.executable} could not create {venv}: {detail[-1] if detail else '?'}{hint}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, default=ROOT / ".venv")
+    parser.add_argument("--torch", default="torch==2.13.0", help="what to install if no torch fits")
+    opts = parser.parse_args()
+
+    venv = opts.venv if opts.venv.is_absolute() else ROOT / opts.venv
+    python = venv / "bin" / "python"
+    torch_req = torch_requirement()
+    if not python.exists():
+        create_venv(venv, torch_req)
+    log = venv / "install.log"
+
+    torch_version = importable_torch(python)
+    if satisfies(torch_version, torch_req):
+        print(f"keeping torch {torch_version}")
+    else:
+        if torch_version:
+            print(f"torch {torch_version} does not satisfy megacore's {torch_req}")
+        pip_install(python, [opts.torch], opts.torch, log)
+
+    editables = ["-e", ".[dev]"]
+    for name in PACKAGES:
+        editables += ["-e", f"packages/{name}[test]"]
+    pip_install(python, editables, ", ".join(PACKAGES) + " (editable, with test extras)", log)
+    print(f"ready: {venv}")
+
+
+if __name__ == "__main__":
+    main()
