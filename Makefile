@@ -25,9 +25,9 @@ install: $(STAMP)
 # The version check is shell, not Python, so an old interpreter cannot fail on syntax first.
 $(STAMP): $(PACKAGE_FILES)
 	@command -v $(PYTHON) >/dev/null 2>&1 || { \
-	  echo "make install: no Python interpreter '$(PYTHON)' found; install Python >= 3.10 or run: make install PYTHON=/path/to/python3"; exit 1; }
+	  echo "make install: no Python interpreter '$(PYTHON)' found; install Python >= 3.10 or run: make install PYTHON=/path/to/python3" >&2; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
-	  echo "make install: megasuite needs Python >= 3.10, but $(PYTHON) is $$($(PYTHON) -V 2>&1); run: make install PYTHON=/path/to/python3.10-or-newer"; exit 1; }
+	  echo "make install: megasuite needs Python >= 3.10, but $(PYTHON) is $$($(PYTHON) -V 2>&1); run: make install PYTHON=/path/to/python3.10-or-newer" >&2; exit 1; }
 	@$(PYTHON) scripts/install.py --venv $(VENV) --torch "$(TORCH_SPEC)"
 	@touch $@
 

@@ -84,7 +84,8 @@ def explain_pip_failure(output: str, what: str, log: Path) -> str:
 
 def pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
     print(f"installing {what} (log: {log})", flush=True)
-    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    # -vv puts pip's "Could not fetch URL ...: connection error" in the log even with no retries.
+    cmd = [str(python), "-m", "pip", "install", "-vv", "--disable-pip-version-check", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")

@@ -1,4 +1,4 @@
-"""Parallel runtime: process groups, tensor/pipeline/data parallelism, optimizers, checkpoint I/O."""
+"""Parallel runtime: process groups, tensor/pipeline/data parallelism, optimizers, checkpoints."""
 
 from importlib.metadata import version
 

@@ -1,0 +1,82 @@
+"""`make install`: a no-op when done, and one clear line when it cannot be done."""
+
+import glob
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV_VENV = Path(sys.prefix)
+
+
+def make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+
+
+def our_error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """stderr without make's own closing 'make: *** [...] Error 1'."""
+    make_says = re.compile(r"make(\[\d+\])?: ")
+    return [line for line in proc.stderr.splitlines() if line and not make_says.match(line)]
+
+
+def old_python(tmp_path: Path) -> str:
+    """A real interpreter older than 3.10 if this machine has one, else a stand-in that acts like
+    one towards the Makefile: it fails the version probe and reports an old version."""
+    names = [f"python3.{minor}" for minor in range(9, 5, -1)] + ["python2"]
+    candidates = [shutil.which(n) for n in names]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/*/bin/python")))
+    probe = "import sys; sys.exit(sys.version_info >= (3, 10))"
+    for exe in filter(None, candidates):
+        if subprocess.run([exe, "-c", probe], capture_output=True).returncode == 0:
+            return exe
+    fake = tmp_path / "python3.8"
+    fake.write_text('#!/bin/sh\ncase "$1" in -V) echo "Python 3.8.18";; *) exit 1;; esac\n')
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_second_install_has_nothing_to_do():
+    # `make -q` exits 0 only when the target is up to date, i.e. running it would change nothing.
+    assert make("-q", "install", f"VENV={DEV_VENV}").returncode == 0
+
+
+def test_old_or_missing_python_stops_with_one_line(tmp_path):
+    venv_dir = tmp_path / "venv"
+    python = old_python(tmp_path)
+    proc = make("install", f"PYTHON={python}", f"VENV={venv_dir}")
+    assert proc.returncode != 0
+    (line,) = our_error_lines(proc)
+    assert "needs Python >= 3.10" in line and f"{python} is Python " in line, line
+    assert not venv_dir.exists()
+
+    proc = make("install", "PYTHON=no-such-python3", f"VENV={venv_dir}")
+    assert proc.returncode != 0
+    assert "no Python interpreter 'no-such-python3' found" in (proc.stdout + proc.stderr)
+
+
+def test_unreachable_package_index_stops_with_one_line(tmp_path):
+    with socket.socket() as s:  # a port on this machine that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,  # no site pip.conf: only the dead index below
+        PIP_INDEX_URL=f"http://127.0.0.1:{port}/simple",
+        PIP_RETRIES="0",
+        PIP_TIMEOUT="5",
+        PIP_NO_CACHE_DIR="1",
+    )
+    base_python = Path(sys.base_prefix) / "bin" / "python3"
+    proc = make("install", f"PYTHON={base_python}", f"VENV={tmp_path / 'venv'}", env=env)
+    assert proc.returncode != 0
+    (line,) = our_error_lines(proc)
+    assert line.startswith("make install: cannot reach the package index to get "), line
+    assert "install.log" in line
+    assert not (tmp_path / "venv" / ".installed").exists()

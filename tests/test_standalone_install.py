@@ -1,0 +1,145 @@
+"""Each package installs and runs on its own, with nothing but its declared dependencies.
+
+A package is built into a wheel and installed, with pip's index and find-links
+off, into a fresh virtual environment that can see only the distributions its
+declared requirements resolve to (linked from the development environment, so
+the check needs no network and never downloads torch).  A dependency the
+package forgot to declare, or one it must not have (torch in megadata), fails
+the install or the import.
+"""
+
+import os
+import subprocess
+import sys
+import venv
+import zipfile
+from email.parser import Parser
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_wheel(package: str, out: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "wheel", "--isolated", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*cmd, "-q", "-w", str(out), str(ROOT / "packages" / package)], check=True)
+    return next(out.glob(f"{package}-*.whl"))
+
+
+def wheel_requirements(wheel: Path) -> list[Requirement]:
+    """Runtime requirements as the built wheel declares them (extras such as [test] left out)."""
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(zf.read(name).decode())
+    reqs = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def dependency_closure(reqs: list[Requirement], skip: set[str]) -> list[metadata.Distribution]:
+    """The installed distributions that `reqs` resolve to, transitively, here in the dev venv."""
+    found: dict[str, metadata.Distribution] = {}
+    todo = [r for r in reqs if r.name.lower() not in skip]
+    while todo:
+        req = todo.pop()
+        key = req.name.lower().replace("_", "-")
+        if key in found:
+            continue
+        dist = metadata.distribution(req.name)
+        found[key] = dist
+        todo += [r for r in map(Requirement, dist.requires or []) if r.marker is None or
+                 r.marker.evaluate({"extra": ""})]  # fmt: skip
+    return list(found.values())
+
+
+def expose(dists: list[metadata.Distribution], stage: Path) -> None:
+    """Link each distribution's top-level files (code and .dist-info) into `stage`."""
+    for dist in dists:
+        for file in dist.files or []:
+            top = file.parts[0]
+            source = Path(dist.locate_file(top))
+            if top == ".." or not source.exists() or (stage / top).exists():
+                continue  # ".." entries are console scripts outside site-packages
+            (stage / top).symlink_to(source)
+
+
+def fresh_env(where: Path) -> Path:
+    """A venv without pip whose site-packages also reads `where/stage` (empty at first)."""
+    venv.create(where / "venv", with_pip=False)
+    python = where / "venv" / "bin" / "python"
+    site = subprocess.check_output([python, "-c", "import site; print(site.getsitepackages()[0])"])
+    (where / "stage").mkdir()
+    Path(site.decode().strip(), "stage.pth").write_text(str(where / "stage") + "\n")
+    return python
+
+
+def install_alone(python: Path, wheel: Path) -> None:
+    """pip into `python`'s environment with no index and no find-links: staged deps or nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--isolated"]
+    proc = subprocess.run([*cmd, "--no-index", "-q", str(wheel)], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, f"{wheel.name} does not install alone:\n{proc.stderr}"
+
+
+def import_all(python: Path, package: str, forbidden: str = "") -> None:
+    """Import the package and every submodule in `python`; none may pull in `forbidden`."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        f"pkg = importlib.import_module({package!r})\n"
+        f"for m in pkgutil.walk_packages(pkg.__path__, {package + '.'!r}):\n"
+        "    importlib.import_module(m.name)\n"
+        f"bad = {forbidden!r}\n"
+        "assert not bad or bad not in sys.modules, f'importing {pkg.__name__} imported {bad}'\n"
+    )
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, f"{package} does not import alone:\n{proc.stderr}"
+
+
+def run_cli(python: Path, command: str, version: str) -> None:
+    exe = python.parent / command
+    help_ = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0 and f"Usage: {command}" in help_.stdout, help_.stderr
+    shown = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    assert shown.stdout.strip() == f"{command}, version {version}", shown.stdout + shown.stderr
+
+
+def package_version(package: str) -> str:
+    """The version as written in the package's pyproject.toml, its single source."""
+    with open(ROOT / "packages" / package / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
+def test_megadata_installs_and_runs_without_torch(tmp_path):
+    wheel = build_wheel("megadata", tmp_path)
+    python = fresh_env(tmp_path)
+    expose(dependency_closure(wheel_requirements(wheel), skip=set()), tmp_path / "stage")
+    install_alone(python, wheel)
+
+    torch_probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+    assert "No module named 'torch'" in torch_probe.stderr, "torch is visible to megadata"
+    import_all(python, "megadata", forbidden="torch")
+    run_cli(python, "megadata", package_version("megadata"))
+
+
+def test_megacore_with_torch_and_numpy_only_then_megatrain_and_megaeval(tmp_path):
+    # Each package in turn, in one venv: the next one may see only what the previous
+    # ones installed plus its own declared requirements.
+    python = fresh_env(tmp_path)
+    ours = {"megacore", "megatrain", "megaeval"}
+    for package in ("megacore", "megatrain", "megaeval"):
+        wheel = build_wheel(package, tmp_path / "wheels")
+        reqs = wheel_requirements(wheel)
+        if package == "megacore":
+            assert sorted(r.name for r in reqs) == ["numpy", "torch"]
+        expose(dependency_closure(reqs, skip=ours), tmp_path / "stage")
+        install_alone(python, wheel)
+        import_all(python, package)
+        if package != "megacore":
+            run_cli(python, package, package_version(package))
