@@ -118,6 +118,7 @@ def main() -> None:
     if not python.exists():
         create_venv(venv, torch_req)
     log = venv / "install.log"
+    log.write_text("")  # this run's output only
 
     torch_version = importable_torch(python)
     if satisfies(torch_version, torch_req):

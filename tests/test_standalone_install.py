@@ -27,9 +27,24 @@ except ImportError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pip(*args: str) -> subprocess.CompletedProcess:
+    """The dev venv's pip with no configuration: no index or find-links from outside."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    cmd = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
 def build_wheel(package: str, out: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "wheel", "--isolated", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*cmd, "-q", "-w", str(out), str(ROOT / "packages" / package)], check=True)
+    proc = pip(
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(out),
+        str(ROOT / "packages" / package),
+    )
+    assert proc.returncode == 0, f"{package} does not build:\n{proc.stderr}"
     return next(out.glob(f"{package}-*.whl"))
 
 
@@ -80,11 +95,8 @@ def fresh_env(where: Path) -> Path:
 
 
 def install_alone(python: Path, wheel: Path) -> None:
-    """pip into `python`'s environment with no index and no find-links: staged deps or nothing."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--isolated"]
-    proc = subprocess.run([*cmd, "--no-index", "-q", str(wheel)], env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    """Install into `python`'s environment with no index: the staged dependencies or nothing."""
+    proc = pip("--python", str(python), "install", "--no-index", str(wheel))
     assert proc.returncode == 0, f"{wheel.name} does not install alone:\n{proc.stderr}"
 
 

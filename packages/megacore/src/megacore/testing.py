@@ -20,14 +20,13 @@ the ranks do not all finish within `timeout` seconds, they are stopped and the
 error shows where each unfinished rank was.
 
 The function must be defined at the top level of a module; its arguments and
-return value must pickle.  Test modules need not be importable by name: a rank
-loads the function's module from its file when the name does not import (as
-under pytest's importlib import mode).
+return value must pickle.  Test modules need not be on sys.path: a rank finds
+the function's module from its file path when the name alone does not import
+(as under pytest's importlib import mode).
 """
 
 import faulthandler
 import importlib
-import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -53,7 +52,7 @@ _GRACE_S = 2.0
 _STACK_DUMP_S = 1.0
 
 
-class DistributedTestError(AssertionError):
+class DistributedTestError(RuntimeError):
     """A rank raised, died or did not finish in time; the message says which and why."""
 
 
@@ -78,7 +77,8 @@ def run_distributed(
     payload = _pickle_call(fn, args, kwargs or {})
     module = sys.modules.get(fn.__module__)
     module_file = getattr(module, "__file__", None)
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // world_size)
 
     store = dist.TCPStore(_HOST, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     launch = _Launch(world_size, store.port, backend, timeout, threads, fn.__module__, module_file)
@@ -100,7 +100,7 @@ def run_distributed(
             _collect(ranks, time.monotonic() + timeout)
         finally:
             _stop(ranks)
-    del store
+    del store  # free the port now: a raised error keeps this frame, and so the store, alive
 
     name = f"{fn.__module__}.{fn.__qualname__}"
     # A rank that died has no time of its own; a hard death is nearly always the cause.
@@ -126,17 +126,20 @@ class _Launch:
     module_file: str | None
 
 
+@dataclass
 class _Rank:
     """The parent's view of one spawned rank."""
 
-    def __init__(self, rank: int, process, conn: Connection, stack_file: Path):
-        self.rank, self.process, self.conn, self.stack_file = rank, process, conn, stack_file
-        self.finished = False
-        self.result: Any = None
-        self.error: str | None = None
-        self.failed_at = 0.0
-        self.died = False
-        self.stack = ""
+    rank: int
+    process: mp.process.BaseProcess
+    conn: Connection
+    stack_file: Path
+    finished: bool = False
+    result: Any = None
+    error: str | None = None
+    failed_at: float = 0.0  # the rank's own clock when it failed
+    died: bool = False  # exited without a report
+    stack: str = ""  # where it was when stopped after a timeout
 
 
 def _pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
@@ -180,16 +183,18 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _stop(ranks: list[_Rank]) -> None:
-    """Dump the stack of every rank still running, then end them all."""
-    running = [r for r in ranks if r.process.is_alive() and not r.finished and r.error is None]
-    if running and hasattr(signal, "SIGUSR1"):
+    """End every rank; after a timeout (no rank failed) first dump where unfinished ones are."""
+    running = [r for r in ranks if r.process.is_alive() and not r.finished]
+    timed_out = not any(r.error for r in ranks)
+    if running and timed_out and hasattr(signal, "SIGUSR1"):
         for r in running:
             os.kill(r.process.pid, signal.SIGUSR1)
         time.sleep(_STACK_DUMP_S)
         for r in running:
             r.stack = _user_frames(r.stack_file.read_text()) if r.stack_file.exists() else ""
     for r in ranks:
-        r.process.join(0 if r.process.is_alive() and not r.finished else 10)
+        if r.finished:
+            r.process.join(10)  # it has reported; let it leave the group and exit on its own
         if r.process.is_alive():
             r.process.terminate()
             r.process.join(5)
@@ -304,11 +309,8 @@ def _import_defining_module(name: str, file: str | None) -> None:
     path = Path(file).resolve()
     stem = path.parent.parts if path.name == "__init__.py" else path.with_suffix("").parts
     parts = tuple(name.split("."))
-    if stem[-len(parts) :] == parts:
-        sys.path.append(str(Path(*stem[: -len(parts)])))
-        importlib.import_module(name)
-        return
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    if stem[-len(parts) :] != parts:
+        raise ImportError(f"run_distributed: module {name!r} does not import by name, and its "
+                          f"file {file} is not at a path that matches the name")  # fmt: skip
+    sys.path.append(str(Path(*stem[: -len(parts)])))
+    importlib.import_module(name)
