@@ -5,6 +5,9 @@ VENV ?= .venv
 # The CPU build on CPU machines.  A torch already importable that satisfies
 # megacore's range (a CUDA build, say) is kept; see scripts/install.py.
 TORCH_SPEC ?= torch==2.13.0
+# An index for the torch step only, e.g. PyTorch's CPU wheel index on a CPU-only machine
+# whose default index would serve the CUDA build.
+TORCH_INDEX ?=
 
 PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/install.py
 STAMP := $(VENV)/.installed
@@ -28,7 +31,7 @@ $(STAMP): $(PACKAGE_FILES)
 	  echo "make install: no Python interpreter '$(PYTHON)' found; install Python >= 3.10 or run: make install PYTHON=/path/to/python3" >&2; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
 	  echo "make install: megasuite needs Python >= 3.10, but $(PYTHON) is $$($(PYTHON) -V 2>&1); run: make install PYTHON=/path/to/python3.10-or-newer" >&2; exit 1; }
-	@$(PYTHON) scripts/install.py --venv $(VENV) --torch "$(TORCH_SPEC)"
+	@$(PYTHON) scripts/install.py --venv $(VENV) --torch "$(TORCH_SPEC)" --torch-index "$(TORCH_INDEX)"
 	@touch $@
 
 lint: install

@@ -14,6 +14,9 @@ import argparse
 import re
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,12 +70,44 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-def explain_pip_failure(output: str, what: str, log: Path) -> str:
+def index_urls(python: Path) -> list[str]:
+    """The package indexes pip is configured with (files, environment), PyPI by default."""
+    listing = subprocess.run([str(python), "-m", "pip", "config", "list"], capture_output=True)
+    index, extra = ["https://pypi.org/simple"], []
+    for line in listing.stdout.decode().splitlines():
+        key, _, value = line.partition("=")
+        urls = value.strip("'\"").split()
+        if key.endswith(".index-url"):
+            index = urls
+        elif key.endswith(".extra-index-url"):
+            extra += urls
+    return index + extra
+
+
+def answers(url: str) -> bool:
+    """Whether anything answers at `url` (any HTTP status counts: the server is there)."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        return Path(urllib.request.url2pathname(parsed.path)).exists()
+    try:
+        urllib.request.urlopen(url, timeout=10).close()
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def explain_pip_failure(python: Path, output: str, what: str, log: Path) -> str:
     missing = re.findall(r"No matching distribution found for (\S+)", output)
     target = missing[0] if missing else what
-    if NETWORK_ERROR.search(output):
+    # pip names connection errors only at high verbosity, and not at all for the installs of
+    # build dependencies it runs in a subprocess: when nothing was found, ask the indexes.
+    urls = index_urls(python) if missing else []
+    if NETWORK_ERROR.search(output) or (urls and not any(map(answers, urls))):
+        where = f" ({', '.join(urls)})" if urls else ""
         return (
-            f"cannot reach the package index to get {target}; check the network, proxy "
+            f"cannot reach the package index{where} to get {target}; check the network, proxy "
             f"or PIP_INDEX_URL and run make install again (pip log: {log})"
         )
     if missing:
@@ -90,15 +125,21 @@ def pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
     if proc.returncode != 0:
-        fail(explain_pip_failure(proc.stdout + proc.stderr, what, log))
+        fail(explain_pip_failure(python, proc.stdout + proc.stderr, what, log))
 
 
 def create_venv(venv: Path, torch_req) -> None:
     base_torch = importable_torch(sys.executable)
     cmd = [sys.executable, "-m", "venv", str(venv)]
     if satisfies(base_torch, torch_req):
-        cmd.append("--system-site-packages")
-        print(f"reusing torch {base_torch} from {sys.executable} (venv sees its site-packages)")
+        if sys.prefix != sys.base_prefix:  # a venv's packages cannot be shared with another venv
+            print(
+                f"note: {sys.executable} is a virtual environment with torch {base_torch}; "
+                f"to install into it instead of a new one: make install VENV={sys.prefix}"
+            )
+        else:
+            cmd.append("--system-site-packages")
+            print(f"reusing torch {base_torch} from {sys.executable} (venv sees its packages)")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         detail = (proc.stdout + proc.stderr).strip().splitlines()
@@ -110,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv")
     parser.add_argument("--torch", default="torch==2.13.0", help="what to install if no torch fits")
+    parser.add_argument("--torch-index", default="", help="package index URL for the torch step")
     opts = parser.parse_args()
 
     venv = opts.venv if opts.venv.is_absolute() else ROOT / opts.venv
@@ -126,7 +168,8 @@ def main() -> None:
     else:
         if torch_version:
             print(f"torch {torch_version} does not satisfy megacore's {torch_req}")
-        pip_install(python, [opts.torch], opts.torch, log)
+        index = ["--index-url", opts.torch_index] if opts.torch_index else []
+        pip_install(python, [*index, opts.torch], opts.torch, log)
 
     editables = ["-e", ".[dev]"]
     for name in PACKAGES:

@@ -61,7 +61,8 @@ def test_old_or_missing_python_stops_with_one_line(tmp_path):
     assert "no Python interpreter 'no-such-python3' found" in (proc.stdout + proc.stderr)
 
 
-def test_unreachable_package_index_stops_with_one_line(tmp_path):
+def install_without_index(tmp_path: Path, python: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """`make install` into a new venv with the package index pointing at a closed local port."""
     with socket.socket() as s:  # a port on this machine that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -73,10 +74,41 @@ def test_unreachable_package_index_stops_with_one_line(tmp_path):
         PIP_TIMEOUT="5",
         PIP_NO_CACHE_DIR="1",
     )
-    base_python = Path(sys.base_prefix) / "bin" / "python3"
-    proc = make("install", f"PYTHON={base_python}", f"VENV={tmp_path / 'venv'}", env=env)
+    venv_dir = tmp_path / "venv"
+    proc = make("install", f"PYTHON={python}", f"VENV={venv_dir}", env=env)
     assert proc.returncode != 0
+    assert not (venv_dir / ".installed").exists()
     (line,) = our_error_lines(proc)
-    assert line.startswith("make install: cannot reach the package index to get "), line
+    index = f"http://127.0.0.1:{port}/simple"
+    assert line.startswith(f"make install: cannot reach the package index ({index}) to get "), line
     assert "install.log" in line
-    assert not (tmp_path / "venv" / ".installed").exists()
+    return proc, line
+
+
+def test_unreachable_package_index_stops_with_one_line(tmp_path):
+    base_python = Path(sys.base_prefix) / "bin" / "python3"
+    _, line = install_without_index(tmp_path, base_python)
+    assert "to get torch==" in line  # this base Python has no torch: torch is what is missing
+
+
+def test_a_torch_the_packages_accept_is_kept(tmp_path):
+    # Stand-in for a CUDA build in the base Python (as in a GPU container): an importable
+    # torch with installed metadata, seen by the base interpreter through PYTHONPATH.
+    fake = tmp_path / "site"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text('__version__ = "2.99.0+cu128"\n')
+    (fake / "torch-2.99.0.dist-info").mkdir()
+    (fake / "torch-2.99.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.99.0\n"
+    )
+    base = tmp_path / "python3"
+    base.write_text(
+        f'#!/bin/sh\nPYTHONPATH={fake} exec {Path(sys.base_prefix) / "bin" / "python3"} "$@"\n'
+    )
+    base.chmod(0o755)
+    proc, line = install_without_index(tmp_path, base)
+    assert "reusing torch 2.99.0+cu128" in proc.stdout
+    assert "keeping torch 2.99.0+cu128" in proc.stdout
+    # It got past torch without touching it; only the packages' own needs were missing.
+    assert "torch" not in line
+    assert "installing torch" not in proc.stdout
