@@ -21,6 +21,7 @@ help:
 	@echo "make lint      ruff check and format check only"
 	@echo "make format    let ruff fix imports and formatting"
 	@echo "make clean     remove $(VENV) and caches"
+	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX)"
 
 install: $(STAMP)
 

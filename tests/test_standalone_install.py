@@ -48,13 +48,18 @@ def build_wheel(package: str, out: Path) -> Path:
     return next(out.glob(f"{package}-*.whl"))
 
 
+def runtime(reqs) -> list[Requirement]:
+    """Requirements that apply to a plain install (those behind an extra, like [test], do not)."""
+    reqs = [r if isinstance(r, Requirement) else Requirement(r) for r in reqs or []]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
 def wheel_requirements(wheel: Path) -> list[Requirement]:
     """Runtime requirements as the built wheel declares them (extras such as [test] left out)."""
     with zipfile.ZipFile(wheel) as zf:
         name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         meta = Parser().parsestr(zf.read(name).decode())
-    reqs = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]
-    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return runtime(meta.get_all("Requires-Dist"))
 
 
 def dependency_closure(reqs: list[Requirement], skip: set[str]) -> list[metadata.Distribution]:
@@ -66,10 +71,14 @@ def dependency_closure(reqs: list[Requirement], skip: set[str]) -> list[metadata
         key = req.name.lower().replace("_", "-")
         if key in found:
             continue
-        dist = metadata.distribution(req.name)
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            raise AssertionError(
+                f"{req} is declared but not installed in {sys.prefix}: run make install"
+            ) from None
         found[key] = dist
-        todo += [r for r in map(Requirement, dist.requires or []) if r.marker is None or
-                 r.marker.evaluate({"extra": ""})]  # fmt: skip
+        todo += runtime(dist.requires)
     return list(found.values())
 
 
