@@ -1,0 +1,75 @@
+"""Tensor-model parallelism (paper section 3): layers, region operators, cross entropy, RNG.
+
+Megatron-LM's public names, so code and habits carry over.  Activations are
+[sequence, batch, hidden]; sequence parallelism shards the first dimension.
+"""
+
+from megacore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megacore.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    scaled_init_method_normal,
+    sync_sequence_parallel_grads,
+)
+from megacore.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megacore.tensor_parallel.random import (
+    RNGStatesTracker,
+    checkpoint,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+)
+from megacore.tensor_parallel.utils import (
+    divide,
+    divide_by_tp,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+    shard_of,
+    split_tensor_along_last_dim,
+    unshard,
+    vocab_range,
+    vocab_size_with_padding,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "checkpoint",
+    "copy_to_tensor_model_parallel_region",
+    "divide",
+    "divide_by_tp",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "init_method_normal",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
+    "param_is_not_tensor_parallel_duplicate",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scaled_init_method_normal",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "set_tensor_model_parallel_attributes",
+    "shard_of",
+    "split_tensor_along_last_dim",
+    "sync_sequence_parallel_grads",
+    "unshard",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
+    "vocab_size_with_padding",
+]

@@ -1,0 +1,343 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
+
+Initialization draws the full (unsharded) weight on the CPU from the default
+generator and keeps this rank's slice, so for one seed a model at TP=k holds
+exactly the weights it holds at TP=1 and computes the same function.  Every
+rank draws the same full tensor, so the generator advances identically on all
+TP ranks whatever their number.
+
+Like Megatron's, the linear layers return `(output, bias)`: `bias` is None
+unless `skip_bias_add=True`, in which case the caller adds it (to fuse it with
+what follows).  With `sequence_parallel=True` activations outside the layers are
+sharded along the sequence (first) dimension: the column-parallel layer
+all-gathers its input and the row-parallel layer reduce-scatters its output.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megacore import parallel_state
+from megacore.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megacore.tensor_parallel.utils import (
+    divide,
+    set_tensor_model_parallel_attributes,
+    shard_of,
+    vocab_range,
+)
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def init_method_normal(sigma: float = 0.02) -> InitMethod:
+    """N(0, sigma), the paper's initialization."""
+
+    def init_(tensor):
+        return nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int) -> InitMethod:
+    """N(0, sigma / sqrt(2 num_layers)) for the output layers that feed a residual."""
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def _tp_size_and_rank() -> tuple[int, int]:
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
+def _initialize_affine_weight(
+    weight: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int, stride: int, init_method
+) -> None:
+    world, rank = _tp_size_and_rank()
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    with torch.no_grad():
+        weight.copy_(shard_of(master, partition_dim, rank, world, stride))
+
+
+def _new_param(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+def _zero_bias(size, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split along its output (column) dimension over the TP ranks.
+
+    Input is replicated on every TP rank (or sequence-sharded with
+    `sequence_parallel`); output is this rank's columns, or all of them with
+    `gather_output=True`.  `stride` > 1 splits each of `stride` stacked blocks of
+    the output (e.g. [q; k; v]) separately.  With `skip_weight_param_allocation`
+    the weight is passed to `forward` (an output layer tied to the embedding).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        *,
+        init_method: InitMethod | None = None,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        skip_weight_param_allocation: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        perform_initialization: bool = True,
+    ):
+        super().__init__()
+        world, _ = _tp_size_and_rank()
+        if sequence_parallel and gather_output:
+            raise ValueError(
+                "ColumnParallelLinear: sequence_parallel=True needs gather_output=False"
+            )
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.output_size_per_partition = (
+            divide(
+                output_size,
+                world * stride,
+                "ColumnParallelLinear output_size",
+                f"tensor_model_parallel_size x stride ({world} x {stride})",
+            )
+            * stride
+        )
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = _new_param(
+                (self.output_size_per_partition, input_size), params_dtype, device
+            )
+            if perform_initialization:
+                _initialize_affine_weight(
+                    self.weight,
+                    (output_size, input_size),
+                    0,
+                    stride,
+                    init_method or init_method_normal(),
+                )
+            else:
+                set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if bias:
+            self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None):
+        if weight is None:
+            if self.weight is None:
+                raise ValueError(
+                    "ColumnParallelLinear: built with skip_weight_param_allocation=True, so "
+                    "forward needs weight="
+                )
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"ColumnParallelLinear: weight passed to forward has shape {tuple(weight.shape)}, "
+                f"expected {(self.output_size_per_partition, self.input_size)}"
+            )
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(input_)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, weight, bias)
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out)
+        return out, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, "
+            f"per_partition={self.output_size_per_partition}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split along its input (row) dimension over the TP ranks.
+
+    Input is this rank's columns of X (`input_is_parallel=True`, the output of a
+    column-parallel layer) or the full X, which is then split.  The partial
+    products are summed over the TP group (all-reduce, or reduce-scatter along the
+    sequence with `sequence_parallel`), then the bias, which is replicated, is added.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        *,
+        init_method: InitMethod | None = None,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        perform_initialization: bool = True,
+    ):
+        super().__init__()
+        world, _ = _tp_size_and_rank()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True"
+            )
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.input_size_per_partition = (
+            divide(
+                input_size,
+                world * stride,
+                "RowParallelLinear input_size",
+                f"tensor_model_parallel_size x stride ({world} x {stride})",
+            )
+            * stride
+        )
+        self.weight = _new_param((output_size, self.input_size_per_partition), params_dtype, device)
+        if perform_initialization:
+            _initialize_affine_weight(
+                self.weight,
+                (output_size, input_size),
+                1,
+                stride,
+                init_method or init_method_normal(),
+            )
+        else:
+            set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if bias:
+            self.bias = _zero_bias(output_size, params_dtype, device)
+            # Replicated on TP ranks; under sequence parallelism each rank's gradient is partial.
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
+        out = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out)
+        else:
+            out = reduce_from_tensor_model_parallel_region(out)
+        if self.skip_bias_add or self.bias is None:
+            return out, self.bias if self.skip_bias_add else None
+        return out + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, "
+            f"per_partition={self.input_size_per_partition}, "
+            f"input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embeddings split along the vocabulary over the TP ranks.
+
+    Each rank looks up the ids in its range, zeroes the others, and the partial
+    embeddings are summed over the TP group.  The vocabulary must divide by TP:
+    pad it with `vocab_size_with_padding`.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        perform_initialization: bool = True,
+    ):
+        super().__init__()
+        world, rank = _tp_size_and_rank()
+        if num_embeddings % world:
+            raise ValueError(
+                f"VocabParallelEmbedding: num_embeddings ({num_embeddings}) is not divisible by "
+                f"tensor_model_parallel_size ({world}); pad the vocabulary, e.g. with "
+                "megacore.tensor_parallel.vocab_size_with_padding"
+            )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, rank, world)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = _new_param(
+            (self.num_embeddings_per_partition, embedding_dim), params_dtype, device
+        )
+        if perform_initialization:
+            _initialize_affine_weight(
+                self.weight,
+                (num_embeddings, embedding_dim),
+                0,
+                1,
+                init_method or init_method_normal(),
+            )
+        else:
+            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.num_embeddings_per_partition == self.num_embeddings:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"range=[{self.vocab_start_index}, {self.vocab_end_index})"
+        )
+
+
+def sync_sequence_parallel_grads(module: nn.Module) -> None:
+    """All-reduce over TP the gradients of parameters marked `sequence_parallel`.
+
+    Under sequence parallelism a replicated parameter used on a sequence shard
+    (LayerNorm weights, the row-parallel bias) gets only its shard's share of the
+    gradient on each rank.  Call after backward, before clipping and the step.
+    Model code marks such parameters with `param.sequence_parallel = True`.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [
+        getattr(p, "main_grad", p.grad)
+        for p in module.parameters()
+        if getattr(p, "sequence_parallel", False)
+    ]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
