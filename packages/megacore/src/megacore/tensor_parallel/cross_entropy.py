@@ -35,7 +35,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(outside, 0)
         flat = shifted.view(-1, partition)
         rows = torch.arange(flat.size(0), device=flat.device)
-        target_logit = flat[rows, local_target.view(-1)].view_as(target).masked_fill(outside, 0.0)
+        target_logit = flat[rows, local_target.reshape(-1)].view(target.shape)
+        target_logit = target_logit.masked_fill(outside, 0.0)
 
         exp = shifted.exp_()  # in place: `shifted` is not needed again
         sum_exp = exp.sum(dim=-1)
@@ -55,7 +56,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax  # reuse the saved buffer: backward runs once
         flat = grad.view(-1, grad.size(-1))
         rows = torch.arange(flat.size(0), device=flat.device)
-        flat[rows, local_target.view(-1)] -= (~outside).view(-1).to(flat.dtype)
+        flat[rows, local_target.reshape(-1)] -= (~outside).reshape(-1).to(flat.dtype)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None
 

@@ -156,6 +156,7 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = function(*args)
         tensors = [a if torch.is_tensor(a) else None for a in args]
         ctx.inputs = [None if torch.is_tensor(a) else a for a in args]
+        ctx.inputs_require_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
         if (
             distribute_saved_activations
             and parallel_state.get_tensor_model_parallel_world_size() > 1
@@ -179,7 +180,7 @@ class CheckpointFunction(torch.autograd.Function):
             saved[0] = _gather_from_ranks(saved[0], ctx.first_shape)
         for slot, t in zip(ctx.tensor_slots, saved, strict=True):
             detached = t.detach()
-            detached.requires_grad_(t.requires_grad)
+            detached.requires_grad_(ctx.inputs_require_grad[slot])
             args[slot] = detached
 
         after_states, after_tracker = _get_states(), _TRACKER.get_states()

@@ -1,0 +1,192 @@
+"""Process-group layout: seed 004's 16-rank example group for group, every other layout by rule."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore.testing import run_distributed
+
+# Seed 004 (tp 2, pp 4, 16 ranks), as the walkthrough prints it.
+SEED_004 = {
+    "tensor": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    "pipeline": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+    "data": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    "model": [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]],
+    "embedding": [[0, 12], [1, 13], [2, 14], [3, 15]],
+}
+
+
+def test_seed_004_layout():
+    groups = ps.parallel_groups(16, 2, 4)
+    for kind, expected in SEED_004.items():
+        assert getattr(groups, kind) == expected, kind
+
+
+def _layouts(max_world):
+    for world in range(1, max_world + 1):
+        for tp in range(1, world + 1):
+            for pp in range(1, world // tp + 1):
+                if world % (tp * pp) == 0:
+                    yield world, tp, pp
+
+
+def test_layout_rule_for_every_dividing_size():
+    """TP adjacent, DP next, PP outermost, derived here from coordinates independently."""
+    count = 0
+    for world, tp, pp in _layouts(24):
+        dp = world // (tp * pp)
+        g = ps.parallel_groups(world, tp, pp)
+
+        def coords(r, tp=tp, dp=dp):
+            return r % tp, (r // tp) % dp, r // (tp * dp)  # (tp rank, dp rank, pp rank)
+
+        def grouped_by(*fixed, world=world, coords=coords):
+            """Groups of ranks that agree on the `fixed` coordinates, each sorted by rank."""
+            out = {}
+            for r in range(world):
+                out.setdefault(tuple(coords(r)[i] for i in fixed), []).append(r)
+            return sorted(out.values())
+
+        assert sorted(g.tensor) == grouped_by(1, 2)
+        assert sorted(g.data) == grouped_by(0, 2)
+        assert sorted(g.pipeline) == grouped_by(0, 1)
+        assert sorted(g.model) == grouped_by(1)
+        assert all(coords(r)[0] == i for grp in g.tensor for i, r in enumerate(grp))
+        assert all(coords(r)[2] == i for grp in g.pipeline for i, r in enumerate(grp))
+        expected_embedding = [[p[0], p[-1]] if pp > 1 else p for p in g.pipeline]
+        assert g.embedding == expected_embedding
+        count += 1
+    assert count > 100
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "words"),
+    [
+        (16, 3, 1, ["16", "tensor_model_parallel_size (3)", "= 3"]),
+        (16, 4, 8, ["16", "(4)", "(8)", "= 32"]),
+        (8, 0, 1, ["tensor_model_parallel_size", "got 0"]),
+        (8, 2, -1, ["pipeline_model_parallel_size", "got -1"]),
+    ],
+)
+def test_bad_sizes_named(world, tp, pp, words):
+    with pytest.raises(ValueError, match="initialize_model_parallel") as err:
+        ps.parallel_groups(world, tp, pp)
+    for word in words:
+        assert word in str(err.value)
+
+
+def _error_of(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _ranks(group):
+    return dist.get_process_group_ranks(group) if group is not None else None
+
+
+def _check_groups_on_16_ranks():
+    rank = dist.get_rank()
+    out = {
+        "before_init": _error_of(ps.get_tensor_model_parallel_group),
+        "before_init_rank": _error_of(ps.is_pipeline_first_stage),
+        "bad_tp": _error_of(ps.initialize_model_parallel, 3, 1),
+        "bad_product": _error_of(ps.initialize_model_parallel, 4, 8),
+        "bad_vpp": _error_of(ps.initialize_model_parallel, 2, 1, 2),
+        "initialized_after_errors": ps.model_parallel_is_initialized(),
+    }
+    ps.initialize_model_parallel(2, 4)
+    out["again"] = _error_of(ps.initialize_model_parallel, 2, 4)
+    groups = {
+        "tensor": ps.get_tensor_model_parallel_group(),
+        "pipeline": ps.get_pipeline_model_parallel_group(),
+        "data": ps.get_data_parallel_group(),
+        "model": ps.get_model_parallel_group(),
+        "embedding": ps.get_embedding_group(),
+    }
+    out["groups"] = {kind: _ranks(g) for kind, g in groups.items()}
+    # Each group works: the sum of global ranks over it is the sum of its members.
+    out["sums"] = {}
+    for kind, g in groups.items():
+        if g is not None:
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t, group=g)
+            out["sums"][kind] = t.item()
+    out.update(
+        tp=(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        pp=(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        dp=(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+        next=ps.get_pipeline_model_parallel_next_rank(),
+        prev=ps.get_pipeline_model_parallel_prev_rank(),
+        tp_src=ps.get_tensor_model_parallel_src_rank(),
+        first=ps.is_pipeline_first_stage(),
+        last=ps.is_pipeline_last_stage(),
+        in_embedding=ps.is_rank_in_embedding_group(),
+    )
+    ps.destroy_model_parallel()
+    out["after_destroy"] = _error_of(ps.get_data_parallel_rank)
+
+    # Interleaving: first/last stage follow the virtual rank being run.
+    ps.initialize_model_parallel(1, 4, virtual_pipeline_model_parallel_size=2)
+    virtual = []
+    for v in range(2):
+        ps.set_virtual_pipeline_model_parallel_rank(v)
+        virtual.append(
+            (
+                ps.is_pipeline_first_stage(),
+                ps.is_pipeline_last_stage(),
+                ps.is_pipeline_first_stage(ignore_virtual=True),
+                ps.is_pipeline_last_stage(ignore_virtual=True),
+            )
+        )
+    out["virtual"] = virtual
+    out["vpp_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
+    ps.destroy_model_parallel()
+    return out
+
+
+def _group_of(kind, rank):
+    return next(g for g in SEED_004[kind] if rank in g)
+
+
+def test_groups_on_16_gloo_ranks():
+    results = run_distributed(_check_groups_on_16_ranks, world_size=16, timeout=300)
+    for rank, out in enumerate(results):
+        assert "get_tensor_model_parallel_group() called before" in out["before_init"]
+        assert "initialize_model_parallel(...) first" in out["before_init"]
+        assert "is_pipeline_first_stage() called before" in out["before_init_rank"]
+        assert "world size 16 is not divisible" in out["bad_tp"]
+        assert "= 32" in out["bad_product"]
+        assert "virtual_pipeline_model_parallel_size=2" in out["bad_vpp"]
+        assert not out["initialized_after_errors"]
+        assert "already initialized" in out["again"]
+        assert "get_data_parallel_rank() called before" in out["after_destroy"]
+
+        for kind in ("tensor", "pipeline", "data", "model"):
+            assert out["groups"][kind] == _group_of(kind, rank), (rank, kind)
+            assert out["sums"][kind] == sum(_group_of(kind, rank)), (rank, kind)
+        pipeline = _group_of("pipeline", rank)
+        stage = pipeline.index(rank)
+        in_embedding = stage in (0, 3)
+        assert out["groups"]["embedding"] == (
+            _group_of("embedding", rank) if in_embedding else None
+        )
+        assert out["in_embedding"] == in_embedding
+        assert out["tp"] == (rank % 2, 2)
+        assert out["dp"] == (_group_of("data", rank).index(rank), 2)
+        assert out["pp"] == (stage, 4)
+        assert out["next"] == pipeline[(stage + 1) % 4]
+        assert out["prev"] == pipeline[(stage - 1) % 4]
+        assert out["tp_src"] == rank - rank % 2
+        assert (out["first"], out["last"]) == (stage == 0, stage == 3)
+
+        # Second layout: tp 1, pp 4, dp 4 with two virtual stages per rank.
+        vstage = rank // 4
+        assert out["vpp_size"] == 2
+        assert out["virtual"] == [
+            (vstage == 0, False, vstage == 0, vstage == 3),
+            (False, vstage == 3, vstage == 0, vstage == 3),
+        ]

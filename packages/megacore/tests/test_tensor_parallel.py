@@ -1,0 +1,351 @@
+"""Tensor parallelism equals one process: a tiny transformer at TP=1, 2, 4 on real gloo groups."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tiny_transformer import Block, TinyConfig, TinyGPT, full_tensor
+
+from megacore import parallel_state as ps
+from megacore import tensor_parallel as tp
+from megacore.tensor_parallel import mappings
+from megacore.testing import run_distributed
+
+SEQ, BATCH = 8, 2
+
+
+def _batch(cfg):
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _run_model(cfg):
+    """Loss, full logits, full weights and full gradients of TinyGPT at the current TP size."""
+    tp.model_parallel_manual_seed(1234)
+    model = TinyGPT(cfg)
+    tokens, targets = _batch(cfg)
+    loss = model(tokens, targets)
+    loss.backward()
+    tp.sync_sequence_parallel_grads(model)
+    with torch.no_grad():
+        # The output layer gathers the sequence itself; gather the vocabulary slices here.
+        logits = model.logits(tokens).transpose(0, -1)
+        logits = full_tensor(model.embedding.weight, logits).transpose(0, -1)
+    params = dict(model.named_parameters())
+    # Replicated parameters must get the same gradient on every TP rank.
+    replicated_agree = True
+    for p in params.values():
+        if not getattr(p, "tensor_model_parallel", False):
+            copies = [
+                torch.empty_like(p.grad) for _ in range(ps.get_tensor_model_parallel_world_size())
+            ]
+            dist.all_gather(copies, p.grad, group=ps.get_tensor_model_parallel_group())
+            replicated_agree &= all(torch.equal(c, p.grad) for c in copies)
+    return {
+        "loss": loss.detach(),
+        "logits": logits,
+        "weights": {n: full_tensor(p) for n, p in params.items()},
+        "grads": {n: full_tensor(p, p.grad) for n, p in params.items()},
+        "replicated_agree": replicated_agree,
+    }
+
+
+def _count_block_collectives(cfg):
+    """Collectives issued by a stack of blocks in one forward + backward, by kind."""
+    tp.model_parallel_manual_seed(1234)
+    blocks = torch.nn.Sequential(*(Block(cfg) for _ in range(cfg.layers)))
+    x = torch.randn(SEQ, BATCH, cfg.hidden, generator=torch.Generator().manual_seed(3))
+    if cfg.sequence_parallel:
+        x = tp.scatter_to_sequence_parallel_region(x)
+    x.requires_grad_(True)
+    counts = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "wrong_group": 0}
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def counting(kind, real):
+        def call(*args, group=None, **kwargs):
+            counts[kind] += 1
+            counts["wrong_group"] += group is not tp_group
+            return real(*args, group=group, **kwargs)
+
+        return call
+
+    saved = dist.all_reduce, mappings._all_gather_flat, mappings._reduce_scatter_flat
+    dist.all_reduce = counting("all_reduce", saved[0])
+    mappings._all_gather_flat = counting("all_gather", saved[1])
+    mappings._reduce_scatter_flat = counting("reduce_scatter", saved[2])
+    try:
+        blocks(x).sum().backward()
+    finally:
+        dist.all_reduce, mappings._all_gather_flat, mappings._reduce_scatter_flat = saved
+    return counts
+
+
+def _max_diff(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        return max(_max_diff(a[k], b[k]) for k in a)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def _error_of(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _transformer_at_each_tp():
+    out = {}
+    for sp in (False, True):
+        cfg = TinyConfig(sequence_parallel=sp)
+        results = {}
+        for size in (1, 2, 4):
+            ps.initialize_model_parallel(tensor_model_parallel_size=size)
+            results[size] = _run_model(cfg)
+            out[("counts", sp, size)] = _count_block_collectives(cfg)
+            if size == 4:
+                out["errors"] = {
+                    "column": _error_of(tp.ColumnParallelLinear, 32, 30),
+                    "row": _error_of(tp.RowParallelLinear, 30, 32),
+                    "vocab": _error_of(tp.VocabParallelEmbedding, 62, 8),
+                    "heads": _error_of(Block, TinyConfig(heads=6, hidden=36)),
+                    "ffn": _error_of(Block, TinyConfig(ffn=66)),
+                    "sequence": _error_of(
+                        tp.scatter_to_sequence_parallel_region, torch.zeros(6, 1, 4)
+                    ),
+                }
+            ps.destroy_model_parallel()
+        ref = results[1]
+        for size in (2, 4):
+            got = results[size]
+            out[("loss", sp, size)] = _max_diff(got["loss"], ref["loss"])
+            out[("logits", sp, size)] = _max_diff(got["logits"], ref["logits"])
+            out[("grads", sp, size)] = _max_diff(got["grads"], ref["grads"])
+            out[("weights_equal", sp, size)] = all(
+                torch.equal(got["weights"][n], ref["weights"][n]) for n in ref["weights"]
+            )
+            out[("replicated_agree", sp, size)] = got["replicated_agree"]
+        out[("loss_value", sp)] = ref["loss"].item()
+        out[("grad_norm", sp)] = sum(g.norm() ** 2 for g in ref["grads"].values()).sqrt().item()
+    return out
+
+
+def test_transformer_equal_at_tp_1_2_4_with_and_without_sequence_parallel():
+    results = run_distributed(_transformer_at_each_tp, world_size=4, timeout=300)
+    for rank, out in enumerate(results):
+        for sp in (False, True):
+            # Loss ~ log(64) and non-trivial gradients: the comparison is not between zeros.
+            assert 3.5 < out[("loss_value", sp)] < 5.0
+            assert out[("grad_norm", sp)] > 0.1
+            for size in (2, 4):
+                where = f"rank {rank}, sequence_parallel={sp}, tp={size}"
+                assert out[("weights_equal", sp, size)], where
+                assert out[("replicated_agree", sp, size)], where
+                assert out[("loss", sp, size)] < 1e-5, where
+                assert out[("logits", sp, size)] < 1e-5, where
+                assert out[("grads", sp, size)] < 1e-5, where
+        layers = TinyConfig().layers
+        # Paper Fig. 4: two all-reduces in forward and two in backward per layer.
+        assert out[("counts", False, 1)] == dict.fromkeys(out[("counts", False, 1)], 0)
+        for size in (2, 4):
+            assert out[("counts", False, size)] == {
+                "all_reduce": 4 * layers,
+                "all_gather": 0,
+                "reduce_scatter": 0,
+                "wrong_group": 0,
+            }
+            # Sequence parallelism trades each all-reduce for an all-gather + reduce-scatter.
+            assert out[("counts", True, size)] == {
+                "all_reduce": 0,
+                "all_gather": 4 * layers,
+                "reduce_scatter": 4 * layers,
+                "wrong_group": 0,
+            }
+        errors = out["errors"]
+        assert "output_size (30)" in errors["column"] and "(4 x 1)" in errors["column"]
+        assert "input_size (30)" in errors["row"]
+        assert (
+            "num_embeddings (62)" in errors["vocab"]
+            and "vocab_size_with_padding" in errors["vocab"]
+        )
+        assert (
+            errors["heads"]
+            == "num_attention_heads (6) is not divisible by tensor_model_parallel_size (4)"
+        )
+        assert (
+            errors["ffn"]
+            == "ffn_hidden_size (66) is not divisible by tensor_model_parallel_size (4)"
+        )
+        assert "sequence length 6" in errors["sequence"]
+
+
+def _cross_entropy_at(size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=size)
+    rank = ps.get_tensor_model_parallel_rank()
+    vocab = tp.vocab_size_with_padding(37, size, multiple=5)  # 40: the last ids are padding
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 3, vocab, generator=g, dtype=torch.float64).float() * 4
+    logits[0] += 1e4  # huge logits: a naive exp would overflow
+    logits[1, 0, 5] = 3e4
+    targets = torch.randint(0, 37, (6, 3), generator=g)
+    # A target in every shard, including each shard's first and last id.
+    per = vocab // size
+    firsts_lasts = [i for r in range(size) for i in (r * per, r * per + per - 1)]
+    targets.view(-1)[: len(firsts_lasts)] = torch.tensor(firsts_lasts)
+    weights = torch.rand(6, 3, generator=g)
+
+    full = logits.clone().requires_grad_(True)
+    expected = F.cross_entropy(full.view(-1, vocab), targets.view(-1), reduction="none").view(6, 3)
+    (expected * weights).sum().backward()
+
+    local = logits[..., rank * per : (rank + 1) * per].clone().requires_grad_(True)
+    loss = tp.vocab_parallel_cross_entropy(local, targets)
+    (loss * weights).sum().backward()
+
+    low = logits.to(torch.bfloat16)[..., rank * per : (rank + 1) * per].requires_grad_(True)
+    tp.vocab_parallel_cross_entropy(low, targets).sum().backward()
+    out = {
+        "loss": (loss - expected).abs().max().item(),
+        "grad": (local.grad - full.grad[..., rank * per : (rank + 1) * per]).abs().max().item(),
+        "finite": bool(torch.isfinite(loss).all()),
+        "bf16": (str(low.grad.dtype), tp.vocab_parallel_cross_entropy(low, targets).dtype),
+    }
+    ps.destroy_model_parallel()
+    return out
+
+
+def _strided_init_at_tp2():
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.manual_seed(5)
+    layer = tp.ColumnParallelLinear(8, 12, stride=3)  # [q; k; v] stacked, each split over TP
+    torch.manual_seed(5)
+    master = torch.empty(12, 8).normal_(0, 0.02)
+    shards = [torch.empty_like(layer.weight) for _ in range(2)]
+    dist.all_gather(shards, layer.weight.detach(), group=ps.get_tensor_model_parallel_group())
+    rank = ps.get_tensor_model_parallel_rank()
+    q, k, v = master.chunk(3)
+    mine = torch.cat([part.chunk(2)[rank] for part in (q, k, v)])
+    ps.destroy_model_parallel()
+    return torch.equal(tp.unshard(shards, 0, 3), master) and torch.equal(layer.weight, mine)
+
+
+def _masks(shape, inside):
+    ones = torch.ones(shape)
+    if inside:
+        with tp.get_rng_tracker().fork():
+            return F.dropout(ones, 0.5) > 0
+    return F.dropout(ones, 0.5) > 0
+
+
+def _rng_streams_at_tp2():
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    group = ps.get_tensor_model_parallel_group()
+
+    def gathered(mask):
+        copies = [torch.empty_like(mask) for _ in range(2)]
+        dist.all_gather(copies, mask, group=group)
+        return copies
+
+    tp.model_parallel_manual_seed(99)
+    outside = gathered(_masks((64,), inside=False))
+    inside = gathered(_masks((64,), inside=True))
+    after_fork = _masks((64,), inside=False)
+    tp.model_parallel_manual_seed(99)
+    _masks((64,), inside=False)
+    without_fork = _masks((64,), inside=False)
+    ps.destroy_model_parallel()
+    return {
+        "outside_same": torch.equal(outside[0], outside[1]),
+        "inside_differ": not torch.equal(inside[0], inside[1]),
+        "fork_leaves_default_stream": torch.equal(after_fork, without_fork),
+    }
+
+
+def _checkpoint_bitwise_at_tp2():
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    cfg = TinyConfig(dropout=0.2, layers=3)
+    tp.model_parallel_manual_seed(1)
+    model = TinyGPT(cfg)
+    tokens, targets = _batch(cfg)
+
+    def run(recompute, distribute, seed=2024):
+        model.zero_grad(set_to_none=True)
+        cfg.recompute, cfg.distribute_saved_activations = recompute, distribute
+        tp.model_parallel_manual_seed(seed)
+        loss = model(tokens, targets)
+        loss.backward()
+        next_draw = torch.rand(4)  # the stream training goes on with after this step
+        with tp.get_rng_tracker().fork():
+            next_tracked = torch.rand(4)
+        grads = [p.grad.clone() for p in model.parameters()]
+        return loss.detach(), grads, next_draw, next_tracked
+
+    plain = run(False, False)
+    out = {"other_seed_changes_loss": not torch.equal(run(False, False, seed=7)[0], plain[0])}
+    model.eval()
+    out["dropout_matters"] = not torch.equal(model(tokens, targets).detach(), plain[0])
+    model.train()
+    for name, recompute, distribute in (("checkpointed", True, False), ("distributed", True, True)):
+        loss, grads, draw, tracked = run(recompute, distribute)
+        out[name] = {
+            "loss": torch.equal(loss, plain[0]),
+            "grads": all(torch.equal(a, b) for a, b in zip(grads, plain[1], strict=True)),
+            "rng_after": torch.equal(draw, plain[2]) and torch.equal(tracked, plain[3]),
+        }
+    ps.destroy_model_parallel()
+    return out
+
+
+def _cross_entropy_rng_and_checkpoint():
+    return {
+        "ce": {size: _cross_entropy_at(size) for size in (1, 2, 4)},
+        "strided_init": _strided_init_at_tp2(),
+        "rng": _rng_streams_at_tp2(),
+        "checkpoint": _checkpoint_bitwise_at_tp2(),
+    }
+
+
+def test_cross_entropy_rng_and_checkpointing():
+    results = run_distributed(_cross_entropy_rng_and_checkpoint, world_size=4, timeout=300)
+    for out in results:
+        for size, ce in out["ce"].items():
+            assert ce["finite"], size
+            assert ce["loss"] < 1e-4, (size, ce)  # fp32 against float32 F.cross_entropy
+            assert ce["grad"] < 1e-6, (size, ce)
+            assert ce["bf16"] == ("torch.bfloat16", torch.float32)
+        assert out["strided_init"]
+        assert out["rng"] == {
+            "outside_same": True,
+            "inside_differ": True,
+            "fork_leaves_default_stream": True,
+        }
+        ckpt = out["checkpoint"]
+        assert ckpt["other_seed_changes_loss"] and ckpt["dropout_matters"]
+        for name in ("checkpointed", "distributed"):
+            assert ckpt[name] == {"loss": True, "grads": True, "rng_after": True}, name
+
+
+def test_shard_helpers_round_trip():
+    full = torch.arange(24.0).view(12, 2)
+    for world in (1, 2, 4):
+        for stride in (1, 3):
+            shards = [tp.shard_of(full, 0, r, world, stride) for r in range(world)]
+            assert torch.equal(tp.unshard(shards, 0, stride), full)
+    # Stride 3 over [q; k; v]: rank 0 holds the first half of each block.
+    assert tp.shard_of(full, 0, 0, 2, 3)[:, 0].tolist() == [0, 2, 8, 10, 16, 18]
+    assert tp.vocab_size_with_padding(50257, 8) == 51200
+    assert tp.vocab_size_with_padding(50257, 1) == 50304
+    assert tp.vocab_range(64, 3, 4) == (48, 64)
+    with pytest.raises(ValueError, match=r"vocabulary size \(10\) is not divisible by .* \(4\)"):
+        tp.vocab_range(10, 0, 4)
+
+
+def test_layers_refuse_use_before_initialization():
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(
+        RuntimeError, match=r"get_tensor_model_parallel_world_size\(\) called before"
+    ):
+        tp.ColumnParallelLinear(4, 4)

@@ -1,0 +1,131 @@
+"""A small GPT-like model built from megacore's tensor-parallel pieces, for the runtime's tests.
+
+Heads are split over TP (QKV column-parallel, laid out per head so a contiguous
+slice is a set of whole heads), the MLP is column- then row-parallel, the output
+layer is tied to the vocabulary-parallel embedding, and the loss is
+`vocab_parallel_cross_entropy`.  Activations are [sequence, batch, hidden].
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megacore import tensor_parallel as tp
+from megacore.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_world_size,
+)
+
+
+@dataclass
+class TinyConfig:
+    vocab_size: int = 64
+    hidden: int = 32
+    heads: int = 4
+    ffn: int = 128
+    layers: int = 2
+    dropout: float = 0.0
+    sequence_parallel: bool = False
+    recompute: bool = False
+    distribute_saved_activations: bool = False
+
+
+def _mark_sequence_parallel(module: nn.Module, on: bool) -> None:
+    for p in module.parameters():
+        p.sequence_parallel = on
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyConfig):
+        super().__init__()
+        h, sp = cfg.hidden, cfg.sequence_parallel
+        self.cfg = cfg
+        self.heads_local = tp.divide_by_tp(cfg.heads, "num_attention_heads")
+        tp.divide_by_tp(cfg.ffn, "ffn_hidden_size")
+        self.head_dim = tp.divide(h, cfg.heads, "hidden_size", "num_attention_heads")
+        out_init = tp.scaled_init_method_normal(0.02, cfg.layers)
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        _mark_sequence_parallel(self.ln1, sp)
+        _mark_sequence_parallel(self.ln2, sp)
+        self.qkv = tp.ColumnParallelLinear(h, 3 * h, sequence_parallel=sp)
+        self.proj = tp.RowParallelLinear(
+            h, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init
+        )
+        self.fc1 = tp.ColumnParallelLinear(h, cfg.ffn, sequence_parallel=sp)
+        self.fc2 = tp.RowParallelLinear(
+            cfg.ffn, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init
+        )
+
+    def _residual_dropout(self, x):
+        if not (self.training and self.cfg.dropout):
+            return x
+        if self.cfg.sequence_parallel:  # each rank holds other tokens: draw its own mask
+            with tp.get_rng_tracker().fork():
+                return F.dropout(x, self.cfg.dropout)
+        return F.dropout(x, self.cfg.dropout)  # same mask on every TP rank
+
+    def forward(self, x):
+        qkv, _ = self.qkv(self.ln1(x))
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
+        p = self.cfg.dropout if self.training else 0.0
+        with tp.get_rng_tracker().fork():  # local heads: a different mask on each TP rank
+            attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        attn = attn.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        out, _ = self.proj(attn)
+        x = x + self._residual_dropout(out)
+        hidden, _ = self.fc1(self.ln2(x))
+        out, _ = self.fc2(F.gelu(hidden))
+        return x + self._residual_dropout(out)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: TinyConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        _mark_sequence_parallel(self.ln_f, cfg.sequence_parallel)
+        self.output = tp.ColumnParallelLinear(
+            cfg.hidden,
+            cfg.vocab_size,
+            bias=False,
+            sequence_parallel=cfg.sequence_parallel,
+            skip_weight_param_allocation=True,
+        )
+
+    def run_blocks(self, x):
+        for block in self.blocks:
+            if self.cfg.recompute:
+                x = tp.checkpoint(block, self.cfg.distribute_saved_activations, x)
+            else:
+                x = block(x)
+        return x
+
+    def logits(self, tokens):
+        """tokens: [batch, seq] -> this rank's vocabulary slice of the logits: [seq, batch, v/tp]"""
+        x = self.embedding(tokens).transpose(0, 1).contiguous()  # [s, b, h]
+        if self.cfg.sequence_parallel:
+            x = tp.scatter_to_sequence_parallel_region(x)
+        x = self.ln_f(self.run_blocks(x))
+        logits, _ = self.output(x, weight=self.embedding.weight)
+        return logits
+
+    def forward(self, tokens, targets):
+        """tokens, targets: [batch, seq] -> mean loss over all targets."""
+        return tp.vocab_parallel_cross_entropy(self.logits(tokens), targets.t()).mean()
+
+
+def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The unsharded value of a parameter (or of a tensor sharded like it, e.g. its grad)."""
+    tensor = param if tensor is None else tensor
+    world = get_tensor_model_parallel_world_size()
+    if not getattr(param, "tensor_model_parallel", False) or world == 1:
+        return tensor.detach().clone()
+    shards = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=get_tensor_model_parallel_group())
+    return tp.unshard(shards, param.partition_dim, param.partition_stride)
