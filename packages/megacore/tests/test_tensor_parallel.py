@@ -51,6 +51,36 @@ def _run_model(cfg):
     }
 
 
+def _run_gathered_mlp():
+    """Column-parallel with gather_output, then row-parallel splitting its own input."""
+    tp.model_parallel_manual_seed(5)
+    fc1 = tp.ColumnParallelLinear(12, 16, gather_output=True)
+    fc2 = tp.RowParallelLinear(16, 12, input_is_parallel=False, skip_bias_add=True)
+    with torch.no_grad():
+        fc1.bias.copy_(tp.shard_of(torch.linspace(-1, 1, 16), 0, *_tp_rank_and_size()))
+        fc2.bias.fill_(0.5)
+    x = torch.randn(5, 3, 12, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    hidden, no_bias = fc1(x)
+    out, bias = fc2(torch.tanh(hidden))
+    y = out + bias
+    (y * torch.arange(12.0)).sum().backward()
+    layers = {"fc1": fc1, "fc2": fc2}
+    return {
+        "y": y.detach(),
+        "x_grad": x.grad,
+        "returned_bias": no_bias is None and bias is fc2.bias,
+        "grads": {
+            f"{name}.{n}": full_tensor(p, p.grad)
+            for name, layer in layers.items()
+            for n, p in layer.named_parameters()
+        },
+    }
+
+
+def _tp_rank_and_size():
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
 def _count_block_collectives(cfg):
     """Collectives issued by a stack of blocks in one forward + backward, by kind."""
     tp.model_parallel_manual_seed(1234)
@@ -105,6 +135,7 @@ def _transformer_at_each_tp():
         for size in (1, 2, 4):
             ps.initialize_model_parallel(tensor_model_parallel_size=size)
             results[size] = _run_model(cfg)
+            results[size]["mlp"] = _run_gathered_mlp()
             out[("counts", sp, size)] = _count_block_collectives(cfg)
             if size == 4:
                 out["errors"] = {
@@ -128,6 +159,11 @@ def _transformer_at_each_tp():
                 torch.equal(got["weights"][n], ref["weights"][n]) for n in ref["weights"]
             )
             out[("replicated_agree", sp, size)] = got["replicated_agree"]
+            out[("mlp", sp, size)] = _max_diff(
+                {k: got["mlp"][k] for k in ("y", "x_grad", "grads")},
+                {k: ref["mlp"][k] for k in ("y", "x_grad", "grads")},
+            )
+            out[("mlp_bias", sp, size)] = got["mlp"]["returned_bias"]
         out[("loss_value", sp)] = ref["loss"].item()
         out[("grad_norm", sp)] = sum(g.norm() ** 2 for g in ref["grads"].values()).sqrt().item()
     return out
@@ -147,6 +183,8 @@ def test_transformer_equal_at_tp_1_2_4_with_and_without_sequence_parallel():
                 assert out[("loss", sp, size)] < 1e-5, where
                 assert out[("logits", sp, size)] < 1e-5, where
                 assert out[("grads", sp, size)] < 1e-5, where
+                assert out[("mlp", sp, size)] < 1e-5, where
+                assert out[("mlp_bias", sp, size)], where
         layers = TinyConfig().layers
         # Paper Fig. 4: two all-reduces in forward and two in backward per layer.
         assert out[("counts", False, 1)] == dict.fromkeys(out[("counts", False, 1)], 0)

@@ -52,13 +52,11 @@ def _split_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor) -> torch.Tensor:
-    group, world, _ = _tp()
+    _, world, _ = _tp()
     if world == 1:
         return x
-    # Gather along dim 0 (contiguous), then move the rank blocks to the last dim.
-    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x.contiguous(), group=group)
-    return torch.cat(out.unbind(0), dim=-1)
+    # Gather along dim 0 (contiguous blocks), then move the rank blocks to the last dim.
+    return torch.cat(_gather_first(x).chunk(world, dim=0), dim=-1)
 
 
 def _split_first(x: torch.Tensor) -> torch.Tensor:

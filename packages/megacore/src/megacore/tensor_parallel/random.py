@@ -198,7 +198,7 @@ class CheckpointFunction(torch.autograd.Function):
         pairs = [
             (o, g)
             for o, g in zip(outputs, grads, strict=True)
-            if torch.is_tensor(o) and o.requires_grad
+            if torch.is_tensor(o) and o.requires_grad and g is not None
         ]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(a.grad if torch.is_tensor(a) else None for a in args)
