@@ -13,13 +13,14 @@ PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/in
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: help install test lint format clean
+.PHONY: help install test lint format bench clean
 
 help:
 	@echo "make install   create $(VENV) with torch and the four packages (editable, test extras)"
 	@echo "make test      install if needed, then ruff and pytest over every package and tests/"
 	@echo "make lint      ruff check and format check only"
 	@echo "make format    let ruff fix imports and formatting"
+	@echo "make bench     run benchmarks/, writing JSON under bench-results/"
 	@echo "make clean     remove $(VENV) and caches"
 	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX)"
 
@@ -46,6 +47,10 @@ format: install
 test: lint
 	$(BIN)/pytest
 
+# Speed is measured here, never by timed tests.
+bench: install
+	$(BIN)/python benchmarks/bench_tensor_parallel.py --out bench-results/tensor_parallel.json
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache bench-results
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
