@@ -1,0 +1,235 @@
+"""Point-to-point communication between neighbouring pipeline stages.
+
+Megatron-LM's helpers: `recv_forward`, `send_forward`, `recv_backward`,
+`send_backward` and the combined forms that post a send and a receive together
+(`send_forward_recv_backward`, ...).  Every call posts all its operations in one
+`torch.distributed.batch_isend_irecv`, so a combined exchange cannot deadlock
+whatever the pipeline size.  Activations travel with tag 0 and gradients with
+tag 1, and operations are posted in one canonical order (activations before
+gradients) on every rank: with two stages, where "next" and "prev" are the same
+peer, an activation can never be taken for a gradient.
+
+Shapes are agreed in advance (`tensor_shape`); with `variable_seq_lengths=True`
+the sender first sends the shape, so each microbatch may have its own.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state
+
+ACTIVATION_TAG = 0
+GRADIENT_TAG = 1
+_MAX_DIMS = 8
+
+
+def _send_shape_ops(tensor, peer, tag, group):
+    shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+    shape[0] = tensor.dim()
+    shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape)
+    return [dist.P2POp(dist.isend, shape.to(tensor.device), peer, group, tag)], shape
+
+
+def _exchange_shapes(send_next, send_prev, recv_prev, recv_next, device):
+    """Send our shapes and receive the peers' before the tensors themselves."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    ops, keep = [], []
+    recv_prev_shape = recv_next_shape = None
+    if send_next is not None:
+        op, buf = _send_shape_ops(
+            send_next, parallel_state.get_pipeline_model_parallel_next_rank(), ACTIVATION_TAG, group
+        )
+        ops += op
+        keep.append(buf)
+    if recv_prev:
+        recv_prev_shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
+        ops.append(
+            dist.P2POp(
+                dist.irecv,
+                recv_prev_shape,
+                parallel_state.get_pipeline_model_parallel_prev_rank(),
+                group,
+                ACTIVATION_TAG,
+            )
+        )
+    if send_prev is not None:
+        op, buf = _send_shape_ops(
+            send_prev, parallel_state.get_pipeline_model_parallel_prev_rank(), GRADIENT_TAG, group
+        )
+        ops += op
+        keep.append(buf)
+    if recv_next:
+        recv_next_shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
+        ops.append(
+            dist.P2POp(
+                dist.irecv,
+                recv_next_shape,
+                parallel_state.get_pipeline_model_parallel_next_rank(),
+                group,
+                GRADIENT_TAG,
+            )
+        )
+    for req in dist.batch_isend_irecv(ops) if ops else []:
+        req.wait()
+
+    def decode(buf):
+        return None if buf is None else tuple(buf[1 : int(buf[0]) + 1].tolist())
+
+    return decode(recv_prev_shape), decode(recv_next_shape)
+
+
+def communicate(
+    *,
+    tensor_send_next: torch.Tensor | None = None,
+    tensor_send_prev: torch.Tensor | None = None,
+    recv_prev: bool = False,
+    recv_next: bool = False,
+    tensor_shape=None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    variable_seq_lengths: bool = False,
+    wait: bool = True,
+):
+    """Post the sends and receives together; return (from_prev, from_next, requests).
+
+    With `wait=False` the requests are returned unfinished: the caller waits on
+    them before touching the received tensors or reusing the sent ones.
+    A received activation requires grad: it is this stage's input.
+    """
+    if not (recv_prev or recv_next or tensor_send_next is not None or tensor_send_prev is not None):
+        return None, None, []
+    group = parallel_state.get_pipeline_model_parallel_group()
+    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+    if device is None:
+        sent = tensor_send_next if tensor_send_next is not None else tensor_send_prev
+        device = sent.device if sent is not None else _default_device()
+    prev_shape = next_shape = tensor_shape
+    if variable_seq_lengths:
+        prev_shape, next_shape = _exchange_shapes(
+            tensor_send_next, tensor_send_prev, recv_prev, recv_next, device
+        )
+    elif (recv_prev or recv_next) and tensor_shape is None:
+        raise ValueError(
+            "pipeline communication: pass tensor_shape to receive, "
+            "or variable_seq_lengths=True to exchange shapes first"
+        )
+
+    from_prev = torch.empty(prev_shape, dtype=dtype, device=device) if recv_prev else None
+    from_next = torch.empty(next_shape, dtype=dtype, device=device) if recv_next else None
+    ops = []
+    if tensor_send_next is not None:
+        ops.append(
+            dist.P2POp(dist.isend, tensor_send_next.contiguous(), next_rank, group, ACTIVATION_TAG)
+        )
+    if from_prev is not None:
+        ops.append(dist.P2POp(dist.irecv, from_prev, prev_rank, group, ACTIVATION_TAG))
+    if tensor_send_prev is not None:
+        ops.append(
+            dist.P2POp(dist.isend, tensor_send_prev.contiguous(), prev_rank, group, GRADIENT_TAG)
+        )
+    if from_next is not None:
+        ops.append(dist.P2POp(dist.irecv, from_next, next_rank, group, GRADIENT_TAG))
+    requests = dist.batch_isend_irecv(ops)
+    if wait:
+        for req in requests:
+            req.wait()
+        requests = []
+    if from_prev is not None:
+        from_prev.requires_grad_(True)  # the input of this stage: backward needs its gradient
+    return from_prev, from_next, requests
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def recv_forward(tensor_shape, dtype=torch.float32, **kw) -> torch.Tensor | None:
+    """The previous stage's activation (None on the first stage)."""
+    if parallel_state.is_pipeline_first_stage():
+        return None
+    return communicate(recv_prev=True, tensor_shape=tensor_shape, dtype=dtype, **kw)[0]
+
+
+def recv_backward(tensor_shape, dtype=torch.float32, **kw) -> torch.Tensor | None:
+    """The next stage's gradient of our output (None on the last stage)."""
+    if parallel_state.is_pipeline_last_stage():
+        return None
+    return communicate(recv_next=True, tensor_shape=tensor_shape, dtype=dtype, **kw)[1]
+
+
+def send_forward(output_tensor: torch.Tensor, **kw) -> None:
+    if not parallel_state.is_pipeline_last_stage():
+        communicate(tensor_send_next=output_tensor, **kw)
+
+
+def send_backward(input_tensor_grad: torch.Tensor, **kw) -> None:
+    if not parallel_state.is_pipeline_first_stage():
+        communicate(tensor_send_prev=input_tensor_grad, **kw)
+
+
+def send_forward_recv_backward(output_tensor, tensor_shape, dtype=torch.float32, **kw):
+    if parallel_state.is_pipeline_last_stage():
+        return None
+    return communicate(
+        tensor_send_next=output_tensor, recv_next=True, tensor_shape=tensor_shape, dtype=dtype, **kw
+    )[1]
+
+
+def send_backward_recv_forward(input_tensor_grad, tensor_shape, dtype=torch.float32, **kw):
+    if parallel_state.is_pipeline_first_stage():
+        return None
+    return communicate(
+        tensor_send_prev=input_tensor_grad,
+        recv_prev=True,
+        tensor_shape=tensor_shape,
+        dtype=dtype,
+        **kw,
+    )[0]
+
+
+def send_forward_recv_forward(
+    output_tensor, recv_prev: bool, tensor_shape, dtype=torch.float32, **kw
+):
+    return communicate(
+        tensor_send_next=output_tensor,
+        recv_prev=recv_prev,
+        tensor_shape=tensor_shape,
+        dtype=dtype,
+        **kw,
+    )[0]
+
+
+def send_backward_recv_backward(
+    input_tensor_grad, recv_next: bool, tensor_shape, dtype=torch.float32, **kw
+):
+    return communicate(
+        tensor_send_prev=input_tensor_grad,
+        recv_next=recv_next,
+        tensor_shape=tensor_shape,
+        dtype=dtype,
+        **kw,
+    )[1]
+
+
+def send_forward_backward_recv_forward_backward(
+    output_tensor,
+    input_tensor_grad,
+    recv_prev: bool,
+    recv_next: bool,
+    tensor_shape,
+    dtype=torch.float32,
+    **kw,
+):
+    from_prev, from_next, _ = communicate(
+        tensor_send_next=output_tensor,
+        tensor_send_prev=input_tensor_grad,
+        recv_prev=recv_prev,
+        recv_next=recv_next,
+        tensor_shape=tensor_shape,
+        dtype=dtype,
+        **kw,
+    )
+    return from_prev, from_next
