@@ -83,23 +83,53 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, cfg: TinyConfig):
+    """The whole model, or one pipeline chunk of it (`layer_ids`, `pre_process`, `post_process`).
+
+    Each piece is drawn from its own seed (seed + 1 + layer id for a block), so a
+    chunk built on any pipeline rank holds the weights the whole model holds.
+    A last stage without the embedding keeps its own copy of the word embeddings
+    for the output layer, marked `shared_embedding` (pipeline_parallel syncs it).
+    """
+
+    def __init__(self, cfg, layer_ids=None, pre_process=True, post_process=True, seed=1234):
         super().__init__()
         self.cfg = cfg
-        self.embedding = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
-        _mark_sequence_parallel(self.ln_f, cfg.sequence_parallel)
-        self.output = tp.ColumnParallelLinear(
-            cfg.hidden,
-            cfg.vocab_size,
-            bias=False,
-            sequence_parallel=cfg.sequence_parallel,
-            skip_weight_param_allocation=True,
-        )
+        self.pre_process, self.post_process = pre_process, post_process
+        self.input_tensor = None
+        if pre_process:
+            torch.manual_seed(seed)
+            self.embedding = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden)
+        layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
+        blocks = {}
+        for i in layer_ids:
+            torch.manual_seed(seed + 1 + i)
+            blocks[str(i)] = Block(cfg)
+        self.blocks = nn.ModuleDict(blocks)
+        if post_process:
+            self.ln_f = nn.LayerNorm(cfg.hidden)
+            _mark_sequence_parallel(self.ln_f, cfg.sequence_parallel)
+            self.output = tp.ColumnParallelLinear(
+                cfg.hidden,
+                cfg.vocab_size,
+                bias=False,
+                sequence_parallel=cfg.sequence_parallel,
+                skip_weight_param_allocation=True,
+            )
+            if pre_process:
+                self.output_weight = None  # the embedding itself
+            else:
+                rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
+                self.output_weight = nn.Parameter(torch.zeros(rows, cfg.hidden))
+                tp.set_tensor_model_parallel_attributes(self.output_weight, True, 0)
+                self.output_weight.shared_embedding = True
+        if pre_process and not post_process:
+            self.embedding.weight.shared_embedding = True
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
 
     def run_blocks(self, x):
-        for block in self.blocks:
+        for block in self.blocks.values():
             if self.cfg.recompute:
                 x = tp.checkpoint(block, self.cfg.distribute_saved_activations, x)
             else:
@@ -108,16 +138,25 @@ class TinyGPT(nn.Module):
 
     def logits(self, tokens):
         """tokens: [batch, seq] -> this rank's vocabulary slice of the logits: [seq, batch, v/tp]"""
-        x = self.embedding(tokens).transpose(0, 1).contiguous()  # [s, b, h]
-        if self.cfg.sequence_parallel:
-            x = tp.scatter_to_sequence_parallel_region(x)
-        x = self.ln_f(self.run_blocks(x))
-        logits, _ = self.output(x, weight=self.embedding.weight)
+        if self.pre_process:
+            x = self.embedding(tokens).transpose(0, 1).contiguous()  # [s, b, h]
+            if self.cfg.sequence_parallel:
+                x = tp.scatter_to_sequence_parallel_region(x)
+        else:
+            x = self.input_tensor
+        x = self.run_blocks(x)
+        if not self.post_process:
+            return x
+        weight = self.embedding.weight if self.output_weight is None else self.output_weight
+        logits, _ = self.output(self.ln_f(x), weight=weight)
         return logits
 
     def forward(self, tokens, targets):
-        """tokens, targets: [batch, seq] -> mean loss over all targets."""
-        return tp.vocab_parallel_cross_entropy(self.logits(tokens), targets.t()).mean()
+        """tokens, targets: [batch, seq] -> mean loss (or, before the last stage, activations)."""
+        out = self.logits(tokens)
+        if not self.post_process:
+            return out
+        return tp.vocab_parallel_cross_entropy(out, targets.t()).mean()
 
 
 def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
