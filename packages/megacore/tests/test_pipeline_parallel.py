@@ -5,6 +5,7 @@ import weakref
 import pytest
 import torch
 from tiny_transformer import TinyConfig, TinyGPT, full_tensor
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
@@ -228,3 +229,143 @@ def test_layer_assignment():
         pipe.stage_layer_counts(9, 2, 2, num_layers_in_first_pipeline_stage=3)
     with pytest.raises(ValueError, match="cannot be split evenly over the other 2"):
         pipe.stage_layer_counts(10, 4, None, 1, 2)
+
+
+def _p2p_exchanges():
+    from megacore.pipeline_parallel import p2p_communication as p2p
+
+    out = {}
+    # pp=4: variable shapes forward, fixed shapes in the combined forms.
+    ps.initialize_model_parallel(1, 4)
+    r = ps.get_pipeline_model_parallel_rank()
+    got = p2p.recv_forward(None, variable_seq_lengths=True)
+    p2p.send_forward(torch.full((3 + r, 2), float(r)), variable_seq_lengths=True)
+    out["variable"] = None if got is None else (tuple(got.shape), got.unique().tolist())
+    # Every stage but the last sends forward and receives a gradient in one exchange;
+    # its neighbour receives that activation and sends the gradient back in one exchange.
+    shape = (2, 3)
+    fwd = p2p.recv_forward(shape)
+    grad = p2p.send_forward_recv_backward(torch.full(shape, 10.0 + r), shape)
+    p2p.send_backward(torch.full(shape, 100.0 + r))
+    out["combined"] = (
+        None if fwd is None else fwd.unique().tolist(),
+        None if grad is None else grad.unique().tolist(),
+        None if fwd is None else fwd.requires_grad,
+    )
+    ps.destroy_model_parallel()
+
+    # pp=2 with both directions to the same peer at once: tags keep them apart.
+    ps.initialize_model_parallel(1, 2)
+    r = ps.get_pipeline_model_parallel_rank()
+    from_prev, from_next = p2p.send_forward_backward_recv_forward_backward(
+        torch.full(shape, 1.0 + r), torch.full(shape, -1.0 - r), True, True, shape
+    )
+    out["same_peer"] = (from_prev.unique().tolist(), from_next.unique().tolist())
+    ps.destroy_model_parallel()
+    return out
+
+
+def _no_pipelining_with_ddp():
+    """dp=4: gradients accumulate locally and all-reduce only during the last microbatch."""
+    ps.initialize_model_parallel(1, 1)
+    tp.model_parallel_manual_seed(0)
+    cfg = TinyConfig(layers=2)
+    model = TinyGPT(cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, process_group=ps.get_data_parallel_group()
+    )
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(recorder.forwards.get(0, 0))
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(ps.get_data_parallel_group(), counting_hook)
+    rank = ps.get_data_parallel_rank()
+    data = _microbatches(cfg, 16, 0)[rank * 4 : rank * 4 + 4]  # each replica its own 4
+    recorder = _Recorder()
+    pipe.get_forward_backward_func()(
+        forward_step_func=recorder.forward_step,
+        data_iterator=iter(data),
+        model=ddp,
+        num_microbatches=4,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+    )
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # One process over all 16 microbatches, the mean over them.
+    model.zero_grad(set_to_none=True)
+    for tokens, targets in _microbatches(cfg, 16, 0):
+        (model(tokens, targets) / 16).backward()
+    diff = max((grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
+    ps.destroy_model_parallel()
+    return {
+        "allreduce_during_forward_count": sorted(set(calls)),
+        "n_calls": len(calls),
+        "diff": diff,
+    }
+
+
+def _evaluate_forward_only():
+    """Forward-only evaluation at pp=4 gives the one-process loss and keeps no graph."""
+    cfg = TinyConfig(layers=4)
+    data = _microbatches(cfg, 4, 9)
+    ps.initialize_model_parallel(1, 1)
+    tp.model_parallel_manual_seed(0)
+    reference = sum(TinyGPT(cfg)(t, y).item() for t, y in data) / 4
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 4)
+    tp.model_parallel_manual_seed(0)
+    (chunk,) = _build_chunks(cfg, 4, None)
+    recorder = _Recorder()
+    infos = pipe.get_forward_backward_func()(
+        forward_step_func=recorder.forward_step,
+        data_iterator=iter(data),
+        model=chunk,
+        num_microbatches=4,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        hidden_size=cfg.hidden,
+        forward_only=True,
+    )
+    last = ps.is_pipeline_last_stage()
+    ps.destroy_model_parallel()
+    return {
+        "loss": sum(i["loss"].item() for i in infos) / 4 if last else None,
+        "reference": reference,
+        "peak_live": recorder.peak,
+        "order": " ".join(map(repr, recorder.order)),
+    }
+
+
+def _p2p_ddp_and_eval():
+    return {
+        "p2p": _p2p_exchanges(),
+        "ddp": _no_pipelining_with_ddp(),
+        "eval": _evaluate_forward_only(),
+    }
+
+
+def test_p2p_no_pipelining_and_forward_only():
+    results = run_distributed(_p2p_ddp_and_eval, world_size=4, timeout=300)
+    for rank, out in enumerate(results):
+        p2p = out["p2p"]
+        assert p2p["variable"] == (None if rank == 0 else ((3 + rank - 1, 2), [float(rank - 1)]))
+        assert p2p["combined"] == (
+            None if rank == 0 else [10.0 + rank - 1],
+            None if rank == 3 else [100.0 + rank + 1],
+            None if rank == 0 else True,
+        )
+        peer = 1 - rank // 2  # pp=2 on 4 ranks: pipelines [0, 2] and [1, 3]
+        assert p2p["same_peer"] == ([1.0 + peer], [-1.0 - peer])
+
+        ddp = out["ddp"]
+        # Every bucket all-reduce happened in the backward of the 4th (last) microbatch.
+        assert ddp["allreduce_during_forward_count"] == [4] and ddp["n_calls"] >= 1
+        assert ddp["diff"] < 1e-6
+
+        ev = out["eval"]
+        if rank == 3:
+            assert ev["loss"] == pytest.approx(ev["reference"], abs=1e-6)
+        assert ev["peak_live"] == 0  # no graph kept in evaluation
+        assert ev["order"] == "F0 F1 F2 F3"

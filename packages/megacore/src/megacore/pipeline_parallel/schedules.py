@@ -154,7 +154,16 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
     """Run a schedule table: blocking receives, sends that complete in the background."""
     inputs = [{} for _ in run.chunks]
     outputs = [{} for _ in run.chunks]
+    # Gradients sync over data parallel only in the chunk's last microbatch: every other
+    # forward and backward runs under no_sync (torch's DDP decides in forward).
     last_backward = {s.chunk: i for i, s in enumerate(steps) if s.kind == "B"}
+    sync_microbatch = {steps[i].chunk: steps[i].microbatch for i in last_backward.values()}
+
+    def sync_context(step: Step):
+        if run.forward_only or sync_microbatch.get(step.chunk) == step.microbatch:
+            return contextlib.nullcontext()
+        return run.no_sync_func(run.chunks[step.chunk])
+
     in_flight: list[tuple[list, torch.Tensor | None]] = []  # (send requests, tensor to free)
     losses = []
     comm = {"tensor_shape": run.tensor_shape, "dtype": run.dtype}
@@ -172,7 +181,7 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
                 keep.append((requests, tensor))
         in_flight[:] = keep
 
-    for index, step in enumerate(steps):
+    for step in steps:
         chunk = run.chunks[step.chunk]
         if interleaved:
             ps.set_virtual_pipeline_model_parallel_rank(step.chunk)
@@ -188,7 +197,7 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
                     "method to take the previous stage's activation"
                 )
             grad_mode = torch.no_grad() if run.forward_only else contextlib.nullcontext()
-            with grad_mode:
+            with grad_mode, sync_context(step):
                 output, loss_func = run.forward_step_func(run.data_iterators[step.chunk], chunk)
                 if last:
                     loss, info = loss_func(output)
@@ -207,8 +216,7 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
             if last and run.grad_scale_func is not None:
                 output = run.grad_scale_func(output)
             retire(block=False)
-            sync = index == last_backward[step.chunk]
-            with contextlib.nullcontext() if sync else run.no_sync_func(chunk):
+            with sync_context(step):
                 custom_backward(output, grad)
             if not first:
                 _, _, requests = communicate(tensor_send_prev=input_tensor.grad, wait=False, **comm)
