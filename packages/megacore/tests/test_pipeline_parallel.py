@@ -61,6 +61,19 @@ class _Token:
     pass
 
 
+def _schedule(recorder, data_iterator, model, num_microbatches, **kwargs):
+    """The layout's schedule over the test's microbatch shape."""
+    return pipe.get_forward_backward_func()(
+        forward_step_func=recorder.forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        **kwargs,
+    )
+
+
 def _build_chunks(cfg, pp, vpp):
     chunks = []
     for v in range(vpp or 1):
@@ -90,19 +103,16 @@ def _train(cfg, tp_size, pp, vpp, num_microbatches):
     chunks = _build_chunks(cfg, pp, vpp)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.SGD(params, lr=LR)
-    forward_backward = pipe.get_forward_backward_func()
     losses, recorder = [], None
     for step in range(STEPS):
         recorder = _Recorder()
         data = _microbatches(cfg, num_microbatches, step)
         optimizer.zero_grad(set_to_none=True)
-        infos = forward_backward(
-            forward_step_func=recorder.forward_step,
-            data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
-            model=chunks if vpp else chunks[0],
-            num_microbatches=num_microbatches,
-            seq_length=SEQ,
-            micro_batch_size=MICRO_BATCH,
+        infos = _schedule(
+            recorder,
+            [iter(data) for _ in chunks] if vpp else iter(data),
+            chunks if vpp else chunks[0],
+            num_microbatches,
             hidden_size=cfg.hidden,
             finalize_model_grads_func=pipe.finalize_model_grads,
         )
@@ -284,14 +294,7 @@ def _no_pipelining_with_ddp():
     rank = ps.get_data_parallel_rank()
     data = _microbatches(cfg, 16, 0)[rank * 4 : rank * 4 + 4]  # each replica its own 4
     recorder = _Recorder()
-    pipe.get_forward_backward_func()(
-        forward_step_func=recorder.forward_step,
-        data_iterator=iter(data),
-        model=ddp,
-        num_microbatches=4,
-        seq_length=SEQ,
-        micro_batch_size=MICRO_BATCH,
-    )
+    _schedule(recorder, iter(data), ddp, 4)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     # One process over all 16 microbatches, the mean over them.
     model.zero_grad(set_to_none=True)
@@ -318,16 +321,7 @@ def _evaluate_forward_only():
     tp.model_parallel_manual_seed(0)
     (chunk,) = _build_chunks(cfg, 4, None)
     recorder = _Recorder()
-    infos = pipe.get_forward_backward_func()(
-        forward_step_func=recorder.forward_step,
-        data_iterator=iter(data),
-        model=chunk,
-        num_microbatches=4,
-        seq_length=SEQ,
-        micro_batch_size=MICRO_BATCH,
-        hidden_size=cfg.hidden,
-        forward_only=True,
-    )
+    infos = _schedule(recorder, iter(data), chunk, 4, hidden_size=cfg.hidden, forward_only=True)
     last = ps.is_pipeline_last_stage()
     ps.destroy_model_parallel()
     return {
