@@ -50,6 +50,7 @@ test: lint
 # Speed is measured here, never by timed tests.
 bench: install
 	$(BIN)/python benchmarks/bench_tensor_parallel.py --out bench-results/tensor_parallel.json
+	$(BIN)/python benchmarks/bench_pipeline_bubble.py --out bench-results/pipeline_bubble.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench-results

@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from tiny_transformer import TinyConfig, TinyGPT, full_tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -119,6 +120,12 @@ def _train(cfg, tp_size, pp, vpp, num_microbatches):
         optimizer.step()
         if infos:
             losses.append(sum(i["loss"] for i in infos).item() / num_microbatches)
+    tied_equal = None
+    shared = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
+    if shared:  # first and last stage: their two copies must be bit-identical
+        copies = [torch.empty_like(shared[0]) for _ in range(2)]
+        dist.all_gather(copies, shared[0].detach(), group=ps.get_embedding_group())
+        tied_equal = torch.equal(copies[0], copies[1])
     weights = {}
     for c in chunks:
         for name, p in c.named_parameters():
@@ -129,6 +136,7 @@ def _train(cfg, tp_size, pp, vpp, num_microbatches):
         "order": recorder.order,
         "peak_live": recorder.peak,
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "tied_equal": tied_equal,
     }
     ps.destroy_model_parallel()
     return out
@@ -165,6 +173,7 @@ def _pipelines_against_one_process():
             "order": got["order"],
             "peak_live": got["peak_live"],
             "pp_rank": got["pp_rank"],
+            "tied_equal": got["tied_equal"],
         }
     return out
 
@@ -186,6 +195,9 @@ def test_pipeline_layouts_equal_one_process():
             # Only whole layers, and the tied copy on the last stage.
             if pp > 1 and last_stage:
                 assert "output_weight" in r["names"], where
+            # The tied embedding's two copies stay equal on both ends.
+            first_stage = r["pp_rank"] == 0
+            assert r["tied_equal"] is (True if first_stage or last_stage else None), where
         # 1F1B with 8 microbatches over 4 stages: rank r keeps pp - r microbatches alive.
         pp4 = out["pp4"]
         assert pp4["peak_live"] == 4 - pp4["pp_rank"], rank
