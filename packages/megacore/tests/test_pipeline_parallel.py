@@ -1,5 +1,6 @@
 """Pipeline parallelism equals one process: 1F1B, interleaved and tp x pp on real gloo groups."""
 
+import types
 import weakref
 
 import pytest
@@ -334,6 +335,23 @@ def _evaluate_forward_only():
     (chunk,) = _build_chunks(cfg, 4, None)
     recorder = _Recorder()
     infos = _schedule(recorder, iter(data), chunk, 4, hidden_size=cfg.hidden, forward_only=True)
+    # Megatron-style: hidden size from model.config, non-loss data collected on the last stage.
+    chunk.config = types.SimpleNamespace(hidden_size=cfg.hidden)
+
+    def forward_step(data_iterator, model):
+        out = model(*next(data_iterator))
+        return out, lambda o, non_loss_data=False: ("collected", tuple(o.shape))
+
+    collected = pipe.get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(data),
+        model=chunk,
+        num_microbatches=4,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
     last = ps.is_pipeline_last_stage()
     ps.destroy_model_parallel()
     return {
@@ -341,6 +359,7 @@ def _evaluate_forward_only():
         "reference": reference,
         "peak_live": recorder.peak,
         "order": " ".join(map(repr, recorder.order)),
+        "collected": collected,
     }
 
 
@@ -375,3 +394,4 @@ def test_p2p_no_pipelining_and_forward_only():
             assert ev["loss"] == pytest.approx(ev["reference"], abs=1e-6)
         assert ev["peak_live"] == 0  # no graph kept in evaluation
         assert ev["order"] == "F0 F1 F2 F3"
+        assert ev["collected"] == ([("collected", ())] * 4 if rank == 3 else [])

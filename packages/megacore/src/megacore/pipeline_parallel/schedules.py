@@ -148,6 +148,7 @@ class _Run:
     variable_seq_lengths: bool
     no_sync_func: Callable
     grad_scale_func: Callable | None
+    collect_non_loss_data: bool = False
 
 
 def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
@@ -199,7 +200,9 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
             grad_mode = torch.no_grad() if run.forward_only else contextlib.nullcontext()
             with grad_mode, sync_context(step):
                 output, loss_func = run.forward_step_func(run.data_iterators[step.chunk], chunk)
-                if last:
+                if last and run.collect_non_loss_data:
+                    losses.append(loss_func(output, non_loss_data=True))
+                elif last:
                     loss, info = loss_func(output)
                     losses.append(info)
                     output = loss / run.num_microbatches
@@ -254,7 +257,14 @@ def _forward_backward(
     no_sync_func: Callable | None = None,
     grad_scale_func: Callable | None = None,
     finalize_model_grads_func: Callable | None = None,
+    collect_non_loss_data: bool = False,
+    decoder_seq_length: int | None = None,
+    first_val_step: bool | None = None,  # accepted for Megatron callers; nothing to tune here
 ) -> list:
+    if decoder_seq_length is not None:
+        raise ValueError(
+            "pipeline schedule: encoder-decoder models (decoder_seq_length) are not supported"
+        )
     if num_microbatches < 1:
         raise ValueError(
             f"pipeline schedule: num_microbatches must be >= 1, got {num_microbatches}"
@@ -270,8 +280,13 @@ def _forward_backward(
         steps = schedule_1f1b(num_microbatches, pp, rank, forward_only)
     else:
         steps = schedule_interleaved(num_microbatches, pp, rank, vpp, forward_only)
+    if hidden_size is None:  # a Megatron-style model carries it in its config
+        hidden_size = getattr(getattr(chunks[0], "config", None), "hidden_size", None)
     if pp > 1 and hidden_size is None and not variable_seq_lengths:
-        raise ValueError("pipeline schedule: hidden_size is needed for the activations' shape")
+        raise ValueError(
+            "pipeline schedule: pass hidden_size (or a model with config.hidden_size) "
+            "for the shape of the activations sent between stages"
+        )
     seq = seq_length
     if sequence_parallel:
         seq //= ps.get_tensor_model_parallel_world_size()
@@ -286,7 +301,10 @@ def _forward_backward(
         variable_seq_lengths=variable_seq_lengths,
         no_sync_func=no_sync_func or _default_no_sync,
         grad_scale_func=grad_scale_func,
+        collect_non_loss_data=collect_non_loss_data,
     )
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("pipeline schedule: collect_non_loss_data=True needs forward_only=True")
     losses = _execute(run, steps, interleaved=kind == "interleaved")
     if finalize_model_grads_func is not None and not forward_only:
         finalize_model_grads_func(chunks)
