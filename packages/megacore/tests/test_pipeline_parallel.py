@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_transformer import TinyConfig, TinyGPT, full_tensor
+from tiny_transformer import TinyConfig, TinyGPT, build_chunks, full_tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from megacore import parallel_state as ps
@@ -76,33 +76,11 @@ def _schedule(recorder, data_iterator, model, num_microbatches, **kwargs):
     )
 
 
-def _build_chunks(cfg, pp, vpp):
-    chunks = []
-    for v in range(vpp or 1):
-        layer_ids = pipe.layers_for(
-            cfg.layers, ps.get_pipeline_model_parallel_rank(), pp, vpp, virtual_rank=v
-        )
-        if vpp:
-            ps.set_virtual_pipeline_model_parallel_rank(v)
-        chunks.append(
-            TinyGPT(
-                cfg,
-                layer_ids,
-                pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(),
-            )
-        )
-    if vpp:
-        ps.set_virtual_pipeline_model_parallel_rank(0)
-    pipe.sync_shared_embeddings(chunks)
-    return chunks
-
-
 def _train(cfg, tp_size, pp, vpp, num_microbatches):
     """Train STEPS steps; return per-step losses (last stage), full weights, recorder."""
     ps.initialize_model_parallel(tp_size, pp, vpp)
     tp.model_parallel_manual_seed(0)
-    chunks = _build_chunks(cfg, pp, vpp)
+    chunks = build_chunks(cfg, pp, vpp)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.SGD(params, lr=LR)
     losses, recorder = [], None
@@ -332,7 +310,7 @@ def _evaluate_forward_only():
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 4)
     tp.model_parallel_manual_seed(0)
-    (chunk,) = _build_chunks(cfg, 4, None)
+    (chunk,) = build_chunks(cfg, 4, None)
     recorder = _Recorder()
     infos = _schedule(recorder, iter(data), chunk, 4, hidden_size=cfg.hidden, forward_only=True)
     # Megatron-style: hidden size from model.config, non-loss data collected on the last stage.

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megacore import parallel_state, pipeline_parallel
 from megacore import tensor_parallel as tp
 from megacore.parallel_state import (
     get_tensor_model_parallel_group,
@@ -168,3 +169,26 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torc
     shards = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(shards, tensor.detach().contiguous(), group=get_tensor_model_parallel_group())
     return tp.unshard(shards, param.partition_dim, param.partition_stride)
+
+
+def build_chunks(cfg, pp, vpp):
+    """This rank's pipeline chunks of the model, with the tied embedding copies synced."""
+    chunks = []
+    for v in range(vpp or 1):
+        layer_ids = pipeline_parallel.layers_for(
+            cfg.layers, parallel_state.get_pipeline_model_parallel_rank(), pp, vpp, virtual_rank=v
+        )
+        if vpp:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
+        chunks.append(
+            TinyGPT(
+                cfg,
+                layer_ids,
+                pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage(),
+            )
+        )
+    if vpp:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    pipeline_parallel.sync_shared_embeddings(chunks)
+    return chunks
