@@ -1,6 +1,7 @@
-"""Dynamic loss scaling: Megatron's rule, step by step."""
+"""Optimizer pieces: dynamic loss scaling (Megatron's rule, step by step), Adam parameter groups."""
 
 import pytest
+import torch
 
 from megacore.optimizer import ConstantGradScaler, DynamicGradScaler
 
@@ -65,3 +66,24 @@ def test_bad_settings_named():
         DynamicGradScaler(backoff_factor=1.5)
     with pytest.raises(ValueError, match="loss scale must be > 0"):
         ConstantGradScaler(0.0)
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    from torch import nn
+
+    from megacore.optimizer import adamw, get_param_groups
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2, bias=False))
+    decay, no_decay = get_param_groups([model, model])  # a chunk listed twice counts once
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert [p.shape for p in decay["params"]] == [(8, 4), (2, 8)]
+    assert [p.shape for p in no_decay["params"]] == [(8,), (8,), (8,)]
+    opt = adamw([model], lr=1e-3)
+    # Decoupled decay: a zero gradient still shrinks matrices, and leaves biases alone.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    after = list(model.parameters())
+    assert torch.allclose(after[0], before[0] * (1 - 1e-3 * 0.01))
+    assert torch.equal(after[1], before[1])  # bias
