@@ -56,7 +56,10 @@ def allreduce_shared_embedding_grads(model_chunks: list[nn.Module]) -> None:
 
 
 def finalize_model_grads(model_chunks: list[nn.Module]) -> None:
-    """What a step needs after the last backward: sequence-parallel and tied-embedding sums."""
+    """After the last backward: data-parallel, sequence-parallel and tied-embedding sums."""
     for chunk in model_chunks:
+        finish = getattr(chunk, "finish_grad_sync", None)  # megacore's DistributedDataParallel
+        if finish is not None:
+            finish()
         sync_sequence_parallel_grads(chunk)
     allreduce_shared_embedding_grads(model_chunks)
