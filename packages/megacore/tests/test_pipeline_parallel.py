@@ -34,7 +34,7 @@ class _Recorder:
     def _packed(self, key):
         self.live[key] = self.live.get(key, 0) + 1
         self.peak = max(self.peak, len(self.live))
-        token = object.__new__(_Token)
+        token = _Token()  # its finalizer marks the saved tensor freed
         weakref.finalize(token, self._released, key)
         return token
 

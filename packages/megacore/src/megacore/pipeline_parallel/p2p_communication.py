@@ -23,52 +23,42 @@ GRADIENT_TAG = 1
 _MAX_DIMS = 8
 
 
-def _send_shape_ops(tensor, peer, tag, group):
+def _encoded_shape(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(
+            f"pipeline communication: variable_seq_lengths sends shapes of up to {_MAX_DIMS} "
+            f"dimensions, got a {tensor.dim()}-dimensional tensor {tuple(tensor.shape)}"
+        )
     shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
     shape[0] = tensor.dim()
     shape[1 : tensor.dim() + 1] = torch.tensor(tensor.shape)
-    return [dist.P2POp(dist.isend, shape.to(tensor.device), peer, group, tag)], shape
+    return shape.to(tensor.device)
 
 
 def _exchange_shapes(send_next, send_prev, recv_prev, recv_next, device):
     """Send our shapes and receive the peers' before the tensors themselves."""
     group = parallel_state.get_pipeline_model_parallel_group()
-    ops, keep = [], []
-    recv_prev_shape = recv_next_shape = None
+    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+
+    def buffer():
+        return torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
+
+    recv_prev_shape = buffer() if recv_prev else None
+    recv_next_shape = buffer() if recv_next else None
+    ops = []  # the same canonical order as the tensors themselves
     if send_next is not None:
-        op, buf = _send_shape_ops(
-            send_next, parallel_state.get_pipeline_model_parallel_next_rank(), ACTIVATION_TAG, group
-        )
-        ops += op
-        keep.append(buf)
-    if recv_prev:
-        recv_prev_shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
         ops.append(
-            dist.P2POp(
-                dist.irecv,
-                recv_prev_shape,
-                parallel_state.get_pipeline_model_parallel_prev_rank(),
-                group,
-                ACTIVATION_TAG,
-            )
+            dist.P2POp(dist.isend, _encoded_shape(send_next), next_rank, group, ACTIVATION_TAG)
         )
+    if recv_prev_shape is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_prev_shape, prev_rank, group, ACTIVATION_TAG))
     if send_prev is not None:
-        op, buf = _send_shape_ops(
-            send_prev, parallel_state.get_pipeline_model_parallel_prev_rank(), GRADIENT_TAG, group
-        )
-        ops += op
-        keep.append(buf)
-    if recv_next:
-        recv_next_shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=device)
         ops.append(
-            dist.P2POp(
-                dist.irecv,
-                recv_next_shape,
-                parallel_state.get_pipeline_model_parallel_next_rank(),
-                group,
-                GRADIENT_TAG,
-            )
+            dist.P2POp(dist.isend, _encoded_shape(send_prev), prev_rank, group, GRADIENT_TAG)
         )
+    if recv_next_shape is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_next_shape, next_rank, group, GRADIENT_TAG))
     for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
 

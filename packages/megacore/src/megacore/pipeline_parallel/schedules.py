@@ -218,7 +218,6 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
             output = outputs[step.chunk].pop(step.microbatch)
             if last and run.grad_scale_func is not None:
                 output = run.grad_scale_func(output)
-            retire(block=False)
             with sync_context(step):
                 custom_backward(output, grad)
             if not first:
@@ -265,6 +264,8 @@ def _forward_backward(
         raise ValueError(
             "pipeline schedule: encoder-decoder models (decoder_seq_length) are not supported"
         )
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("pipeline schedule: collect_non_loss_data=True needs forward_only=True")
     if num_microbatches < 1:
         raise ValueError(
             f"pipeline schedule: num_microbatches must be >= 1, got {num_microbatches}"
@@ -303,8 +304,6 @@ def _forward_backward(
         grad_scale_func=grad_scale_func,
         collect_non_loss_data=collect_non_loss_data,
     )
-    if collect_non_loss_data and not forward_only:
-        raise ValueError("pipeline schedule: collect_non_loss_data=True needs forward_only=True")
     losses = _execute(run, steps, interleaved=kind == "interleaved")
     if finalize_model_grads_func is not None and not forward_only:
         finalize_model_grads_func(chunks)

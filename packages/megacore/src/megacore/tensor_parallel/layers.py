@@ -61,19 +61,31 @@ def _tp_size_and_rank() -> tuple[int, int]:
     )
 
 
-def _initialize_affine_weight(
-    weight: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int, stride: int, init_method
-) -> None:
+def _sharded_weight(
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    stride: int,
+    init_method: InitMethod | None,
+    perform_initialization: bool,
+    dtype: torch.dtype,
+    device,
+) -> nn.Parameter:
+    """This rank's slice of a weight split along `partition_dim`, marked as a TP shard.
+
+    Initialized (unless `perform_initialization` is False, e.g. before loading a
+    checkpoint) as the slice of the full weight drawn on the CPU.
+    """
     world, rank = _tp_size_and_rank()
+    shape = list(full_shape)
+    shape[partition_dim] //= world
+    weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
-    master = torch.empty(full_shape, dtype=torch.float32)
-    init_method(master)
-    with torch.no_grad():
-        weight.copy_(shard_of(master, partition_dim, rank, world, stride))
-
-
-def _new_param(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    if perform_initialization:
+        master = torch.empty(full_shape, dtype=torch.float32)
+        (init_method or init_method_normal())(master)
+        with torch.no_grad():
+            weight.copy_(shard_of(master, partition_dim, rank, world, stride))
+    return weight
 
 
 def _zero_bias(size, dtype, device) -> nn.Parameter:
@@ -128,19 +140,10 @@ class ColumnParallelLinear(nn.Module):
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = _new_param(
-                (self.output_size_per_partition, input_size), params_dtype, device
-            )
-            if perform_initialization:
-                _initialize_affine_weight(
-                    self.weight,
-                    (output_size, input_size),
-                    0,
-                    stride,
-                    init_method or init_method_normal(),
-                )
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.weight = _sharded_weight(
+                (output_size, input_size), 0, stride, init_method, perform_initialization,
+                params_dtype, device,
+            )  # fmt: skip
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -221,17 +224,10 @@ class RowParallelLinear(nn.Module):
             )
             * stride
         )
-        self.weight = _new_param((output_size, self.input_size_per_partition), params_dtype, device)
-        if perform_initialization:
-            _initialize_affine_weight(
-                self.weight,
-                (output_size, input_size),
-                1,
-                stride,
-                init_method or init_method_normal(),
-            )
-        else:
-            set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.weight = _sharded_weight(
+            (output_size, input_size), 1, stride, init_method, perform_initialization,
+            params_dtype, device,
+        )  # fmt: skip
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
             # Replicated on TP ranks; under sequence parallelism each rank's gradient is partial.
@@ -288,19 +284,10 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, rank, world)
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
-        self.weight = _new_param(
-            (self.num_embeddings_per_partition, embedding_dim), params_dtype, device
-        )
-        if perform_initialization:
-            _initialize_affine_weight(
-                self.weight,
-                (num_embeddings, embedding_dim),
-                0,
-                1,
-                init_method or init_method_normal(),
-            )
-        else:
-            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.weight = _sharded_weight(
+            (num_embeddings, embedding_dim), 0, 1, init_method, perform_initialization,
+            params_dtype, device,
+        )  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.num_embeddings_per_partition == self.num_embeddings:

@@ -8,6 +8,8 @@ without knowing the layer that made it.
 
 import torch
 
+from megacore import parallel_state
+
 
 def divide(numerator: int, denominator: int, what: str = "value", by: str = "divisor") -> int:
     """numerator // denominator, or a ValueError naming both numbers when it does not divide."""
@@ -23,8 +25,6 @@ def divide_by_tp(numerator: int, what: str, tensor_model_parallel_size: int | No
     a bad configuration fails on every rank at construction, before any collective.
     """
     if tensor_model_parallel_size is None:
-        from megacore import parallel_state
-
         tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
     return divide(numerator, tensor_model_parallel_size, what, "tensor_model_parallel_size")
 
@@ -66,8 +66,6 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
     """True for shards, and for replicated parameters on TP rank 0 only (so each counts once)."""
     if getattr(param, "tensor_model_parallel", False):
         return True
-    from megacore import parallel_state
-
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
