@@ -1,5 +1,10 @@
-"""Data parallelism over the data-parallel group (issue 5: more to come)."""
+"""Data parallelism over the data-parallel group: contiguous gradient buckets, ZeRO-1 layout."""
 
-from megacore.distributed.data_parallel import DistributedDataParallel
+from megacore.distributed.data_parallel import (
+    Bucket,
+    DistributedDataParallel,
+    GradBuffer,
+    ShardRange,
+)
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["Bucket", "DistributedDataParallel", "GradBuffer", "ShardRange"]

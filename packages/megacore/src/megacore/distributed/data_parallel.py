@@ -1,15 +1,25 @@
 """Data parallelism with gradients accumulated into contiguous buffers (Megatron-LM's DDP).
 
 Each parameter's gradient lives in `param.main_grad`, a view into one flat
-buffer per gradient dtype (fp32 for bf16/fp16 models with
-`grad_reduce_in_fp32=True`).  Parameters are laid out in reverse order of
-registration, which is close to the order backward produces their gradients,
-and the buffer is cut into buckets of about `bucket_size` elements.  A hook
-after each gradient accumulation adds `param.grad` into `main_grad` and frees
-`param.grad`.  On the last microbatch (outside `no_sync()`) a bucket is
-all-reduced over the data-parallel group as soon as all its gradients are in
+buffer per (parameter dtype, gradient dtype); gradients are fp32 for bf16/fp16
+models with `grad_reduce_in_fp32=True`.  Parameters are laid out in reverse
+order of registration, which is close to the order backward produces their
+gradients, and each buffer is cut into buckets of about `bucket_size` elements.
+A hook after each gradient accumulation adds `param.grad` into `main_grad` and
+frees `param.grad`.  On the last microbatch (outside `no_sync()`) a bucket is
+reduced over the data-parallel group as soon as all its gradients are in
 (`overlap_grad_reduce=True`), or all buckets at `finish_grad_sync()`.
 Gradients are averaged: each rank scales by 1/dp before the sum.
+
+With `use_distributed_optimizer=True` (seed 002, ZeRO-1) every bucket is padded
+to a multiple of dp and split into dp equal contiguous shards; the reduction
+is a reduce-scatter, after which rank r holds the summed gradients of its shard
+only.  The parameters then live in a param buffer laid out like the gradients,
+so the optimizer updates its shard in place and `all_gather_params()` gives
+every rank the whole model again.  A parameter marked `shared_embedding` (the
+tied word embeddings on the first and last pipeline stage) gets a bucket of its
+own, so both copies shard identically and summing them over the stages after
+the reduce-scatter stays exact.
 """
 
 import contextlib
@@ -20,14 +30,60 @@ import torch.distributed as dist
 from torch import nn
 
 from megacore import parallel_state as ps
+from megacore.collectives import all_gather_flat, reduce_scatter_flat
 
 
-@dataclass
-class _Bucket:
-    buffer: torch.Tensor  # a view into the dtype's flat buffer
-    params: set = field(default_factory=set)
+@dataclass(eq=False)
+class Bucket:
+    grad_data: (
+        torch.Tensor
+    )  # a view into the buffer's grad_data, length a multiple of dp if sharded
+    param_data: torch.Tensor | None  # the same range of the param buffer (sharded only)
+    offset: int  # where the bucket starts in its buffer
+    params: list[nn.Parameter]
     ready: set = field(default_factory=set)
     handle: object = None
+
+
+@dataclass(eq=False)
+class GradBuffer:
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    grad_data: torch.Tensor
+    param_data: torch.Tensor | None
+    buckets: list[Bucket]
+    param_ranges: dict[nn.Parameter, tuple[int, int]]  # [start, end) of each parameter
+
+
+@dataclass(frozen=True, eq=False)
+class ShardRange:
+    """Where a piece of a parameter sits in this data-parallel rank's shard (seed 002's ranges).
+
+    `world`: [start, end) in the buffer; `local`: in this rank's shard of the bucket;
+    `param`: in the flattened parameter.
+    """
+
+    param: nn.Parameter
+    buffer: GradBuffer
+    bucket: Bucket
+    world: tuple[int, int]
+    local: tuple[int, int]
+    param_range: tuple[int, int]
+
+
+def _bucket_layout(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
+    buckets, current, size = [], [], 0
+    for p in params:
+        if getattr(p, "shared_embedding", False):
+            buckets += [current, [p]] if current else [[p]]
+            current, size = [], 0
+            continue
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_size:
+            buckets.append(current)
+            current, size = [], 0
+    return [*buckets, current] if current else buckets
 
 
 class DistributedDataParallel(nn.Module):
@@ -37,6 +93,7 @@ class DistributedDataParallel(nn.Module):
         *,
         grad_reduce_in_fp32: bool = False,
         overlap_grad_reduce: bool = False,
+        use_distributed_optimizer: bool = False,
         bucket_size: int = 40_000_000,
         data_parallel_group: dist.ProcessGroup | None = None,
     ):
@@ -47,34 +104,56 @@ class DistributedDataParallel(nn.Module):
             )
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
         self.group = data_parallel_group or ps.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.group)
+        self.dp_rank = dist.get_rank(self.group)
         self.sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         params = list(dict.fromkeys(params))[::-1]  # unique, roughly in backward order
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
-            dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
-            by_dtype.setdefault(dtype, []).append(p)
-        self.buffers: dict[torch.dtype, torch.Tensor] = {}
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        for dtype, group_params in by_dtype.items():
-            total = sum(p.numel() for p in group_params)
-            buffer = torch.zeros(total, dtype=dtype, device=group_params[0].device)
-            self.buffers[dtype] = buffer
-            offset, bucket_start, members = 0, 0, []
-            for i, p in enumerate(group_params):
-                p.main_grad = buffer[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                members.append(p)
-                if offset - bucket_start >= bucket_size or i == len(group_params) - 1:
-                    bucket = _Bucket(buffer[bucket_start:offset], {id(m) for m in members})
-                    self.buckets.append(bucket)
-                    for m in members:
-                        self._bucket_of[id(m)] = bucket
-                    bucket_start, members = offset, []
+            grad_dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
+            by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
+        self.buffers = [
+            self._make_buffer(dtypes, group_params, bucket_size)
+            for dtypes, group_params in by_dtype.items()
+        ]
+        self.buckets = [b for buffer in self.buffers for b in buffer.buckets]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    def _make_buffer(self, dtypes, params, bucket_size) -> GradBuffer:
+        param_dtype, grad_dtype = dtypes
+        layout, ranges, offset = [], {}, 0
+        for members in _bucket_layout(params, bucket_size):
+            start = offset
+            for p in members:
+                ranges[p] = (offset, offset + p.numel())
+                offset += p.numel()
+            if self.use_distributed_optimizer:
+                offset += -(offset - start) % self.dp_size  # pad to a multiple of dp
+            layout.append((members, start, offset))
+        device = params[0].device
+        grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
+        param_data = None
+        if self.use_distributed_optimizer:
+            param_data = torch.zeros(offset, dtype=param_dtype, device=device)
+            for p, (start, end) in ranges.items():
+                param_data[start:end].copy_(p.data.reshape(-1))
+                p.data = param_data[start:end].view_as(p)
+        for p, (start, end) in ranges.items():
+            p.main_grad = grad_data[start:end].view_as(p)
+        buckets = [
+            Bucket(
+                grad_data[start:end],
+                None if param_data is None else param_data[start:end],
+                start,
+                members,
+            )
+            for members, start, end in layout
+        ]
+        return GradBuffer(param_dtype, grad_dtype, grad_data, param_data, buckets, ranges)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -95,15 +174,24 @@ class DistributedDataParallel(nn.Module):
             return
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
-        if bucket.ready == bucket.params and bucket.handle is None:
+        if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start(bucket)
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _shard(self, data: torch.Tensor) -> torch.Tensor:
+        size = data.numel() // self.dp_size
+        return data[self.dp_rank * size : (self.dp_rank + 1) * size]
+
+    def _start(self, bucket: Bucket) -> None:
         if self.dp_size == 1:
             bucket.handle = True
             return
-        bucket.buffer.div_(self.dp_size)
-        bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.grad_data.div_(self.dp_size)
+        if self.use_distributed_optimizer:
+            bucket.handle = reduce_scatter_flat(
+                self._shard(bucket.grad_data), bucket.grad_data, group=self.group, async_op=True
+            )
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Complete the data-parallel reduction of every bucket (call after the last backward)."""
@@ -116,10 +204,45 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = None
             bucket.ready.clear()
 
+    def local_shard_ranges(self) -> list[ShardRange]:
+        """The pieces of parameters this rank owns (all of every parameter without sharding)."""
+        out = []
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                if self.use_distributed_optimizer:
+                    size = bucket.grad_data.numel() // self.dp_size
+                    lo = bucket.offset + self.dp_rank * size
+                    hi = lo + size
+                else:
+                    lo, hi = bucket.offset, bucket.offset + bucket.grad_data.numel()
+                for p in bucket.params:
+                    start, end = buffer.param_ranges[p]
+                    a, b = max(start, lo), min(end, hi)
+                    if a < b:
+                        out.append(
+                            ShardRange(
+                                p, buffer, bucket, (a, b), (a - lo, b - lo), (a - start, b - start)
+                            )
+                        )
+        return out
+
+    def all_gather_params(self) -> None:
+        """Give every rank the parameters the others updated (distributed optimizer only)."""
+        if not self.use_distributed_optimizer or self.dp_size == 1:
+            return
+        handles = [
+            all_gather_flat(
+                bucket.param_data, self._shard(bucket.param_data), group=self.group, async_op=True
+            )
+            for bucket in self.buckets
+        ]
+        for handle in handles:
+            handle.wait()
+
     def zero_grad_buffer(self) -> None:
         """Zero every main_grad before the next step's first microbatch."""
-        for buffer in self.buffers.values():
-            buffer.zero_()
+        for buffer in self.buffers:
+            buffer.grad_data.zero_()
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.handle = None

@@ -5,7 +5,9 @@ powers of the gradients it owns, summed over the model-parallel group (TP x PP).
 A parameter replicated over TP ranks (LayerNorm weights, row-parallel biases)
 counts only on TP rank 0, and the tied word embeddings only on the first stage
 (the last stage's copy is marked `shared_embedding`).  So the result equals
-`torch.nn.utils.clip_grad_norm_` on the gathered model.
+`torch.nn.utils.clip_grad_norm_` on the gathered model.  The distributed
+optimizer passes its fp32 shards, which carry the same marks, and adds the
+data-parallel group to `groups`, since each DP rank then holds a different piece.
 """
 
 import math
@@ -23,7 +25,8 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad if main is None else main
 
 
-def _counts_once(p: torch.Tensor) -> bool:
+def counts_once(p: torch.Tensor) -> bool:
+    """Whether p's gradient enters the global norm on this rank (so each element counts once)."""
     if not param_is_not_tensor_parallel_duplicate(p):
         return False
     if getattr(p, "shared_embedding", False):
@@ -31,34 +34,44 @@ def _counts_once(p: torch.Tensor) -> bool:
     return True
 
 
-def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> float:
-    """Global norm of the gradients of the whole model, the same on every model-parallel rank."""
+def get_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, groups: list | None = None
+) -> float:
+    """Global norm of the gradients of the whole model, the same on every rank of `groups`.
+
+    `groups` defaults to the model-parallel group (TP x PP).
+    """
     params = [p for p in parameters if _grad(p) is not None]
-    grads = [_grad(p).detach().float() for p in params if _counts_once(p)]
+    grads = [_grad(p).detach().float() for p in params if counts_once(p)]
     device = grads[0].device if grads else torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    group = ps.get_model_parallel_group()
+    groups = [ps.get_model_parallel_group()] if groups is None else groups
     if norm_type == math.inf:
         local = max((g.abs().max() for g in grads), default=torch.tensor(0.0))
-        total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return total.item()
-    local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.tensor(0.0))
+        op = dist.ReduceOp.MAX
+    else:
+        local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.tensor(0.0))
+        op = dist.ReduceOp.SUM
     total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
-    dist.all_reduce(total, group=group)
-    return total.item() ** (1.0 / norm_type)
+    for group in groups:
+        dist.all_reduce(total, op=op, group=group)
+    return total.item() if norm_type == math.inf else total.item() ** (1.0 / norm_type)
 
 
 def clip_grad_norm(
-    parameters: Iterable[torch.Tensor], max_norm: float = 1.0, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float = 1.0,
+    norm_type: float = 2.0,
+    *,
+    groups: list | None = None,
 ) -> float:
     """Scale every gradient by max_norm / total_norm when the total exceeds max_norm.
 
     Returns the total norm before clipping (inf or nan when a gradient is).
     """
     params = [p for p in parameters if _grad(p) is not None]
-    total = get_grad_norm(params, norm_type)
+    total = get_grad_norm(params, norm_type, groups=groups)
     coeff = max_norm / (total + 1e-6)
     if coeff < 1.0:
         for p in params:

@@ -189,7 +189,7 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         if step.kind == "F":
             input_tensor = None if first else communicate(recv_prev=True, **comm)[0]
-            set_input = getattr(chunk, "set_input_tensor", None)
+            set_input = _wrapped_attr(chunk, "set_input_tensor")
             if set_input is not None:
                 set_input(input_tensor)
             elif not first:
@@ -228,6 +228,13 @@ def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
     if interleaved:
         ps.set_virtual_pipeline_model_parallel_rank(0)
     return losses
+
+
+def _wrapped_attr(module: nn.Module, name: str):
+    """`module.name`, looking through wrappers that keep the model in `.module` (DDP)."""
+    while not hasattr(module, name) and hasattr(module, "module"):
+        module = module.module
+    return getattr(module, name, None)
 
 
 def _as_list(x, n: int, what: str) -> list:

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from megacore import parallel_state
+from megacore.collectives import all_gather_flat, reduce_scatter_flat
 
-# torch renamed the flat-tensor collectives; take whichever this torch has.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = all_gather_flat  # module attributes, so tests can count the calls
+_reduce_scatter_flat = reduce_scatter_flat
 
 
 def _tp():

@@ -1,0 +1,355 @@
+"""The optimizer (fp32 masters, loss scaling, clipping, ZeRO-1 sharding) under real gloo groups.
+
+Every run trains the same tiny GPT for a few Adam steps on the same global
+batches; one process over the whole batch is the reference.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from tiny_transformer import TinyConfig, build_chunks, full_tensor
+
+from megacore import parallel_state as ps
+from megacore import pipeline_parallel as pipe
+from megacore import tensor_parallel as tp
+from megacore.distributed import DistributedDataParallel
+from megacore.optimizer import MegatronOptimizer, OptimizerConfig
+from megacore.testing import run_distributed
+
+SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, STEPS = 8, 2, 8, 5
+CFG = TinyConfig(vocab_size=64, hidden=32, heads=4, ffn=64, layers=4)
+LR = 0.01
+# Parallel fp32 runs against one process: losses and gradient norms within FP32_TOL
+# (relative for norms), weights within lr / 20: Adam's first step is about lr * g / |g|, so
+# elements whose gradient is rounding noise (the key biases' is exactly 0 in exact math) move
+# by up to ~lr / 70 between summation orders; a wrong shard or a lost contribution moves by ~lr.
+# Adam does not see a wrong gradient scale; the norms do.
+FP32_TOL, FP32_WEIGHT_TOL = 2e-5, LR / 20
+# bf16/fp16 against fp32 after 5 steps: the loss (about 4.2) within LOSS_TOL, and the mean
+# absolute weight difference within WEIGHT_TOL times the mean absolute change of the weights
+# over the 5 steps (measured: bf16 9e-4 and 0.05, fp16 1.2e-4 and 0.01).
+LOW_PRECISION = {  # dtype: (LOSS_TOL, WEIGHT_TOL)
+    "torch.bfloat16": (5e-3, 0.15),
+    "torch.float16": (1e-3, 0.04),
+}
+
+
+def _batches(step):
+    """The global batch of a step: GLOBAL_MICROBATCHES microbatches, split over DP ranks."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(
+        0, CFG.vocab_size, (GLOBAL_MICROBATCHES, MICRO_BATCH, SEQ + 1), generator=g
+    )
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _forward_step(inject_inf):
+    def forward_step(data_iterator, model):
+        out = model(*next(data_iterator))
+
+        def loss_func(loss):
+            if inject_inf[0]:  # once, in this rank's first microbatch
+                loss, inject_inf[0] = loss * math.inf, False
+            return loss, {"loss": loss.detach().float()}
+
+        return out, loss_func
+
+    return forward_step
+
+
+def _train(
+    *,
+    tp_size=1,
+    pp=1,
+    vpp=None,
+    dp_groups=None,
+    dist_opt=False,
+    dtype=torch.float32,
+    steps=STEPS,
+    inject_at=(),
+    grad_reduce_in_fp32=True,
+    state=None,
+    start=0,
+    **opt,
+):
+    """Train `steps` steps from step `start` and report losses, weights and optimizer facts.
+
+    dp_groups=None is one process over the whole global batch (dp counts as 1).
+    dp_groups='world' uses the data-parallel group of the layout; a list of rank
+    lists makes explicit data-parallel groups (pure data parallelism on part of
+    the world).  `state` resumes from an earlier run's `state`.
+    """
+    ps.initialize_model_parallel(tp_size, pp, vpp)
+    tp.model_parallel_manual_seed(0)
+    chunks = [c.to(dtype) for c in build_chunks(CFG, pp, vpp)]
+    group = None
+    if isinstance(dp_groups, list):
+        made = [dist.new_group(ranks) for ranks in dp_groups]
+        group = next(g for g, r in zip(made, dp_groups, strict=True) if dist.get_rank() in r)
+    if dp_groups is not None:
+        chunks = [
+            DistributedDataParallel(
+                c,
+                grad_reduce_in_fp32=grad_reduce_in_fp32,
+                overlap_grad_reduce=True,
+                use_distributed_optimizer=dist_opt,
+                bucket_size=700,  # several buckets, some parameters split between ranks
+                data_parallel_group=group,
+            )
+            for c in chunks
+        ]
+        group = chunks[0].group
+    dp = dist.get_world_size(group) if group else 1
+    dp_rank = dist.get_rank(group) if group else 0
+    config = OptimizerConfig(
+        lr=LR,
+        clip_grad=1.0,
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+        use_distributed_optimizer=dist_opt,
+        initial_loss_scale=2.0**10,
+        **opt,
+    )
+    optimizer = MegatronOptimizer(config, chunks)
+    if state is not None:
+        for c, weights in zip(chunks, state["model"], strict=True):
+            c.load_state_dict(weights)
+        optimizer.load_state_dict(state["optimizer"])
+    losses, results, scales = [], [], []
+    for step in range(start, start + steps):
+        count = GLOBAL_MICROBATCHES // dp
+        mine = _batches(step)[dp_rank * count : (dp_rank + 1) * count]
+        inject = [step in inject_at and dp_rank == dp - 1]
+        infos = pipe.get_forward_backward_func()(
+            forward_step_func=_forward_step(inject),
+            data_iterator=[iter(mine) for _ in chunks] if vpp else iter(mine),
+            model=chunks if vpp else chunks[0],
+            num_microbatches=len(mine),
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            hidden_size=CFG.hidden,
+            dtype=dtype,
+            grad_scale_func=optimizer.scale_loss,
+            finalize_model_grads_func=pipe.finalize_model_grads,
+        )
+        if infos:  # the last pipeline stage: the mean loss over the global batch
+            loss = torch.stack([i["loss"] for i in infos]).mean().reshape(1)
+            if group is not None:
+                dist.all_reduce(loss, group=group)
+            losses.append(loss.item() / dp)
+        results.append(optimizer.step())
+        scales.append(optimizer.get_loss_scale())
+        optimizer.zero_grad()
+    module = lambda c: c.module if isinstance(c, DistributedDataParallel) else c  # noqa: E731
+    weights = {}
+    for c in chunks:
+        for name, p in module(c).named_parameters():
+            name = "embedding.weight" if name == "output_weight" else name
+            weights[name] = full_tensor(p).float()
+    out = {
+        "losses": losses,
+        "weights": weights,
+        "ok": [r[0] for r in results],
+        "grad_norms": [r[1] for r in results],
+        "scales": scales,
+        "skipped": optimizer.num_skipped_steps,
+        "state": {
+            "model": [{k: v.clone() for k, v in c.state_dict().items()} for c in chunks],
+            "optimizer": optimizer.state_dict(),
+        },
+        "owned": _owned_elements(optimizer, group),
+    }
+    ps.destroy_model_parallel()
+    return out
+
+
+def _owned_elements(optimizer, group):
+    """(elements this rank keeps masters of, the same summed over DP, elements of the model)."""
+    owned = sum(s.end - s.start for s in optimizer.shards)
+    total = torch.tensor([owned])
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return (
+        owned,
+        total.item(),
+        sum(p.numel() for c in optimizer.model_chunks for p in c.parameters()),
+    )
+
+
+def _diff(run, reference):
+    """Of a run against the reference: (max loss difference, max and mean weight difference)."""
+    losses = run["losses"] or reference["losses"]  # stages before the last have none
+    loss = max(abs(a - b) for a, b in zip(losses, reference["losses"], strict=True))
+    diffs = [(w - reference["weights"][n]).abs() for n, w in run["weights"].items()]
+    mean = sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs)
+    return loss, max(d.max().item() for d in diffs), mean
+
+
+def _world_of_4():
+    reference = _train()
+    initial = _train(steps=0)
+    out = {"reference_norms": reference["grad_norms"], "update": _diff(initial, reference)[2]}
+    # fp32: pure data parallelism at dp=4 and dp=2, and tp=2 x dp=2, with and without sharding.
+    layouts = {"dp4": (1, "world"), "dp2": (1, [[0, 1], [2, 3]]), "tp2dp2": (2, "world")}
+    for name, (tp_size, groups) in layouts.items():
+        for dist_opt in (False, True):
+            run = _train(tp_size=tp_size, dp_groups=groups, dist_opt=dist_opt)
+            out[("fp32", name, dist_opt)] = {
+                "diff": _diff(run, reference),
+                "ok": run["ok"],
+                "norms": run["grad_norms"],
+                "owned": run["owned"],
+            }
+    # bf16 and fp16 (fp32 gradient buffers and fp16 ones) against fp32.
+    for dtype in (torch.bfloat16, torch.float16):
+        for dist_opt in (False, True):
+            for fp32_grads in (True, False):
+                run = _train(
+                    dp_groups=[[0, 1], [2, 3]],
+                    dist_opt=dist_opt,
+                    dtype=dtype,
+                    grad_reduce_in_fp32=fp32_grads,
+                )
+                out[(str(dtype), dist_opt, fp32_grads)] = {
+                    "diff": _diff(run, reference),
+                    "skipped": run["skipped"],
+                }
+    # An inf in fp16 on one rank, at steps 1 and 2: hysteresis 2 keeps the scale once,
+    # then halves it; both steps are skipped on every rank and change no weight.
+    for dist_opt in (False, True):
+        runs = [
+            _train(
+                dp_groups="world",
+                dist_opt=dist_opt,
+                dtype=torch.float16,
+                steps=n,
+                inject_at=(1, 2),
+            )
+            for n in (1, 2, 3, 4)
+        ]
+        same = [
+            max(
+                (runs[i]["weights"][k] - runs[0]["weights"][k]).abs().max().item()
+                for k in runs[0]["weights"]
+            )
+            for i in (1, 2, 3)
+        ]
+        out[("inf", dist_opt)] = {
+            "ok": runs[3]["ok"],
+            "scales": runs[3]["scales"],
+            "skipped": runs[3]["skipped"],
+            "weight_change_after": same,
+            "losses": runs[3]["losses"],
+        }
+    # State: 3 steps, save, a fresh optimizer loads and goes on for 2: the same as 5 in a row.
+    for dist_opt in (False, True):
+        kw = {"dp_groups": "world", "dist_opt": dist_opt, "dtype": torch.float16}
+        whole = _train(**kw)
+        first = _train(**kw, steps=3)
+        rest = _train(**kw, steps=2, start=3, state=first["state"])
+        out[("resume", dist_opt)] = {
+            "losses": (first["losses"] + rest["losses"], whole["losses"]),
+            "weights": max(
+                (rest["weights"][k] - whole["weights"][k]).abs().max().item()
+                for k in whole["weights"]
+            ),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def world_of_4():
+    return run_distributed(_world_of_4, world_size=4, timeout=600)
+
+
+def test_fp32_data_parallel_layouts_equal_one_process(world_of_4):
+    for out in world_of_4:
+        for name in ("dp4", "dp2", "tp2dp2"):
+            for dist_opt in (False, True):
+                got = out[("fp32", name, dist_opt)]
+                where = f"{name} dist_opt={dist_opt}"
+                assert got["diff"][0] < FP32_TOL, where
+                assert got["diff"][1] < FP32_WEIGHT_TOL, where
+                assert all(got["ok"]), where
+                # Clipping was active (norm > 1.0) so the equality covers it too.
+                assert max(got["norms"]) > 1.0, where
+                for a, b in zip(got["norms"], out["reference_norms"], strict=True):
+                    assert abs(a - b) < FP32_TOL * b, where
+                mine, over_dp, model = got["owned"]
+                if dist_opt:  # each rank keeps about 1/dp of the masters, together all once
+                    dp = 4 if name == "dp4" else 2
+                    assert over_dp == model, where
+                    assert abs(mine - model / dp) < 0.1 * model / dp, where
+                else:
+                    assert mine == model, where
+
+
+def test_low_precision_stays_near_fp32(world_of_4):
+    for out in world_of_4:
+        for dtype in ("torch.bfloat16", "torch.float16"):
+            for dist_opt in (False, True):
+                for fp32_grads in (True, False):
+                    got = out[(dtype, dist_opt, fp32_grads)]
+                    where = f"{dtype} dist_opt={dist_opt} fp32 grads={fp32_grads}"
+                    loss_tol, weight_tol = LOW_PRECISION[dtype]
+                    assert got["diff"][0] < loss_tol, where
+                    assert got["diff"][2] < weight_tol * out["update"], where
+                    assert got["diff"][1] > 0, where  # it did run in low precision
+                    assert got["skipped"] == 0, where
+
+
+def test_injected_inf_skips_step_and_backs_off_scale(world_of_4):
+    for out in world_of_4:
+        for dist_opt in (False, True):
+            got = out[("inf", dist_opt)]
+            assert got["ok"] == [True, False, False, True], dist_opt
+            assert got["scales"] == [2.0**10, 2.0**10, 2.0**9, 2.0**9], dist_opt
+            assert got["skipped"] == 2, dist_opt
+            # Weights after steps 1 and 2 equal those after step 0; step 3 moves them.
+            assert got["weight_change_after"][0] == 0.0, dist_opt
+            assert got["weight_change_after"][1] == 0.0, dist_opt
+            assert got["weight_change_after"][2] > 0.0, dist_opt
+            assert math.isinf(got["losses"][1]) or math.isnan(got["losses"][1])
+
+
+def test_optimizer_state_resumes_exactly(world_of_4):
+    for out in world_of_4:
+        for dist_opt in (False, True):
+            got = out[("resume", dist_opt)]
+            assert got["losses"][0] == got["losses"][1], dist_opt
+            assert got["weights"] == 0.0, dist_opt
+
+
+def _world_of_8():
+    reference = _train()
+    out = {}
+    for vpp in (None, 2):
+        for dist_opt in (False, True):
+            run = _train(tp_size=2, pp=2, vpp=vpp, dp_groups="world", dist_opt=dist_opt)
+            out[(vpp, dist_opt)] = {
+                "diff": _diff(run, reference),
+                "n_losses": len(run["losses"]),
+                "norm_diff": max(
+                    abs(a - b) / b
+                    for a, b in zip(run["grad_norms"], reference["grad_norms"], strict=True)
+                ),
+            }
+    return out
+
+
+def test_tp2_pp2_dp2_equals_one_process():
+    for rank, out in enumerate(run_distributed(_world_of_8, world_size=8, timeout=600)):
+        last_stage = ps_layout_is_last_stage(rank)
+        for (vpp, dist_opt), got in out.items():
+            where = f"rank {rank} vpp={vpp} dist_opt={dist_opt}"
+            assert got["n_losses"] == (STEPS if last_stage else 0), where
+            assert got["diff"][0] < FP32_TOL, where
+            assert got["diff"][1] < FP32_WEIGHT_TOL, where
+            assert got["norm_diff"] < FP32_TOL, where
+
+
+def ps_layout_is_last_stage(rank, world=8, tp_size=2, pp=2):
+    """Pipeline stage = the outermost coordinate of the Megatron layout."""
+    return rank // (world // pp) == pp - 1
