@@ -1,9 +1,17 @@
-"""Optimizer pieces: dynamic loss scaling (Megatron's rule, step by step), Adam parameter groups."""
+"""Optimizer pieces in one process: loss scaling step by step, decay groups, bad input."""
 
 import pytest
 import torch
+from torch import nn
 
-from megacore.optimizer import ConstantGradScaler, DynamicGradScaler
+from megacore.optimizer import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronOptimizer,
+    NonFiniteLossError,
+    NonFiniteLossGuard,
+    OptimizerConfig,
+)
 
 
 def test_defaults_are_the_papers():
@@ -69,21 +77,54 @@ def test_bad_settings_named():
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    from torch import nn
-
-    from megacore.optimizer import adamw, get_param_groups
-
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2, bias=False))
-    decay, no_decay = get_param_groups([model, model])  # a chunk listed twice counts once
+    opt = MegatronOptimizer(OptimizerConfig(lr=1e-3), [model, model])  # listed twice: once
+    assert isinstance(opt.optimizer, torch.optim.AdamW)  # decoupled decay
+    decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
-    assert [p.shape for p in decay["params"]] == [(8, 4), (2, 8)]
-    assert [p.shape for p in no_decay["params"]] == [(8,), (8,), (8,)]
-    opt = adamw([model], lr=1e-3)
-    # Decoupled decay: a zero gradient still shrinks matrices, and leaves biases alone.
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    before = [p.detach().clone() for p in model.parameters()]
-    opt.step()
-    after = list(model.parameters())
-    assert torch.allclose(after[0], before[0] * (1 - 1e-3 * 0.01))
-    assert torch.equal(after[1], before[1])  # bias
+    assert [p.numel() for p in decay["params"]] == [32, 16]
+    assert [p.numel() for p in no_decay["params"]] == [8, 8, 8]
+
+
+def test_distributed_optimizer_needs_the_data_parallel_wrapper():
+    config = OptimizerConfig(use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match=r"DistributedDataParallel.*chunk 0 is a Linear"):
+        MegatronOptimizer(config, [nn.Linear(2, 2)])
+
+
+def test_model_dtype_must_match_the_config():
+    with pytest.raises(ValueError, match=r"torch.float16 but OptimizerConfig.*set fp16=True"):
+        MegatronOptimizer(OptimizerConfig(), [nn.Linear(2, 2).half()])
+    with pytest.raises(ValueError, match="fp16 and bf16 are exclusive"):
+        OptimizerConfig(fp16=True, bf16=True)
+
+
+def test_low_precision_on_a_device_that_cannot(monkeypatch):
+    from megacore import precision
+
+    precision.check_device_supports(torch.bfloat16, "cpu")  # the real probe: this CPU can
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (5, 2))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla M40")
+    with pytest.raises(RuntimeError, match=r"fp16 asked for, but Tesla M40.*capability 5.2"):
+        precision.check_device_supports(torch.float16, "cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    with pytest.raises(RuntimeError, match=r"bf16 .* needs at least 8.0.*use fp16 or fp32"):
+        precision.check_device_supports(torch.bfloat16, "cuda:0")
+
+    def no_half(dtype, device):
+        raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'")
+
+    monkeypatch.setattr(precision, "_probe", no_half)
+    with pytest.raises(RuntimeError, match=r"device 'cpu' cannot train in it.*not implemented"):
+        MegatronOptimizer(OptimizerConfig(fp16=True), [nn.Linear(2, 2).half()])
+
+
+def test_loss_nan_for_n_steps_stops_with_the_step_number():
+    guard = NonFiniteLossGuard(max_consecutive=3)
+    guard.check(float("nan"), step=10)
+    guard.check(float("inf"), step=11)
+    guard.check(2.5, step=12)  # a finite loss resets the count
+    guard.check(float("nan"), step=13)
+    guard.check(float("nan"), step=14)
+    with pytest.raises(NonFiniteLossError, match=r"stopping at step 15.*3 steps.*13 to 15"):
+        guard.check(float("nan"), step=15)

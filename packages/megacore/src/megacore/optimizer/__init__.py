@@ -10,7 +10,6 @@ from megacore.optimizer.optimizer import (
     Shard,
     get_megatron_optimizer,
 )
-from megacore.optimizer.param_groups import adamw, get_param_groups
 
 __all__ = [
     "ConstantGradScaler",
@@ -20,10 +19,8 @@ __all__ = [
     "NonFiniteLossGuard",
     "OptimizerConfig",
     "Shard",
-    "adamw",
     "clip_grad_norm",
     "counts_once",
     "get_grad_norm",
     "get_megatron_optimizer",
-    "get_param_groups",
 ]

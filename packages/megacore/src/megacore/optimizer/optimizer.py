@@ -31,6 +31,7 @@ from megacore import parallel_state as ps
 from megacore.distributed import DistributedDataParallel
 from megacore.optimizer.clip_grads import clip_grad_norm, counts_once, get_grad_norm
 from megacore.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megacore.precision import check_device_supports
 
 
 @dataclass
@@ -119,6 +120,10 @@ class MegatronOptimizer:
         else:
             self.shards = [_make_shard(p, 0, p.numel()) for p in _unique_params(self.model_chunks)]
         self._check_dtypes()
+        low = torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else None
+        if low is not None and self.shards:
+            check_device_supports(low, self.shards[0].param.device)
+        # Decoupled weight decay on matrices only; biases and norm weights (1-D) do not decay.
         decay = [s.master for s in self.shards if s.param.dim() > 1]
         no_decay = [s.master for s in self.shards if s.param.dim() <= 1]
         self.optimizer = torch.optim.AdamW(
