@@ -8,14 +8,13 @@ from another recipe is refused rather than mixed.
 
 import hashlib
 import json
-import shutil
 import sys
 from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
 
 from megadata import __version__
-from megadata.documents import atomic_write_json, read_docs
+from megadata.documents import atomic_write_bytes, atomic_write_json, read_docs
 from megadata.runner import Runner, StageStats, Task
 from megadata.stages import clean, dedup, filter, ingest, shard, tokenize
 from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
@@ -228,10 +227,7 @@ def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
     def build(_):
         texts = (d["text"] for p in _parts(src) for d in read_docs(p))
         tok = build_tokenizer(recipe.tokenizer, texts, recipe.path.parent)
-        tok.save(str(recipe.work / "tokenizer" / "tokenizer.json"))
-        shutil.copyfile(
-            recipe.work / "tokenizer" / "tokenizer.json", recipe.output / "tokenizer.json"
-        )
+        atomic_write_bytes(recipe.output / "tokenizer.json", tok.to_str().encode())
         return {"extra": {"vocab_size": tok.get_vocab_size(with_added_tokens=True)}}
 
     return Runner(workers=1, progress=runner.progress).run(
@@ -272,7 +268,8 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     )
     reports = recipe.output / "reports"
     reports.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(recipe.work / "lsh" / "clusters.jsonl", reports / "dedup_clusters.jsonl")
+    clusters = (recipe.work / "lsh" / "clusters.jsonl").read_bytes()
+    atomic_write_bytes(reports / "dedup_clusters.jsonl", clusters)
     removed = str(recipe.work / "lsh" / "removed.json")
     stats = _map(runner, recipe, "dedup", "filter", dedup.remove_partition, removed)
     stats.extra.update(groups.extra)

@@ -1,0 +1,167 @@
+"""The whole recipe: the corpus contract, worker-count independence, kill -9 resume, bad input."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from corpus_inputs import write_inputs, write_recipe
+
+from megadata.cli import main
+from megadata.recipe import RecipeError, load_recipe, run_recipe
+
+
+def _shards(corpus: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(corpus)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(corpus.glob("*/shard-*.arrow"))
+    }
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, documents):
+    return write_inputs(tmp_path_factory.mktemp("inputs"), documents)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, inputs):
+    """The test recipe built once with 1 worker: (recipe, stage results)."""
+    root = tmp_path_factory.mktemp("one-worker")
+    recipe = load_recipe(write_recipe(root / "r.toml", inputs, root / "corpus"))
+    return recipe, run_recipe(recipe, workers=1, progress=False)
+
+
+def test_corpus_directory_follows_the_contract(built):
+    recipe, results = built
+    corpus = recipe.output
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    assert manifest["format_version"] == 1
+    tok = manifest["tokenizer"]
+    assert tok["kind"] == "gpt2-bpe" and tok["file"] == "tokenizer.json"
+    assert tok["sha256"] == hashlib.sha256((corpus / "tokenizer.json").read_bytes()).hexdigest()
+    assert [r.stage for r in results] == [
+        "ingest", "clean", "tokenizer", "filter", "dedup", "tokenize", "shard"
+    ]  # fmt: skip
+    total_docs = 0
+    for split in ("train", "valid"):
+        info = manifest["splits"][split]
+        assert info["shards"], split
+        docs = tokens = 0
+        for entry in info["shards"]:
+            path = corpus / entry["file"]
+            assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+            table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+            assert table.schema.field("tokens").type == pa.list_(pa.uint16())
+            for row in table.column("tokens").to_pylist():
+                assert row[-1] == tok["eod_id"] and tok["eod_id"] not in row[:-1]
+            docs += table.num_rows
+            tokens += sum(len(r) for r in table.column("tokens").to_pylist())
+            assert entry["docs"] == table.num_rows and entry["tokens"] == tokens - sum(
+                e["tokens"] for e in info["shards"][: info["shards"].index(entry)]
+            )
+        assert (docs, tokens) == (info["docs"], info["tokens"])
+        total_docs += docs
+    assert total_docs == results[-1].docs_out == results[4].docs_out
+    # Every stage reports its counts, and the documents flow from one to the next.
+    assert results[0].docs_out == results[1].docs_in
+    assert (
+        results[3].tokens > 0
+        and results[5].tokens
+        == manifest["splits"]["train"]["tokens"] + (manifest["splits"]["valid"]["tokens"])
+    )
+    assert (corpus / "reports" / "dedup_clusters.jsonl").exists()
+
+
+def test_two_workers_give_the_same_bytes(tmp_path, built, inputs):
+    recipe, _ = built
+    other = load_recipe(write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus"))
+    run_recipe(other, workers=2, progress=False)
+    assert _shards(other.output) == _shards(recipe.output)
+    assert (other.output / "tokenizer.json").read_bytes() == (
+        recipe.output / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_killed_at_any_moment_resumes_to_the_same_corpus(tmp_path, built, inputs):
+    """kill -9 the whole run (workers too) at growing delays, then let it finish."""
+    recipe, _ = built
+    path = write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus")
+    cmd = [sys.executable, "-c", "from megadata.cli import main; main()"]
+    cmd += ["run", "--recipe", str(path), "--no-progress"]
+    kills = 0
+    for delay in (0.8, 1.6, 2.4, 3.2, 4.0, 5.0):
+        proc = subprocess.Popen(
+            cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        time.sleep(delay)
+        if proc.poll() is not None:
+            break
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        _manifest_means_complete(tmp_path / "corpus")
+    assert kills >= 2
+    final = subprocess.run(cmd, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    assert _shards(tmp_path / "corpus") == _shards(recipe.output)
+    leftovers = [p for p in (tmp_path / "corpus").rglob("*.tmp")]
+    assert leftovers == [] or all("_work" in str(p) for p in leftovers)
+
+
+def _manifest_means_complete(corpus: Path) -> None:
+    """A manifest is written last: if there is one, every shard it lists is there and whole."""
+    if not (corpus / "manifest.json").exists():
+        return
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    for split in manifest["splits"].values():
+        for entry in split["shards"]:
+            data = (corpus / entry["file"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+
+
+def test_output_of_another_recipe_is_refused(tmp_path, built, inputs):
+    recipe, _ = built
+    other = write_recipe(tmp_path / "r.toml", inputs, recipe.output, filter={"min_tokens": 10})
+    with pytest.raises(RecipeError, match=r"holds a corpus of another recipe \('test'"):
+        run_recipe(load_recipe(other), workers=1, progress=False)
+    result = CliRunner().invoke(main, ["run", "--recipe", str(other), "--no-progress"])
+    assert result.exit_code == 1 and "holds a corpus of another recipe" in result.output
+
+
+def test_stage_needs_its_input_stage(tmp_path, inputs):
+    recipe = write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus")
+    result = CliRunner().invoke(main, ["dedup", "--recipe", str(recipe), "--no-progress"])
+    assert result.exit_code == 1
+    assert "stage 'filter' of" in result.output and "run `megadata filter` first" in result.output
+    result = CliRunner().invoke(main, ["ingest", "--recipe", str(recipe), "--no-progress"])
+    assert result.exit_code == 0 and "ingest" in result.output
+
+
+def test_tokenizer_that_does_not_match_the_recipe(tmp_path, built, inputs):
+    recipe, _ = built
+    bad = write_recipe(
+        tmp_path / "r.toml",
+        inputs,
+        tmp_path / "corpus",
+        tokenizer={"tokenizer_json": str(recipe.output / "tokenizer.json"), "vocab_size": 50257},
+    )
+    result = CliRunner().invoke(
+        main, ["run", "--recipe", str(bad), "--no-progress", "--workers", "1"]
+    )
+    assert result.exit_code == 1
+    assert "tokens but the recipe says tokenizer.vocab_size = 50257" in result.output
+
+
+def test_missing_inputs_are_named(tmp_path, inputs):
+    recipe = write_recipe(
+        tmp_path / "r.toml", {**inputs, "wiki": tmp_path / "nowhere.xml"}, tmp_path / "c"
+    )
+    with pytest.raises(RecipeError, match=r"source 'wiki': no file matches .*nowhere.xml"):
+        run_recipe(load_recipe(recipe), workers=1, progress=False)
