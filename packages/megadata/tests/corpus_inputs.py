@@ -83,7 +83,7 @@ def write_recipe(path: Path, inputs: dict[str, Path], output: Path, **sections) 
         "clean": {"min_english_prob": 0.9, "seed": 0},
         "tokenizer": {"kind": "gpt2-bpe", "vocab_size": 2000},
         "filter": {"min_tokens": 64},
-        "dedup": {"threshold": 0.7, "num_perm": 128, "shingle_words": 3},
+        "dedup": {"threshold": 0.7, "num_perm": 128, "shingle_words": 2},
         "shard": {"valid_every": 30, "shard_tokens": 20000},
     }
     for key, value in sections.items():

@@ -241,7 +241,7 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     threshold = float(cfg.get("threshold", 0.7))
     num_perm, n, seed = (
         int(cfg.get("num_perm", 128)),
-        int(cfg.get("shingle_words", 3)),
+        int(cfg.get("shingle_words", 2)),
         int(cfg.get("seed", 1)),
     )
     sig_dir = recipe.work / "signatures"

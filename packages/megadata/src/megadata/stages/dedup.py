@@ -6,8 +6,8 @@
    recall at the threshold, so nearly every pair above it becomes a candidate;
    each candidate pair is then verified on the exact shingle sets and only pairs
    with Jaccard > threshold count.  Pairs join clusters by union-find; each
-   cluster keeps one survivor (the longest text, then the smallest doc_id) and the
-   rest are removed.  A report lists every cluster with its members' Jaccard to
+   cluster keeps one survivor (the member with the most verified pairs, then the
+   longest text, then the smallest doc_id) and the rest are removed.  A report lists every cluster with its members' Jaccard to
    the survivor.
 3. `remove_partition` (per partition): drops the removed ids.
 """
@@ -34,7 +34,7 @@ from megadata.documents import (
 _WORD = re.compile(r"\w+")
 
 
-def shingles(text: str, n: int = 3) -> set[str]:
+def shingles(text: str, n: int = 2) -> set[str]:
     """Word n-grams of the lower-cased text (the whole text if it has fewer than n words)."""
     words = _WORD.findall(text.lower())
     if len(words) < n:
@@ -139,17 +139,21 @@ def find_duplicates(
             i = index[doc["doc_id"]]
             if i in needed:
                 shingle_sets[i] = shingles(doc["text"], n)
-    uf, verified = _UnionFind(), 0
+    uf, verified, degree = _UnionFind(), 0, defaultdict(int)
     for i, j in sorted(candidates):
         if jaccard(shingle_sets[i], shingle_sets[j]) > threshold:
             uf.union(i, j)
             verified += 1
+            degree[i] += 1
+            degree[j] += 1
     clusters = defaultdict(list)
     for i in uf.parent:
         clusters[uf.find(i)].append(i)
     removed, report = [], []
     for members in clusters.values():
-        survivor = min(members, key=lambda i: (-lengths[i], ids[i]))
+        # The document most others duplicate (the original, for copies of one text), then
+        # the longest, then the smallest id: deterministic, and close to every member.
+        survivor = min(members, key=lambda i: (-degree[i], -lengths[i], ids[i]))
         others = sorted((i for i in members if i != survivor), key=lambda i: ids[i])
         removed += [ids[i] for i in others]
         report.append(
