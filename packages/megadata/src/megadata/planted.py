@@ -17,7 +17,7 @@ def edit_words(text: str, fraction: float, vocabulary: Sequence[str], rng: rando
 def plant(
     docs: Sequence[str], fractions: Sequence[float], seed: int = 0
 ) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Each document plus one edited copy per fraction; returns (rows, planted (copy, base) pairs)."""
+    """Each document and one edited copy per fraction: (rows, planted (copy, base) pairs)."""
     rng = random.Random(seed)
     vocabulary = sorted({w for d in docs for w in d.split()})
     rows, pairs = [], []
@@ -36,8 +36,9 @@ def plant(
 def score(
     rows: list[dict], pairs, removed: set[str], clusters: list[dict], threshold: float, n: int
 ):
-    """Precision and recall of "same cluster" against exact Jaccard > threshold over planted pairs,
-    recall over pairs with Jaccard >= 0.8, and the lowest Jaccard of a removed doc to its survivor."""
+    """Over the planted pairs: precision and recall of "same cluster" against exact
+    Jaccard > threshold, recall over pairs with Jaccard >= 0.8, and the lowest Jaccard
+    of a removed document to its survivor."""
     text = {r["doc_id"]: r["text"] for r in rows}
     cluster_of = {}
     for c in clusters:
@@ -65,7 +66,7 @@ def score(
 
 
 def run_dedup(rows: list[dict], workdir, threshold=0.7, num_perm=128, n=2, seed=1, part_docs=1000):
-    """The dedup stage's two steps over `rows` in `workdir`; returns (removed ids, clusters, counts)."""
+    """The dedup stage's two steps over `rows` in `workdir`: (removed ids, clusters, counts)."""
     import json
     from pathlib import Path
 

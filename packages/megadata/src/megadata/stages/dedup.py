@@ -7,8 +7,8 @@
    each candidate pair is then verified on the exact shingle sets and only pairs
    with Jaccard > threshold count.  Pairs join clusters by union-find; each
    cluster keeps one survivor (the member with the most verified pairs, then the
-   longest text, then the smallest doc_id) and the rest are removed.  A report lists every cluster with its members' Jaccard to
-   the survivor.
+   longest text, then the smallest doc_id) and the rest are removed.  A report
+   lists every cluster with its members' Jaccard to the survivor.
 3. `remove_partition` (per partition): drops the removed ids.
 """
 
