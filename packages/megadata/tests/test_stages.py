@@ -169,3 +169,27 @@ def test_split_is_by_document_and_about_one_in_thirty():
     valid = [d for d in ids if shard.is_valid_doc(d, 30)]
     assert abs(len(valid) / len(ids) - 1 / 30) < 0.004
     assert valid == [d for d in ids if shard.is_valid_doc(d, 30)]  # deterministic
+
+
+def test_bert_corpus_keeps_sentence_boundaries(tmp_path, documents):
+    from megadata.documents import read_table, write_docs
+    from megadata.stages.tokenize import tokenize_partition
+
+    texts = [d["text"] for d in documents[:4]]
+    tok = build_tokenizer({"kind": "bert-wordpiece", "vocab_size": 600}, texts, tmp_path)
+    tok.save(str(tmp_path / "tok.json"))
+    write_docs(tmp_path / "in.arrow", [{"doc_id": str(i), "text": t} for i, t in enumerate(texts)])
+    sep = eod_id(tok, "bert-wordpiece")
+    tokenize_partition(
+        str(tmp_path / "in.arrow"),
+        str(tmp_path / "out.arrow"),
+        str(tmp_path / "tok.json"),
+        sep,
+        True,
+    )
+    table = read_table(tmp_path / "out.arrow")
+    for tokens, ends in zip(
+        table.column("tokens").to_pylist(), table.column("sentence_ends").to_pylist(), strict=True
+    ):
+        assert len(ends) > 1 and ends == sorted(set(ends))
+        assert ends[-1] == len(tokens) - 1 and tokens[-1] == sep  # [SEP] ends the document

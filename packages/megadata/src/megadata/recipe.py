@@ -99,7 +99,7 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
     if output is not None:  # from the command line: relative to the working directory
         out = Path(output)
     else:  # from the recipe: relative to the recipe file
-        out = path.parent / raw.get("output", f"corpus-{raw['name']}")
+        out = (path.parent / raw.get("output", f"corpus-{raw['name']}")).resolve()
     return Recipe(
         name=raw["name"],
         path=path,
