@@ -165,3 +165,21 @@ def test_missing_inputs_are_named(tmp_path, inputs):
     )
     with pytest.raises(RecipeError, match=r"source 'wiki': no file matches .*nowhere.xml"):
         run_recipe(load_recipe(recipe), workers=1, progress=False)
+
+
+def test_source_names_unique_and_a_bare_work_dir_is_ours(tmp_path, inputs):
+    path = write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus")
+    text = path.read_text().replace('name = "notes"', 'name = "pydocs"')
+    (tmp_path / "dup.toml").write_text(text)
+    with pytest.raises(RecipeError, match="source names must be unique"):
+        load_recipe(tmp_path / "dup.toml")
+    # A run killed before its recipe marker landed leaves only _work/ with a temporary file.
+    (tmp_path / "corpus" / "_work").mkdir(parents=True)
+    (tmp_path / "corpus" / "_work" / ".recipe.json.x.tmp").write_text("{")
+    from megadata.recipe import claim_output
+
+    claim_output(load_recipe(path))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="is not empty and was not made by megadata"):
+        claim_output(load_recipe(path, output=tmp_path / "other"))

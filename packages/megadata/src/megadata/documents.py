@@ -64,6 +64,11 @@ def write_docs(path: Path, docs: Iterable[dict], meta: dict | None = None) -> No
     write_table(path, table, meta)
 
 
+def text_bytes(docs: Iterable[dict]) -> int:
+    """UTF-8 bytes of the documents' text (the MB columns of the stage table)."""
+    return sum(len(d["text"].encode("utf-8")) for d in docs)
+
+
 def read_table(path: Path, memory_map: bool = True) -> pa.Table:
     path = Path(path)
     try:

@@ -1,10 +1,13 @@
 """Planted near-duplicates for measuring deduplication: copies of real documents with a
 fraction of their words replaced, and precision/recall of a removal against exact Jaccard."""
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
-from megadata.stages.dedup import jaccard, shingles
+from megadata.documents import write_docs
+from megadata.stages.dedup import find_duplicates, jaccard, shingles, signature_partition
 
 
 def edit_words(text: str, fraction: float, vocabulary: Sequence[str], rng: random.Random) -> str:
@@ -67,12 +70,6 @@ def score(
 
 def run_dedup(rows: list[dict], workdir, threshold=0.7, num_perm=128, n=2, seed=1, part_docs=1000):
     """The dedup stage's two steps over `rows` in `workdir`: (removed ids, clusters, counts)."""
-    import json
-    from pathlib import Path
-
-    from megadata.documents import write_docs
-    from megadata.stages.dedup import find_duplicates, signature_partition
-
     workdir = Path(workdir)
     docs, sigs = [], []
     for k in range(0, len(rows), part_docs):

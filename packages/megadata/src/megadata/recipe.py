@@ -88,6 +88,9 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
     for key in ("name", "sources"):
         if key not in raw:
             raise RecipeError(f"recipe {path}: missing '{key}'")
+    names = [s.get("name") for s in raw["sources"]]
+    if len(set(names)) != len(names):
+        raise RecipeError(f"recipe {path}: source names must be unique (doc ids start with them)")
     for i, s in enumerate(raw["sources"]):
         for key in ("name", "kind", "paths"):
             if key not in s:
@@ -127,9 +130,8 @@ def claim_output(recipe: Recipe) -> None:
                 f"delete {recipe.output}"
             )
         return
-    if (recipe.output / "manifest.json").exists() or (
-        recipe.output.exists() and any(recipe.output.iterdir())
-    ):
+    # Only a `_work` without recipe.json can be there: a run killed before the marker landed.
+    if recipe.output.exists() and any(p.name != "_work" for p in recipe.output.iterdir()):
         raise RecipeError(
             f"{recipe.output} is not empty and was not made by megadata for this recipe; "
             "choose another --output or empty it"

@@ -34,6 +34,13 @@ def counts_once(p: torch.Tensor) -> bool:
     return True
 
 
+def comm_device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where a scalar to all-reduce must live: the current GPU under NCCL, else the tensors'."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def get_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, groups: list | None = None
 ) -> float:
@@ -43,9 +50,7 @@ def get_grad_norm(
     """
     params = [p for p in parameters if _grad(p) is not None]
     grads = [_grad(p).detach().float() for p in params if counts_once(p)]
-    device = grads[0].device if grads else torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = comm_device(grads)
     groups = [ps.get_model_parallel_group()] if groups is None else groups
     if norm_type == math.inf:
         local = max((g.abs().max() for g in grads), default=torch.tensor(0.0))

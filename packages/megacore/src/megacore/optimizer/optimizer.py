@@ -29,7 +29,12 @@ from torch import nn
 
 from megacore import parallel_state as ps
 from megacore.distributed import DistributedDataParallel
-from megacore.optimizer.clip_grads import clip_grad_norm, counts_once, get_grad_norm
+from megacore.optimizer.clip_grads import (
+    clip_grad_norm,
+    comm_device,
+    counts_once,
+    get_grad_norm,
+)
 from megacore.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megacore.precision import check_device_supports
 
@@ -238,7 +243,7 @@ class MegatronOptimizer:
             for g in grads:
                 g.mul_(inv)
         bad = any(not torch.isfinite(g).all() for g in grads)
-        flag = torch.tensor([float(bad)], device=_comm_device(grads))
+        flag = torch.tensor([float(bad)], device=comm_device(grads))
         for group in self._norm_groups():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
@@ -246,7 +251,7 @@ class MegatronOptimizer:
     def _count_zeros(self, groups: list) -> int:
         masters = [s.master for s in self.shards if s.master.grad is not None]
         count = sum((m.grad == 0).sum().item() for m in masters if counts_once(m))
-        total = torch.tensor([float(count)], device=_comm_device(masters))
+        total = torch.tensor([float(count)], device=comm_device(masters))
         for group in groups:
             dist.all_reduce(total, group=group)
         return int(total.item())
@@ -304,12 +309,6 @@ def _check_wrapped_for_sharding(chunk: nn.Module, index: int) -> None:
         "megacore.distributed.DistributedDataParallel(..., use_distributed_optimizer=True); "
         f"model chunk {index} is a {what}"
     )
-
-
-def _comm_device(tensors: list[torch.Tensor]) -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def get_megatron_optimizer(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import ftfy
 
-from megadata.documents import read_docs, write_docs
+from megadata.documents import read_docs, text_bytes, write_docs
 
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _SPACES = re.compile(r"[ \t]+")
@@ -59,6 +59,6 @@ def clean_partition(in_path: str, out_path: str, options: dict) -> dict:
         "docs_in": n,
         "docs_out": len(kept),
         "bytes_in": bytes_in,
-        "bytes_out": sum(len(d["text"].encode()) for d in kept),
+        "bytes_out": text_bytes(kept),
         "extra": extra,
     }

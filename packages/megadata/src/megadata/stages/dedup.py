@@ -27,6 +27,7 @@ from megadata.documents import (
     read_docs,
     read_meta,
     read_table,
+    text_bytes,
     write_docs,
     write_table,
 )
@@ -111,7 +112,13 @@ def find_duplicates(
     """Write `<out_dir>/removed.json` (sorted ids) and `clusters.jsonl`; return the counts."""
     ids, lengths, sigs, schemes = [], [], [], set()
     for path in signature_paths:
-        schemes.add(read_meta(Path(path))["scheme"])
+        scheme = read_meta(Path(path)).get("scheme")
+        if scheme is None:
+            raise ValueError(
+                f"{path}: MinHash signatures without their hashing scheme (written by an older "
+                "megadata); delete the directory to have them recomputed"
+            )
+        schemes.add(scheme)
         t = read_table(Path(path))
         ids += t.column("doc_id").to_pylist()
         lengths += t.column("length").to_pylist()
@@ -192,10 +199,9 @@ def remove_partition(in_path: str, out_path: str, removed_path: str) -> dict:
     docs = list(read_docs(Path(in_path)))
     kept = [d for d in docs if d["doc_id"] not in removed]
     write_docs(Path(out_path), kept)
-    size = lambda ds: sum(len(d["text"].encode()) for d in ds)  # noqa: E731
     return {
         "docs_in": len(docs),
         "docs_out": len(kept),
-        "bytes_in": size(docs),
-        "bytes_out": size(kept),
+        "bytes_in": text_bytes(docs),
+        "bytes_out": text_bytes(kept),
     }

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from megadata.documents import read_docs, write_docs
+from megadata.documents import read_docs, text_bytes, write_docs
 
 
 def filter_partition(in_path: str, out_path: str, tokenizer_path: str, min_tokens: int) -> dict:
@@ -15,12 +15,11 @@ def filter_partition(in_path: str, out_path: str, tokenizer_path: str, min_token
     ]
     kept = [d for d, n in zip(docs, lengths, strict=True) if n >= min_tokens]
     write_docs(Path(out_path), kept)
-    size = lambda ds: sum(len(d["text"].encode()) for d in ds)  # noqa: E731
     return {
         "docs_in": len(docs),
         "docs_out": len(kept),
-        "bytes_in": size(docs),
-        "bytes_out": size(kept),
+        "bytes_in": text_bytes(docs),
+        "bytes_out": text_bytes(kept),
         "tokens": sum(n for n in lengths if n >= min_tokens),
         "extra": {"too_short": len(docs) - len(kept)},
     }

@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
-from megadata.documents import write_docs
+from megadata.documents import text_bytes, write_docs
 
 log = logging.getLogger("megadata.ingest")
 
@@ -165,7 +165,7 @@ def ingest_file(
     def flush():
         nonlocal batch, part, out_bytes
         write_docs(out_dir / f"{source}-{file_index:05d}-{part:04d}.arrow", batch)
-        out_bytes += sum(len(d["text"].encode()) for d in batch)
+        out_bytes += text_bytes(batch)
         batch, part = [], part + 1
 
     for doc in read_source_file(kind, path, options, problems) if docs_in_bytes else ():

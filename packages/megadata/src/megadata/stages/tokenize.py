@@ -5,25 +5,28 @@ after each sentence), found by pysbd, a rule-based splitter that needs no
 download at run time.
 """
 
+import functools
 from pathlib import Path
 
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from megadata.documents import read_docs, write_table
+from megadata.documents import read_docs, text_bytes, write_table
 
 
 def token_type(vocab_size: int) -> pa.DataType:
     return pa.uint16() if vocab_size <= 1 << 16 else pa.uint32()
 
 
-def _sentences(text: str) -> list[str]:
+@functools.cache
+def _segmenter():
     import pysbd
 
-    segmenter = _sentences.segmenter = getattr(_sentences, "segmenter", None) or pysbd.Segmenter(
-        language="en", clean=False
-    )
-    return [s for s in (p.strip() for p in segmenter.segment(text)) if s]
+    return pysbd.Segmenter(language="en", clean=False)
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in (p.strip() for p in _segmenter().segment(text)) if s]
 
 
 def tokenize_partition(
@@ -52,6 +55,6 @@ def tokenize_partition(
     return {
         "docs_in": len(docs),
         "docs_out": len(docs),
-        "bytes_in": sum(len(d["text"].encode()) for d in docs),
+        "bytes_in": text_bytes(docs),
         "tokens": sum(len(t) for t in tokens),
     }
