@@ -1,8 +1,12 @@
 """The `megatrain` command: train, resume, convert and export models."""
 
+import os
+import sys
+
 import click
 
 from megatrain import __version__
+from megatrain.config import Config, ConfigError, load_config, validate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,3 +17,107 @@ def main() -> None:
 
     Run `megatrain COMMAND --help` for one command.
     """
+
+
+def _default_nproc(config: Config, nnodes: int) -> int:
+    """Processes on this node: the configured layout, else one per GPU, else tp x pp."""
+    p = config.parallel
+    if p.data_parallel_size:
+        total = config.model_parallel_size * p.data_parallel_size
+        if total % nnodes:
+            raise ConfigError(
+                f"tp x pp x dp = {total} processes do not split over --nnodes {nnodes}"
+            )
+        return total // nnodes
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return config.model_parallel_size
+
+
+def _check_corpus(config: Config) -> None:
+    """Refuse a missing or mismatched corpus here rather than in every worker."""
+    from megatrain.training import open_corpus
+
+    for split in ("train", "valid"):
+        open_corpus(config, split)
+
+
+def _worker(config_dict: dict):
+    from megatrain.training import train
+
+    return train(Config.from_dict(config_dict))
+
+
+@main.command(
+    "run",
+    context_settings={"ignore_unknown_options": False},
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="A model/run config, e.g. pipelines/models/gpt2-tiny.toml.",
+)
+@click.argument("overrides", nargs=-1)
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Worker processes on this node [default: tp x pp x dp of the config; "
+    "else one per GPU; else tp x pp].",
+)
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--master-addr", default="127.0.0.1", show_default=True)
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Times the elastic agent restarts failed workers.",
+)
+def run_command(
+    config_path, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port,
+    max_restarts,
+):  # fmt: skip
+    """Train the model of --config on its corpus.
+
+    OVERRIDES are section.field=value, e.g. training.train_iters=200
+    parallel.tensor_model_parallel_size=2.  With no launcher this starts its own
+    workers through torch.distributed's elastic agent; under torchrun or Slurm
+    (one task per GPU) it joins the job from the environment.
+    """
+    from megatrain import launch
+
+    try:
+        config = load_config(config_path, list(overrides))
+        if launch.in_launched_job() or launch.adopt_slurm_environment():
+            validate(config, int(os.environ["WORLD_SIZE"]))
+            _worker(config.to_dict())
+            return
+        if node_rank >= nnodes:
+            raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+        nproc = nproc_per_node or _default_nproc(config, nnodes)
+        validate(config, nproc * nnodes)
+        _check_corpus(config)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        click.echo(f"megatrain run: {e}", err=True)
+        sys.exit(2)
+    try:
+        launch.launch(
+            _worker,
+            (config.to_dict(),),
+            nproc_per_node=nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            max_restarts=max_restarts,
+        )
+    except launch.LaunchError as e:
+        click.echo(f"megatrain run: {e}", err=True)
+        sys.exit(1)

@@ -1,0 +1,347 @@
+"""Run configuration: TOML sections as dataclasses, overrides, and checks before any worker starts.
+
+A config file (`pipelines/models/<name>.toml`) has the sections below; every
+field has Megatron-LM's name (snake case).  `section.field=value` on the
+command line overrides a field (the value is read as TOML, so `3e-4`, `true`
+and `"bf16"` keep their types).  An unknown section or field, a value of the
+wrong type, or a layout the model cannot be split into is refused here, with
+the field and the numbers, so no worker starts on a config that would fail later.
+"""
+
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot run; the message names the field and what is wrong."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # 4 x hidden_size when not given
+    max_position_embeddings: int = 1024
+    # The tokenizer's vocabulary; the embedding is padded to a multiple of
+    # make_vocab_size_divisible_by x tp.  0 = take it from the corpus manifest.
+    vocab_size: int = 0
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    # "full": recompute each layer in backward (the paper); "selective": only the
+    # attention core (softmax and dropout); "none".
+    recompute: str = "none"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    # None = whatever the world gives: world size / (tp x pp).
+    data_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+    bucket_size: int = 40_000_000  # elements per DDP gradient bucket
+    # Keep activations between layers sharded over TP under full recompute.
+    distribute_saved_activations: bool = False
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1.5e-4
+    min_lr: float = 1e-5
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None = train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    loss_scale: float | None = None  # fp16: a constant scale; None = dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class TrainingConfig:
+    seq_length: int = 1024
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    train_iters: int = 100
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_iters: int = 10
+    # Stop with an error after this many iterations in a row with a non-finite loss.
+    max_nonfinite_losses: int = 10
+    # Where logs, TensorBoard events and the loss plot go; relative to the working directory.
+    output_dir: str = "runs/default"
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "data/corpus/default"
+    verify_sha256: bool = False
+    # Pin the tokenizer: the corpus manifest's tokenizer sha256 must equal it.
+    tokenizer_sha256: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    tensorboard: bool = True
+    # Peak dense TFLOP/s of one device for MFU; None = from megatrain.metrics' table
+    # (GPUs) or a measured matrix multiply (CPUs).
+    peak_tflops: float | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    name: str = "default"  # the config file's stem
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        sections = {k: _SECTION_TYPES[k](**v) for k, v in data.items() if k in _SECTION_TYPES}
+        return cls(**sections, name=data.get("name", "default"))
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.model.ffn_hidden_size or 4 * self.model.hidden_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerSection,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "logging": LoggingConfig,
+}
+CHOICES = {
+    ("model", "recompute"): ("none", "selective", "full"),
+    ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
+    ("training", "precision"): ("fp32", "bf16", "fp16"),
+}
+
+
+def _type_name(annotation) -> str:
+    return " or ".join(
+        getattr(k, "__name__", str(k)) for k in typing.get_args(annotation) or [annotation]
+    )
+
+
+def _coerce(where: str, value, default, annotation):
+    """Check a TOML value against a field's type; ints are accepted for floats."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
+        if type(None) in kinds:
+            return None
+        raise ConfigError(f"{where}: a value is required (default {default!r})")
+    for want in kinds:
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, want) and not (want is int and isinstance(value, bool)):
+            return value
+    raise ConfigError(
+        f"{where}: expected {_type_name(annotation)}, got {value!r} ({type(value).__name__})"
+    )
+
+
+def _apply(config: Config, section: str, key: str, value, source: str) -> None:
+    if section not in _SECTION_TYPES:
+        raise ConfigError(
+            f"{source}: unknown section [{section}]; known: {', '.join(_SECTION_TYPES)}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(_SECTION_TYPES[section])}
+    if key not in fields:
+        raise ConfigError(
+            f"{source}: unknown field {section}.{key}; [{section}] has: {', '.join(fields)}"
+        )
+    where = f"{source}: {section}.{key}"
+    f = fields[key]
+    value = _coerce(where, value, f.default, f.type)
+    choices = CHOICES.get((section, key))
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+    setattr(getattr(config, section), key, value)
+
+
+def _parse_override(text: str):
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(
+            f"override {text!r}: expected section.field=value, e.g. training.train_iters=100"
+        )
+    name, raw = text.split("=", 1)
+    section, key = name.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string such as bf16 or a path
+    return section, key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a config file (or start from the defaults) and apply `section.field=value` overrides."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (see pipelines/models/)")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: not valid TOML: {e}") from e
+        config.name = path.stem
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"{path}: top-level key {section!r} must be a [section] of fields"
+                )
+            for key, value in values.items():
+                _apply(config, section, key, value, str(path))
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        _apply(config, section, key, value, f"override {text!r}")
+    return config
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config, world_size: int | None = None) -> int:
+    """Check every size the layout depends on; return the data-parallel size.
+
+    `world_size` is the number of processes the job has (None: the config's own
+    data_parallel_size, or 1, times tp x pp).
+    """
+    m, p, t, o = config.model, config.parallel, config.training, config.optimizer
+    for section, obj in (("model", m), ("parallel", p), ("training", t)):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and f.name != "seed":
+                allowed_zero = f.name == "vocab_size"
+                _need(
+                    value > 0 or (allowed_zero and value == 0),
+                    f"{section}.{f.name} must be {'>= 0' if allowed_zero else '> 0'}, got {value}",
+                )
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size
+    _need(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_attention_heads "
+        f"({m.num_attention_heads})",
+    )
+    _need(
+        m.num_attention_heads % tp == 0,
+        f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
+        f"parallel.tensor_model_parallel_size ({tp})",
+    )
+    _need(
+        config.ffn_hidden_size % tp == 0,
+        f"model.ffn_hidden_size ({config.ffn_hidden_size}) is not divisible by "
+        f"parallel.tensor_model_parallel_size ({tp})",
+    )
+    if vpp is not None and vpp > 1:
+        _need(
+            pp > 1,
+            f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs "
+            f"parallel.pipeline_model_parallel_size > 1, got {pp}",
+        )
+    chunks = pp * (vpp or 1)
+    _need(
+        m.num_layers % chunks == 0,
+        f"model.num_layers ({m.num_layers}) is not divisible by "
+        f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+        f"({pp} x {vpp or 1} = {chunks})",
+    )
+    _need(
+        t.seq_length <= m.max_position_embeddings,
+        f"training.seq_length ({t.seq_length}) is above model.max_position_embeddings "
+        f"({m.max_position_embeddings}), the size of the position table",
+    )
+    if p.sequence_parallel:
+        _need(
+            t.seq_length % tp == 0,
+            f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
+            f"by parallel.tensor_model_parallel_size ({tp})",
+        )
+    if world_size is None:
+        dp = p.data_parallel_size or 1
+    else:
+        _need(
+            world_size % (tp * pp) == 0,
+            f"the job has {world_size} processes, not divisible by "
+            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp})",
+        )
+        dp = world_size // (tp * pp)
+        _need(
+            p.data_parallel_size in (None, dp),
+            f"parallel.data_parallel_size is {p.data_parallel_size}, but the job has "
+            f"{world_size} processes = tp {tp} x pp {pp} x dp {dp}",
+        )
+    per_step = t.micro_batch_size * dp
+    _need(
+        t.global_batch_size % per_step == 0,
+        f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
+        f"training.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp} = "
+        f"{per_step})",
+    )
+    if vpp is not None and vpp > 1:
+        microbatches = t.global_batch_size // per_step
+        _need(
+            microbatches % pp == 0,
+            f"the interleaved schedule needs the number of microbatches (global_batch_size / "
+            f"(micro_batch_size x dp) = {microbatches}) to be a multiple of "
+            f"parallel.pipeline_model_parallel_size ({pp})",
+        )
+    _need(
+        0 <= o.min_lr <= o.lr,
+        f"optimizer.min_lr ({o.min_lr}) must be between 0 and optimizer.lr ({o.lr})",
+    )
+    decay = o.lr_decay_iters or t.train_iters
+    _need(
+        o.lr_warmup_iters <= decay,
+        f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) is above the decay length "
+        f"(optimizer.lr_decay_iters or training.train_iters = {decay})",
+    )
+    _need(
+        not (m.hidden_dropout < 0 or m.hidden_dropout >= 1 or math.isnan(m.hidden_dropout)),
+        f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}",
+    )
+    _need(
+        0 <= m.attention_dropout < 1,
+        f"model.attention_dropout must be in [0, 1), got {m.attention_dropout}",
+    )
+    return dp

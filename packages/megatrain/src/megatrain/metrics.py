@@ -1,0 +1,157 @@
+"""What a run reports: throughput, TFLOP/s and MFU per device, log lines, TensorBoard, a loss plot.
+
+Only global rank 0 writes.  The FLOP count is the paper's (see
+`megatrain.models.gpt.model_flops_per_iteration`); the peak is one device's
+dense bf16/fp16 tensor rate from the table below, or, on a CPU, the rate of a
+large fp32 matrix multiply measured at start (no vendor number applies to an
+arbitrary CPU).  `logging.peak_tflops` overrides both.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# Dense (not sparse) bf16/fp16 tensor-core peak, TFLOP/s, from the vendors' data sheets.
+# First match wins, so the specific names come before the general ones.
+PEAK_TFLOPS = [
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("GH200", 989.4),
+    ("H800", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("V100", 125.0),
+    ("T4", 65.0),
+]
+
+
+def measured_matmul_tflops(size: int = 2048, repeats: int = 3) -> float:
+    """The best fp32 rate of a size^3 matrix multiply on the CPU with this process's threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up: thread pool and allocations
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def device_peak_tflops(device: torch.device, override: float | None = None) -> tuple[float, str]:
+    """(peak TFLOP/s of one device, where the number comes from)."""
+    if override is not None:
+        return override, "logging.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in PEAK_TFLOPS:
+            if key in name:
+                return peak, f"{name}, dense bf16/fp16"
+        raise ValueError(
+            f"no peak TFLOP/s known for GPU {name!r}; set logging.peak_tflops=<dense bf16 TFLOP/s>"
+        )
+    return (
+        measured_matmul_tflops(),
+        f"CPU fp32 matmul measured with {torch.get_num_threads()} threads",
+    )
+
+
+def format_line(record: dict) -> str:
+    """One log line: `iteration 10/100 | loss 5.123 | lr 1.5e-04 | ...`."""
+    parts = [f"iteration {record['iteration']}/{record['train_iters']}"]
+    fmt = {
+        "loss": "loss {:.4f}",
+        "lr": "lr {:.3e}",
+        "grad_norm": "grad norm {:.3f}",
+        "loss_scale": "loss scale {:.0f}",
+        "skipped": "skipped {}",
+        "ms_per_iter": "{:.0f} ms/it",
+        "tokens_per_s": "{:.0f} tokens/s",
+        "tflops": "{:.3g} TFLOP/s/device",
+        "mfu": "MFU {:.1%}",
+        "valid_loss": "valid loss {:.4f}",
+        "valid_ppl": "valid ppl {:.2f}",
+    }
+    for key, pattern in fmt.items():
+        if record.get(key) is not None:
+            parts.append(pattern.format(record[key]))
+    return " | ".join(parts)
+
+
+class RunLog:
+    """Lines to stdout, records to `<output>/log.jsonl`, scalars to TensorBoard (rank 0 only)."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.output_dir = Path(output_dir)
+        self.train: list[tuple[int, float]] = []
+        self.valid: list[tuple[int, float]] = []
+        self.writer = None
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (self.output_dir / "log.jsonl").open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def record(self, record: dict) -> None:
+        if "loss" in record and record["loss"] is not None:
+            self.train.append((record["iteration"], record["loss"]))
+        if record.get("valid_loss") is not None:
+            self.valid.append((record["iteration"], record["valid_loss"]))
+        if not self.enabled:
+            return
+        print(format_line(record), flush=True)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("iteration", "train_iters") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(
+                        key.replace("valid_", "valid/"), value, record["iteration"]
+                    )
+            self.writer.flush()
+
+    def close(self) -> Path | None:
+        """Write the loss plot; return its path."""
+        if not self.enabled:
+            return None
+        self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+        return plot_losses(self.train, self.valid, self.output_dir / "loss.png")
+
+
+def plot_losses(train: list, valid: list, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1.2)
+    if valid:
+        ax.plot(*zip(*valid, strict=True), "o-", label="valid loss", linewidth=1.2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

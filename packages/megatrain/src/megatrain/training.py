@@ -1,0 +1,334 @@
+"""The GPT training loop: one function, `train(config)`, run by every rank of the job.
+
+Per iteration: each data-parallel rank takes its G / dp samples of the global
+batch as G / (micro x dp) microbatches; the pipeline schedule of the layout
+runs them forward and backward; megacore's DDP averages gradients over the
+data-parallel ranks (reduce-scatter under the distributed optimizer); the
+optimizer unscales, skips non-finite steps, clips to the global norm and takes
+the AdamW step; the learning rate follows warm-up and decay.  The loss is the
+mean over the global batch, identical to one process over the whole batch.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore import pipeline_parallel as pipe
+from megacore import tensor_parallel as tp
+from megacore.distributed import DistributedDataParallel
+from megacore.optimizer import MegatronOptimizer, NonFiniteLossGuard, OptimizerConfig
+from megatrain import data as data_lib
+from megatrain.config import Config, validate
+from megatrain.lr_schedule import learning_rate
+from megatrain.metrics import RunLog, device_peak_tflops
+from megatrain.models.gpt import GPTConfig, build_gpt_chunks, model_flops_per_iteration
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def init_distributed() -> tuple[torch.device, bool]:
+    """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Returns (this rank's device, whether this call created the process group).
+    NCCL on GPUs, gloo on CPUs.
+    """
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device)
+        created = True
+    return device or torch.device("cpu"), created
+
+
+def gpt_config(config: Config, vocab_size: int) -> GPTConfig:
+    """The model of a run config; `vocab_size` is the tokenizer's, padded here for TP."""
+    m, p = config.model, config.parallel
+    padded = tp.vocab_size_with_padding(
+        vocab_size, p.tensor_model_parallel_size, m.make_vocab_size_divisible_by
+    )
+    return GPTConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        vocab_size=padded,
+        max_position_embeddings=m.max_position_embeddings,
+        ffn_hidden_size=config.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        recompute=m.recompute,
+        distribute_saved_activations=p.distribute_saved_activations,
+        sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+    )
+
+
+def open_corpus(config: Config, split: str) -> "data_lib.Corpus":
+    """The corpus split of a run, refused when its tokenizer or vocabulary is not the model's."""
+    return data_lib.open_corpus(
+        config.data.corpus,
+        split,
+        vocab_size=config.model.vocab_size or None,
+        tokenizer_kind="gpt2-bpe",
+        tokenizer_sha256=config.data.tokenizer_sha256,
+        verify_sha256=config.data.verify_sha256,
+    )
+
+
+@dataclass
+class Run:
+    """Everything one rank holds while training."""
+
+    config: Config
+    model_config: GPTConfig
+    chunks: list
+    optimizer: MegatronOptimizer
+    train_data: "data_lib.GPTBatches"
+    valid_corpus: "data_lib.Corpus"
+    device: torch.device
+    dtype: torch.dtype
+    dp_size: int
+    iteration: int = 0
+    history: dict = field(default_factory=lambda: {"loss": [], "valid": [], "grad_norm": []})
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.config.training
+        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
+
+
+def build_run(config: Config, device: torch.device) -> Run:
+    """Parallel groups, model chunks wrapped in DDP, optimizer and data for this rank."""
+    dp = validate(config, dist.get_world_size())
+    p, t, o = config.parallel, config.training, config.optimizer
+    vpp = p.virtual_pipeline_model_parallel_size
+    ps.initialize_model_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        vpp if vpp and vpp > 1 else None,
+    )
+    train_corpus = open_corpus(config, "train")
+    valid_corpus = open_corpus(config, "valid")
+    model_config = gpt_config(config, train_corpus.vocab_size)
+    dtype = PRECISION_DTYPES[t.precision]
+    chunks = [c.to(device=device, dtype=dtype) for c in build_gpt_chunks(model_config, t.seed)]
+    chunks = [
+        DistributedDataParallel(
+            c,
+            grad_reduce_in_fp32=dtype != torch.float32,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+            bucket_size=p.bucket_size,
+        )
+        for c in chunks
+    ]
+    # Dropout masks: the same on the TP ranks of a stage, different between stages.
+    tp.model_parallel_manual_seed(t.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    optimizer = MegatronOptimizer(
+        OptimizerConfig(
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            fp16=t.precision == "fp16",
+            bf16=t.precision == "bf16",
+            loss_scale=o.loss_scale,
+            initial_loss_scale=o.initial_loss_scale,
+            min_loss_scale=o.min_loss_scale,
+            loss_scale_window=o.loss_scale_window,
+            hysteresis=o.hysteresis,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+        chunks,
+    )
+    train_data = data_lib.GPTBatches(
+        train_corpus,
+        seq_len=t.seq_length,
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=dp,
+    )
+    return Run(config, model_config, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)
+
+
+def _to_device(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.as_tensor(batch["tokens"], dtype=torch.long).to(device, non_blocking=True)
+    labels = torch.as_tensor(batch["labels"], dtype=torch.long).to(device, non_blocking=True)
+    return tokens, labels
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    losses = model(tokens, labels)
+
+    def loss_func(output):
+        if output.dim() != 2:  # a stage before the last hands on activations
+            return output, {}
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return losses, loss_func
+
+
+def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -> float:
+    """Run one global batch through the pipeline; return its mean loss (on every rank)."""
+    t = run.config.training
+    interleaved = len(run.chunks) > 1
+    infos = pipe.get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=[iter(microbatches) for _ in run.chunks]
+        if interleaved
+        else iter(microbatches),
+        model=run.chunks if interleaved else run.chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        hidden_size=run.model_config.hidden_size,
+        dtype=run.dtype,
+        sequence_parallel=run.model_config.sequence_parallel,
+        forward_only=forward_only,
+        grad_scale_func=None if forward_only else run.optimizer.scale_loss,
+        finalize_model_grads_func=None if forward_only else pipe.finalize_model_grads,
+    )
+    # The last stage holds the losses: average over DP, then share over the pipeline.
+    total = torch.zeros(1, device=run.device)
+    if infos:
+        total += torch.stack([i["loss"].float() for i in infos]).mean()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        total /= run.dp_size
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return total.item()
+
+
+def evaluate(run: Run) -> float:
+    """Mean loss over `eval_iters` global batches of the valid split, always from its start."""
+    t = run.config.training
+    batches = data_lib.GPTBatches(
+        run.valid_corpus,
+        seq_len=t.seq_length,
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=run.dp_size,
+    )
+    for c in run.chunks:
+        c.eval()
+    losses = []
+    with torch.no_grad():
+        for _ in range(t.eval_iters):
+            micro = [_to_device(next(batches), run.device) for _ in range(run.num_microbatches)]
+            losses.append(forward_backward(run, micro, forward_only=True))
+    for c in run.chunks:
+        c.train()
+    return sum(losses) / len(losses)
+
+
+def train_step(run: Run) -> dict:
+    """One iteration; returns its loss, grad norm and learning rate."""
+    o, t = run.config.optimizer, run.config.training
+    lr = learning_rate(
+        run.iteration,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        warmup_iters=o.lr_warmup_iters,
+        decay_iters=o.lr_decay_iters or t.train_iters,
+        style=o.lr_decay_style,
+    )
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    micro = [_to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
+    loss = forward_backward(run, micro)
+    ok, grad_norm, _ = run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.iteration += 1
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "ok": ok}
+
+
+def train(config: Config) -> dict | None:
+    """Train as configured; every rank of the job calls it.  Returns the history on rank 0."""
+    device, created = init_distributed()
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    try:
+        run = build_run(config, device)
+        return _loop(run)
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def _loop(run: Run) -> dict | None:
+    config, t, lg = run.config, run.config.training, run.config.logging
+    rank0 = dist.get_rank() == 0
+    log = RunLog(t.output_dir, enabled=rank0, tensorboard=lg.tensorboard)
+    if rank0:
+        (Path(t.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    peak, peak_source = device_peak_tflops(run.device, lg.peak_tflops)
+    flops = model_flops_per_iteration(
+        run.model_config, t.global_batch_size, t.seq_length, run.model_config.recompute == "full"
+    )
+    world = dist.get_world_size()
+    log.info(
+        f"megatrain: {config.name}: {world} ranks = tp {config.parallel.tensor_model_parallel_size}"
+        f" x pp {config.parallel.pipeline_model_parallel_size} x dp {run.dp_size}, "
+        f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {t.seq_length} tokens, "
+        f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"
+    )
+    guard = NonFiniteLossGuard(t.max_nonfinite_losses)
+    interval_losses, interval_start = [], time.perf_counter()
+    while run.iteration < t.train_iters:
+        step = train_step(run)
+        guard.check(step["loss"], run.iteration)
+        run.history["loss"].append(step["loss"])
+        run.history["grad_norm"].append(step["grad_norm"])
+        interval_losses.append(step["loss"])
+        record = None
+        if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
+            elapsed = (time.perf_counter() - interval_start) / len(interval_losses)
+            tflops = flops / elapsed / world / 1e12
+            record = {
+                "iteration": run.iteration,
+                "train_iters": t.train_iters,
+                "loss": sum(interval_losses) / len(interval_losses),
+                "lr": step["lr"],
+                "grad_norm": step["grad_norm"],
+                "loss_scale": run.optimizer.get_loss_scale(),
+                "skipped": run.optimizer.num_skipped_steps,
+                "ms_per_iter": elapsed * 1e3,
+                "tokens_per_s": t.global_batch_size * t.seq_length / elapsed,
+                "tflops": tflops,
+                "mfu": tflops / peak,
+            }
+        if run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters:
+            record = record or {"iteration": run.iteration, "train_iters": t.train_iters}
+            record["valid_loss"] = evaluate(run)
+            record["valid_ppl"] = float(torch.tensor(record["valid_loss"]).exp())
+            run.history["valid"].append((run.iteration, record["valid_loss"]))
+        if record is not None:
+            log.record(record)
+            interval_losses, interval_start = [], time.perf_counter()
+    plot = log.close()
+    if not rank0:
+        return None
+    log.info(f"megatrain: done; loss plot {plot}, log {Path(t.output_dir) / 'log.jsonl'}")
+    return {**run.history, "plot": str(plot), "config": dataclasses.asdict(run.model_config)}

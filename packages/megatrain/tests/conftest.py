@@ -1,0 +1,6 @@
+import sys
+from pathlib import Path
+
+# Shared test helpers (tiny_corpus.py) import by name here and in spawned ranks,
+# which inherit this sys.path from the parent.
+sys.path.insert(0, str(Path(__file__).parent))
