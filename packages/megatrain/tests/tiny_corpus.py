@@ -22,6 +22,7 @@ def write_corpus(
     dtype: str = "uint16",
     kind: str = "gpt2-bpe",
     batch_rows: int = 3,
+    vocab_size: int = VOCAB,
     **manifest_overrides,
 ) -> Path:
     """A corpus directory in megadata's format: splits -> shards -> documents (token lists)."""
@@ -64,7 +65,7 @@ def write_corpus(
             "file": "tokenizer.json",
             "kind": kind,
             "sha256": TOKENIZER_SHA,
-            "vocab_size": VOCAB,
+            "vocab_size": vocab_size,
         },
         "splits": entries,
         **manifest_overrides,

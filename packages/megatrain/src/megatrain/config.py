@@ -297,6 +297,12 @@ def validate(config: Config, world_size: int | None = None) -> int:
             f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
             f"by parallel.tensor_model_parallel_size ({tp})",
         )
+    _need(
+        not (p.sequence_parallel and p.distribute_saved_activations and tp > 1),
+        "parallel.distribute_saved_activations keeps 1/tp of each layer's input, which must be "
+        "the same on every TP rank; under parallel.sequence_parallel it is already split: "
+        "turn one of them off",
+    )
     if world_size is None:
         dp = p.data_parallel_size or 1
     else:
