@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from tiny_corpus import write_corpus
 
+from megacore.testing import run_distributed
 from megatrain.config import load_config
 from megatrain.training import train
-from megacore.testing import run_distributed
 
 VOCAB = 200  # padded to 256 at tp 1, 2 and 4 with a multiple of 64: the same model everywhere
 STEPS = 3
