@@ -1,9 +1,167 @@
-from click.testing import CliRunner
+"""`megatrain run`: bad configs refused before any worker starts; real runs under our launcher
+(torch's elastic agent) and under torchrun, with the log line, log.jsonl, TensorBoard and plot."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from tiny_corpus import write_corpus
+
+from megatrain import launch
 from megatrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "pipelines" / "models" / "gpt2-tiny.toml"
+VOCAB = 200
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(1)
+
+    def docs(n):
+        return [[*rng.integers(1, VOCAB, rng.integers(40, 120)).tolist(), 0] for _ in range(n)]
+
+    root = tmp_path_factory.mktemp("corpus")
+    return write_corpus(
+        root, {"train": [docs(40), docs(40)], "valid": [docs(20)]}, vocab_size=VOCAB
+    )
 
 
 def test_help_and_unknown_command():
     result = CliRunner().invoke(main, ["-h"])
     assert result.exit_code == 0 and "pipeline and data parallelism" in result.output
     assert CliRunner().invoke(main, ["no-such-command"]).exit_code == 2
+    result = CliRunner().invoke(main, ["run", "-h"])
+    assert result.exit_code == 0 and "--nnodes" in result.output and "OVERRIDES" in result.output
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.tensor_model_parallel_size=8"],
+            "model.num_attention_heads (4) is not divisible by "
+            "parallel.tensor_model_parallel_size (8)",
+        ),
+        (
+            [
+                "parallel.pipeline_model_parallel_size=2",
+                "parallel.virtual_pipeline_model_parallel_size=4",
+            ],
+            "model.num_layers (4) is not divisible by parallel.pipeline_model_parallel_size x "
+            "virtual_pipeline_model_parallel_size (2 x 4 = 8)",
+        ),
+        (
+            ["parallel.data_parallel_size=3"],
+            "training.global_batch_size (16) is not divisible by training.micro_batch_size x "
+            "data-parallel size (8 x 3 = 24)",
+        ),
+        (
+            ["training.seq_length=512"],
+            "training.seq_length (512) is above model.max_position_embeddings (256)",
+        ),
+        (["model.num_heads=4"], "unknown field model.num_heads"),
+        (["trainig.train_iters=4"], "unknown section [trainig]"),
+        (["training.train_iters=lots"], "training.train_iters: expected int, got 'lots'"),
+        (['training.precision="fp8"'], "expected one of fp32, bf16, fp16, got 'fp8'"),
+        (["training.train_iters"], "expected section.field=value"),
+        (["model.vocab_size=50257"], "vocab_size"),
+        (["data.corpus=/no/such/corpus"], "/no/such/corpus/manifest.json"),
+        (
+            [
+                "parallel.sequence_parallel=true",
+                "parallel.distribute_saved_activations=true",
+                "parallel.tensor_model_parallel_size=2",
+            ],
+            "turn one of them off",
+        ),
+    ],
+)
+def test_bad_config_is_refused_before_workers_start(corpus, monkeypatch, overrides, message):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("workers were started for a config that cannot run")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+    args = ["run", "--config", str(TINY), f"data.corpus={str(corpus)!r}", *overrides]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output
+
+
+def test_unknown_key_in_config_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "launch", None)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("[training]", "[training]\nbatch = 8"))
+    result = CliRunner().invoke(main, ["run", "--config", str(bad)])
+    assert result.exit_code == 2 and f"{bad}: unknown field training.batch" in result.output
+
+
+def test_slurm_environment_is_adopted(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    with pytest.raises(launch.LaunchError, match="MASTER_ADDR is not set"):
+        launch.adopt_slurm_environment()
+    monkeypatch.setenv("MASTER_ADDR", "node001")
+    assert launch.adopt_slurm_environment()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (
+        "9",
+        "16",
+        "1",
+    )
+    assert launch.in_launched_job() and not launch.adopt_slurm_environment()
+
+
+def _run(command, out):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _common(corpus, out):
+    return [
+        "--config", str(TINY),
+        f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
+        "training.train_iters=6", "training.eval_interval=3", "training.eval_iters=1",
+        "logging.log_interval=2", "training.seq_length=32", "optimizer.lr_warmup_iters=2",
+    ]  # fmt: skip
+
+
+def _check_outputs(stdout, out, ranks):
+    lines = [line for line in stdout.splitlines() if line.startswith("iteration ")]
+    assert [line.split(" |")[0] for line in lines] == [f"iteration {i}/6" for i in (2, 3, 4, 6)]
+    for field in ("loss ", "lr ", "grad norm ", "loss scale ", "skipped ", "tokens/s",
+                  "TFLOP/s/device", "MFU "):  # fmt: skip
+        assert field in lines[0], lines[0]
+    assert "valid loss" in lines[1] and f"{ranks} ranks" in stdout
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [2, 3, 4, 6]
+    assert records[-1]["valid_loss"] > 0 and records[-1]["mfu"] > 0
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((out / "config.json").read_text())["training"]["train_iters"] == 6
+
+
+def test_run_starts_its_own_workers(corpus, tmp_path):
+    """No launcher: torch's elastic agent starts tp x pp x dp = 2 workers."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "megatrain.cli", "run", *_common(corpus, out),
+               "parallel.tensor_model_parallel_size=2"]  # fmt: skip
+    _check_outputs(_run(command, out), out, ranks=2)
+
+
+def test_run_joins_torchrun(corpus, tmp_path):
+    """Under torchrun each process joins the job from the environment (here dp=2)."""
+    out = tmp_path / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "megatrain.cli", "run", *_common(corpus, out)]  # fmt: skip
+    _check_outputs(_run(command, out), out, ranks=2)

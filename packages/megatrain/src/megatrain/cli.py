@@ -121,3 +121,7 @@ def run_command(
     except launch.LaunchError as e:
         click.echo(f"megatrain run: {e}", err=True)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -163,7 +163,9 @@ def _type_name(annotation) -> str:
 def _coerce(where: str, value, default, annotation):
     """Check a TOML value against a field's type; ints are accepted for floats."""
     kinds = typing.get_args(annotation) or (annotation,)
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
+    # TOML has no null: "none" clears a field that may be None (and is not a string field).
+    spelled_none = isinstance(value, str) and value.lower() in ("none", "null") and str not in kinds
+    if value is None or spelled_none:
         if type(None) in kinds:
             return None
         raise ConfigError(f"{where}: a value is required (default {default!r})")
