@@ -1,0 +1,113 @@
+"""Configs, the learning-rate schedule and the FLOP count: plain functions, no processes."""
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+from megatrain.config import ConfigError, load_config, validate
+from megatrain.lr_schedule import learning_rate
+from megatrain.models import model_flops_per_iteration, num_parameters
+from megatrain.training import gpt_config
+
+MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
+# name: (the paper's parameter count, tensor-parallel size, 8-GPU nodes in the paper's run)
+PAPER = {
+    "355m": (355e6, 1, 1),
+    "1.2b": (1.2e9, 1, 1),
+    "2.5b": (2.5e9, 2, 2),
+    "4.2b": (4.2e9, 4, 4),
+    "8.3b": (8.3e9, 8, 64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_configs(name):
+    params, tp, nodes = PAPER[name]
+    config = load_config(MODELS / f"gpt2-{name}.toml")
+    assert config.parallel.tensor_model_parallel_size == tp
+    t, o = config.training, config.optimizer
+    assert (t.seq_length, t.global_batch_size, t.train_iters, t.precision) == (
+        1024,
+        512,
+        300000,
+        "fp16",
+    )
+    assert (o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_style) == (1.5e-4, 1e-5, 3000, "cosine")
+    assert (o.weight_decay, o.clip_grad, config.model.hidden_dropout) == (0.01, 1.0, 0.1)
+    assert config.model.recompute == "full"
+    dp = validate(config, nodes * 8)
+    assert dp == nodes * 8 // tp
+    model = gpt_config(config, 50257)
+    assert model.vocab_size == -(-50257 // (128 * tp)) * 128 * tp
+    assert abs(num_parameters(model) / params - 1) < 0.02, num_parameters(model)
+
+
+def test_every_shipped_config_loads():
+    for path in MODELS.glob("*.toml"):
+        validate(load_config(path))
+
+
+def test_overrides_keep_types_and_none():
+    config = load_config(
+        MODELS / "gpt2-tiny.toml",
+        ["optimizer.lr=3e-4", "training.precision=bf16", "model.ffn_hidden_size=100",
+         "parallel.virtual_pipeline_model_parallel_size=none", "optimizer.lr_decay_iters=5"],
+    )  # fmt: skip
+    assert config.optimizer.lr == 3e-4 and config.training.precision == "bf16"
+    assert (
+        config.ffn_hidden_size == 100
+        and config.parallel.virtual_pipeline_model_parallel_size is None
+    )
+    assert load_config(None, ["optimizer.lr=1"]).optimizer.lr == 1.0  # an int is a float
+    with pytest.raises(ConfigError, match=r"training.train_iters: a value is required"):
+        load_config(None, ["training.train_iters=none"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(MODELS / "no-such.toml")
+
+
+def test_validate_names_the_numbers():
+    with pytest.raises(
+        ConfigError, match=r"the job has 6 processes, not divisible by .* \(4 x 1\)"
+    ):
+        validate(load_config(None, ["parallel.tensor_model_parallel_size=4"]), 6)
+    with pytest.raises(ConfigError, match=r"data_parallel_size is 2, but the job has 8 processes"):
+        validate(load_config(None, ["parallel.data_parallel_size=2"]), 8)
+    config = load_config(
+        None,
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "model.num_layers=4",
+            "training.global_batch_size=6",
+            "training.micro_batch_size=2",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"number of microbatches .* = 3\) to be a multiple"):
+        validate(config, 2)
+
+
+def test_learning_rate_warmup_then_cosine_or_linear():
+    kw = {"lr": 1.0, "min_lr": 0.1, "warmup_iters": 10, "decay_iters": 110}
+    assert [learning_rate(i, **kw) for i in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert learning_rate(10, **kw) == 1.0
+    assert math.isclose(learning_rate(60, **kw), 0.55)  # half way: cosine at pi/2
+    assert math.isclose(learning_rate(35, **kw), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert learning_rate(110, **kw) == learning_rate(10_000, **kw) == 0.1
+    assert math.isclose(learning_rate(35, **kw, style="linear"), 0.1 + 0.9 * 0.75)
+    assert learning_rate(500, **kw, style="constant") == 1.0
+    values = [learning_rate(i, **kw) for i in range(10, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_flops_are_the_papers_formula():
+    config = gpt_config(load_config(MODELS / "gpt2-8.3b.toml"), 50257)
+    b, s, n, h, v = 512, 1024, 72, 3072, config.vocab_size
+    flops = model_flops_per_iteration(config, b, s, full_recompute=True)
+    assert math.isclose(flops, 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h)))
+    no_recompute = model_flops_per_iteration(config, b, s, full_recompute=False)
+    # Recomputation adds one forward: 4 passes' worth instead of 3 for the layers.
+    assert 1.30 < flops / no_recompute < 1.34
+    # About 6 x parameters x tokens, plus the attention matrices, without recomputation.
+    assert 1.0 < no_recompute / (6 * num_parameters(config) * b * s) < 1.2
