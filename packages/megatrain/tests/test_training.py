@@ -94,6 +94,13 @@ def _config(corpus, out, overrides=()):
 def _one_process(corpus, out):
     reference = train(_config(corpus, f"{out}/reference"))
     bf16 = train(_config(corpus, f"{out}/bf16", ['training.precision="bf16"']))
+    fp16 = train(
+        _config(
+            corpus,
+            f"{out}/fp16",
+            ['training.precision="fp16"', "optimizer.initial_loss_scale=1024"],
+        )
+    )
     learn = train(
         _config(
             corpus,
@@ -101,7 +108,7 @@ def _one_process(corpus, out):
             ["training.train_iters=80", "training.eval_interval=40", "optimizer.lr=0.01"],
         )
     )
-    return reference, bf16, learn
+    return reference, bf16, fp16, learn
 
 
 def _layouts(corpus, out):
@@ -129,14 +136,16 @@ def test_layouts_match_one_process(corpus, one_process, tmp_path):
     assert reference["loss"][-1] < reference["loss"][0] - 0.05
 
 
-def test_tiny_gpt_learns_and_bf16_follows_fp32(one_process):
-    reference, bf16, learn = one_process
+def test_tiny_gpt_learns_and_bf16_fp16_follow_fp32(one_process):
+    reference, bf16, fp16, learn = one_process
     # Uniform over the 200 real tokens is ln 200 = 5.3; a sequence is predictable after its
     # first two tokens, so a model that learns goes far below.  Measured at step 80: valid 2.28,
     # the last 10 training losses 2.32 on average.
     assert learn["loss"][0] > math.log(VOCAB)
     assert learn["valid"][-1][1] < 2.6, learn["valid"]
     assert sum(learn["loss"][-10:]) / 10 < 2.6
-    for a, b in zip(bf16["loss"], reference["loss"], strict=True):
-        assert abs(a - b) < 0.05, (bf16["loss"], reference["loss"])
+    for run in (bf16, fp16):
+        for a, b in zip(run["loss"], reference["loss"], strict=True):
+            assert abs(a - b) < 0.05, (run["loss"], reference["loss"])
+    assert fp16["valid"][-1][1] < reference["valid"][-1][1] + 0.05
     assert learn["plot"].endswith("loss.png")
