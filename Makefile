@@ -55,6 +55,7 @@ test: lint
 bench: install
 	$(BIN)/python benchmarks/bench_tensor_parallel.py --out bench-results/tensor_parallel.json
 	$(BIN)/python benchmarks/bench_pipeline_bubble.py --out bench-results/pipeline_bubble.json
+	$(BIN)/python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
 	$(BIN)/python scripts/fetch_sample_data.py --out data/raw
 	$(BIN)/python benchmarks/bench_megadata.py --out bench-results/megadata.json
 

@@ -33,10 +33,15 @@ PEAK_TFLOPS = [
 ]
 
 
-def measured_matmul_tflops(size: int = 2048, repeats: int = 3) -> float:
-    """The best fp32 rate of a size^3 matrix multiply on the CPU with this process's threads."""
+def measured_matmul_tflops(size: int = 2048, warmup: int = 2, repeats: int = 6) -> float:
+    """The best fp32 rate of a size^3 matrix multiply on the CPU with this process's threads.
+
+    The best of several after a warm-up: a first call is often slow (thread pool, page faults)
+    and a shared machine adds noise, both of which would inflate the MFU.
+    """
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up: thread pool and allocations
+    for _ in range(warmup):
+        a @ b
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

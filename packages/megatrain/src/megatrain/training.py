@@ -240,17 +240,22 @@ def evaluate(run: Run) -> float:
     return sum(losses) / len(losses)
 
 
-def train_step(run: Run) -> dict:
-    """One iteration; returns its loss, grad norm and learning rate."""
-    o, t = run.config.optimizer, run.config.training
-    lr = learning_rate(
-        run.iteration,
+def lr_for(config: Config, iteration: int) -> float:
+    """The configured schedule's learning rate at `iteration`."""
+    o = config.optimizer
+    return learning_rate(
+        iteration,
         lr=o.lr,
         min_lr=o.min_lr,
         warmup_iters=o.lr_warmup_iters,
-        decay_iters=o.lr_decay_iters or t.train_iters,
+        decay_iters=o.lr_decay_iters or config.training.train_iters,
         style=o.lr_decay_style,
     )
+
+
+def train_step(run: Run) -> dict:
+    """One iteration; returns its loss, grad norm and learning rate."""
+    lr = lr_for(run.config, run.iteration)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     micro = [_to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]

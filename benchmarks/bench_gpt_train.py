@@ -1,0 +1,486 @@
+"""GPT-2 training throughput on the CPU: megatrain's training step beside Hugging Face's GPT-2.
+
+    python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
+
+Our side is the step `megatrain run` takes: a `megatrain.training.Run` from
+`build_run` (a 1-process gloo group, DDP-wrapped chunks, `MegatronOptimizer`,
+`GPTBatches` over a synthetic megadata-format corpus of random tokens written to
+a temporary directory), one `train_step(run)` per iteration.  Beside it,
+`transformers.GPT2LMHeadModel` of the same shape (6 layers, hidden 384, 6 heads,
+seq 256, vocab 8192, no dropout, SDPA attention) trained with
+`torch.optim.AdamW` (same lr schedule, betas, eps; weight decay 0.01 on 2-D
+parameters only) and `clip_grad_norm_(..., 1.0)`, on the very same batches (a
+second `GPTBatches` with the same corpus and seed); its loss is the mean cross
+entropy of its logits against our loader's `labels` (HF's own `labels=` shifts
+inside the model, which would drop one target per sample).  Micro = global batch 8
+(one microbatch), fp32, the same torch thread count.  After the warm-up steps
+of each, the timed steps run in blocks of `--block` steps ordered HF, ours, ours,
+HF, HF, ... (ABBA), so machine drift hits both alike.  Blocks rather than one
+step each: both models share the process's malloc, and HF's step (which makes
+~0.4 GB of short-lived temporaries and page-faults them in) ran ~20% slower
+right after one of ours than after one of its own; `--block 1` shows that.
+
+Reported per model: tokens/s (median over the timed steps; total tokens / total
+time; the fastest step), ms/step, model TFLOP/s of the median step by the paper's
+count (`model_flops_per_iteration`, no recompute; the same formula for HF, same
+shape), MFU against a measured fp32 matmul rate (`megatrain.metrics.
+measured_matmul_tflops`, what `megatrain run` takes as a CPU's peak; measured
+before and after the steps, the higher kept), parameters, page faults and system
+CPU time per step, the losses (the first near ln 8192 = 9.01 on both sides: the
+same work), and ours / HF tokens/s.  The load average before the run and the CPU
+time stolen by a hypervisor during it are recorded: other work on the cores shows
+up as slow, scattered steps.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import resource
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacore import parallel_state as ps
+from megatrain import data as data_lib
+from megatrain.config import load_config
+from megatrain.metrics import measured_matmul_tflops
+from megatrain.models.gpt import model_flops_per_iteration, num_parameters
+from megatrain.training import build_run, lr_for, train_step
+
+VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 8192, 6, 384, 6, 256, 8
+EOD = 0
+
+
+# -- a synthetic corpus in megadata's format (DESIGN.md "Corpus directory") ---------------------
+
+
+def write_corpus(root: Path, splits: dict[str, list[list[int]]]) -> Path:
+    """manifest.json + one Arrow IPC shard per split; every document ends with EOD."""
+    root.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("doc_id", pa.string()), ("tokens", pa.list_(pa.uint16()))])
+    entries = {}
+    for split, docs in splits.items():
+        (root / split).mkdir(exist_ok=True)
+        file = f"{split}/shard-00000.arrow"
+        table = pa.table(
+            {"doc_id": [f"{split}-{r}" for r in range(len(docs))], "tokens": docs}, schema=schema
+        )
+        with pa.ipc.new_file(str(root / file), schema) as writer:
+            writer.write_table(table)
+        tokens = sum(map(len, docs))
+        shard = {
+            "docs": len(docs),
+            "file": file,
+            "sha256": hashlib.sha256((root / file).read_bytes()).hexdigest(),
+            "tokens": tokens,
+        }
+        entries[split] = {"docs": len(docs), "tokens": tokens, "shards": [shard]}
+    manifest = {
+        "format_version": 1,
+        "sentence_boundaries": False,
+        "token_dtype": "uint16",
+        "tokenizer": {
+            "eod_id": EOD,
+            "file": "tokenizer.json",
+            "kind": "gpt2-bpe",
+            "sha256": "0" * 64,
+            "vocab_size": VOCAB,
+        },
+        "splits": entries,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def random_docs(rng: np.random.Generator, tokens: int, doc_len: int = 4096) -> list[list[int]]:
+    docs = []
+    while sum(map(len, docs)) < tokens:
+        doc = rng.integers(1, VOCAB, size=doc_len - 1).tolist()
+        docs.append([*doc, EOD])
+    return docs
+
+
+# -- machine -----------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_steal_seconds() -> float | None:
+    """CPU time the hypervisor gave to others (all cores), from /proc/stat; None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the Hugging Face side ---------------------------------------------------------------------
+
+
+class HFTrainer:
+    """GPT2LMHeadModel with AdamW, clipping and lr exactly as our config asks, on our batches."""
+
+    def __init__(self, config, batches: "data_lib.GPTBatches", seed: int):
+        import transformers
+
+        o = config.optimizer
+        self.config, self.batches, self.iteration = config, batches, 0
+        hf_config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=config.model.max_position_embeddings,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=config.model.layernorm_epsilon,
+            initializer_range=config.model.init_method_std,
+            bos_token_id=EOD,
+            eos_token_id=EOD,
+            attn_implementation="sdpa",
+        )
+        torch.manual_seed(seed)
+        self.model = transformers.GPT2LMHeadModel(hf_config)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]  # tied wte once
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() > 1], "weight_decay": o.weight_decay},
+                {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+            ],
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+        )
+        self.params = params
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.model.config._attn_implementation
+
+    def step(self) -> dict:
+        o = self.config.optimizer
+        lr = lr_for(self.config, self.iteration)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = next(self.batches)
+        tokens = torch.as_tensor(batch["tokens"], dtype=torch.long)
+        labels = torch.as_tensor(batch["labels"], dtype=torch.long)
+        logits = self.model(input_ids=tokens, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, o.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return {"loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm)}
+
+
+class Recorder:
+    """A loader that keeps a digest of every batch it handed out."""
+
+    def __init__(self, batches: "data_lib.GPTBatches"):
+        self.batches, self.digests = batches, []
+
+    def __iter__(self) -> "Recorder":
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.batches)
+        digest = hashlib.sha256(batch["tokens"].tobytes() + batch["labels"].tobytes())
+        self.digests.append(digest.hexdigest())
+        return batch
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def summarize(seconds: list[float], losses: list[float], flops: float, peak: float) -> dict:
+    tokens = BATCH * SEQ
+    median = statistics.median(seconds)
+    mean = sum(seconds) / len(seconds)
+    tflops = flops / median / 1e12
+    return {
+        "tokens_per_s_median": tokens / median,
+        "tokens_per_s_mean": tokens / mean,  # total tokens / total time
+        "tokens_per_s_best": tokens / min(seconds),  # least disturbed by other load
+        "ms_per_step_median": median * 1e3,
+        "ms_per_step_mean": mean * 1e3,
+        "ms_per_step_min": min(seconds) * 1e3,
+        "ms_per_step_max": max(seconds) * 1e3,
+        "model_tflops": tflops,
+        "mfu": tflops / peak,
+        "step_ms": [round(s * 1e3, 2) for s in seconds],
+        "losses": [round(x, 4) for x in losses],
+    }
+
+
+def profile_step(step, rows: int) -> list[dict]:
+    """One step under torch.profiler: the ops with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    return [
+        {
+            "op": e.key,
+            "self_ms": round(e.self_cpu_time_total / 1e3, 2),
+            "share": round(e.self_cpu_time_total / total, 4),
+            "calls": e.count,
+        }
+        for e in events[:rows]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results/gpt_train.json"))
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--block", type=int, default=5, help="timed steps of one model before switching"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="after timing, profile one more step of each"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    extra = 1 if args.profile else 0
+    iters = args.warmup + args.steps + extra
+    tmp = tempfile.TemporaryDirectory(prefix="bench_gpt_train_")
+    work = Path(tmp.name)
+    rng = np.random.default_rng(args.seed)
+    need = int(iters * BATCH * SEQ * 1.1) + 2 * SEQ  # one epoch covers every step
+    corpus = write_corpus(
+        work / "corpus",
+        {"train": random_docs(rng, need), "valid": random_docs(rng, 4 * SEQ)},
+    )
+    config = load_config(
+        None,
+        [
+            f"model.num_layers={LAYERS}",
+            f"model.hidden_size={HIDDEN}",
+            f"model.num_attention_heads={HEADS}",
+            f"model.max_position_embeddings={SEQ}",
+            f"model.vocab_size={VOCAB}",
+            "model.hidden_dropout=0.0",
+            "model.attention_dropout=0.0",
+            f"training.seq_length={SEQ}",
+            f"training.micro_batch_size={BATCH}",
+            f"training.global_batch_size={BATCH}",
+            f"training.train_iters={iters}",
+            'training.precision="fp32"',
+            f"training.seed={args.seed}",
+            f'training.output_dir="{work / "run"}"',
+            f'data.corpus="{corpus}"',
+            "logging.tensorboard=false",
+        ],
+    )
+
+    load_before = os.getloadavg()
+    steal_before = cpu_steal_seconds()
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
+    )
+    try:
+        run = build_run(config, torch.device("cpu"))
+        hf_batches = data_lib.GPTBatches(
+            data_lib.open_corpus(corpus, "train", vocab_size=VOCAB),
+            seq_len=SEQ,
+            seed=args.seed,
+            global_batch_size=BATCH,
+            micro_batch_size=BATCH,
+        )
+        hf = HFTrainer(config, hf_batches, args.seed)
+        peaks = [measured_matmul_tflops()]
+        flops = model_flops_per_iteration(run.model_config, BATCH, SEQ, full_recompute=False)
+
+        # Both loaders are GPTBatches over one corpus and seed; check every step's batch agrees.
+        run.train_data = Recorder(run.train_data)
+        hf.batches = Recorder(hf.batches)
+
+        times = {"megatrain": [], "hf": []}
+        losses = {"megatrain": [], "hf": []}
+        # Minor page faults and system CPU seconds of the timed steps: the cost of fresh memory.
+        faults = {"megatrain": [0, 0.0], "hf": [0, 0.0]}
+        steps = {"megatrain": lambda: train_step(run), "hf": hf.step}
+
+        def timed(name: str, count: int, keep: bool) -> None:
+            for _ in range(count):
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                start = time.perf_counter()
+                out = steps[name]()
+                elapsed = time.perf_counter() - start
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                losses[name].append(out["loss"])
+                if keep:
+                    times[name].append(elapsed)
+                    faults[name][0] += after.ru_minflt - usage.ru_minflt
+                    faults[name][1] += after.ru_stime - usage.ru_stime
+            label = "warm-up" if not keep else f"{len(times[name])}/{args.steps} timed"
+            print(
+                f"{name:9s} {count} steps ({label}): loss "
+                + " ".join(f"{x:.4f}" for x in losses[name][-count:]),
+                flush=True,
+            )
+
+        timed("megatrain", args.warmup, keep=False)
+        timed("hf", args.warmup, keep=False)
+        pattern = ("hf", "megatrain", "megatrain", "hf")
+        block = 0
+        while min(map(len, times.values())) < args.steps:
+            name = pattern[block % 4]
+            timed(name, min(args.block, args.steps - len(times[name])), keep=True)
+            block += 1
+        ours_digests, hf_digests = run.train_data.digests, hf.batches.digests
+        if ours_digests != hf_digests:
+            raise RuntimeError("the two models were trained on different batches")
+        profiles = None
+        if args.profile:
+            profiles = {name: profile_step(steps[name], 12) for name in steps}
+        # The machine's fp32 matmul rate, measured before and after; the best is the peak.
+        peaks.append(measured_matmul_tflops())
+        peak = max(peaks)
+        steal_after = cpu_steal_seconds()
+
+        ours_params = sum(
+            p.numel() for p in dict.fromkeys(p for c in run.chunks for p in c.parameters())
+        )
+        hf_params = sum(p.numel() for p in hf.params)
+        results = {
+            name: summarize(times[name], losses[name], flops, peak) for name in ("megatrain", "hf")
+        }
+        m, h = results["megatrain"], results["hf"]
+        for name, (minflt, stime) in faults.items():
+            results[name]["minor_page_faults_per_step"] = minflt / args.steps
+            results[name]["system_cpu_s_per_step"] = stime / args.steps
+        results["megatrain"]["parameters"] = ours_params
+        results["hf"]["parameters"] = hf_params
+        results["hf"]["attn_implementation"] = hf.attn_implementation
+        ratio = results["megatrain"]["tokens_per_s_median"] / results["hf"]["tokens_per_s_median"]
+        ratio_mean = m["tokens_per_s_mean"] / h["tokens_per_s_mean"]
+        ratio_best = m["tokens_per_s_best"] / h["tokens_per_s_best"]
+        record = {
+            "benchmark": "gpt_train",
+            "machine": {
+                "platform": platform.platform(),
+                "cpu": cpu_model(),
+                "cpus": len(os.sched_getaffinity(0)),
+                "torch_threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+                # Others on the cores: the 1/5/15-minute load before starting, and the CPU
+                # seconds a hypervisor took from this VM while the benchmark ran.
+                "loadavg_before": load_before,
+                "cpu_steal_s_during_run": None
+                if steal_before is None or steal_after is None
+                else steal_after - steal_before,
+            },
+            "shape": {
+                "num_layers": LAYERS,
+                "hidden_size": HIDDEN,
+                "num_attention_heads": HEADS,
+                "seq_length": SEQ,
+                "vocab_size": run.model_config.vocab_size,
+                "micro_batch_size": BATCH,
+                "global_batch_size": BATCH,
+                "precision": "fp32",
+                "dropout": 0.0,
+                "tokens_per_step": BATCH * SEQ,
+            },
+            "method": {
+                "warmup_steps": args.warmup,
+                "timed_steps": args.steps,
+                "block": args.block,
+                "order": f"warm-up ours x{args.warmup}, HF x{args.warmup}; then timed blocks "
+                f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
+                "ours": "megatrain.training.train_step(build_run(config)), 1-process gloo group",
+                "hf": "GPT2LMHeadModel (sdpa) + AdamW (decay on 2-D params) + clip_grad_norm_ "
+                "1.0, same lr schedule; loss = F.cross_entropy(logits, our loader's labels)",
+                "batches": "identical: two GPTBatches over the same synthetic corpus and seed; "
+                f"the digests of all {len(ours_digests)} batches of each model were compared",
+                "flops_per_step": flops,
+                "flops_formula": "model_flops_per_iteration(full_recompute=False), both models",
+                "peak_tflops": peak,
+                "peak_tflops_measurements": peaks,
+                "peak_source": f"megatrain.metrics.measured_matmul_tflops(): fp32 2048^3 matmul, "
+                f"{torch.get_num_threads()} threads",
+            },
+            "num_parameters_formula": num_parameters(run.model_config),
+            "first_loss": {"megatrain": losses["megatrain"][0], "hf": losses["hf"][0]},
+            "ln_vocab": math.log(VOCAB),
+            "megatrain": results["megatrain"],
+            "hf": results["hf"],
+            "ratio_tokens_per_s_ours_over_hf": ratio,
+            "ratio_tokens_per_s_mean_ours_over_hf": ratio_mean,
+            "ratio_tokens_per_s_best_ours_over_hf": ratio_best,
+        }
+        if profiles is not None:
+            record["profile_top_self_cpu"] = profiles
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        tmp.cleanup()
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(
+        f"\nGPT-2 {LAYERS}x{HIDDEN}, {HEADS} heads, seq {SEQ}, vocab {VOCAB}, batch {BATCH}, fp32, "
+        f"{torch.get_num_threads()} threads on {cpu_model()}; peak (measured fp32 matmul) "
+        f"{peak:.3f} TFLOP/s (best of {', '.join(f'{x:.3f}' for x in peaks)})"
+    )
+    for name, r in (("megatrain", m), ("hf", h)):
+        print(
+            f"  {name:9s}: {r['tokens_per_s_median']:8.0f} tokens/s"
+            f" (mean {r['tokens_per_s_mean']:.0f}, best {r['tokens_per_s_best']:.0f})"
+            f" | {r['ms_per_step_median']:7.1f} ms/step | {r['model_tflops']:.3f} TFLOP/s"
+            f" | MFU {r['mfu']:.1%} | {r['parameters']:,} params | first loss {r['losses'][0]:.4f}"
+        )
+    print(
+        f"  ours / HF tokens/s: {ratio:.3f} (median), {ratio_mean:.3f} (mean), "
+        f"{ratio_best:.3f} (best step); load average before {load_before[0]:.1f}"
+    )
+    if profiles is not None:
+        for name, rows in profiles.items():
+            print(f"  top self-CPU ops, {name}:")
+            for row in rows[:8]:
+                print(f"    {row['self_ms']:8.1f} ms {row['share']:6.1%}  {row['op']}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
