@@ -91,6 +91,8 @@ class TrainingConfig:
     eval_iters: int = 10
     # Stop with an error after this many iterations in a row with a non-finite loss.
     max_nonfinite_losses: int = 10
+    # Save and stop at the first iteration that is a multiple of it (a job's time slice).
+    exit_interval: int | None = None
     # Where logs, TensorBoard events and the loss plot go; relative to the working directory.
     output_dir: str = "runs/default"
 
@@ -101,6 +103,16 @@ class DataConfig:
     verify_sha256: bool = False
     # Pin the tokenizer: the corpus manifest's tokenizer sha256 must equal it.
     tokenizer_sha256: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None  # directory; None = no checkpoints
+    # Resume from this directory's `latest`.  Equal to `save`, a directory without a
+    # checkpoint yet starts from iteration 0 (so one command starts and resumes a run).
+    load: str | None = None
+    save_interval: int | None = None  # iterations; None = at the end and on SIGTERM/SIGINT only
+    keep: int = 0  # newest iterations kept; 0 = all
 
 
 @dataclass
@@ -119,6 +131,7 @@ class Config:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     name: str = "default"  # the config file's stem
 
@@ -145,6 +158,7 @@ _SECTION_TYPES = {
     "optimizer": OptimizerSection,
     "training": TrainingConfig,
     "data": DataConfig,
+    "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
 CHOICES = {
@@ -334,6 +348,12 @@ def validate(config: Config, world_size: int | None = None) -> int:
             f"(micro_batch_size x dp) = {microbatches}) to be a multiple of "
             f"parallel.pipeline_model_parallel_size ({pp})",
         )
+    c = config.checkpoint
+    _need(
+        c.save_interval is None or c.save_interval > 0,
+        f"checkpoint.save_interval must be > 0, got {c.save_interval}",
+    )
+    _need(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
     _need(
         0 <= o.min_lr <= o.lr,
         f"optimizer.min_lr ({o.min_lr}) must be between 0 and optimizer.lr ({o.lr})",

@@ -12,6 +12,7 @@ mean over the global batch, identical to one process over the whole batch.
 import dataclasses
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from megacore import pipeline_parallel as pipe
 from megacore import tensor_parallel as tp
 from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, NonFiniteLossGuard, OptimizerConfig
+from megatrain import checkpointing
 from megatrain import data as data_lib
 from megatrain.config import Config, validate
 from megatrain.lr_schedule import learning_rate
@@ -266,24 +268,73 @@ def train_step(run: Run) -> dict:
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "ok": ok}
 
 
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the loop finishes its iteration, saves and returns."""
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, device) -> bool:
+        """Whether any rank got a signal (a collective, so every rank stops at the same step)."""
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def train(config: Config) -> dict | None:
     """Train as configured; every rank of the job calls it.  Returns the history on rank 0."""
     device, created = init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    stop = StopSignal()
     try:
         run = build_run(config, device)
-        return _loop(run)
+        resume(run)
+        return _loop(run, stop)
     finally:
+        stop.restore()
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
 
 
-def _loop(run: Run) -> dict | None:
+def resume(run: Run) -> None:
+    """Load `checkpoint.load` if set (a `save` directory without a checkpoint yet starts fresh)."""
+    c = run.config.checkpoint
+    if not c.load:
+        return
+    latest = os.path.join(c.load, checkpointing.LATEST)
+    if c.load == c.save and not os.path.exists(latest):
+        if dist.get_rank() == 0:
+            print(f"megatrain: no checkpoint in {c.load} yet; starting at iteration 0", flush=True)
+        return
+    meta = checkpointing.load_checkpoint(run, c.load)
+    if dist.get_rank() == 0:
+        print(f"megatrain: resumed from {c.load} at iteration {meta['iteration']}", flush=True)
+
+
+def _save(run: Run, log: RunLog) -> None:
+    c = run.config.checkpoint
+    if c.save:
+        path = checkpointing.save_checkpoint(run, c.save, keep=c.keep)
+        log.info(f"megatrain: saved {path}")
+
+
+def _loop(run: Run, stop: StopSignal) -> dict | None:
     config, t, lg = run.config, run.config.training, run.config.logging
+    c = config.checkpoint
     rank0 = dist.get_rank() == 0
     log = RunLog(t.output_dir, enabled=rank0, tensorboard=lg.tensorboard)
     if rank0:
@@ -331,7 +382,23 @@ def _loop(run: Run) -> dict | None:
             run.history["valid"].append((run.iteration, record["valid_loss"]))
         if record is not None:
             log.record(record)
+        stopping = stop.agreed(run.device)
+        if t.exit_interval and run.iteration % t.exit_interval == 0:
+            stopping, stop.received = True, stop.received or f"exit_interval {t.exit_interval}"
+        if (
+            stopping
+            or run.iteration == t.train_iters
+            or (c.save_interval and run.iteration % c.save_interval == 0)
+        ):
+            _save(run, log)
+        if record is not None:
             interval_losses, interval_start = [], time.perf_counter()
+        if stopping:
+            log.info(
+                f"megatrain: stopped by {stop.received or 'a signal'} at iteration {run.iteration}"
+            )
+            run.history["stopped_at"] = run.iteration
+            break
     plot = log.close()
     if not rank0:
         return None

@@ -271,6 +271,68 @@ class MegatronOptimizer:
             "layout": self._layout(),
         }
 
+    # -- state by parameter, for checkpoints that change layout --------------------------
+
+    def param_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """fp32 master, exp_avg and exp_avg_sq of every parameter of this rank, each of the
+        parameter's shape (its TP shard), whole even when sharded over DP.
+
+        Under the distributed optimizer each DP rank holds a flat range of each parameter;
+        the ranges are summed over the data-parallel group (a collective: call on every rank).
+        A layout-independent checkpoint saves these beside the weights.
+        """
+        out = {}
+        group = self.ddp_chunks[0].group if self.sharded and self.ddp_chunks else None
+        shards = {id(s.param): s for s in self.shards}
+        for p in _unique_params(self.model_chunks):
+            flat = torch.zeros(3, p.numel(), dtype=torch.float32, device=p.device)
+            s = shards.get(id(p))
+            if s is not None:
+                state = self.optimizer.state.get(s.master, {})
+                for row, value in enumerate(
+                    (s.master, state.get("exp_avg"), state.get("exp_avg_sq"))
+                ):
+                    if value is not None:
+                        flat[row, s.start : s.end] = value.detach().float().view(-1)
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+            out[p] = {
+                name: flat[row].view(p.shape)
+                for row, name in enumerate(("master", "exp_avg", "exp_avg_sq"))
+            }
+        return out
+
+    def adam_step(self) -> int:
+        """Adam's step count (the same for every parameter)."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    def load_param_state(
+        self, states: dict[nn.Parameter, dict[str, torch.Tensor]], adam_step: int
+    ) -> None:
+        """The inverse of `param_state()`: each rank keeps its own range of each parameter."""
+        with torch.no_grad():
+            for s in self.shards:
+                if s.param not in states:
+                    raise ValueError(
+                        f"optimizer: no saved state for a parameter of shape {tuple(s.param.shape)}"
+                    )
+                state = {
+                    k: v.reshape(-1)[s.start : s.end].to(s.master.device, torch.float32)
+                    for k, v in states[s.param].items()
+                }
+                s.master.copy_(state["master"].view_as(s.master))
+                if adam_step:
+                    self.optimizer.state[s.master] = {
+                        "step": torch.tensor(float(adam_step)),
+                        "exp_avg": state["exp_avg"].clone().view_as(s.master),
+                        "exp_avg_sq": state["exp_avg_sq"].clone().view_as(s.master),
+                    }
+                else:
+                    self.optimizer.state.pop(s.master, None)
+
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; refuses state saved for other parameters or another sharding."""
         saved, here = state["layout"], self._layout()

@@ -1,0 +1,332 @@
+"""Checkpoints: written completely before `latest` moves, loadable under another layout.
+
+```
+<ckpt>/latest                      the newest complete iteration, e.g. "iter_0000200"
+<ckpt>/iter_0000200/meta.json      iteration, run and model config, layout, tokenizer, data
+                                   position, Adam step, loss scaler, sizes of every file below
+<ckpt>/iter_0000200/model/         torch.distributed.checkpoint: weights by global name
+<ckpt>/iter_0000200/optimizer/     the same for the fp32 masters and Adam moments
+<ckpt>/iter_0000200/rng/rank-N.pt  each rank's generator states (tensors only)
+<ckpt>/iter_0000200/tokenizer.json the corpus tokenizer
+```
+
+Weights and optimizer state are saved per parameter at its global shape: a
+tensor-parallel shard as a DTensor over the TP group (torch.distributed.checkpoint
+writes each shard once and reads back whatever slices another layout needs), a
+replicated one as a plain tensor.  Optimizer state sharded over data-parallel
+ranks is first gathered per parameter, so a checkpoint does not depend on the
+data-parallel size or on whether the distributed optimizer was on.  The word
+embeddings are padded to a multiple of 128 x tp; a layout with another padding
+reads the saved rows and keeps its own padding rows at zero.
+
+A save goes to `.tmp-iter_N/`, is checked (every rank's files present, sizes
+recorded in meta.json), renamed to `iter_N/`, and only then is `latest`
+replaced (write to a temporary file, rename).  A process killed during a save
+leaves the previous checkpoint and `latest` as they were.  Nothing is
+unpickled: DCP reads tensors, RNG files load with `weights_only=True`.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from megacore import parallel_state as ps
+from megacore import tensor_parallel as tp
+from megacore.distributed import DistributedDataParallel
+from megacore.parallel_state import get_tensor_model_parallel_rank as tp_rank
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+# Fields that make two models different: a checkpoint of another shape is refused with them.
+MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+)
+OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; the message names the file and what differs."""
+
+
+def iteration_dir(ckpt: Path, iteration: int) -> Path:
+    return Path(ckpt) / f"iter_{iteration:07d}"
+
+
+def _module(chunk):
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def named_params(chunks, loading: bool = False) -> dict[str, torch.nn.Parameter]:
+    """Global name -> parameter for this rank's chunks.
+
+    The last stage's copy of the tied word embeddings is not saved (the first stage
+    saves the one matrix); when loading it reads that matrix, under its name.
+    """
+    out = {}
+    for chunk in chunks:
+        for name, p in _module(chunk).named_parameters():
+            if name == "output_weight":
+                if not loading:
+                    continue
+                name = "embedding.weight"
+            out[name] = p
+    return out
+
+
+def _tp_mesh(device: torch.device) -> DeviceMesh:
+    return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), device.type)
+
+
+def _global(p: torch.Tensor, like: torch.nn.Parameter, mesh: DeviceMesh):
+    """A tensor shaped like parameter `like` as DCP should see it: its global shape."""
+    if getattr(like, "tensor_model_parallel", False) and mesh.size() > 1:
+        if getattr(like, "partition_stride", 1) != 1:
+            raise NotImplementedError("checkpoints of strided tensor-parallel weights")
+        return DTensor.from_local(p, mesh, [Shard(like.partition_dim)], run_check=False)
+    return p
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state(), **tp.get_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def layout_of(run) -> dict:
+    p = run.config.parallel
+    return {
+        "world_size": dist.get_world_size(),
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
+        "data_parallel_size": run.dp_size,
+        "use_distributed_optimizer": p.use_distributed_optimizer,
+    }
+
+
+def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
+    """Save `run` at its iteration under `ckpt` (every rank calls it); returns the directory.
+
+    `keep` > 0 keeps only that many newest iterations.
+    """
+    ckpt = Path(ckpt)
+    final = iteration_dir(ckpt, run.iteration)
+    tmp = ckpt / f".tmp-{final.name}"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    mesh = _tp_mesh(run.device)
+    params = named_params(run.chunks)
+    weights = {n: _global(p.detach(), p, mesh) for n, p in params.items()}
+    dcp.save(weights, checkpoint_id=tmp / "model")
+    states = run.optimizer.param_state()
+    optimizer = {
+        f"{n}/{key}": _global(states[p][key], p, mesh)
+        for n, p in params.items()
+        for key in OPTIMIZER_STATES
+    }
+    dcp.save(optimizer, checkpoint_id=tmp / "optimizer")
+    torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        corpus_tokenizer = Path(run.config.data.corpus) / "tokenizer.json"
+        if corpus_tokenizer.is_file():
+            shutil.copyfile(corpus_tokenizer, tmp / "tokenizer.json")
+        files = {
+            str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()
+        }
+        rng_files = [f for f in files if f.startswith("rng/")]
+        if len(rng_files) != dist.get_world_size():
+            raise RuntimeError(
+                f"checkpoint {tmp}: {len(rng_files)} RNG files for {dist.get_world_size()} ranks"
+            )
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "iteration": run.iteration,
+            "model": {k: getattr(run.model_config, k) for k in MODEL_FIELDS},
+            "padded_vocab_size": run.model_config.vocab_size,
+            "vocab_size": run.train_data.corpus.vocab_size,
+            "tokenizer": run.train_data.corpus.manifest.get("tokenizer"),
+            "layout": layout_of(run),
+            "config": run.config.to_dict(),
+            "data": run.train_data.state_dict(),
+            "optimizer": {
+                "adam_step": run.optimizer.adam_step(),
+                "grad_scaler": (
+                    {k: float(v) for k, v in run.optimizer.grad_scaler.state_dict().items()}
+                    if run.optimizer.grad_scaler
+                    else None
+                ),
+                "num_skipped_steps": run.optimizer.num_skipped_steps,
+            },
+            "files": files,
+        }
+        _write_json(tmp / "meta.json", meta)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = ckpt / f".{LATEST}.tmp"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, ckpt / LATEST)
+        if keep > 0:
+            for old in sorted(ckpt.glob("iter_*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def find_checkpoint(ckpt: str | Path) -> Path:
+    """The iteration directory `latest` names, checked: exists, complete, no file truncated."""
+    ckpt = Path(ckpt)
+    latest = ckpt / LATEST
+    if not latest.is_file():
+        found = sorted(p.name for p in ckpt.glob("iter_*")) if ckpt.is_dir() else []
+        raise CheckpointError(
+            f"{latest} does not exist: {ckpt} is not a megatrain checkpoint directory or no save "
+            "finished" + (f" (iteration directories there: {', '.join(found)})" if found else "")
+        )
+    name = latest.read_text().strip()
+    directory = ckpt / name
+    meta_file = directory / "meta.json"
+    if not name.startswith("iter_") or not meta_file.is_file():
+        raise CheckpointError(
+            f"{latest} names {name!r}, but {meta_file} does not exist: the checkpoint was moved "
+            "or deleted; point `latest` at an existing iter_* directory"
+        )
+    meta = json.loads(meta_file.read_text())
+    for rel, size in meta["files"].items():
+        f = directory / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing (listed in {meta_file})")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint file {f} has {f.stat().st_size} bytes, {size} when saved: "
+                "truncated or overwritten"
+            )
+    return directory
+
+
+def read_meta(directory: Path) -> dict:
+    meta = json.loads((directory / "meta.json").read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory / 'meta.json'}: format_version {meta.get('format_version')}, "
+            f"this megatrain reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def check_model_matches(meta: dict, model_config, vocab_size: int, where: Path) -> None:
+    """Refuse a checkpoint of another model, naming every field that differs."""
+    saved = dict(meta["model"], vocab_size=meta["vocab_size"])
+    here = {k: getattr(model_config, k) for k in MODEL_FIELDS}
+    here["vocab_size"] = vocab_size
+    differ = [f"{k}: saved {saved[k]}, here {here[k]}" for k in here if saved.get(k) != here[k]]
+    if differ:
+        raise CheckpointError(
+            f"{where / 'meta.json'} is a checkpoint of another model ({'; '.join(differ)})"
+        )
+
+
+def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh) -> dict:
+    """Read the saved tensors for `params` (name -> target tensor shaped like the parameter);
+    a vocabulary padded differently is read whole and its saved rows copied."""
+    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    direct, padded = {}, {}
+    for name, (target, like) in params.items():
+        key = f"{name}{prefix}"
+        if key not in metadata:
+            raise CheckpointError(f"{checkpoint_id}: no saved tensor {key!r}")
+        saved_shape = tuple(metadata[key].size)
+        view = _global(target, like, mesh)
+        global_shape = tuple(view.shape)
+        if saved_shape == global_shape:
+            direct[key] = view
+        elif saved_shape[1:] == global_shape[1:] and getattr(like, "partition_dim", None) == 0:
+            padded[key] = (torch.zeros(saved_shape, dtype=target.dtype), target, like)
+        else:
+            raise CheckpointError(
+                f"{checkpoint_id}: {key} was saved with shape {saved_shape}, here {global_shape}"
+            )
+    dcp.load(direct, checkpoint_id=checkpoint_id)
+    if padded:
+        full = {k: v[0] for k, v in padded.items()}
+        dcp.load(full, checkpoint_id=checkpoint_id)
+        for whole, target, like in padded.values():
+            rows = target.shape[0]
+            sharded = getattr(like, "tensor_model_parallel", False)
+            start = tp_rank() * rows if sharded else 0
+            with torch.no_grad():
+                target.zero_()
+                piece = whole[start : start + rows]
+                target[: piece.shape[0]].copy_(piece)
+    return direct
+
+
+def load_checkpoint(run, ckpt: str | Path) -> dict:
+    """Restore `run` from the checkpoint `latest` names; returns its meta.json.
+
+    Any (tp, pp, dp) layout loads any other; RNG states are restored only under the
+    layout they were saved at (elsewhere the generators are seeded from the iteration).
+    """
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
+    check_model_matches(meta, run.model_config, run.train_data.corpus.vocab_size, directory)
+    saved_tok = meta.get("tokenizer") or {}
+    here_tok = run.train_data.corpus.manifest.get("tokenizer") or {}
+    if saved_tok.get("sha256") not in (None, here_tok.get("sha256")):
+        raise CheckpointError(
+            f"{directory / 'meta.json'}: trained with tokenizer sha256 {saved_tok['sha256']}, "
+            f"the corpus {run.config.data.corpus} has {here_tok['sha256']}"
+        )
+    mesh = _tp_mesh(run.device)
+    params = named_params(run.chunks, loading=True)
+    with torch.no_grad():
+        _load_into({n: (p.data, p) for n, p in params.items()}, "", directory / "model", mesh)
+    states = {
+        p: {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in OPTIMIZER_STATES}
+        for p in params.values()
+    }
+    for key in OPTIMIZER_STATES:
+        targets = {n: (states[p][key], p) for n, p in params.items()}
+        _load_into(targets, f"/{key}", directory / "optimizer", mesh)
+    run.optimizer.load_param_state(states, meta["optimizer"]["adam_step"])
+    if run.optimizer.grad_scaler and meta["optimizer"]["grad_scaler"]:
+        run.optimizer.grad_scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
+    run.optimizer.num_skipped_steps = meta["optimizer"]["num_skipped_steps"]
+    run.train_data.load_state_dict(meta["data"])
+    run.iteration = meta["iteration"]
+    if meta["layout"] == layout_of(run):
+        state = torch.load(directory / "rng" / f"rank-{dist.get_rank():05d}.pt", weights_only=True)
+        torch.set_rng_state(state.pop("cpu"))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state.pop("cuda"))
+        state.pop("cuda", None)
+        tp.get_rng_tracker().set_states(state)
+    else:
+        seed = run.config.training.seed + run.iteration
+        tp.model_parallel_manual_seed(seed + 100 * ps.get_pipeline_model_parallel_rank())
+    return meta
