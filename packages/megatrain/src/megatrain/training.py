@@ -65,6 +65,7 @@ def gpt_config(config: Config, vocab_size: int) -> GPTConfig:
         num_attention_heads=m.num_attention_heads,
         vocab_size=padded,
         max_position_embeddings=m.max_position_embeddings,
+        true_vocab_size=vocab_size,
         ffn_hidden_size=config.ffn_hidden_size,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,

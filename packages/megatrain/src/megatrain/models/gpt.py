@@ -30,6 +30,9 @@ class GPTConfig:
     num_attention_heads: int
     vocab_size: int  # padded: divisible by tp
     max_position_embeddings: int
+    # The tokenizer's vocabulary; the logits of the padding rows above it are masked out,
+    # so the padding (which depends on tp) changes nothing a layout computes.
+    true_vocab_size: int | None = None
     ffn_hidden_size: int | None = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -154,11 +157,12 @@ class GPTModel(nn.Module):
         self.input_tensor = None
         init = tp.init_method_normal(cfg.init_method_std)
         if pre_process:
-            torch.manual_seed(seed)
             self.embedding = tp.VocabParallelEmbedding(
-                cfg.vocab_size, cfg.hidden_size, init_method=init
+                cfg.vocab_size, cfg.hidden_size, perform_initialization=False
             )
+            self._init_word_embeddings(seed)
             self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            torch.manual_seed(seed - 1)
             init(self.position_embedding.weight)
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
         layers = {}
@@ -184,6 +188,19 @@ class GPTModel(nn.Module):
                 self.output_weight.shared_embedding = True
         if pre_process and not post_process:
             self.embedding.weight.shared_embedding = True
+
+    @torch.no_grad()
+    def _init_word_embeddings(self, seed: int) -> None:
+        """Rows of the real vocabulary drawn as one matrix, padding rows zero: the same numbers
+        whatever the padding (which depends on tp)."""
+        cfg = self.config
+        rows = cfg.true_vocab_size or cfg.vocab_size
+        torch.manual_seed(seed)
+        full = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+        tp.init_method_normal(cfg.init_method_std)(full[:rows])
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        self.embedding.weight.copy_(tp.shard_of(full, 0, rank, world))
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input here."""
@@ -211,6 +228,16 @@ class GPTModel(nn.Module):
                 x = layer(x)
         return x
 
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        true_vocab = self.config.true_vocab_size
+        local = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        if true_vocab is None or start + local <= true_vocab:
+            return logits
+        keep = max(0, true_vocab - start)
+        padding = torch.arange(local, device=logits.device) >= keep
+        return logits.masked_fill(padding, float("-inf"))
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens) if self.pre_process else self.input_tensor
         x = self.run_layers(x)
@@ -218,6 +245,7 @@ class GPTModel(nn.Module):
             return x
         weight = self.embedding.weight if self.output_weight is None else self.output_weight
         logits, _ = self.output_layer(self.final_layernorm(x), weight=weight)
+        logits = self._mask_padding(logits)
         if labels is None:
             return logits
         losses = tp.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
