@@ -79,3 +79,57 @@ def test_resume_is_exact(corpus, tmp_path):
         assert first["grad_norm"] + second["grad_norm"] == full["grad_norm"], name
         assert second["valid"] == [v for v in full["valid"] if v[0] > 3], name
     assert (tmp_path / "ckpt-true" / "latest").read_text().strip() == "iter_0000003"
+
+
+RESHARD = {  # the layouts a tp2-pp2-dp2 checkpoint (distributed optimizer) is loaded at
+    "tp2-pp2-dp2": ["parallel.tensor_model_parallel_size=2",
+                    "parallel.pipeline_model_parallel_size=2",
+                    "parallel.use_distributed_optimizer=true"],
+    "tp1-pp1-dp8-micro1": ["training.micro_batch_size=1"],
+    "tp4-pp1-dp2-distopt": ["parallel.tensor_model_parallel_size=4",
+                            "parallel.use_distributed_optimizer=true"],
+    "tp1-pp4-dp2": ["parallel.pipeline_model_parallel_size=4"],
+}  # fmt: skip
+NO_DROPOUT = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
+
+
+def _valid_loss_at_load(config):
+    from megatrain import training
+
+    device, _ = training.init_distributed()
+    run = training.build_run(config, device)
+    try:
+        training.resume(run)
+        return run.iteration, training.evaluate(run)
+    finally:
+        training.ps.destroy_model_parallel()
+
+
+def _reshard_runs(corpus, out):
+    ckpt = f"{out}/ckpt"
+    saved = train(
+        _config(corpus, f"{out}/save", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT,
+                "training.exit_interval=3", f"checkpoint.save={ckpt!r}")
+    )  # fmt: skip
+    reference = train(_config(corpus, f"{out}/reference", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT))
+    results = {}
+    for name, layout in RESHARD.items():
+        config = _config(corpus, f"{out}/{name}", *layout, *NO_DROPOUT, f"checkpoint.load={ckpt!r}")
+        at_load = _valid_loss_at_load(config)
+        results[name] = (at_load, train(config))
+    return saved, reference, results
+
+
+def test_checkpoint_loads_at_other_layouts(corpus, tmp_path):
+    saved, reference, results = run_distributed(
+        _reshard_runs, 8, args=(corpus, str(tmp_path)), timeout=400
+    )[0]
+    assert saved["valid"][-1][0] == 3
+    for name, ((iteration, valid), resumed) in results.items():
+        # The weights: the same validation loss as the saving run computed at iteration 3.
+        assert iteration == 3 and abs(valid - saved["valid"][-1][1]) < 2e-5, name
+        # The optimizer state: steps 4 to 6 as the uninterrupted run took them.
+        for a, b in zip(resumed["loss"], reference["loss"][3:], strict=True):
+            assert abs(a - b) < 2e-5, (name, resumed["loss"], reference["loss"])
+        for a, b in zip(resumed["grad_norm"], reference["grad_norm"][3:], strict=True):
+            assert abs(a - b) < 2e-5 * b, name
