@@ -1,10 +1,16 @@
 """Checkpoints under real gloo groups: exact resume, layout changes, crashes mid-save, bad files."""
 
+import os
+import pickle
+import shutil
+
 import numpy as np
 import pytest
 from tiny_corpus import write_corpus
 
-from megacore.testing import run_distributed
+from megacore.testing import DistributedTestError, run_distributed
+from megatrain import checkpointing
+from megatrain.checkpointing import CheckpointError, check_model_matches, find_checkpoint, read_meta
 from megatrain.config import load_config
 from megatrain.training import train
 
@@ -133,3 +139,92 @@ def test_checkpoint_loads_at_other_layouts(corpus, tmp_path):
             assert abs(a - b) < 2e-5, (name, resumed["loss"], reference["loss"])
         for a, b in zip(resumed["grad_norm"], reference["grad_norm"][3:], strict=True):
             assert abs(a - b) < 2e-5 * b, name
+
+
+def _killed_mid_save(corpus, out):
+    """Saves at iterations 2 and 4; the process dies inside the second save."""
+    import os
+
+    import torch
+
+    real_save = torch.save
+
+    def dying_save(obj, path, *args, **kwargs):
+        if "iter_0000004" in str(path):
+            os._exit(9)  # after the weights and optimizer state, before meta.json and `latest`
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = dying_save
+    train(_config(corpus, out, "checkpoint.save_interval=2", f"checkpoint.save={out + '/ckpt'!r}"))
+
+
+def _resume_after_kill(corpus, out):
+    return train(_config(corpus, out + "/after", f"checkpoint.load={out + '/ckpt'!r}"))
+
+
+@pytest.fixture(scope="module")
+def killed_checkpoint(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("killed")
+    with pytest.raises(DistributedTestError, match="exited with code 9"):
+        run_distributed(_killed_mid_save, 2, args=(corpus, str(out)), timeout=120)
+    resumed = run_distributed(_resume_after_kill, 2, args=(corpus, str(out)), timeout=120)[0]
+    return out / "ckpt", resumed
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(killed_checkpoint):
+    ckpt, resumed = killed_checkpoint
+    assert (ckpt / "latest").read_text().strip() == "iter_0000002"
+    assert (ckpt / ".tmp-iter_0000004" / "model" / ".metadata").is_file()  # half written
+    assert not (ckpt / "iter_0000004").exists()
+    assert len(resumed["loss"]) == 4  # iterations 3 to 6, from iteration 2
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_checkpoints_are_refused_with_the_file(killed_checkpoint, tmp_path):
+    from megatrain.models import GPTConfig
+
+    ckpt, _ = killed_checkpoint
+    no_latest = _copy(ckpt, tmp_path / "no-latest")
+    (no_latest / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"latest does not exist.*iter_0000002"):
+        find_checkpoint(no_latest)
+    gone = _copy(ckpt, tmp_path / "gone")
+    shutil.rmtree(gone / "iter_0000002")
+    with pytest.raises(
+        CheckpointError, match=r"names 'iter_0000002', but .*meta.json does not exist"
+    ):
+        find_checkpoint(gone)
+    cut = _copy(ckpt, tmp_path / "cut")
+    shard = next((cut / "iter_0000002" / "model").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{shard.name} has 100 bytes, \d+ when saved"):
+        find_checkpoint(cut)
+    directory = find_checkpoint(ckpt)
+    other = GPTConfig(num_layers=6, hidden_size=32, num_attention_heads=2, vocab_size=256,
+                      max_position_embeddings=32)  # fmt: skip
+    differs = r"another model \(num_layers: saved 4, here 6; num_attention_heads: saved 4, here 2\)"
+    with pytest.raises(CheckpointError, match=differs):
+        check_model_matches(read_meta(directory), other, VOCAB, directory)
+
+
+def test_a_malicious_pickle_is_refused(killed_checkpoint, tmp_path):
+    ckpt, _ = killed_checkpoint
+    evil = _copy(ckpt, tmp_path / "evil")
+    rng_file = evil / "iter_0000002" / "rng" / "rank-00000.pt"
+    marker = tmp_path / "pwned"
+    rng_file.write_bytes(pickle.dumps(_Exploit(str(marker))))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        checkpointing._load_tensors(rng_file)
+    assert not marker.exists()
+
+
+class _Exploit:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))

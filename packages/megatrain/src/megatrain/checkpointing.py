@@ -229,6 +229,17 @@ def find_checkpoint(ckpt: str | Path) -> Path:
     return directory
 
 
+def _load_tensors(path: Path) -> dict:
+    """A file of tensors only: anything else is refused, never unpickled."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises UnpicklingError or RuntimeError, by version
+        raise CheckpointError(
+            f"{path} is not a file of tensors ({type(e).__name__}); refusing to unpickle "
+            "anything else. Was it replaced or written by another program?"
+        ) from e
+
+
 def read_meta(directory: Path) -> dict:
     meta = json.loads((directory / "meta.json").read_text())
     if meta.get("format_version") != FORMAT_VERSION:
@@ -320,7 +331,7 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
     run.train_data.load_state_dict(meta["data"])
     run.iteration = meta["iteration"]
     if meta["layout"] == layout_of(run):
-        state = torch.load(directory / "rng" / f"rank-{dist.get_rank():05d}.pt", weights_only=True)
+        state = _load_tensors(directory / "rng" / f"rank-{dist.get_rank():05d}.pt")
         torch.set_rng_state(state.pop("cpu"))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state.pop("cuda"))
