@@ -216,7 +216,7 @@ def test_a_malicious_pickle_is_refused(killed_checkpoint, tmp_path):
     evil = _copy(ckpt, tmp_path / "evil")
     rng_file = evil / "iter_0000002" / "rng" / "rank-00000.pt"
     marker = tmp_path / "pwned"
-    rng_file.write_bytes(pickle.dumps(_Exploit(str(marker))))
+    rng_file.write_bytes(pickle.dumps(_Exploit(str(marker)), protocol=2))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         checkpointing._load_tensors(rng_file)
     assert not marker.exists()
@@ -228,3 +228,29 @@ class _Exploit:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.path}",))
+
+
+def _sigterm_at_iteration_2(corpus, out):
+    import signal
+
+    import torch.distributed as dist
+
+    from megatrain import training
+
+    real_step = training.train_step
+
+    def step(run):
+        result = real_step(run)
+        if run.iteration == 2 and dist.get_rank() == 1:  # one rank only: they must agree
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    training.train_step = step
+    return train(_config(corpus, out, f"checkpoint.save={out + '/ckpt'!r}"))
+
+
+def test_sigterm_saves_then_stops(corpus, tmp_path):
+    history = run_distributed(_sigterm_at_iteration_2, 2, args=(corpus, str(tmp_path)))[0]
+    assert history["stopped_at"] == 2 and len(history["loss"]) == 2
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+    assert read_meta(find_checkpoint(tmp_path / "ckpt"))["iteration"] == 2

@@ -155,8 +155,9 @@ def test_run_starts_its_own_workers(corpus, tmp_path):
     """No launcher: torch's elastic agent starts tp x pp x dp = 2 workers."""
     out = tmp_path / "run"
     command = [sys.executable, "-m", "megatrain.cli", "run", *_common(corpus, out),
-               "parallel.tensor_model_parallel_size=2"]  # fmt: skip
+               "parallel.tensor_model_parallel_size=2", "--save", str(out / "ckpt")]  # fmt: skip
     _check_outputs(_run(command, out), out, ranks=2)
+    assert (out / "ckpt" / "latest").read_text().strip() == "iter_0000006"
 
 
 def test_run_joins_torchrun(corpus, tmp_path):

@@ -69,6 +69,18 @@ def _worker(config_dict: dict):
     help="Worker processes on this node [default: tp x pp x dp of the config; "
     "else one per GPU; else tp x pp].",
 )
+@click.option(
+    "--load",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Resume from this checkpoint directory's `latest` (= checkpoint.load).",
+)
+@click.option(
+    "--save",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Save checkpoints here (= checkpoint.save).",
+)
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--master-addr", default="127.0.0.1", show_default=True)
@@ -81,8 +93,8 @@ def _worker(config_dict: dict):
     help="Times the elastic agent restarts failed workers.",
 )
 def run_command(
-    config_path, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port,
-    max_restarts,
+    config_path, overrides, nproc_per_node, load, save, nnodes, node_rank, master_addr,
+    master_port, max_restarts,
 ):  # fmt: skip
     """Train the model of --config on its corpus.
 
@@ -94,7 +106,8 @@ def run_command(
     from megatrain import launch
 
     try:
-        config = load_config(config_path, list(overrides))
+        flags = [f"checkpoint.{k}={v!r}" for k, v in (("load", load), ("save", save)) if v]
+        config = load_config(config_path, [*overrides, *flags])
         if launch.in_launched_job() or launch.adopt_slurm_environment():
             validate(config, int(os.environ["WORLD_SIZE"]))
             _worker(config.to_dict())
