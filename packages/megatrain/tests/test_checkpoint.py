@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from tiny_corpus import write_corpus
+from tiny_corpus import random_documents, write_corpus
 
 from megacore.testing import DistributedTestError, run_distributed
 from megatrain import checkpointing
@@ -42,7 +42,7 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(3)
 
     def docs(n):
-        return [[*rng.integers(1, VOCAB, rng.integers(10, 50)).tolist(), 0] for _ in range(n)]
+        return random_documents(rng, n, VOCAB, 10, 50)
 
     root = tmp_path_factory.mktemp("corpus")
     return str(

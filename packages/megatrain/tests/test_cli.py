@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tiny_corpus import write_corpus
+from tiny_corpus import random_documents, write_corpus
 
 from megatrain import launch
 from megatrain.cli import main
@@ -25,7 +25,7 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(1)
 
     def docs(n):
-        return [[*rng.integers(1, VOCAB, rng.integers(40, 120)).tolist(), 0] for _ in range(n)]
+        return random_documents(rng, n, VOCAB, 40, 120)
 
     root = tmp_path_factory.mktemp("corpus")
     return write_corpus(
@@ -73,6 +73,7 @@ def test_help_and_unknown_command():
         (["training.train_iters"], "expected section.field=value"),
         (["model.vocab_size=50257"], "vocab_size"),
         (["data.corpus=/no/such/corpus"], "/no/such/corpus/manifest.json"),
+        (["checkpoint.load=/no/such/ckpt"], "/no/such/ckpt/latest does not exist"),
         (
             [
                 "parallel.sequence_parallel=true",

@@ -72,3 +72,10 @@ def write_corpus(
     }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
+
+
+def random_documents(rng, count: int, vocab_size: int, low: int, high: int) -> list[list[int]]:
+    """`count` documents of random ids in [1, vocab_size), between low and high tokens, + EOD."""
+    return [
+        [*rng.integers(1, vocab_size, rng.integers(low, high)).tolist(), EOD] for _ in range(count)
+    ]

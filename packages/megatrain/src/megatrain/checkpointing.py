@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor, Shard
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
 from megacore.distributed import DistributedDataParallel
-from megacore.parallel_state import get_tensor_model_parallel_rank as tp_rank
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -216,7 +215,9 @@ def find_checkpoint(ckpt: str | Path) -> Path:
             f"{latest} names {name!r}, but {meta_file} does not exist: the checkpoint was moved "
             "or deleted; point `latest` at an existing iter_* directory"
         )
-    meta = json.loads(meta_file.read_text())
+    meta = read_meta(directory)
+    if not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{meta_file} has no file list: not written by megatrain's save")
     for rel, size in meta["files"].items():
         f = directory / rel
         if not f.is_file():
@@ -241,10 +242,14 @@ def _load_tensors(path: Path) -> dict:
 
 
 def read_meta(directory: Path) -> dict:
-    meta = json.loads((directory / "meta.json").read_text())
+    meta_file = directory / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_file} cannot be read as JSON: {e}") from e
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
-            f"{directory / 'meta.json'}: format_version {meta.get('format_version')}, "
+            f"{meta_file}: format_version {meta.get('format_version')}, "
             f"this megatrain reads {FORMAT_VERSION}"
         )
     return meta
@@ -289,7 +294,7 @@ def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh)
         for whole, target, like in padded.values():
             rows = target.shape[0]
             sharded = getattr(like, "tensor_model_parallel", False)
-            start = tp_rank() * rows if sharded else 0
+            start = ps.get_tensor_model_parallel_rank() * rows if sharded else 0
             with torch.no_grad():
                 target.zero_()
                 piece = whole[start : start + rows]

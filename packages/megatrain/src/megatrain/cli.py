@@ -36,12 +36,16 @@ def _default_nproc(config: Config, nnodes: int) -> int:
     return config.model_parallel_size
 
 
-def _check_corpus(config: Config) -> None:
-    """Refuse a missing or mismatched corpus here rather than in every worker."""
+def _check_inputs(config: Config) -> None:
+    """Refuse a missing or mismatched corpus or checkpoint here rather than in every worker."""
+    from megatrain import checkpointing
     from megatrain.training import open_corpus
 
     for split in ("train", "valid"):
         open_corpus(config, split)
+    load, save = config.checkpoint.load, config.checkpoint.save
+    if load and not (load == save and not os.path.exists(os.path.join(load, "latest"))):
+        checkpointing.find_checkpoint(load)
 
 
 def _worker(config_dict: dict):
@@ -50,10 +54,7 @@ def _worker(config_dict: dict):
     return train(Config.from_dict(config_dict))
 
 
-@main.command(
-    "run",
-    context_settings={"ignore_unknown_options": False},
-)
+@main.command("run")
 @click.option(
     "--config",
     "config_path",
@@ -116,7 +117,7 @@ def run_command(
             raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
         nproc = nproc_per_node or _default_nproc(config, nnodes)
         validate(config, nproc * nnodes)
-        _check_corpus(config)
+        _check_inputs(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         click.echo(f"megatrain run: {e}", err=True)
         sys.exit(2)

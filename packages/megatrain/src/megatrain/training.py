@@ -111,6 +111,20 @@ class Run:
         return t.global_batch_size // (t.micro_batch_size * self.dp_size)
 
 
+def _batches(config: Config, corpus: "data_lib.Corpus", dp: int) -> "data_lib.GPTBatches":
+    """This data-parallel rank's microbatches of a split, in the paper's order."""
+    t = config.training
+    return data_lib.GPTBatches(
+        corpus,
+        seq_len=t.seq_length,
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=dp,
+    )
+
+
 def build_run(config: Config, device: torch.device) -> Run:
     """Parallel groups, model chunks wrapped in DDP, optimizer and data for this rank."""
     dp = validate(config, dist.get_world_size())
@@ -157,15 +171,7 @@ def build_run(config: Config, device: torch.device) -> Run:
         ),
         chunks,
     )
-    train_data = data_lib.GPTBatches(
-        train_corpus,
-        seq_len=t.seq_length,
-        seed=t.seed,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=dp,
-    )
+    train_data = _batches(config, train_corpus, dp)
     return Run(config, model_config, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)
 
 
@@ -222,15 +228,7 @@ def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -
 def evaluate(run: Run) -> float:
     """Mean loss over `eval_iters` global batches of the valid split, always from its start."""
     t = run.config.training
-    batches = data_lib.GPTBatches(
-        run.valid_corpus,
-        seq_len=t.seq_length,
-        seed=t.seed,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=run.dp_size,
-    )
+    batches = _batches(run.config, run.valid_corpus, run.dp_size)
     for c in run.chunks:
         c.eval()
     losses = []
