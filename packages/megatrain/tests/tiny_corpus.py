@@ -79,3 +79,33 @@ def random_documents(rng, count: int, vocab_size: int, low: int, high: int) -> l
     return [
         [*rng.integers(1, vocab_size, rng.integers(low, high)).tolist(), EOD] for _ in range(count)
     ]
+
+
+def write_text_corpus(root: Path, texts: list[str], vocab_size: int = 300, valid_every: int = 5):
+    """A corpus of real text with a real byte-level BPE tokenizer.json (EOD = "<|endoftext|>")
+    trained on it, for tests that encode and decode: (root, tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    eod = tok.token_to_id("<|endoftext|>")
+    docs = [[*tok.encode(t).ids, eod] for t in texts]
+    splits = {
+        "train": [[d for i, d in enumerate(docs) if i % valid_every]],
+        "valid": [[d for i, d in enumerate(docs) if not i % valid_every]],
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    write_corpus(root, splits, vocab_size=size)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["tokenizer"].update(eod_id=eod, sha256=sha256(root / "tokenizer.json"))
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root, tok

@@ -1,5 +1,6 @@
 """The `megatrain` command: train, resume, convert and export models."""
 
+import dataclasses
 import os
 import sys
 
@@ -135,6 +136,65 @@ def run_command(
     except launch.LaunchError as e:
         click.echo(f"megatrain run: {e}", err=True)
         sys.exit(1)
+
+
+@main.command("generate")
+@click.option(
+    "--ckpt", required=True, type=click.Path(file_okay=False), help="Checkpoint directory."
+)
+@click.option(
+    "--prompt", "prompts", multiple=True, required=True, help="Text to continue (repeatable)."
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--greedy", is_flag=True, help="Take the most likely token at each step.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0: off.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Tensor-parallel workers to split the model over (any layout it was saved at).",
+)
+@click.option("--no-kv-cache", is_flag=True, help="Recompute the whole sequence each step.")
+@click.option("--keep-going", is_flag=True, help="Do not stop at the end-of-document token.")
+def generate_command(
+    ckpt, prompts, max_new_tokens, greedy, temperature, top_k, top_p, seed, tp, no_kv_cache,
+    keep_going,
+):  # fmt: skip
+    """Continue each --prompt with the model of --ckpt: greedy, or sampled with temperature,
+    top-k and top-p, using a KV cache."""
+    from megatrain import launch
+    from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
+    from megatrain.generate import Sampling, generation_worker
+    from megatrain.inference import check_layout, load_tokenizer
+
+    try:
+        sampling = Sampling(
+            max_new_tokens=max_new_tokens,
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_at_eod=not keep_going,
+        )
+        directory = find_checkpoint(ckpt)
+        meta = read_meta(directory)
+        load_tokenizer(directory, meta)
+        check_layout(meta, tp, 1, directory)
+    except (CheckpointError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    args = (str(ckpt), tp, list(prompts), dataclasses.asdict(sampling), not no_kv_cache)
+    try:
+        results = launch.run_workers(generation_worker, args, tp)[0]
+    except launch.LaunchError as e:
+        raise click.ClickException(str(e)) from e
+    for r in results:
+        click.echo(f"--- prompt: {r['prompt']}")
+        click.echo(r["prompt"] + r["text"])
 
 
 if __name__ == "__main__":

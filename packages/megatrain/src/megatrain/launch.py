@@ -83,3 +83,37 @@ def launch(
         if isinstance(message, dict):
             message = message.get("message", message)
         raise LaunchError(f"worker rank {rank} failed: {message}") from e
+
+
+def run_workers(entrypoint: Callable, args: tuple, nproc: int) -> dict:
+    """`entrypoint(*args)` on `nproc` local workers; {rank: result}.
+
+    For tools that are not training (generation, evaluation, conversion).  One
+    worker runs in this process, in a one-rank process group of its own, which
+    saves a process start; more go through `launch`.
+    """
+    if nproc > 1:
+        return launch(entrypoint, args, nproc_per_node=nproc)
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    saved = {k: os.environ.get(k) for k in [*env, "MASTER_PORT"]}
+    os.environ.update(env, MASTER_PORT=str(port))
+    try:
+        return {0: entrypoint(*args)}
+    finally:
+        from megacore import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

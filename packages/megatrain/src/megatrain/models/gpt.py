@@ -7,13 +7,16 @@ learned positions; word embeddings split over the (padded) vocabulary and tied
 to the output layer; final LayerNorm; causal attention by
 `scaled_dot_product_attention`.  Activations are [sequence, batch, hidden].
 
+Generation passes a `KVCache`: each attention layer appends its keys and values
+and attends over all cached positions, so a new token costs one position's work.
+
 `GPTModel` is the whole model or one pipeline chunk of it (`layer_ids`,
 `pre_process`, `post_process`).  Every piece is drawn from its own seed (the
 embeddings from `seed`, layer i from `seed + 1 + i`) on the CPU at full size
 and then sliced, so any (tp, pp, vpp) layout holds the same numbers as one process.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,32 @@ class GPTConfig:
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions seen so far, per layer (local heads of this TP rank).
+
+    `offset` is the number of cached positions; `GPTModel.forward` advances it.
+    """
+
+    max_length: int
+    offset: int = 0
+    layers: dict = field(default_factory=dict)  # layer id -> (keys, values) [b, heads, max, d]
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [b, heads, s, d] at the next positions; all cached keys and values."""
+        b, heads, s, d = k.shape
+        end = self.offset + s
+        if end > self.max_length:
+            raise ValueError(f"KVCache: {end} positions exceed max_length={self.max_length}")
+        if layer_id not in self.layers:
+            shape = (b, heads, self.max_length, d)
+            self.layers[layer_id] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = self.layers[layer_id]
+        keys[:, :, self.offset : end] = k
+        values[:, :, self.offset : end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
 
 def _layer_norm(cfg: GPTConfig) -> nn.LayerNorm:
@@ -89,12 +118,26 @@ class ParallelAttention(nn.Module):
         with tp.get_rng_tracker().fork():  # local heads: another mask on each TP rank
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _cached_core(self, q, k, v, cache: KVCache, layer_id: int):
+        offset = cache.offset
+        k, v = cache.append(layer_id, k, v)
+        s = q.shape[2]
+        if offset == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Query i sits at position offset + i and sees keys up to there.
+        mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(offset)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
+    ) -> torch.Tensor:
         qkv, _ = self.qkv(x)
         s, b = qkv.shape[:2]
         # [s, b, heads, 3, d] -> three of [b, heads, s, d]
         q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
-        if self.cfg.recompute == "selective":  # the s x s part is cheap to redo, costly to keep
+        if cache is not None:
+            out = self._cached_core(q, k, v, cache, layer_id)
+        elif self.cfg.recompute == "selective":  # the s x s part is cheap to redo, costly to keep
             out = tp.checkpoint(self._core, False, q, k, v)
         else:
             out = self._core(q, k, v)
@@ -132,9 +175,11 @@ class TransformerLayer(nn.Module):
         self.ln1, self.attention = _layer_norm(cfg), ParallelAttention(cfg)
         self.ln2, self.mlp = _layer_norm(cfg), ParallelMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
+    ) -> torch.Tensor:
         p, sp = self.cfg.hidden_dropout, self.cfg.sequence_parallel
-        x = x + _dropout(self.attention(self.ln1(x)), p, self.training, sp)
+        x = x + _dropout(self.attention(self.ln1(x), cache, layer_id), p, self.training, sp)
         return x + _dropout(self.mlp(self.ln2(x)), p, self.training, sp)
 
 
@@ -206,26 +251,26 @@ class GPTModel(nn.Module):
         """The pipeline schedule hands a non-first stage its input here."""
         self.input_tensor = tensor
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        if s > self.config.max_position_embeddings:
+    def embed(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        end = offset + tokens.shape[1]
+        if end > self.config.max_position_embeddings:
             raise ValueError(
-                f"GPTModel: sequence of {s} tokens is longer than the position table "
+                f"GPTModel: sequence of {end} tokens is longer than the position table "
                 f"(max_position_embeddings={self.config.max_position_embeddings})"
             )
-        positions = torch.arange(s, device=tokens.device)
+        positions = torch.arange(offset, end, device=tokens.device)
         x = self.embedding(tokens) + self.position_embedding(positions)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x)
         return _dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
+    def run_layers(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        for i, layer in self.layers.items():
             if self.config.recompute == "full" and self.training:
                 x = tp.checkpoint(layer, self.config.distribute_saved_activations, x)
             else:
-                x = layer(x)
+                x = layer(x, cache, int(i))
         return x
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
@@ -238,9 +283,18 @@ class GPTModel(nn.Module):
         padding = torch.arange(local, device=logits.device) >= keep
         return logits.masked_fill(padding, float("-inf"))
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens) if self.pre_process else self.input_tensor
-        x = self.run_layers(x)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """`cache` (generation, one pipeline stage): continue after its cached positions."""
+        offset = cache.offset if cache is not None else 0
+        x = self.embed(tokens, offset) if self.pre_process else self.input_tensor
+        x = self.run_layers(x, cache)
+        if cache is not None:
+            cache.offset += tokens.shape[1]
         if not self.post_process:
             return x
         weight = self.embedding.weight if self.output_weight is None else self.output_weight

@@ -1,0 +1,123 @@
+"""A checkpoint loaded to run forward only (generation, evaluation), at any tp / pp.
+
+Every rank of the job calls `load_model` after `megacore.parallel_state` has its
+groups; the checkpoint's layout does not matter (weights are stored by global
+name and read as the slices this layout needs).  The tokenizer travels in the
+checkpoint directory and is checked against the hash the training corpus had,
+so a model is never run with another tokenizer's ids.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megacore import parallel_state as ps
+from megatrain.checkpointing import (
+    CheckpointError,
+    _load_into,
+    _tp_mesh,
+    find_checkpoint,
+    named_params,
+    read_meta,
+)
+from megatrain.config import Config
+from megatrain.models.gpt import GPTConfig, build_gpt_chunks
+
+
+@dataclass
+class LoadedModel:
+    chunks: list  # this rank's pipeline chunks, in eval mode
+    config: GPTConfig
+    meta: dict
+    directory: Path  # the iteration directory
+    tokenizer: "object"  # tokenizers.Tokenizer
+    eod_id: int | None
+    device: torch.device
+
+
+def load_tokenizer(directory: Path, meta: dict):
+    """The checkpoint's tokenizer.json, refused unless it is the one the model was trained with."""
+    from tokenizers import Tokenizer
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} does not exist: the checkpoint {directory} has no tokenizer; copy the "
+            "training corpus's tokenizer.json there"
+        )
+    info = meta.get("tokenizer") or {}
+    expected = info.get("sha256")
+    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    if expected and actual != expected:
+        raise CheckpointError(
+            f"{path} does not match the checkpoint: sha256 {actual}, but the model was trained "
+            f"with tokenizer sha256 {expected} ({directory / 'meta.json'})"
+        )
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a Hugging Face tokenizers file: {e}") from e
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size != meta["vocab_size"]:
+        raise CheckpointError(
+            f"{path} has {size} tokens, the model in {directory} was trained with "
+            f"{meta['vocab_size']}"
+        )
+    return tokenizer
+
+
+def model_config(meta: dict) -> GPTConfig:
+    """The checkpoint's model at this process's layout, for forward passes only."""
+    from megatrain.training import gpt_config
+
+    config = Config.from_dict(meta["config"])
+    config.parallel.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
+    config.parallel.pipeline_model_parallel_size = ps.get_pipeline_model_parallel_world_size()
+    config.parallel.virtual_pipeline_model_parallel_size = None
+    config.parallel.sequence_parallel = False
+    config.model.recompute = "none"
+    return gpt_config(config, meta["vocab_size"])
+
+
+def load_model(ckpt: str | Path, device: torch.device, dtype=torch.float32) -> LoadedModel:
+    """This rank's part of the checkpoint's model, in eval mode (every rank calls it)."""
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
+    tokenizer = load_tokenizer(directory, meta)
+    cfg = model_config(meta)
+    chunks = [c.to(device) for c in build_gpt_chunks(cfg)]
+    params = named_params(chunks, loading=True)
+    with torch.no_grad():
+        _load_into(
+            {n: (p.data, p) for n, p in params.items()}, "", directory / "model", _tp_mesh(device)
+        )
+    for c in chunks:
+        c.to(dtype).eval()
+    return LoadedModel(
+        chunks=chunks,
+        config=cfg,
+        meta=meta,
+        directory=directory,
+        tokenizer=tokenizer,
+        eod_id=(meta.get("tokenizer") or {}).get("eod_id"),
+        device=device,
+    )
+
+
+def check_layout(meta: dict, tp: int, pp: int, where: Path) -> None:
+    """Refuse a (tp, pp) the checkpoint's model cannot be split into, before any worker starts."""
+    from megatrain.config import ConfigError, validate
+
+    config = Config.from_dict(meta["config"])
+    p = config.parallel
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+    p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
+    p.sequence_parallel = p.distribute_saved_activations = False
+    p.use_distributed_optimizer = False
+    config.training.global_batch_size = config.training.micro_batch_size
+    try:
+        validate(config, tp * pp)
+    except ConfigError as e:
+        raise CheckpointError(f"the model of {where} cannot run at tp={tp}, pp={pp}: {e}") from e
