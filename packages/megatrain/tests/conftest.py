@@ -1,6 +1,6 @@
 import sys
 from pathlib import Path
 
-# Shared test helpers (tiny_corpus.py) import by name here and in spawned ranks,
-# which inherit this sys.path from the parent.
+# Spawned ranks import the test modules (their rank functions) by name: they inherit
+# this sys.path from the parent.
 sys.path.insert(0, str(Path(__file__).parent))

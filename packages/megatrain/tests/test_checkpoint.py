@@ -6,12 +6,12 @@ import shutil
 
 import numpy as np
 import pytest
-from tiny_corpus import random_documents, write_corpus
 
 from megacore.testing import DistributedTestError, run_distributed
 from megatrain import checkpointing
 from megatrain.checkpointing import CheckpointError, check_model_matches, find_checkpoint, read_meta
 from megatrain.config import load_config
+from megatrain.testing import random_documents, write_corpus
 from megatrain.training import train
 
 VOCAB = 200

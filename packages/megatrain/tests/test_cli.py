@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tiny_corpus import random_documents, write_corpus
 
 from megatrain import launch
 from megatrain.cli import main
+from megatrain.testing import random_documents, write_corpus
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "pipelines" / "models" / "gpt2-tiny.toml"

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from tiny_corpus import EOD, TOKENIZER_SHA, VOCAB, sha256, write_corpus
 
 from megatrain.data import GPTBatches, epoch_order, open_corpus
+from megatrain.testing import EOD, TOKENIZER_SHA, VOCAB, sha256, write_corpus
 
 SEQ = 8
 

@@ -4,11 +4,9 @@ import json
 import math
 import re
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny_corpus import write_text_corpus
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
@@ -16,29 +14,15 @@ from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.generate import Sampling, filter_logits, generate
 from megatrain.inference import load_model
+from megatrain.testing import grammar_texts, write_text_corpus
 from megatrain.training import train
 
 PROMPT = "the cat sat on"
 
 
-def _texts(n: int, seed: int = 0) -> list[str]:
-    """Sentences of a small grammar, so a tiny model learns something in a few steps."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        sentences = []
-        for _ in range(rng.integers(3, 7)):
-            subject = rng.choice(["cat", "dog", "bird"])
-            verb = {"cat": "sat", "dog": "ran", "bird": "flew"}[subject]
-            place = rng.choice(["mat", "tree", "roof"])
-            sentences.append(f"the {subject} {verb} on the {place}.")
-        out.append(" ".join(sentences))
-    return out
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root, _ = write_text_corpus(tmp_path_factory.mktemp("text-corpus"), _texts(120))
+    root, _ = write_text_corpus(tmp_path_factory.mktemp("text-corpus"), grammar_texts(120))
     return str(root)
 
 

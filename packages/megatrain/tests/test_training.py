@@ -9,10 +9,10 @@ import math
 
 import numpy as np
 import pytest
-from tiny_corpus import write_corpus
 
 from megacore.testing import run_distributed
 from megatrain.config import load_config
+from megatrain.testing import write_corpus
 from megatrain.training import train
 
 VOCAB = 200  # padded to 256 at tp 1 and 2, 512 at tp 4: the padding logits are masked

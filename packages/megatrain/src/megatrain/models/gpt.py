@@ -115,6 +115,8 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q, k, v):
         p = self.cfg.attention_dropout if self.training else 0.0
+        if not p:  # no random numbers needed (so none need seeding, e.g. for evaluation)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         with tp.get_rng_tracker().fork():  # local heads: another mask on each TP rank
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 

@@ -1,4 +1,5 @@
-"""A corpus in megadata's format, written directly: megatrain reads files, not megadata."""
+"""Corpora in megadata's format, written directly, for the tests of megatrain and megaeval
+(megatrain reads files, not megadata)."""
 
 import hashlib
 import json
@@ -109,3 +110,21 @@ def write_text_corpus(root: Path, texts: list[str], vocab_size: int = 300, valid
     manifest["tokenizer"].update(eod_id=eod, sha256=sha256(root / "tokenizer.json"))
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root, tok
+
+
+def grammar_texts(n: int, seed: int = 0) -> list[str]:
+    """Documents of a small grammar ("the cat sat on the mat."), so a tiny model learns
+    something in a few steps."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    verbs = {"cat": "sat", "dog": "ran", "bird": "flew"}
+    out = []
+    for _ in range(n):
+        sentences = []
+        for _ in range(rng.integers(3, 7)):
+            subject = str(rng.choice(list(verbs)))
+            place = rng.choice(["mat", "tree", "roof"])
+            sentences.append(f"the {subject} {verbs[subject]} on the {place}.")
+        out.append(" ".join(sentences))
+    return out
