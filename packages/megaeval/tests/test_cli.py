@@ -1,8 +1,162 @@
+import json
+import math
+import sys
+import types
+
+import pytest
 from click.testing import CliRunner
+from eval_inputs import LAMBADA, write_lambada, write_wikitext
 
 from megaeval.cli import main
+from megaeval.wikitext import count_raw_tokens, windows
 
 
 def test_help_names_the_papers_evaluations():
     output = CliRunner().invoke(main, ["--help"]).output
     assert all(task in output for task in ("WikiText103", "LAMBADA", "fine-tuning"))
+    assert "wikitext103" in output and "lambada" in output
+
+
+def test_wikitext103_hf_end_to_end(tiny_gpt2, wikitext_file, tmp_path):
+    out = tmp_path / "results" / "wikitext.json"
+    args = ["wikitext103", "--hf", str(tiny_gpt2), "--data", str(wikitext_file)]
+    args += ["--seq-len", "16", "--stride", "4", "--batch-size", "5", "--json", str(out)]
+    result = CliRunner().invoke(main, [*args, "--no-progress"])
+    assert result.exit_code == 0, result.output
+    written = json.loads(out.read_text())
+    raw = wikitext_file.read_text()
+    assert written["T_o"] == count_raw_tokens(raw) and written["targets"] == written["T"] - 1
+    assert written["windows"] == len(windows(written["T"], 16, 4))
+    adjusted = math.exp(written["mean_loss"] * (written["T"] - 1) / (written["T_o"] - 1))
+    assert written["adjusted_ppl"] == pytest.approx(adjusted, rel=1e-12)
+    for shown in ("T_o", str(written["T"]), f"{written['mean_loss']:.4f}", "adjusted perplexity"):
+        assert shown in result.output
+
+
+def test_lambada_hf_end_to_end(tiny_gpt2, lambada_file, tmp_path):
+    for strict, flag in ((True, "--strict"), (False, "--no-strict")):
+        out = tmp_path / f"lambada-{flag}.json"
+        args = ["lambada", "--hf", str(tiny_gpt2), "--data", str(lambada_file), flag]
+        result = CliRunner().invoke(main, [*args, "--json", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        written = json.loads(out.read_text())
+        assert written["examples"] == len(LAMBADA) and written["strict"] is strict
+        assert written["accuracy"] == written["correct"] / len(LAMBADA)
+        if not strict:
+            assert written["target_tokens"] == len(LAMBADA)
+        assert "accuracy" in result.output and f"{written['target_ppl']:.3f}" in result.output
+
+
+def test_seq_len_longer_than_the_model_is_refused(tiny_gpt2, wikitext_file):
+    args = ["wikitext103", "--hf", str(tiny_gpt2), "--data", str(wikitext_file)]
+    result = CliRunner().invoke(main, [*args, "--seq-len", "64", "--stride", "8"])
+    assert result.exit_code != 0 and "--seq-len 64" in result.output
+
+
+def test_stride_longer_than_seq_len_is_refused(tmp_path, wikitext_file):
+    # Refused before any model is loaded: tmp_path holds no model at all.
+    args = ["wikitext103", "--hf", str(tmp_path), "--data", str(wikitext_file)]
+    result = CliRunner().invoke(main, [*args, "--seq-len", "8", "--stride", "9"])
+    assert result.exit_code != 0 and "--stride" in result.output
+
+
+WIKITEXT_BAD = {"missing": None, "empty": "", "blank": "  \n \n"}
+LAMBADA_BAD = {
+    "missing": None,
+    "empty": "",
+    "blank": "\n \n",
+    "not json": '{"text": "one two"}\n{"text": \n',
+    "no text": '{"passage": "one two"}\n',
+    "empty text": '{"text": ""}\n',
+    "one word": '{"text": "alone"}\n',
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "content"),
+    [("wikitext103", c) for c in WIKITEXT_BAD.values()]
+    + [("lambada", c) for c in LAMBADA_BAD.values()],
+    ids=[f"wikitext-{k}" for k in WIKITEXT_BAD] + [f"lambada-{k}" for k in LAMBADA_BAD],
+)
+def test_bad_data_is_refused_naming_the_file_before_the_model_loads(tmp_path, command, content):
+    data = tmp_path / "data.txt"
+    if content is not None:
+        data.write_text(content)
+    not_a_model = tmp_path / "model"
+    not_a_model.mkdir()
+    result = CliRunner().invoke(main, [command, "--hf", str(not_a_model), "--data", str(data)])
+    assert result.exit_code != 0
+    assert str(data) in result.output and "--data" in result.output
+    assert "config.json" not in result.output  # the data was checked first
+
+
+def test_not_a_model_directory_is_refused(tmp_path, wikitext_file):
+    result = CliRunner().invoke(
+        main, ["wikitext103", "--hf", str(tmp_path), "--data", str(wikitext_file)]
+    )
+    assert result.exit_code != 0 and "config.json" in result.output
+
+
+@pytest.mark.parametrize("command", ["wikitext103", "lambada"])
+def test_exactly_one_of_ckpt_and_hf(tmp_path, command):
+    data = write_lambada(tmp_path / "data.jsonl") if command == "lambada" else None
+    data = data or write_wikitext(tmp_path / "data.txt")
+    both = ["--ckpt", str(tmp_path), "--hf", str(tmp_path), "--data", str(data)]
+    result = CliRunner().invoke(main, [command, *both])
+    assert result.exit_code != 0 and "exactly one of --ckpt DIR or --hf DIR" in result.output
+    result = CliRunner().invoke(main, [command, "--data", str(data)])
+    assert result.exit_code != 0 and "exactly one of --ckpt DIR or --hf DIR" in result.output
+
+
+def test_tp_with_hf_is_refused(tmp_path, wikitext_file):
+    args = ["wikitext103", "--hf", str(tmp_path), "--data", str(wikitext_file), "--tp", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "--tp/--pp apply to --ckpt only" in result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "expected_kwargs"),
+    [
+        (
+            "wikitext103",
+            ["--seq-len", "512", "--stride", "64", "--batch-size", "4", "--tp", "2"],
+            {"seq_len": 512, "stride": 64, "batch_size": 4, "progress": True},
+        ),
+        (
+            "lambada",
+            ["--no-strict", "--pp", "2", "--no-progress"],
+            {"strict": False, "batch_size": 8, "progress": False},
+        ),
+    ],
+)
+def test_ckpt_hands_the_evaluate_arguments_to_the_checkpoint_scorer(
+    tmp_path, monkeypatch, command, flags, expected_kwargs
+):
+    calls = []
+    fake_results = {
+        "wikitext103": dict(T_o=10, T=12, windows=1, seq_len=512, stride=64, mean_loss=2.5,
+                            ppl=12.18, adjusted_ppl=15.5, targets=11),
+        "lambada": dict(examples=3, strict=False, accuracy=2 / 3, correct=2, target_tokens=3,
+                        target_ppl=4.25, target_loss=1.45),
+    }  # fmt: skip
+
+    def evaluate_checkpoint(task, ckpt, *, tp, pp, **kwargs):
+        calls.append((task, ckpt, tp, pp, kwargs))
+        return fake_results[task]
+
+    fake_module = types.ModuleType("megaeval.checkpoint_scorer")
+    fake_module.evaluate_checkpoint = evaluate_checkpoint
+    monkeypatch.setitem(sys.modules, "megaeval.checkpoint_scorer", fake_module)
+
+    data = write_lambada(tmp_path / "data.jsonl") if command == "lambada" else None
+    data = data or write_wikitext(tmp_path / "data.txt")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    out = tmp_path / "out.json"
+    args = [command, "--ckpt", str(ckpt), "--data", str(data), "--json", str(out), *flags]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    tp, pp = (2, 1) if command == "wikitext103" else (1, 2)
+    assert calls == [(command, str(ckpt), tp, pp, {"data_path": str(data), **expected_kwargs})]
+    assert json.loads(out.read_text()) == fake_results[command]
+    assert ("15.500" if command == "wikitext103" else "66.67%") in result.output

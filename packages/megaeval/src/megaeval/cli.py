@@ -1,8 +1,15 @@
 """The `megaeval` command: the paper's evaluations of a megatrain checkpoint."""
 
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
 import click
 
 from megaeval import __version__
+from megaeval.errors import EvalDataError, EvalSettingsError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,3 +20,239 @@ def main() -> None:
 
     Run `megaeval COMMAND --help` for one evaluation.
     """
+
+
+def apply_options(command: Callable, options: list[Callable]) -> Callable:
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def model_options(command: Callable) -> Callable:
+    """--ckpt / --hf: which model to evaluate (shared by the tasks)."""
+    options = [
+        click.option(
+            "--ckpt",
+            type=click.Path(exists=True, file_okay=False),
+            default=None,
+            help="A megatrain checkpoint directory (the one holding `latest`).",
+        ),
+        click.option(
+            "--hf",
+            type=click.Path(exists=True, file_okay=False),
+            default=None,
+            help="A Hugging Face causal LM directory (save_pretrained; needs megaeval[hf]).",
+        ),
+    ]
+    return apply_options(command, options)
+
+
+def run_options(command: Callable) -> Callable:
+    """How to run the model and where the results go (shared by the tasks)."""
+    options = [
+        click.option(
+            "--tp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Tensor-parallel size to run a --ckpt model at.",
+        ),
+        click.option(
+            "--pp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Pipeline-parallel size to run a --ckpt model at.",
+        ),
+        click.option(
+            "--device",
+            default=None,
+            help="Torch device for --hf, e.g. cpu, cuda:0 [default: cuda if available, else cpu].",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["float32", "float64", "bfloat16", "float16"]),
+            default=None,
+            help="Weights' dtype for --hf [default: float32].",
+        ),
+        click.option(
+            "--batch-size",
+            type=click.IntRange(min=1),
+            default=8,
+            show_default=True,
+            help="Sequences per model call.",
+        ),
+        click.option(
+            "--json",
+            "json_out",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Also write the results to this JSON file.",
+        ),
+        click.option("--no-progress", is_flag=True, help="Do not show a progress bar."),
+    ]
+    return apply_options(command, options)
+
+
+def check_data(read: Callable, path: str) -> None:
+    """Read the data file before any model is loaded, so bad input fails in a second."""
+    try:
+        read(path)
+    except EvalDataError as e:
+        raise click.BadParameter(str(e), param_hint="--data") from None
+
+
+def check_model_flags(model: dict) -> None:
+    """Exactly one model source, and only the flags that apply to it."""
+    ckpt, hf = model["ckpt"], model["hf"]
+    if (ckpt is None) == (hf is None):
+        raise click.UsageError("give exactly one of --ckpt DIR or --hf DIR")
+    if hf is not None and (model["tp"], model["pp"]) != (1, 1):
+        raise click.UsageError("--tp/--pp apply to --ckpt only; an --hf model runs in one process")
+    if ckpt is not None and (model["device"] or model["dtype"]):
+        raise click.UsageError("--device/--dtype apply to --hf only")
+
+
+def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict:
+    """Evaluate the --ckpt or --hf model with `evaluate(scorer, **kwargs)`.
+
+    A checkpoint is evaluated by megaeval.checkpoint_scorer, which runs the same
+    `evaluate` in each of its workers with a distributed scorer.
+    """
+    ckpt, hf = model["ckpt"], model["hf"]
+    try:
+        if ckpt is not None:
+            from megaeval.checkpoint_scorer import evaluate_checkpoint
+            from megatrain.launch import LaunchError
+
+            try:
+                return evaluate_checkpoint(task, ckpt, tp=model["tp"], pp=model["pp"], **kwargs)
+            except LaunchError as e:  # a worker failed: its error, without the traceback
+                raise click.ClickException(f"{task}: {e}") from None
+        from megaeval.scoring import HFScorer
+
+        device = model["device"]
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        scorer = HFScorer(hf, device=device, dtype=model["dtype"] or "float32")
+        return evaluate(scorer, **kwargs)
+    except EvalSettingsError as e:
+        raise click.UsageError(str(e)) from None
+    except EvalDataError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def report(title: str, rows: list[tuple[str, str]], result: dict, json_out: str | None) -> None:
+    """Print a small table of the results and write them to --json."""
+    click.echo(title)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"  {name:<{width}}  {value}")
+    if json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        click.echo(f"results written to {json_out}")
+
+
+@main.command("wikitext103")
+@model_options
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="The raw WikiText103 test file (wiki.test.tokens).",
+)
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Tokens per window.",
+)
+@click.option(
+    "--stride",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Tokens between window starts; each later window scores only its last --stride.",
+)
+@run_options
+def wikitext103_command(data, seq_len, stride, batch_size, json_out, no_progress, **model):
+    """WikiText103 perplexity with overlapping windows, and the paper's adjusted
+    perplexity (loss normalised by the raw file's word count)."""
+    from megaeval.wikitext import check_window_settings, evaluate_wikitext, read_wikitext
+
+    check_model_flags(model)
+    check_data(read_wikitext, data)
+    try:
+        check_window_settings(seq_len, stride)
+    except EvalSettingsError as e:
+        raise click.UsageError(str(e)) from None
+    result = run_evaluation(
+        "wikitext103",
+        evaluate_wikitext,
+        model,
+        data_path=data,
+        seq_len=seq_len,
+        stride=stride,
+        batch_size=batch_size,
+        progress=not no_progress,
+    )
+    rows = [
+        ("T_o (raw words)", str(result["T_o"])),
+        ("T (tokens)", str(result["T"])),
+        (
+            "windows",
+            f"{result['windows']} (seq_len {result['seq_len']}, stride {result['stride']})",
+        ),
+        ("mean loss", f"{result['mean_loss']:.4f}"),
+        ("perplexity", f"{result['ppl']:.3f}"),
+        ("adjusted perplexity", f"{result['adjusted_ppl']:.3f}"),
+    ]
+    report(f"WikiText103  {data}", rows, result, json_out)
+
+
+@main.command("lambada")
+@model_options
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help='The LAMBADA test file: one {"text": ...} per line (lambada_test.jsonl).',
+)
+@click.option(
+    "--strict/--no-strict",
+    default=True,
+    show_default=True,
+    help="Strict: every subword token of the last word must be predicted; "
+    "no-strict: only the passage's last token.",
+)
+@run_options
+def lambada_command(data, strict, batch_size, json_out, no_progress, **model):
+    """LAMBADA cloze accuracy: the last word of each passage predicted under
+    teacher forcing."""
+    from megaeval.lambada import evaluate_lambada, read_lambada
+
+    check_model_flags(model)
+    check_data(read_lambada, data)
+    result = run_evaluation(
+        "lambada",
+        evaluate_lambada,
+        model,
+        data_path=data,
+        strict=strict,
+        batch_size=batch_size,
+        progress=not no_progress,
+    )
+    rows = [
+        ("examples", str(result["examples"])),
+        ("mode", "strict (whole last word)" if result["strict"] else "last token"),
+        ("accuracy", f"{100 * result['accuracy']:.2f}% ({result['correct']} correct)"),
+        ("target tokens", str(result["target_tokens"])),
+        ("target perplexity", f"{result['target_ppl']:.3f}"),
+    ]
+    report(f"LAMBADA  {data}", rows, result, json_out)

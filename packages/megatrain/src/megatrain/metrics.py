@@ -97,8 +97,6 @@ class RunLog:
     def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool):
         self.enabled = enabled
         self.output_dir = Path(output_dir)
-        self.train: list[tuple[int, float]] = []
-        self.valid: list[tuple[int, float]] = []
         self.writer = None
         if not enabled:
             return
@@ -114,10 +112,6 @@ class RunLog:
             print(message, flush=True)
 
     def record(self, record: dict) -> None:
-        if "loss" in record and record["loss"] is not None:
-            self.train.append((record["iteration"], record["loss"]))
-        if record.get("valid_loss") is not None:
-            self.valid.append((record["iteration"], record["valid_loss"]))
         if not self.enabled:
             return
         print(format_line(record), flush=True)
@@ -138,7 +132,24 @@ class RunLog:
         self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
-        return plot_losses(self.train, self.valid, self.output_dir / "loss.png")
+        train, valid = curves_from_log(self.output_dir / "log.jsonl")
+        return plot_losses(train, valid, self.output_dir / "loss.png")
+
+
+def curves_from_log(path: Path) -> tuple[list, list]:
+    """(iteration, loss) of train and valid from a log.jsonl, over every session of a run
+    that was resumed; an iteration logged twice (redone after a restart) counts once, last."""
+    train, valid = {}, {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+        if record.get("loss") is not None:
+            train[record["iteration"]] = record["loss"]
+        if record.get("valid_loss") is not None:
+            valid[record["iteration"]] = record["valid_loss"]
+    return sorted(train.items()), sorted(valid.items())
 
 
 def plot_losses(train: list, valid: list, path: Path) -> Path:
