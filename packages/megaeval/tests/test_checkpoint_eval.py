@@ -143,8 +143,25 @@ def test_command_line_at_another_layout(evaluated, tmp_path):
     )
     assert direct["examples"] == 3 and direct["strict"] is False
     bad = CliRunner().invoke(main, [*args, "--stride", "8", "--tp", "3"])
-    assert bad.exit_code != 0 and "tp=3" in bad.output
+    assert bad.exit_code != 0 and "--tp 3" in bad.output
     long = CliRunner().invoke(
         main, ["wikitext103", "--ckpt", str(root / "ckpt"), "--data", str(wiki)]
     )
     assert long.exit_code != 0 and "--seq-len" in long.output  # 1024 > the model's 64
+
+
+def test_hugging_face_export_gives_the_same_numbers(evaluated, tmp_path):
+    """The same model through transformers (`--hf`): the numbers other tools would report."""
+    from megaeval.scoring import HFScorer
+    from megatrain.hf import export_hf
+
+    root, wiki, lambada, ranks = evaluated
+    expected = ranks[0][(1, 1)]
+    export_hf(str(root / "ckpt"), str(tmp_path / "hf"))
+    scorer = HFScorer(tmp_path / "hf")
+    got = evaluate_wikitext(scorer, wiki, seq_len=24, stride=8, batch_size=3, progress=False)
+    assert got["T"] == expected["wikitext"]["T"]
+    assert got["mean_loss"] == pytest.approx(expected["wikitext"]["mean_loss"], rel=1e-5)
+    got = evaluate_lambada(scorer, lambada, strict=True, batch_size=2, progress=False)
+    assert got["correct"] == expected["lambada"]["correct"]
+    assert got["target_loss"] == pytest.approx(expected["lambada"]["target_loss"], rel=1e-5)

@@ -133,7 +133,7 @@ def test_generate_command_at_tp2_and_tp1(generated):
     bad = runner.invoke(
         main, ["generate", "--ckpt", str(out / "ckpt"), "--prompt", "x", "--tp", "3"]
     )
-    assert bad.exit_code != 0 and "tp=3" in bad.output and "num_attention_heads" in bad.output
+    assert bad.exit_code != 0 and "--tp 3" in bad.output and "num_attention_heads" in bad.output
     missing = runner.invoke(main, ["generate", "--ckpt", str(out / "nothing"), "--prompt", "x"])
     assert missing.exit_code != 0 and re.search(r"nothing/latest does not exist", missing.output)
 

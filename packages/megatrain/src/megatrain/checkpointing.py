@@ -29,6 +29,7 @@ unpickled: DCP reads tensors, RNG files load with `weights_only=True`.
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from tqdm.auto import tqdm
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
@@ -255,6 +257,66 @@ def read_meta(directory: Path) -> dict:
     return meta
 
 
+def has_optimizer_state(meta: dict) -> bool:
+    """Whether a checkpoint holds optimizer state; one from `megatrain import-hf` or
+    `megatrain convert --weights-only` holds the weights only (meta.json "optimizer": null)."""
+    return meta.get("optimizer") is not None
+
+
+# Bytes read per `dcp.load` call by `read_full_state`: the step of its progress bar.
+_READ_GROUP_BYTES = 1 << 28
+
+
+def _read_dcp_dir(path: Path, progress: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of one DCP directory, whole, at the shape and dtype its metadata records."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tensors = {}
+    for name, item in metadata.items():
+        if not hasattr(item, "size"):  # BytesStorageMetadata: megatrain saves tensors only
+            raise CheckpointError(f"{path}: {name!r} is not a tensor")
+        tensors[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    groups, group, group_bytes = [], {}, 0
+    for name, tensor in tensors.items():
+        group[name] = tensor
+        group_bytes += tensor.numel() * tensor.element_size()
+        if group_bytes >= _READ_GROUP_BYTES:
+            groups.append((group, group_bytes))
+            group, group_bytes = {}, 0
+    if group:
+        groups.append((group, group_bytes))
+    total = sum(size for _, size in groups)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {path}", disable=not progress)
+    with bar, warnings.catch_warnings():
+        # DCP warns that it runs without a process group: here that is the point.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        for group, size in groups:
+            dcp.load(group, checkpoint_id=path, no_dist=True)
+            bar.update(size)
+    return tensors
+
+
+def read_full_state(
+    ckpt: str | Path, with_optimizer: bool = False, progress: bool = True
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Offline (one process, no process group, CPU): (meta.json, {name: full tensor}).
+
+    Every tensor is whole, at the global shape and dtype the DCP metadata records,
+    whatever layout saved it (DCP joins the TP shards).  Weights are keyed by global
+    parameter name (the word embeddings keep their vocabulary padding); optimizer state
+    by "<name>/master", "<name>/exp_avg" and "<name>/exp_avg_sq".
+    """
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
+    state = _read_dcp_dir(directory / "model", progress)
+    if with_optimizer:
+        if not has_optimizer_state(meta):
+            raise CheckpointError(
+                f"{directory / 'meta.json'}: the checkpoint holds weights only (no optimizer state)"
+            )
+        state.update(_read_dcp_dir(directory / "optimizer", progress))
+    return meta, state
+
+
 def check_model_matches(meta: dict, model_config, vocab_size: int, where: Path) -> None:
     """Refuse a checkpoint of another model, naming every field that differs."""
     saved = dict(meta["model"], vocab_size=meta["vocab_size"])
@@ -287,19 +349,45 @@ def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh)
             raise CheckpointError(
                 f"{checkpoint_id}: {key} was saved with shape {saved_shape}, here {global_shape}"
             )
-    dcp.load(direct, checkpoint_id=checkpoint_id)
-    if padded:
-        full = {k: v[0] for k, v in padded.items()}
-        dcp.load(full, checkpoint_id=checkpoint_id)
-        for whole, target, like in padded.values():
-            rows = target.shape[0]
-            sharded = getattr(like, "tensor_model_parallel", False)
-            start = ps.get_tensor_model_parallel_rank() * rows if sharded else 0
-            with torch.no_grad():
-                target.zero_()
-                piece = whole[start : start + rows]
-                target[: piece.shape[0]].copy_(piece)
+    # One read for both kinds: dcp.load is a collective, and under pipeline parallelism only
+    # the stages holding the word embeddings have padded tensors.
+    dcp.load({**direct, **{k: v[0] for k, v in padded.items()}}, checkpoint_id=checkpoint_id)
+    for whole, target, like in padded.values():
+        rows = target.shape[0]
+        sharded = getattr(like, "tensor_model_parallel", False)
+        start = ps.get_tensor_model_parallel_rank() * rows if sharded else 0
+        with torch.no_grad():
+            target.zero_()
+            piece = whole[start : start + rows]
+            target[: piece.shape[0]].copy_(piece)
     return direct
+
+
+def _start_from_weights(run, params: dict, directory: Path, mesh: DeviceMesh, meta: dict) -> dict:
+    """A checkpoint of weights only: fine-tuning starts from them, as training starts from an
+    initialisation (fp32 masters read from the saved weights, zero Adam moments, step 0,
+    iteration 0, data from the start, generators as `build_run` seeded them)."""
+    masters = {
+        n: (torch.empty(p.shape, dtype=torch.float32, device=p.device), p)
+        for n, p in params.items()
+    }
+    _load_into(masters, "", directory / "model", mesh)  # not via the run's dtype: no rounding
+    states = {
+        p: {
+            "master": masters[n][0],
+            "exp_avg": torch.zeros_like(masters[n][0]),
+            "exp_avg_sq": torch.zeros_like(masters[n][0]),
+        }
+        for n, p in params.items()
+    }
+    run.optimizer.load_param_state(states, adam_step=0)
+    if dist.get_rank() == 0:
+        print(
+            f"megatrain: {directory} holds weights only (no optimizer state): training starts "
+            "from them at iteration 0 with fresh Adam moments",
+            flush=True,
+        )
+    return {**meta, "iteration": 0}
 
 
 def load_checkpoint(run, ckpt: str | Path) -> dict:
@@ -307,6 +395,8 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
 
     Any (tp, pp, dp) layout loads any other; RNG states are restored only under the
     layout they were saved at (elsewhere the generators are seeded from the iteration).
+    A checkpoint of weights only (`has_optimizer_state` false) starts training from its
+    weights at iteration 0 (the returned meta says iteration 0).
     """
     directory = find_checkpoint(ckpt)
     meta = read_meta(directory)
@@ -322,6 +412,8 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
     params = named_params(run.chunks, loading=True)
     with torch.no_grad():
         _load_into({n: (p.data, p) for n, p in params.items()}, "", directory / "model", mesh)
+    if not has_optimizer_state(meta):
+        return _start_from_weights(run, params, directory, mesh, meta)
     states = {
         p: {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in OPTIMIZER_STATES}
         for p in params.values()
@@ -335,8 +427,10 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
     run.optimizer.num_skipped_steps = meta["optimizer"]["num_skipped_steps"]
     run.train_data.load_state_dict(meta["data"])
     run.iteration = meta["iteration"]
-    if meta["layout"] == layout_of(run):
-        state = _load_tensors(directory / "rng" / f"rank-{dist.get_rank():05d}.pt")
+    rng_file = directory / "rng" / f"rank-{dist.get_rank():05d}.pt"
+    # `megatrain convert` drops the RNG files: they only apply at the layout that saved them.
+    if meta["layout"] == layout_of(run) and rng_file.is_file():
+        state = _load_tensors(rng_file)
         torch.set_rng_state(state.pop("cpu"))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state.pop("cuda"))

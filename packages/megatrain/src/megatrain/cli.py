@@ -197,5 +197,97 @@ def generate_command(
         click.echo(r["prompt"] + r["text"])
 
 
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+@main.command("export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2.")
+@click.option(
+    "--ckpt",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="megatrain checkpoint directory (the one holding `latest`).",
+)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True)
+def export_hf_command(ckpt, out, dtype):
+    """Write the GPT-2 of --ckpt as a Hugging Face directory (config.json, model.safetensors,
+    tokenizer files) that `transformers.GPT2LMHeadModel.from_pretrained` and `AutoTokenizer`
+    load.  Needs transformers: pip install 'megatrain[hf]'."""
+    from megatrain.hf import export_hf
+
+    try:
+        export_hf(ckpt, out, dtype)
+    except (ValueError, ImportError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"megatrain export-hf: wrote {out}")
+
+
+@main.command("import-hf", short_help="Import a Hugging Face GPT-2 as a checkpoint.")
+@click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Checkpoint directory to write (iteration 0, weights only).",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Keep this tokenizer.json (e.g. the corpus's, so its sha256 matches) instead of "
+    "HF_DIR's vocab.json + merges.txt or tokenizer.json.",
+)
+def import_hf_command(hf_dir, out, tokenizer_file):
+    """Write the GPT2LMHeadModel of HF_DIR (config.json, model.safetensors or
+    pytorch_model.bin, tokenizer) as a megatrain checkpoint of weights only, which
+    `megatrain run --load OUT` fine-tunes from (iteration 0, fresh optimizer)."""
+    from megatrain.hf import import_hf
+
+    try:
+        path = import_hf(hf_dir, out, tokenizer_file)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"megatrain import-hf: wrote {path}")
+
+
+@main.command("convert", short_help="Cast or strip a checkpoint offline.")
+@click.option(
+    "--ckpt",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Checkpoint directory to read (the one holding `latest`).",
+)
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default="float32",
+    show_default=True,
+    help="dtype of the stored weights; the optimizer state stays float32.",
+)
+@click.option("--weights-only", is_flag=True, help="Drop the optimizer state.")
+@click.option("--tp", type=click.IntRange(min=1), default=None, help="Target tensor parallelism.")
+@click.option("--pp", type=click.IntRange(min=1), default=None, help="Target pipeline stages.")
+def convert_command(ckpt, out, dtype, weights_only, tp, pp):
+    """Rewrite the checkpoint of --ckpt under --out offline (one process, CPU), at the same
+    iteration: weights cast to --dtype, optimizer state kept unless --weights-only.
+
+    Checkpoints are layout-free (each tensor saved whole, read back in the slices any
+    layout needs), so --tp/--pp move no data: they check that the model can be split so
+    (heads, ffn, layers) and record the target in meta.json.  RNG files are dropped: they
+    only apply at the layout that saved them.
+    """
+    from megatrain.convert import convert
+
+    try:
+        path = convert(ckpt, out, dtype, weights_only, tp, pp)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"megatrain convert: wrote {path}")
+
+
 if __name__ == "__main__":
     main()

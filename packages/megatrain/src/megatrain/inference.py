@@ -106,18 +106,22 @@ def load_model(ckpt: str | Path, device: torch.device, dtype=torch.float32) -> L
     )
 
 
-def check_layout(meta: dict, tp: int, pp: int, where: Path) -> None:
-    """Refuse a (tp, pp) the checkpoint's model cannot be split into, before any worker starts."""
+def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
+    """The checkpoint's run config at tensor-parallel `tp` and pipeline-parallel `pp`, refused
+    (naming the field) when the model cannot be split so: megatrain.config's own checks
+    (heads, ffn and layers divisible; vocabulary padding follows tp).  Checked before any
+    worker starts."""
     from megatrain.config import ConfigError, validate
 
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{where / 'meta.json'} has no run config to check a layout against")
     config = Config.from_dict(meta["config"])
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+    # The saved interleaving and dp belong to the old layout; a run at the new one sets its own.
     p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
-    p.sequence_parallel = p.distribute_saved_activations = False
-    p.use_distributed_optimizer = False
-    config.training.global_batch_size = config.training.micro_batch_size
     try:
-        validate(config, tp * pp)
+        validate(config)
     except ConfigError as e:
-        raise CheckpointError(f"the model of {where} cannot run at tp={tp}, pp={pp}: {e}") from e
+        raise CheckpointError(f"{where}: cannot be split to --tp {tp} --pp {pp}: {e}") from e
+    return config

@@ -1,0 +1,147 @@
+"""Offline checkpoint conversion (`megatrain convert`) and the offline checkpoint writer.
+
+One process, no process group, CPU.  The checkpoint format is layout-free: every
+tensor is saved at its global shape and torch.distributed.checkpoint reads back
+whatever slices a (tp, pp, dp) layout needs.  So converting a checkpoint to
+another layout moves no bytes: `--tp/--pp` only check that the model can be
+split that way and record the target in meta.json.  What a conversion does
+change is the stored dtype of the weights (the optimizer's fp32 masters and Adam
+moments stay fp32) and, with `weights_only`, the optimizer state, which it drops.
+
+The output is written as `save_checkpoint` writes: into `.tmp-iter_N/`, sizes
+recorded in meta.json, renamed to `iter_N/`, `latest` written last.  RNG files are
+not copied: generator states only mean something at the layout that saved them,
+and a run at any layout seeds its generators from the iteration instead.
+"""
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megatrain.checkpointing import (
+    FORMAT_VERSION,
+    LATEST,
+    CheckpointError,
+    _write_json,
+    find_checkpoint,
+    has_optimizer_state,
+    iteration_dir,
+    read_full_state,
+    read_meta,
+)
+from megatrain.inference import check_layout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def write_checkpoint(
+    out: str | Path,
+    meta: dict,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, torch.Tensor] | None,
+    tokenizer_bytes: bytes | None,
+) -> Path:
+    """Write a complete checkpoint of `meta["iteration"]` under `out` from whole tensors
+    (plain tensors, which DCP reads back at any layout); returns the iteration directory.
+
+    `optimizer` None: a checkpoint of weights only (meta "optimizer" must then be None).
+    An existing iteration directory of that number is refused, not replaced.
+    """
+    out = Path(out)
+    final = iteration_dir(out, meta["iteration"])
+    if final.exists():
+        raise CheckpointError(
+            f"{final} already exists: remove it or write the converted checkpoint elsewhere"
+        )
+    if (optimizer is None) != (meta.get("optimizer") is None):
+        raise ValueError("write_checkpoint: meta['optimizer'] must be None exactly without state")
+    tmp = out / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a conversion that was killed
+    tmp.mkdir(parents=True)
+    with warnings.catch_warnings():
+        # DCP warns that it runs without a process group: here that is the point.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            {n: t.contiguous() for n, t in weights.items()},
+            checkpoint_id=tmp / "model",
+            no_dist=True,
+        )
+        if optimizer is not None:
+            dcp.save(
+                {n: t.contiguous() for n, t in optimizer.items()},
+                checkpoint_id=tmp / "optimizer",
+                no_dist=True,
+            )
+    if tokenizer_bytes is not None:
+        (tmp / "tokenizer.json").write_bytes(tokenizer_bytes)
+    files = {
+        str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()
+    }
+    _write_json(tmp / "meta.json", {**meta, "format_version": FORMAT_VERSION, "files": files})
+    os.replace(tmp, final)
+    latest_tmp = out / f".{LATEST}.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, out / LATEST)
+    return final
+
+
+def convert(
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    weights_only: bool = False,
+    tp: int | None = None,
+    pp: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Rewrite the checkpoint `latest` of `ckpt` names under `out`, at the same iteration:
+    weights cast to `dtype`, optimizer state (fp32) kept unless `weights_only`, RNG files
+    dropped, and `tp`/`pp` (checked) recorded as the target layout."""
+    torch_dtype = dtype_of(dtype)
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
+    if Path(out).resolve() == Path(ckpt).resolve():
+        raise CheckpointError(f"--out {out} is the input checkpoint; write the result elsewhere")
+    saved = meta.get("layout") or {}
+    tp = tp or saved.get("tensor_model_parallel_size") or 1
+    pp = pp or saved.get("pipeline_model_parallel_size") or 1
+    config = check_layout(meta, tp, pp, directory)
+    keep_optimizer = has_optimizer_state(meta) and not weights_only
+    meta, state = read_full_state(ckpt, with_optimizer=keep_optimizer, progress=progress)
+    weights = {n: t.to(torch_dtype) for n, t in state.items() if "/" not in n}
+    optimizer = {n: t.float() for n, t in state.items() if "/" in n} if keep_optimizer else None
+    converted = {
+        **meta,
+        "dtype": dtype,
+        "layout": {
+            "world_size": None,  # the target is tp x pp only; dp is whatever a run has
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": None,
+            "data_parallel_size": None,
+            "use_distributed_optimizer": None,
+        },
+        "config": config.to_dict(),
+        "converted_from": {
+            "checkpoint": str(directory),
+            "dtype": meta.get("dtype"),
+            "layout": meta.get("layout"),
+            "rng": "dropped: generator states only apply at the layout that saved them",
+        },
+    }
+    if not keep_optimizer:
+        # Weights only: a run starts from them at iteration 0, with fresh Adam and data order.
+        converted.update(optimizer=None, data=None)
+    tokenizer = directory / "tokenizer.json"
+    tokenizer_bytes = tokenizer.read_bytes() if tokenizer.is_file() else None
+    return write_checkpoint(out, converted, weights, optimizer, tokenizer_bytes)
