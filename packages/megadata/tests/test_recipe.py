@@ -47,7 +47,8 @@ def test_corpus_directory_follows_the_contract(built):
     assert tok["kind"] == "gpt2-bpe" and tok["file"] == "tokenizer.json"
     assert tok["sha256"] == hashlib.sha256((corpus / "tokenizer.json").read_bytes()).hexdigest()
     assert [r.stage for r in results] == [
-        "ingest", "clean", "tokenizer", "filter", "dedup", "tokenize", "shard"
+        "ingest", "clean", "tokenizer", "filter", "dedup", "holdout", "decontaminate",
+        "tokenize", "shard",
     ]  # fmt: skip
     total_docs = 0
     for split in ("train", "valid"):
@@ -73,7 +74,7 @@ def test_corpus_directory_follows_the_contract(built):
     assert results[0].docs_out == results[1].docs_in
     assert (
         results[3].tokens > 0
-        and results[5].tokens
+        and results[7].tokens
         == manifest["splits"]["train"]["tokens"] + (manifest["splits"]["valid"]["tokens"])
     )
     assert (corpus / "reports" / "dedup_clusters.jsonl").exists()

@@ -6,8 +6,10 @@ import sys
 import click
 
 from megadata import __version__
+from megadata.crawl import crawl_command
 from megadata.recipe import STAGES, RecipeError, claim_output, load_recipe, run_recipe, run_stage
 from megadata.runner import Runner, format_table
+from megadata.stages.decontaminate import overlap_command
 
 _recipe = click.option(
     "--recipe",
@@ -21,6 +23,12 @@ _output = click.option(
 )
 _workers = click.option(
     "--workers", default=2, show_default=True, type=int, help="Worker processes."
+)
+_scheduler = click.option(
+    "--scheduler",
+    metavar="ADDRESS",
+    help="Run the tasks on this Dask cluster (tcp://host:8786; it must see the corpus "
+    "directory on a shared filesystem). Default: a local cluster of --workers processes.",
 )
 _quiet = click.option("--no-progress", is_flag=True, help="No progress bars.")
 
@@ -44,12 +52,13 @@ def _fail(e: Exception):
 @_recipe
 @_output
 @_workers
+@_scheduler
 @_quiet
-def run(recipe_path, output, workers, no_progress):
+def run(recipe_path, output, workers, scheduler, no_progress):
     """Run every stage of a recipe (each resumes where it stopped) and print a table."""
     try:
         recipe = load_recipe(recipe_path, output)
-        results = run_recipe(recipe, workers=workers, progress=not no_progress)
+        results = run_recipe(recipe, workers=workers, progress=not no_progress, scheduler=scheduler)
     except (RecipeError, ValueError, FileNotFoundError) as e:
         _fail(e)
     click.echo(format_table(results))
@@ -62,12 +71,13 @@ def _stage_command(stage: str, help_text: str):
     @_recipe
     @_output
     @_workers
+    @_scheduler
     @_quiet
-    def command(recipe_path, output, workers, no_progress):
+    def command(recipe_path, output, workers, scheduler, no_progress):
         try:
             recipe = load_recipe(recipe_path, output)
             claim_output(recipe)
-            with Runner(workers, not no_progress) as runner:
+            with Runner(workers, not no_progress, scheduler) as runner:
                 stats = run_stage(recipe, stage, runner)
         except (RecipeError, ValueError, FileNotFoundError) as e:
             _fail(e)
@@ -85,9 +95,13 @@ for _stage, _help in zip(
         "Load the recipe's tokenizer files, or train one on the cleaned text.",
         "Drop documents shorter than filter.min_tokens tokens (default 128).",
         "Remove near-duplicates: MinHash LSH, verified Jaccard > dedup.threshold.",
+        "Hold out 1 in holdout.every documents; write eval/wiki.test.tokens, lambada.jsonl.",
+        "Remove test articles from training; report 8-gram overlap (Bloom filter).",
         "Token ids per document, end-of-document id appended.",
         "Write train/ and valid/ Arrow shards (29:1 by document) and manifest.json.",
     ),
     strict=True,
 ):
     _stage_command(_stage, _help)
+main.add_command(overlap_command)
+main.add_command(crawl_command)

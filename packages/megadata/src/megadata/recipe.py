@@ -9,14 +9,14 @@ from another recipe is refused rather than mixed.
 import hashlib
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from glob import glob
 from pathlib import Path
 
 from megadata import __version__
 from megadata.documents import atomic_write_bytes, atomic_write_json, read_docs
 from megadata.runner import Runner, StageStats, Task
-from megadata.stages import clean, dedup, filter, ingest, shard, tokenize
+from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
 from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
 
 if sys.version_info >= (3, 11):
@@ -24,7 +24,17 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-STAGES = ("ingest", "clean", "tokenizer", "filter", "dedup", "tokenize", "shard")
+STAGES = (
+    "ingest",
+    "clean",
+    "tokenizer",
+    "filter",
+    "dedup",
+    "holdout",
+    "decontaminate",
+    "tokenize",
+    "shard",
+)
 SOURCE_KINDS = ("text", "jsonl", "html", "wikipedia")
 
 
@@ -42,6 +52,8 @@ class Recipe:
     tokenizer: dict = field(default_factory=dict)
     filter: dict = field(default_factory=dict)
     dedup: dict = field(default_factory=dict)
+    holdout: dict = field(default_factory=dict)
+    decontaminate: dict = field(default_factory=dict)
     shard: dict = field(default_factory=dict)
     partition_docs: int = 500
     raw: dict = field(default_factory=dict)
@@ -78,7 +90,7 @@ class Recipe:
 
 
 def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
-    path = Path(path)
+    path = Path(path).absolute()  # the sources are found relative to it, by any worker
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -100,7 +112,7 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
                 f"recipe {path}: sources[{i}].kind is {s['kind']!r}; expected one of {SOURCE_KINDS}"
             )
     if output is not None:  # from the command line: relative to the working directory
-        out = Path(output)
+        out = Path(output).absolute()  # absolute: tasks may run on other machines
     else:  # from the recipe: relative to the recipe file
         out = (path.parent / raw.get("output", f"corpus-{raw['name']}")).resolve()
     return Recipe(
@@ -112,6 +124,8 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
         tokenizer=raw.get("tokenizer", {}),
         filter=raw.get("filter", {}),
         dedup=raw.get("dedup", {}),
+        holdout=raw.get("holdout", {}),
+        decontaminate=raw.get("decontaminate", {}),
         shard=raw.get("shard", {}),
         partition_docs=int(raw.get("partition_docs", 500)),
         raw=raw,
@@ -202,6 +216,10 @@ def run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
         )
     if stage == "dedup":
         return _dedup(recipe, runner)
+    if stage == "holdout":
+        return _holdout(recipe, runner)
+    if stage == "decontaminate":
+        return _decontaminate(recipe, runner)
     if stage == "tokenize":
         kind = recipe.tokenizer.get("kind", "gpt2-bpe")
         from tokenizers import Tokenizer
@@ -212,7 +230,7 @@ def run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
             runner,
             recipe,
             "tokenize",
-            "dedup",
+            "decontaminate",
             tokenize.tokenize_partition,
             tokenizer_path,
             eod,
@@ -249,24 +267,15 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     sig_dir = recipe.work / "signatures"
     tasks = [Task(p.stem, (str(p), str(sig_dir / p.name), num_perm, n, seed)) for p in _parts(src)]
     signatures = runner.run("minhash", sig_dir, tasks, dedup.signature_partition)
-    groups = Runner(workers=1, progress=runner.progress).run(
-        "lsh",
-        recipe.work / "lsh",
-        [
-            Task(
-                "lsh",
-                (
-                    [str(p) for p in _parts(sig_dir)],
-                    [str(p) for p in _parts(src)],
-                    str(recipe.work / "lsh"),
-                    threshold,
-                    num_perm,
-                    n,
-                    seed,
-                ),
-            )
-        ],
-        dedup.find_duplicates,
+    groups = dedup.find_duplicates(
+        [str(p) for p in _parts(sig_dir)],
+        [str(p) for p in _parts(src)],
+        str(recipe.work / "lsh"),
+        threshold,
+        num_perm,
+        n,
+        seed,
+        runner=runner,
     )
     reports = recipe.output / "reports"
     reports.mkdir(parents=True, exist_ok=True)
@@ -274,8 +283,82 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     atomic_write_bytes(reports / "dedup_clusters.jsonl", clusters)
     removed = str(recipe.work / "lsh" / "removed.json")
     stats = _map(runner, recipe, "dedup", "filter", dedup.remove_partition, removed)
-    stats.extra.update(groups.extra)
-    stats.seconds += signatures.seconds + groups.seconds
+    stats.extra.update(groups["extra"])
+    stats.seconds += signatures.seconds + groups["seconds"]
+    return stats
+
+
+def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
+    """Held-out documents out of the partitions, then the evaluation files made of them."""
+    if not recipe.holdout:
+        return _map(runner, recipe, "holdout", "dedup", holdout.pass_through)
+    try:
+        cfg = holdout.settings(recipe.holdout)
+    except ValueError as e:
+        raise RecipeError(f"recipe {recipe.path}: {e}") from None
+    unknown = sorted(set(cfg["sources"]) - {s["name"] for s in recipe.sources})
+    if unknown:
+        raise RecipeError(f"recipe {recipe.path}: [holdout] sources {unknown} are not sources")
+    src, work = _need(recipe, "dedup"), recipe.work
+    tasks = [
+        Task(
+            p.stem,
+            (
+                str(p),
+                str(work / "holdout" / p.name),
+                str(work / "holdout_docs" / p.name),
+                cfg["every"],
+                cfg["sources"],
+            ),
+        )
+        for p in _parts(src)
+    ]
+    # The stage's _DONE.json lands in holdout/ last, when the evaluation files are written.
+    split = runner.run("holdout", work / "holdout_split", tasks, holdout.split_partition)
+    held = [str(work / "holdout_docs" / p.name) for p in _parts(src)]
+    eval_files = (held, str(recipe.output / "eval"), cfg, asdict(split))
+    stats = Runner(workers=1, progress=runner.progress).run(
+        "holdout", work / "holdout", [Task("eval-files", eval_files)], holdout.write_eval_files
+    )
+    stats.seconds += split.seconds
+    return stats
+
+
+def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
+    """Test articles out of the training documents, then the 8-gram overlap report."""
+    if not recipe.decontaminate:
+        return _map(runner, recipe, "decontaminate", "holdout", holdout.pass_through)
+    holdout_dir = recipe.output / "eval" if recipe.holdout else None
+    try:
+        cfg = decontaminate.settings(recipe.decontaminate)
+        eval_sets = decontaminate.resolve_eval_sets(cfg, recipe.path.parent, holdout_dir)
+    except decontaminate.EvalSetError as e:
+        raise RecipeError(f"recipe {recipe.path}: {e}") from None
+    src, work = _need(recipe, "holdout"), recipe.work
+    prep_dir = str(work / "decontaminate_eval")
+    single = Runner(workers=1, progress=runner.progress)
+    single.run(
+        "eval sets",
+        Path(prep_dir),
+        [Task("eval-sets", (eval_sets, prep_dir, cfg))],
+        decontaminate.prepare_eval_sets,
+    )
+    out = work / "decontaminate"
+    tasks = [Task(p.stem, (str(p), str(out / p.name), prep_dir, cfg)) for p in _parts(src)]
+    # The stage's _DONE.json lands in decontaminate/ last, when the report is written.
+    removal = runner.run(
+        "decontaminate", work / "decontaminate_remove", tasks, decontaminate.remove_partition
+    )
+    report = (
+        [str(out / p.name) for p in _parts(src)],
+        prep_dir,
+        str(recipe.output / "reports"),
+        cfg,
+        asdict(removal),
+        runner.progress,
+    )
+    stats = single.run("decontaminate", out, [Task("report", report)], decontaminate.write_report)
+    stats.seconds += removal.seconds
     return stats
 
 
@@ -331,11 +414,15 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
 
 
 def run_recipe(
-    recipe: Recipe, workers: int = 2, progress: bool = True, stages=STAGES
+    recipe: Recipe,
+    workers: int = 2,
+    progress: bool = True,
+    stages=STAGES,
+    scheduler: str | None = None,
 ) -> list[StageStats]:
     claim_output(recipe)
     results = []
-    with Runner(workers, progress) as runner:
+    with Runner(workers, progress, scheduler) as runner:
         for stage in stages:
             results.append(run_stage(recipe, stage, runner))
     return results

@@ -1,4 +1,4 @@
-"""Run a stage's tasks in worker processes, resumably, and count what they did.
+"""Run a stage's tasks on Dask workers, resumably, and count what they did.
 
 A stage is a list of independent tasks (usually one per input partition).  A
 task writes its outputs atomically and returns its counts; the runner then
@@ -7,14 +7,30 @@ a marker, so a stage killed at any moment (even by kill -9) resumes without
 losing or repeating work, and because every task is a pure function of its
 inputs the result is the same bytes whatever the number of workers.  When all
 tasks are done the stage writes `_DONE.json` with its totals.
+
+Where the tasks run:
+- `workers == 1` and no scheduler: in the calling process, one after the other;
+- no scheduler: on a `distributed.LocalCluster` of `workers` processes (one thread
+  each), started on first use and closed with the runner;
+- `scheduler="tcp://host:8786"`: on that running Dask cluster.  Its workers must
+  have megadata installed and see the corpus directory and the inputs at the same
+  absolute paths (a shared filesystem), since tasks pass paths, not data.
+
+A worker that dies mid-task (killed, out of memory) loses nothing: Dask runs its
+tasks again elsewhere (up to `ALLOWED_FAILURES` deaths per task on the embedded
+cluster; a real cluster's scheduler reads `distributed.scheduler.allowed-failures`
+from its own config) and a task that raises is retried `RETRIES` times.  Running a
+task twice is harmless because its outputs are written atomically and are the same
+bytes each time.
 """
 
+import importlib.util
 import json
-import multiprocessing
+import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +38,9 @@ from tqdm import tqdm
 
 from megadata.documents import atomic_write_json
 
+CONNECT_TIMEOUT_S = 10.0  # how long to wait for a --scheduler before giving up
+RETRIES = 2  # re-runs of a task that raised (a flaky shared filesystem, say)
+ALLOWED_FAILURES = 4  # deaths of a worker running a task before the task is given up
 COUNTS = ("docs_in", "docs_out", "bytes_in", "bytes_out", "tokens")
 
 
@@ -49,36 +68,108 @@ class Task:
     args: tuple
 
 
-def _init_worker() -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+class SchedulerError(ValueError):
+    """`--scheduler ADDRESS` names no Dask cluster that can run megadata's tasks."""
+
+
+def _connect(address: str):
+    """A client of the cluster at `address`, once its workers are known to run megadata
+    (a task a worker cannot unpickle would leave the run waiting forever)."""
+    from distributed import Client
+
+    try:
+        client = Client(address, timeout=CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError, ValueError) as e:
+        raise SchedulerError(
+            f"--scheduler {address}: no Dask scheduler answered within {CONNECT_TIMEOUT_S:g} s "
+            f"({e}); start one with `dask scheduler` (and workers with `dask worker "
+            "ADDRESS`) or leave --scheduler out to use a local cluster"
+        ) from None
+    try:
+        client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+        # A lambda travels by value: it runs even where megadata is not installed.
+        found = client.run(lambda: importlib.util.find_spec("megadata") is not None)
+    except (OSError, TimeoutError) as e:
+        client.close()
+        raise SchedulerError(
+            f"--scheduler {address}: the scheduler has no workers ({e}); start some with "
+            f"`dask worker {address}`"
+        ) from None
+    lacking = sorted(worker for worker, ok in found.items() if not ok)
+    if lacking:
+        client.close()
+        raise SchedulerError(
+            f"--scheduler {address}: megadata is not installed on the workers {lacking}"
+        )
+    return client
+
+
+def _call(fn: Callable, *args) -> dict:
+    """A task as a worker runs it."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
+    return fn(*args)
 
 
 class Runner:
-    """Worker processes shared by every stage of a run (started once: imports cost seconds)."""
+    """Where every stage of a run executes its tasks (a cluster is started once: imports
+    and worker start-up cost seconds)."""
 
-    def __init__(self, workers: int = 2, progress: bool = True):
+    def __init__(self, workers: int = 2, progress: bool = True, scheduler: str | None = None):
         if workers < 1:
             raise ValueError(f"--workers must be >= 1, got {workers}")
         self.workers = workers
         self.progress = progress
-        self._pool = None
+        self.scheduler = scheduler
+        self._cluster = None
+        self._client = None
 
     def __enter__(self):
+        if self.scheduler:  # an unreachable cluster is reported before any work starts
+            self._dask()
         return self
 
     def __exit__(self, *exc):
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
 
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
+    @property
+    def inline(self) -> bool:
+        return self.scheduler is None and self.workers == 1
+
+    def _dask(self):
+        """The `distributed.Client`, connected on first use."""
+        if self._client is not None:
+            return self._client
+        # Imported here: distributed takes half a second to import, which inline runs skip.
+        import dask
+        from distributed import Client, LocalCluster
+
+        # Dask's loggers say INFO about every worker and key; the CLI's log handler would
+        # print all of it.  Warnings (a worker restarted) still show.
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+
+        if self.scheduler:
+            self._client = _connect(self.scheduler)
+            return self._client
+        # The scheduler of a LocalCluster lives in this process and reads this setting now.
+        with dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
+            self._cluster = LocalCluster(
+                n_workers=self.workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                # The scheduler's HTTP endpoints (not a dashboard) on any free port, not 8787.
+                scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                # A task's error reaches us as its exception; the cluster's own logs (a worker
+                # restarted, a heartbeat lost while closing) would only be noise.
+                silence_logs=logging.CRITICAL,
             )
-        return self._pool
+        self._client = Client(self._cluster)
+        return self._client
 
     def run(self, stage: str, stage_dir: Path, tasks: Sequence[Task], fn: Callable) -> StageStats:
         """Run `fn(*task.args) -> counts` for every task not already done; return the totals."""
@@ -109,7 +200,7 @@ class Runner:
             leave=False,
         )
         with bar:
-            for task, counts in self._results(fn, todo):
+            for task, counts in self._results(stage, fn, todo):
                 atomic_write_json(markers / f"{task.id}.json", counts)
                 stats.add(counts)
                 bar.update(1)
@@ -118,15 +209,29 @@ class Runner:
         atomic_write_json(done_file, asdict(stats))
         return stats
 
-    def _results(self, fn, tasks):
-        if self.workers == 1 or len(tasks) <= 1:
+    def _results(self, stage: str, fn: Callable, tasks: Sequence[Task]):
+        """(task, counts) as the tasks finish."""
+        if self.inline or (self.scheduler is None and len(tasks) <= 1):
             for t in tasks:
                 yield t, fn(*t.args)
             return
-        pool = self._executor()
-        futures = {pool.submit(fn, *t.args): t for t in tasks}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+        if not tasks:
+            return
+        from distributed import as_completed
+
+        client = self._dask()
+        # A fresh key per submission: a rerun must run the task, never get a cached result.
+        run_id = uuid.uuid4().hex[:8]
+        futures = {
+            client.submit(_call, fn, *t.args, key=f"{stage}-{t.id}-{run_id}", retries=RETRIES): t
+            for t in tasks
+        }
+        try:
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+        except BaseException:
+            client.cancel(list(futures))  # a task failed or we were stopped: stop the others
+            raise
 
 
 def _stats_from(d: dict) -> StageStats:

@@ -80,9 +80,11 @@ def read_jsonl(path: Path, problems: dict) -> Iterator[dict]:
 
 def extract_html(html: str, url: str = "") -> dict:
     """Article text and title of a web page, by newspaper3k (no network: the HTML is given)."""
-    from newspaper import Article  # imports lxml and nltk: only when HTML is ingested
+    from newspaper import Article, Config  # imports lxml and nltk: only when HTML is ingested
 
-    article = Article(url or "http://localhost/")
+    config = Config()
+    config.fetch_images = False  # parse() would otherwise download the page's images
+    article = Article(url or "http://localhost/", config=config)
     article.set_html(html)
     article.parse()
     return {"text": article.text, "title": article.title or "", "url": url}

@@ -1,0 +1,205 @@
+"""Holdout: keep some real documents out of training and make evaluation files of them.
+
+1. `split_partition` (per partition, in workers): a document is held out when the sha256 of
+   "holdout:" + its doc_id falls in 1 of `every` buckets (and, with `sources`, it comes from
+   one of them).  The salt keeps the choice independent of the shard stage's train/valid
+   split, which hashes the bare id.  Held-out documents leave the partitions passed on, so
+   they reach neither train/ nor valid/.
+2. `write_eval_files` (one process), under `<corpus>/eval/`:
+   - `wiki.test.tokens`: every held-out document as an article in WikiText-103's raw format
+     (megadata.wikitext_format), for a perplexity evaluation like the paper's;
+   - `lambada.jsonl`: LAMBADA-style passages, `{"text": ...}` a line: runs of whole sentences
+     of `lambada_min_words`..`lambada_max_words` words, cut so that the passage ends with a
+     plain alphabetic word (LAMBADA's target is the passage's last word; closing punctuation
+     after it is dropped, as in LAMBADA), at most `lambada_per_doc` per document;
+   - `holdout.json`: the held-out doc ids and the counts.
+   Documents go in partition order, so a rerun writes the same bytes.
+
+`pass_through` is what this stage (and decontaminate) does when its recipe section is absent:
+the partitions are hard-linked (copied where links cannot be made) unchanged.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from megadata.documents import atomic_write_bytes, read_docs, read_table, text_bytes, write_docs
+from megadata.wikitext_format import format_article, paragraphs, title_from_text
+
+DEFAULTS = {
+    "every": 40,
+    "sources": [],
+    "lambada_per_doc": 10,
+    "lambada_min_words": 60,
+    "lambada_max_words": 120,
+}
+_TARGET = re.compile(r"[A-Za-z]+")
+_TRAILING = re.compile(r"\W+$")
+_LEADING = re.compile(r"^[^\w\"'(]+")  # stray markup before a passage's first sentence
+
+
+def settings(section: dict) -> dict:
+    """The `[holdout]` section with defaults filled in; a bad value names its field."""
+    unknown = sorted(set(section) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"[holdout]: unknown field(s) {unknown}; expected {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **section}
+    for key in ("every", "lambada_per_doc", "lambada_min_words", "lambada_max_words"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"[holdout] {key} must be a positive integer, got {cfg[key]!r}")
+    if cfg["every"] < 2:
+        raise ValueError("[holdout] every must be >= 2 (1 would hold out everything)")
+    if cfg["lambada_min_words"] > cfg["lambada_max_words"]:
+        raise ValueError("[holdout] lambada_min_words must not exceed lambada_max_words")
+    if not isinstance(cfg["sources"], list) or not all(isinstance(s, str) for s in cfg["sources"]):
+        raise ValueError(
+            f"[holdout] sources must be a list of source names, got {cfg['sources']!r}"
+        )
+    return cfg
+
+
+def is_held_out(doc_id: str, every: int) -> bool:
+    digest = hashlib.sha256(b"holdout:" + doc_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % every == 0
+
+
+def _counts(docs_in: list[dict], docs_out: list[dict], extra: dict | None = None) -> dict:
+    return {
+        "docs_in": len(docs_in),
+        "docs_out": len(docs_out),
+        "bytes_in": text_bytes(docs_in),
+        "bytes_out": text_bytes(docs_out),
+        "extra": extra or {},
+    }
+
+
+def split_partition(
+    in_path: str, out_path: str, held_path: str, every: int, sources: list[str]
+) -> dict:
+    docs = list(read_docs(Path(in_path)))
+    held = [
+        d
+        for d in docs
+        if (not sources or d["source"] in sources) and is_held_out(d["doc_id"], every)
+    ]
+    held_ids = {d["doc_id"] for d in held}
+    kept = [d for d in docs if d["doc_id"] not in held_ids]
+    write_docs(Path(held_path), held)  # first: the partition passed on marks the task as done
+    write_docs(Path(out_path), kept)
+    return _counts(docs, kept, {"held_out": len(held)})
+
+
+def pass_through(in_path: str, out_path: str) -> dict:
+    """The partition unchanged (a hard link: no bytes copied), counted from its Arrow columns."""
+    table = read_table(Path(in_path))
+    nbytes = pc.sum(pc.binary_length(table.column("text"))).as_py() or 0
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(in_path, tmp)
+    except OSError:  # another file system, or one without links
+        shutil.copyfile(in_path, tmp)
+    os.replace(tmp, out)
+    rows = table.num_rows
+    return {"docs_in": rows, "docs_out": rows, "bytes_in": nbytes, "bytes_out": nbytes}
+
+
+@functools.cache
+def _segmenter():
+    import pysbd
+
+    return pysbd.Segmenter(language="en", clean=False)
+
+
+def lambada_passages(text: str, min_words: int, max_words: int, limit: int) -> list[str]:
+    """Passages of whole sentences, min_words..max_words words, ending in an alphabetic word."""
+    sentences = [
+        s.strip()
+        for kind, line in paragraphs(text)
+        if kind == "paragraph"
+        for s in _segmenter().segment(line)
+        if s.strip()
+    ]
+    passages: list[str] = []
+    window: list[str] = []
+    for sentence in sentences:
+        window.append(sentence)
+        while sum(len(s.split()) for s in window) > max_words:
+            window.pop(0)
+        words = sum(len(s.split()) for s in window)
+        if words < min_words:
+            continue
+        passage = _TRAILING.sub("", _LEADING.sub("", " ".join(" ".join(window).split())))
+        last = passage.rsplit(" ", 1)[-1]
+        if _TARGET.fullmatch(last) and len(passage.split()) >= min_words:
+            passages.append(passage)
+            window = []
+            if len(passages) == limit:
+                break
+    return passages
+
+
+def write_eval_files(held_parts: list[str], eval_dir: str, cfg: dict, split: dict) -> dict:
+    """wiki.test.tokens, lambada.jsonl and holdout.json from the held-out partitions."""
+    eval_dir = Path(eval_dir)
+    docs = [d for p in held_parts for d in read_docs(Path(p))]
+    articles, lambada, listed = [], [], []
+    for doc in docs:
+        title = doc["title"].strip() or title_from_text(doc["text"])
+        article = format_article(title, doc["text"])
+        passages = lambada_passages(
+            doc["text"], cfg["lambada_min_words"], cfg["lambada_max_words"], cfg["lambada_per_doc"]
+        )
+        articles.append(article)
+        lambada += passages
+        listed.append(
+            {
+                "doc_id": doc["doc_id"],
+                "title": title,
+                "words": len(doc["text"].split()),
+                "wikitext_tokens": len(article.split()),
+                "lambada_passages": len(passages),
+            }
+        )
+    wikitext = "".join(articles)
+    atomic_write_bytes(eval_dir / "wiki.test.tokens", wikitext.encode("utf-8"))
+    atomic_write_bytes(
+        eval_dir / "lambada.jsonl",
+        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in lambada).encode(),
+    )
+    summary = {
+        "every": cfg["every"],
+        "sources": cfg["sources"],
+        "by": 'sha256("holdout:" + doc_id)',
+        "counts": {
+            "docs_in": split["docs_in"],
+            "held_out": len(docs),
+            "wikitext_articles": sum(1 for a in articles if a),
+            "wikitext_tokens": len(wikitext.split()),
+            "lambada_passages": len(lambada),
+        },
+        "files": ["wiki.test.tokens", "lambada.jsonl"],
+        "docs": listed,
+    }
+    atomic_write_bytes(
+        eval_dir / "holdout.json", (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()
+    )
+    return {
+        "docs_in": split["docs_in"],
+        "docs_out": split["docs_out"],
+        "bytes_in": split["bytes_in"],
+        "bytes_out": split["bytes_out"],
+        "extra": {
+            "held_out": len(docs),
+            "lambada_passages": len(lambada),
+            "wikitext_tokens": len(wikitext.split()),
+        },
+    }

@@ -1,0 +1,83 @@
+"""The held-out evaluation files: WikiText-103's raw format, LAMBADA-style passages, the split.
+
+The recipe-level checks (held-out documents absent from the shards, a rerun giving the same
+bytes) are in test_decontaminate.py, which builds one corpus with both new stages.
+"""
+
+import re
+
+import pytest
+
+from megadata.stages import holdout
+from megadata.wikitext_format import format_article, format_articles, split_articles, tokenize
+
+BOULTER = (
+    "Robert Boulter is an English film, television and theatre actor. He had a guest-starring "
+    'role on the television series The Bill in 2000. In 2004 he landed a role as "Craig" in '
+    'the episode "Teddy\'s Story" (The Long Firm); it cost 1,250,000 dollars, 3.5 times more.\n'
+    "He was cast in the 2005 theatre productions of the Harold Pinter play Celebration.\n\n"
+    "Career\n"
+    "In 2000 Boulter had a guest-starring role on the television series The Bill."
+)
+
+
+def test_wikitext_tokens_like_the_real_file():
+    assert format_article("Robert Boulter", BOULTER) == (
+        " \n"
+        " = Robert Boulter = \n"
+        " \n"
+        " Robert Boulter is an English film , television and theatre actor . He had a guest @-@ "
+        "starring role on the television series The Bill in 2000 . In 2004 he landed a role as "
+        '" Craig " in the episode " Teddy \'s Story " ( The Long Firm ) ; it cost 1 @,@ 250 @,@ '
+        "000 dollars , 3 @.@ 5 times more . \n"
+        " He was cast in the 2005 theatre productions of the Harold Pinter play Celebration . \n"
+        " \n"
+        " = = Career = = \n"
+        " \n"
+        " In 2000 Boulter had a guest @-@ starring role on the television series The Bill . \n"
+    )
+
+
+def test_untitled_documents_get_their_first_words_and_split_back():
+    text = format_articles(
+        [("", "Hundreds of people have been forced to leave, officials said."), ("B", BOULTER)]
+    )
+    assert text.startswith(" \n = Hundreds of people have been forced = \n \n Hundreds of")
+    assert [t for t, _ in split_articles(text)] == ["Hundreds of people have been forced", "B"]
+    body = split_articles(text)[1][1]
+    assert "= = Career = =" in body and body.startswith("Robert Boulter is")
+    assert all(line.startswith(" ") and line.endswith(" ") for line in text.splitlines())
+    assert format_article("Empty", "  \n\n ") == ""
+    assert tokenize("A well-known 10.5-ton truck.") == "A well @-@ known 10 @.@ 5 @-@ ton truck ."
+
+
+def test_lambada_passages_end_in_a_word_and_respect_the_bounds(documents):
+    text = " ".join(d["text"].replace("\n", " ") for d in documents[:6])
+    passages = holdout.lambada_passages(text, 60, 120, limit=50)
+    assert len(passages) >= 5
+    for p in passages:
+        words = p.split()
+        assert 60 <= len(words) <= 120, p
+        assert re.fullmatch(r"[A-Za-z]+", words[-1]), p
+        assert p in " ".join(text.split()) or p.rsplit(" ", 1)[0] in " ".join(text.split())
+    assert holdout.lambada_passages(text, 60, 120, limit=3) == passages[:3]
+    assert holdout.lambada_passages("Too short. Far too short.", 60, 120, limit=3) == []
+
+
+def test_selection_is_stable_and_about_one_in_every():
+    ids = [f"src/file.txt#{i}" for i in range(4000)]
+    held = [i for i in ids if holdout.is_held_out(i, 40)]
+    assert 70 <= len(held) <= 130  # 100 expected
+    assert held == [i for i in ids if holdout.is_held_out(i, 40)]
+    # Independent of the shard stage's valid split (the same ids unsalted).
+    from megadata.stages.shard import is_valid_doc
+
+    assert [i for i in ids if is_valid_doc(i, 40)] != held
+
+
+def test_bad_settings_name_the_field():
+    assert holdout.settings({})["every"] == 40
+    with pytest.raises(ValueError, match=r"\[holdout\] every must be a positive integer"):
+        holdout.settings({"every": "often"})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['evry'\]"):
+        holdout.settings({"evry": 3})
