@@ -4,7 +4,8 @@
 
 1. Each stage of the default recipe (pipelines/corpus/default.toml, inputs from
    `make data`'s fetch) built from scratch in a temporary directory: MB/s per
-   worker = input bytes / seconds / workers.
+   worker = input bytes / seconds / workers; and the whole recipe's MB of text per
+   second per core, with the core-hours it implies for the paper's 174 GB.
 2. Dedup on planted near-duplicates: the recipe's cleaned documents cut into
    pieces of about 150 words, each with copies that have 5%, 15% and 40% of words
    replaced (>= 5,000 documents): documents/s per core of our MinHash
@@ -50,7 +51,31 @@ def stage_speeds(workers: int, work: Path) -> tuple[list[dict], list[str]]:
     texts = [
         d["text"] for p in sorted((recipe.work / "clean").glob("*.arrow")) for d in read_docs(p)
     ]
-    return rows, texts
+    return rows, texts, whole_recipe(results, workers)
+
+
+PAPER_CORPUS_MB = 174_000  # the paper's deduplicated corpus: 174 GB of text
+
+
+def whole_recipe(results: list, workers: int) -> dict:
+    """The whole recipe's rate per core in MB of ingested text, and what 174 GB would cost.
+
+    The rate is ingested text (ingest's output bytes) over the sum of the stages' wall
+    times x workers: the core-time the recipe held, idle time included.
+    """
+    text_mb = results[0].bytes_out / 1e6
+    seconds = sum(r.seconds for r in results)
+    rate = text_mb / seconds / workers
+    slowest = max(results, key=lambda r: r.seconds)
+    return {
+        "text_mb": round(text_mb, 3),
+        "seconds": round(seconds, 2),
+        "workers": workers,
+        "mb_per_s_per_core": round(rate, 4),
+        "core_hours_for_174_gb": round(PAPER_CORPUS_MB / rate / 3600),
+        "slowest_stage": slowest.stage,
+        "slowest_stage_share": round(slowest.seconds / seconds, 3),
+    }
 
 
 def pieces(texts: list[str], words: int = 150) -> list[str]:
@@ -103,7 +128,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        stages, texts = stage_speeds(args.workers, Path(tmp))
+        stages, texts, whole = stage_speeds(args.workers, Path(tmp))
         (Path(tmp) / "planted").mkdir()
         quality = dedup_quality(texts, Path(tmp) / "planted")
     report = {
@@ -113,6 +138,7 @@ def main() -> None:
         },
         "workers": args.workers,
         "stages": stages,
+        "whole_recipe": whole,
         "dedup_planted": quality,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

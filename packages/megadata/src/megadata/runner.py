@@ -241,13 +241,13 @@ def _stats_from(d: dict) -> StageStats:
 def format_table(rows: Sequence[StageStats]) -> str:
     """The per-stage table `megadata run` prints."""
     head = (
-        f"{'stage':<10}{'docs in':>10}{'docs out':>10}{'MB in':>9}{'MB out':>9}"
+        f"{'stage':<14}{'docs in':>10}{'docs out':>10}{'MB in':>9}{'MB out':>9}"
         f"{'tokens':>12}{'sec':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.stage:<10}{r.docs_in:>10}{r.docs_out:>10}{r.bytes_in / 1e6:>9.2f}"
+            f"{r.stage:<14}{r.docs_in:>10}{r.docs_out:>10}{r.bytes_in / 1e6:>9.2f}"
             f"{r.bytes_out / 1e6:>9.2f}{r.tokens:>12}{r.seconds:>8.1f}"
         )
     return "\n".join(lines)
