@@ -80,7 +80,7 @@ demo: data
 	$(BIN)/megaeval lambada --ckpt $(DEMO)/ckpt --data $(CORPUS)/eval/lambada.jsonl --json $(DEMO)/lambada.json
 	$(BIN)/megaeval lambada --ckpt $(DEMO)/ckpt --data $(CORPUS)/eval/lambada.jsonl --no-strict \
 	  --json $(DEMO)/lambada-nonstrict.json
-	$(BIN)/megatrain generate --ckpt $(DEMO)/ckpt --prompt "The" --greedy --max-new-tokens 40
+	$(BIN)/megatrain generate --ckpt $(DEMO)/ckpt --prompt "The" --top-k 40 --top-p 0.9 --max-new-tokens 40
 	$(BIN)/python scripts/demo_summary.py --dir $(DEMO)
 
 clean:

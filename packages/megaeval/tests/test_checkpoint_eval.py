@@ -165,3 +165,24 @@ def test_hugging_face_export_gives_the_same_numbers(evaluated, tmp_path):
     got = evaluate_lambada(scorer, lambada, strict=True, batch_size=2, progress=False)
     assert got["correct"] == expected["lambada"]["correct"]
     assert got["target_loss"] == pytest.approx(expected["lambada"]["target_loss"], rel=1e-5)
+
+
+def test_checkpoint_tokenizer_problems_name_the_file(evaluated, tmp_path):
+    import shutil
+
+    root, wiki, _, _ = evaluated
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt", ckpt)
+    (iteration,) = ckpt.glob("iter_*")
+    tokenizer = iteration / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace("endoftext", "endoftexu"))  # same size
+    args = ["wikitext103", "--ckpt", str(ckpt), "--data", str(wiki), "--seq-len", "24"]
+    result = CliRunner().invoke(main, [*args, "--stride", "8"])
+    assert result.exit_code != 0 and "does not match the checkpoint" in result.output
+    assert str(tokenizer) in result.output
+    tokenizer.unlink()
+    meta = json.loads((iteration / "meta.json").read_text())
+    del meta["files"]["tokenizer.json"]  # as saved from a corpus without tokenizer.json
+    (iteration / "meta.json").write_text(json.dumps(meta))
+    result = CliRunner().invoke(main, [*args, "--stride", "8"])
+    assert result.exit_code != 0 and "has no tokenizer" in result.output
