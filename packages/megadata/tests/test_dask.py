@@ -234,7 +234,6 @@ def test_distributed_grouping_equals_brute_force(tmp_path, cluster):
             threshold,
             num_perm,
             n,
-            1,
             runner=on_cluster,
             shards=5,
         )
@@ -254,7 +253,7 @@ def test_distributed_grouping_equals_brute_force(tmp_path, cluster):
 
     # The same in this process, with another number of shards.
     counts_here = dedup.find_duplicates(
-        sig_paths, doc_paths, str(tmp_path / "here"), threshold, num_perm, n, 1, shards=2
+        sig_paths, doc_paths, str(tmp_path / "here"), threshold, num_perm, n, shards=2
     )
     assert (tmp_path / "here" / "clusters.jsonl").read_bytes() == expected_lines
     assert counts_here["extra"] == extra

@@ -150,7 +150,7 @@ def test_duplicates_verified_clustered_and_one_survivor(tmp_path, documents):
     write_docs(tmp_path / "p.arrow", rows)
     dedup.signature_partition(str(tmp_path / "p.arrow"), str(tmp_path / "sig.arrow"), 128, 3, 1)
     counts = dedup.find_duplicates(
-        [str(tmp_path / "sig.arrow")], [str(tmp_path / "p.arrow")], str(tmp_path), 0.7, 128, 3, 1
+        [str(tmp_path / "sig.arrow")], [str(tmp_path / "p.arrow")], str(tmp_path), 0.7, 128, 3
     )
     removed = json.loads((tmp_path / "removed.json").read_text())
     assert removed == ["x/1", "x/2"]  # the longest (x/3) survives

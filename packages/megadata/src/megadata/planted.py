@@ -78,7 +78,7 @@ def run_dedup(rows: list[dict], workdir, threshold=0.7, num_perm=128, n=2, seed=
         signature_partition(str(doc_path), str(sig_path), num_perm, n, seed)
         docs.append(str(doc_path))
         sigs.append(str(sig_path))
-    counts = find_duplicates(sigs, docs, str(workdir), threshold, num_perm, n, seed)
+    counts = find_duplicates(sigs, docs, str(workdir), threshold, num_perm, n)
     removed = set(json.loads((workdir / "removed.json").read_text()))
     clusters = [json.loads(line) for line in (workdir / "clusters.jsonl").read_text().splitlines()]
     return removed, clusters, counts

@@ -274,7 +274,6 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
         threshold,
         num_perm,
         n,
-        seed,
         runner=runner,
     )
     reports = recipe.output / "reports"

@@ -107,6 +107,27 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def file_sizes(directory: Path) -> dict[str, int]:
+    """Every file under `directory` (relative path -> bytes), as meta.json records them."""
+    return {
+        str(f.relative_to(directory)): f.stat().st_size
+        for f in sorted(directory.rglob("*"))
+        if f.is_file()
+    }
+
+
+def publish(tmp: Path, final: Path, meta: dict) -> None:
+    """The last step of every save: meta.json into the complete `tmp` directory, `tmp`
+    renamed to `final`, and only then `latest` (a temporary file renamed) naming it."""
+    _write_json(tmp / "meta.json", meta)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = final.parent / f".{LATEST}.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, final.parent / LATEST)
+
+
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state(), **tp.get_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -156,9 +177,7 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
         corpus_tokenizer = Path(run.config.data.corpus) / "tokenizer.json"
         if corpus_tokenizer.is_file():
             shutil.copyfile(corpus_tokenizer, tmp / "tokenizer.json")
-        files = {
-            str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()
-        }
+        files = file_sizes(tmp)
         rng_files = [f for f in files if f.startswith("rng/")]
         if len(rng_files) != dist.get_world_size():
             raise RuntimeError(
@@ -185,13 +204,7 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
             },
             "files": files,
         }
-        _write_json(tmp / "meta.json", meta)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = ckpt / f".{LATEST}.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, ckpt / LATEST)
+        publish(tmp, final, meta)
         if keep > 0:
             for old in sorted(ckpt.glob("iter_*"))[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -190,7 +190,7 @@ def generate_command(
     args = (str(ckpt), tp, list(prompts), dataclasses.asdict(sampling), not no_kv_cache)
     try:
         results = launch.run_workers(generation_worker, args, tp)[0]
-    except launch.LaunchError as e:
+    except (launch.LaunchError, ValueError) as e:  # ValueError: one worker, in this process
         raise click.ClickException(str(e)) from e
     for r in results:
         click.echo(f"--- prompt: {r['prompt']}")

@@ -14,7 +14,6 @@ not copied: generator states only mean something at the layout that saved them,
 and a run at any layout seeds its generators from the iteration instead.
 """
 
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -24,12 +23,12 @@ import torch.distributed.checkpoint as dcp
 
 from megatrain.checkpointing import (
     FORMAT_VERSION,
-    LATEST,
     CheckpointError,
-    _write_json,
+    file_sizes,
     find_checkpoint,
     has_optimizer_state,
     iteration_dir,
+    publish,
     read_full_state,
     read_meta,
 )
@@ -84,14 +83,8 @@ def write_checkpoint(
             )
     if tokenizer_bytes is not None:
         (tmp / "tokenizer.json").write_bytes(tokenizer_bytes)
-    files = {
-        str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()
-    }
-    _write_json(tmp / "meta.json", {**meta, "format_version": FORMAT_VERSION, "files": files})
-    os.replace(tmp, final)
-    latest_tmp = out / f".{LATEST}.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, out / LATEST)
+    meta = {**meta, "format_version": FORMAT_VERSION, "files": file_sizes(tmp)}
+    publish(tmp, final, meta)
     return final
 
 

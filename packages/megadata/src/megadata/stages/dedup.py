@@ -122,14 +122,13 @@ def find_duplicates(
     threshold: float,
     num_perm: int,
     n: int,
-    seed: int,
     runner: Runner | None = None,
     shards: int | None = None,
 ) -> dict:
     """Steps 2-8 above: write `<out_dir>/removed.json` (sorted ids) and `clusters.jsonl`;
     return the counts.  `signature_paths[k]` holds the signatures of `doc_paths[k]`, row
-    for row; `num_perm`, `n` and `seed` are what they were made with (the seed is not
-    needed again: the bands are cut from the signatures).  Without a runner the tasks run
+    for row; `num_perm` and `n` are what they were made with (the bands are cut from the
+    signatures, so their seed is not needed again).  Without a runner the tasks run
     in this process.  `shards` (S) defaults to one per DOCS_PER_SHARD documents; the
     result does not depend on it."""
     if len(signature_paths) != len(doc_paths):
