@@ -127,6 +127,7 @@ LAYOUTS = {
     "pp4": (1, 4, None, 8),
     "pp2_vpp2": (1, 2, 2, 4),
     "tp2_pp2": (2, 2, None, 6),
+    "pp4_vpp2": (1, 4, 2, 8),
 }
 
 
@@ -197,14 +198,126 @@ INTERLEAVED_ORDER = {
 def test_interleaved_table_and_refusals():
     for rank, expected in INTERLEAVED_ORDER.items():
         table = pipe.schedule_interleaved(4, 2, rank, 2)
-        assert " ".join(map(repr, table)) == expected
+        assert " ".join(map(repr, pipe.compute_steps(table))) == expected
     # 1F1B: warm-up of pp - rank - 1 forwards.
-    assert " ".join(map(repr, pipe.schedule_1f1b(4, 4, 1))) == "F0 F1 F2 B0 F3 B1 B2 B3"
-    assert " ".join(map(repr, pipe.schedule_1f1b(2, 4, 0))) == "F0 F1 B0 B1"
+    assert _compute(pipe.schedule_1f1b(4, 4, 1)) == "F0 F1 F2 B0 F3 B1 B2 B3"
+    assert _compute(pipe.schedule_1f1b(2, 4, 0)) == "F0 F1 B0 B1"
+    # Megatron's batches at pp=2: each is the mirror image of the neighbour's of the same
+    # index (send_forward_recv_backward on one side, send_backward_recv_forward on the other).
+    assert " ".join(map(repr, pipe.schedule_1f1b(3, 2, 0))) == (
+        "F0 [>next F0] F1 [>next F1 <next B0] B0 F2 [>next F2 <next B1] B1 [<next B2] B2"
+    )
+    assert " ".join(map(repr, pipe.schedule_1f1b(3, 2, 1))) == (
+        "[<prev F0] F0 B0 [<prev F1 >prev B0] F1 B1 [<prev F2 >prev B1] F2 B2 [>prev B2]"
+    )
     with pytest.raises(
         ValueError, match=r"num_microbatches \(6\) to be a multiple of .* \(4\); use 8"
     ):
         pipe.schedule_interleaved(6, 4, 0, 2)
+
+
+def _compute(table) -> str:
+    return " ".join(map(repr, pipe.compute_steps(table)))
+
+
+def _batch_with(comm, rank, pp, vpp, peer):
+    """What a batch sends to and receives from one peer, in posting order, each tensor named
+    by the step of the peer it comes from or goes to (so both sides of a pair compare equal).
+    A stage's output feeds the same chunk on the next rank, or the next chunk when it wraps
+    from the last rank to the first."""
+    nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+    wrap_next, wrap_prev = int(rank == pp - 1), int(rank == 0)
+    ops = []
+    if comm.send_next is not None and peer == nxt:
+        s = comm.send_next
+        ops.append(("send", "act", Step("F", s.microbatch, s.chunk + wrap_next)))
+    if comm.recv_prev is not None and peer == prv:
+        ops.append(("recv", "act", comm.recv_prev))
+    if comm.send_prev is not None and peer == prv:
+        s = comm.send_prev
+        ops.append(("send", "grad", Step("B", s.microbatch, s.chunk - wrap_prev)))
+    if comm.recv_next is not None and peer == nxt:
+        ops.append(("recv", "grad", comm.recv_next))
+    return ops
+
+
+def _run_tables(tables, pp, vpp):
+    """Play the tables as NCCL would: a batch completes once each peer has posted its batch
+    of the same index with this rank, which must mirror it; a compute step needs its received
+    input.  Returns the number of batches; raises on a mismatch or a deadlock."""
+    at = [0] * pp
+    posted: dict[tuple[int, int], dict[int, int]] = {}  # (rank, item) -> peer -> batch index
+    count: dict[tuple[int, int], int] = {}
+    arrived = [set() for _ in range(pp)]
+    by_index: dict[tuple[int, int, int], list] = {}  # (rank, peer, index) -> ops
+    while any(at[r] < len(tables[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while at[r] < len(tables[r]):
+                item = tables[r][at[r]]
+                if isinstance(item, Step):
+                    needs = (item.kind == "F" and not (r == 0 and item.chunk == 0)) or (
+                        item.kind == "B" and not (r == pp - 1 and item.chunk == vpp - 1)
+                    )
+                    assert not needs or item in arrived[r], (r, item, "input not received")
+                    at[r] += 1
+                    moved = True
+                    continue
+                peers = [p for p in range(pp) if p != r and _batch_with(item, r, pp, vpp, p)]
+                if (r, at[r]) not in posted:
+                    posted[(r, at[r])] = {}
+                    for p in peers:
+                        index = count.get((r, p), 0)
+                        count[(r, p)] = index + 1
+                        posted[(r, at[r])][p] = index
+                        by_index[(r, p, index)] = _batch_with(item, r, pp, vpp, p)
+                ready = all((p, r, posted[(r, at[r])][p]) in by_index for p in peers)
+                if not ready:
+                    break
+                for p in peers:
+                    mine = by_index[(r, p, posted[(r, at[r])][p])]
+                    theirs = by_index[(p, r, posted[(r, at[r])][p])]
+                    for mine_op, their_op in (("send", "recv"), ("recv", "send")):
+                        a = [(k, s) for d, k, s in mine if d == mine_op]
+                        b = [(k, s) for d, k, s in theirs if d == their_op]
+                        assert a == b, (r, p, mine, theirs)
+                arrived[r].update(s for s in (item.recv_prev, item.recv_next) if s is not None)
+                at[r] += 1
+                moved = True
+        assert moved, f"deadlock: {[tables[r][at[r]] for r in range(pp) if at[r] < len(tables[r])]}"
+    return sum(count.values())
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_schedule_tables_meet_nccl_rules(forward_only):
+    """Every rank's table against its neighbours', for many shapes, without processes."""
+    for pp in (2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 5, 8, 16):
+            tables = [pipe.schedule_1f1b(m, pp, r, forward_only) for r in range(pp)]
+            assert _run_tables(tables, pp, 1) > 0
+        for vpp in (2, 3, 4):
+            for m in (pp, 2 * pp, 3 * pp):
+                tables = [pipe.schedule_interleaved(m, pp, r, vpp, forward_only) for r in range(pp)]
+                assert _run_tables(tables, pp, vpp) > 0
+    # The table player does catch what NCCL would hang on: the old unfused order, where a
+    # forward's send and the next backward's receive were separate batches.
+    old = []
+    for r in range(2):
+        table = []
+        for step in pipe.compute_steps(pipe.schedule_1f1b(4, 2, r)):
+            if step.kind == "F" and r == 1:
+                table.append(pipe.Comm(recv_prev=step))
+            if step.kind == "B" and r == 0:
+                table.append(pipe.Comm(recv_next=step))
+            table.append(step)
+            if step.kind == "F" and r == 0:
+                table.append(pipe.Comm(send_next=step))
+            if step.kind == "B" and r == 1:
+                table.append(pipe.Comm(send_prev=step))
+        old.append(table)
+    if not forward_only:
+        with pytest.raises(AssertionError):
+            _run_tables(old, 2, 1)
 
 
 def test_layer_assignment():
@@ -242,12 +355,11 @@ def _p2p_exchanges():
     got = p2p.recv_forward(None, variable_seq_lengths=True)
     p2p.send_forward(torch.full((3 + r, 2), float(r)), variable_seq_lengths=True)
     out["variable"] = None if got is None else (tuple(got.shape), got.unique().tolist())
-    # Every stage but the last sends forward and receives a gradient in one exchange;
-    # its neighbour receives that activation and sends the gradient back in one exchange.
+    # Every stage but the last sends forward and receives a gradient in one exchange; its
+    # neighbour receives that activation and sends a gradient back in the mirror exchange.
     shape = (2, 3)
-    fwd = p2p.recv_forward(shape)
+    fwd = p2p.send_backward_recv_forward(torch.full(shape, 100.0 + r), shape)
     grad = p2p.send_forward_recv_backward(torch.full(shape, 10.0 + r), shape)
-    p2p.send_backward(torch.full(shape, 100.0 + r))
     out["combined"] = (
         None if fwd is None else fwd.unique().tolist(),
         None if grad is None else grad.unique().tolist(),

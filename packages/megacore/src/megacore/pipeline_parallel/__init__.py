@@ -2,7 +2,9 @@
 
 from megacore.pipeline_parallel.layer_assignment import layers_for, stage_layer_counts
 from megacore.pipeline_parallel.schedules import (
+    Comm,
     Step,
+    compute_steps,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
@@ -18,8 +20,10 @@ from megacore.pipeline_parallel.shared_embeddings import (
 )
 
 __all__ = [
+    "Comm",
     "Step",
     "allreduce_shared_embedding_grads",
+    "compute_steps",
     "finalize_model_grads",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",

@@ -1,19 +1,23 @@
 """Pipeline schedules behind one entry point, `get_forward_backward_func()` (seed 003).
 
-Each schedule is a table of steps per rank, `Step("F" | "B", microbatch, chunk)`,
-made by a plain function (`schedule_no_pipelining`, `schedule_1f1b`,
-`schedule_interleaved`) and run by one executor.  The tables can be printed
-and tested on their own; the executor only follows them:
+Each schedule is a table per rank, made by a plain function
+(`schedule_no_pipelining`, `schedule_1f1b`, `schedule_interleaved`) and run by
+one executor.  A table holds compute steps, `Step("F" | "B", microbatch,
+chunk)`, and communication steps, `Comm`: one batch of sends and receives
+posted together, naming the step whose tensor each moves.  The tables can be
+printed and tested on their own; the executor only follows them.
 
-- a forward step receives its input from the previous stage (blocking), runs
-  `forward_step_func`, and sends the output on without waiting;
-- a backward step receives the output's gradient from the next stage
-  (blocking), runs backward, and sends the input's gradient back.
-
-Because only receives block and every rank's table is ordered consistently with
-its neighbours', no pipeline size can deadlock.  An output that has been sent is
-freed (its storage replaced by one element, its autograd graph kept), so under
-1F1B a rank holds activations of at most pp - rank microbatches.
+The batches are Megatron's (warm-up forwards, steady one-forward-one-backward,
+cool-down backwards, with `send_forward_recv_backward` and
+`send_backward_recv_forward` fused in the steady state), so that the k-th
+batch a rank posts with a neighbour is the mirror image of the neighbour's
+k-th batch with it.  That is what NCCL needs: it runs a send only when the
+peer's matching receive runs, batches to one peer run in order, and two ranks
+that each send first and receive afterwards wait on each other forever.  Gloo
+buffers sends and would hide such a schedule; `megacore.testing.nccl_semantics`
+holds the tests to NCCL's rule.  An output that has been sent is freed (its
+storage replaced by one element, its autograd graph kept), so under 1F1B a
+rank holds activations of at most pp - rank microbatches.
 
 `forward_step_func(data_iterator, model) -> (output, loss_func)` and
 `loss_func(output) -> (loss, info_dict)` follow Megatron-LM; the loss is divided
@@ -34,12 +38,105 @@ from megacore.pipeline_parallel.p2p_communication import communicate
 
 @dataclass(frozen=True)
 class Step:
+    """Compute: the forward ("F") or backward ("B") of one microbatch on one model chunk."""
+
     kind: str  # "F" forward or "B" backward
     microbatch: int
     chunk: int = 0
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One batch of sends and receives posted together (one NCCL group).
+
+    Each field names the compute step whose tensor moves: `send_next` the forward
+    whose output goes on, `recv_prev` the forward whose input arrives,
+    `send_prev` the backward whose input gradient goes back, `recv_next` the
+    backward whose output gradient arrives.
+    """
+
+    send_next: Step | None = None
+    recv_prev: Step | None = None
+    send_prev: Step | None = None
+    recv_next: Step | None = None
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{label} {step!r}"
+            for label, step in (
+                (">next", self.send_next),
+                ("<prev", self.recv_prev),
+                (">prev", self.send_prev),
+                ("<next", self.recv_next),
+            )
+            if step is not None
+        ]
+        return "[" + " ".join(parts) + "]"
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A `Comm` before its receives are bound: which directions receive, not yet what."""
+
+    send_next: Step | None = None
+    send_prev: Step | None = None
+    recv_prev: bool = False
+    recv_next: bool = False
+
+
+def compute_steps(table: list) -> list[Step]:
+    """The forwards and backwards of a table, in order, without its communication."""
+    return [item for item in table if isinstance(item, Step)]
+
+
+class _Stages:
+    """Which steps of this rank talk to a neighbour: the first stage has no input to
+    receive nor gradient to send, the last no output to send nor gradient to receive."""
+
+    def __init__(self, pipeline_size: int, pipeline_rank: int, num_chunks: int = 1):
+        self.first_rank, self.last_rank = pipeline_rank == 0, pipeline_rank == pipeline_size - 1
+        self.last_chunk = num_chunks - 1
+
+    def is_first(self, step: Step) -> bool:
+        return self.first_rank and step.chunk == 0
+
+    def is_last(self, step: Step) -> bool:
+        return self.last_rank and step.chunk == self.last_chunk
+
+    def send(self, step: Step) -> _Batch:
+        """The batch that sends what `step` produced (empty when it goes nowhere)."""
+        if step.kind == "F":
+            return _Batch(send_next=None if self.is_last(step) else step)
+        return _Batch(send_prev=None if self.is_first(step) else step)
+
+
+def _bind(items: list, forwards: list[Step], backwards: list[Step], stages: _Stages) -> list:
+    """Name what each receive brings.
+
+    A neighbour sends its tensors in the order of its own steps, which is the
+    order of ours (every rank runs microbatches and chunks in the same order),
+    so the n-th activation received is the input of our n-th forward that needs
+    one, and likewise for gradients.  Empty batches are dropped.
+    """
+    inputs = iter([s for s in forwards if not stages.is_first(s)])
+    grads = iter([s for s in backwards if not stages.is_last(s)])
+    table = []
+    for item in items:
+        if isinstance(item, Step):
+            table.append(item)
+            continue
+        comm = Comm(
+            send_next=item.send_next,
+            recv_prev=next(inputs) if item.recv_prev else None,
+            send_prev=item.send_prev,
+            recv_next=next(grads) if item.recv_next else None,
+        )
+        if comm != Comm():
+            table.append(comm)
+    return table
 
 
 def schedule_no_pipelining(num_microbatches: int, forward_only: bool = False) -> list[Step]:
@@ -54,16 +151,37 @@ def schedule_no_pipelining(num_microbatches: int, forward_only: bool = False) ->
 
 def schedule_1f1b(
     num_microbatches: int, pipeline_size: int, pipeline_rank: int, forward_only: bool = False
-) -> list[Step]:
-    """Warm-up of pp - rank - 1 forwards, then one forward one backward, then cool-down."""
+) -> list:
+    """Warm-up of pp - rank - 1 forwards, then one forward one backward, then cool-down.
+
+    Communication is Megatron's: in the steady state a forward's output goes out
+    in one batch with the receive of the next backward's gradient, and a
+    backward's input gradient in one batch with the receive of the next forward's
+    input, so each batch meets the neighbour's mirror image (NCCL needs that).
+    """
+    stages = _Stages(pipeline_size, pipeline_rank)
+    takes_input, takes_grad = not stages.first_rank, not stages.last_rank
+    forwards = [Step("F", m) for m in range(num_microbatches)]
+    backwards = [Step("B", m) for m in range(num_microbatches)]
+    items: list = []
     if forward_only:
-        return [Step("F", m) for m in range(num_microbatches)]
+        for f in forwards:
+            items += [_Batch(recv_prev=takes_input), f, stages.send(f)]
+        return _bind(items, forwards, backwards, stages)
     warmup = min(pipeline_size - pipeline_rank - 1, num_microbatches)
-    steps = [Step("F", m) for m in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        steps += [Step("F", warmup + i), Step("B", i)]
-    steps += [Step("B", m) for m in range(num_microbatches - warmup, num_microbatches)]
-    return steps
+    remaining = num_microbatches - warmup
+    for f in forwards[:warmup]:
+        items += [_Batch(recv_prev=takes_input), f, stages.send(f)]
+    if remaining:
+        items.append(_Batch(recv_prev=takes_input))
+    for i in range(remaining):
+        f, b = forwards[warmup + i], backwards[i]
+        items += [f, _Batch(send_next=stages.send(f).send_next, recv_next=takes_grad), b]
+        last = i == remaining - 1
+        items.append(_Batch(send_prev=stages.send(b).send_prev, recv_prev=takes_input and not last))
+    for b in backwards[remaining:]:
+        items += [_Batch(recv_next=takes_grad), b, stages.send(b)]
+    return _bind(items, forwards, backwards, stages)
 
 
 def check_interleaved_microbatches(num_microbatches: int, pipeline_size: int) -> None:
@@ -75,40 +193,76 @@ def check_interleaved_microbatches(num_microbatches: int, pipeline_size: int) ->
         )
 
 
+def _interleaved_step(kind: str, k: int, pp: int, vpp: int) -> Step:
+    """The k-th forward or backward: microbatch (k // (pp vpp)) pp + k % pp on chunk
+    (k // pp) % vpp, the chunks in reverse for backwards."""
+    chunk = (k // pp) % vpp
+    microbatch = (k // (pp * vpp)) * pp + k % pp
+    return Step(kind, microbatch, chunk if kind == "F" else vpp - 1 - chunk)
+
+
 def schedule_interleaved(
     num_microbatches: int,
     pipeline_size: int,
     pipeline_rank: int,
     num_chunks: int,
     forward_only: bool = False,
-) -> list[Step]:
+) -> list:
     """Interleaved 1F1B over `num_chunks` model chunks per rank (Megatron's order).
 
-    The k-th forward runs microbatch (k // (pp vpp)) pp + k % pp on chunk
-    (k // pp) % vpp; backwards go through the chunks in reverse.  Warm-up is
-    2 (pp - rank - 1) + (vpp - 1) pp forwards, or all of them when
-    num_microbatches == pp.
+    Warm-up is 2 (pp - rank - 1) + (vpp - 1) pp forwards, or all of them when
+    num_microbatches == pp.  In the steady state a forward and a backward run,
+    then one batch sends both results and receives both next inputs.  When a
+    receive is needed follows Megatron: the first rank runs pp - 1 steps ahead of
+    the last, so whether the last rank's output comes round to it now is read
+    off the step pp - 1 back (and the same for gradients on the last rank).
     """
     check_interleaved_microbatches(num_microbatches, pipeline_size)
-    pp, vpp = pipeline_size, num_chunks
+    pp, vpp, rank = pipeline_size, num_chunks, pipeline_rank
+    stages = _Stages(pp, rank, vpp)
     total = num_microbatches * vpp
 
-    def step(kind, k):
-        chunk = (k // pp) % vpp
-        microbatch = (k // (pp * vpp)) * pp + k % pp
-        return Step(kind, microbatch, chunk if kind == "F" else vpp - 1 - chunk)
+    def F(k):
+        return _interleaved_step("F", k, pp, vpp)
 
-    if forward_only:
-        return [step("F", k) for k in range(total)]
-    if num_microbatches == pp:
-        warmup = total
-    else:
-        warmup = min((pp - pipeline_rank - 1) * 2 + (vpp - 1) * pp, total)
-    steps = [step("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        steps += [step("F", warmup + k), step("B", k)]
-    steps += [step("B", k) for k in range(total - warmup, total)]
-    return steps
+    def B(k):
+        return _interleaved_step("B", k, pp, vpp)
+
+    forwards, backwards = [F(k) for k in range(total)], [B(k) for k in range(total)]
+    all_warmup = forward_only or num_microbatches == pp
+    warmup = total if all_warmup else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    remaining = total - warmup
+
+    items: list = [_Batch(recv_prev=not stages.first_rank)]
+    for k in range(warmup):
+        items.append(F(k))
+        recv_prev = not (stages.first_rank and F(k + 1).chunk == 0) and k < total - 1
+        recv_next = k == warmup - 1 and not all_warmup and not stages.last_rank
+        items.append(_Batch(stages.send(F(k)).send_next, None, recv_prev, recv_next))
+    for k in range(remaining):
+        items += [F(warmup + k), B(k)]
+        recv_prev = k < remaining - 1 and not (
+            stages.first_rank and F(warmup + k - (pp - 1)).chunk == vpp - 1
+        )
+        recv_next = not (stages.last_rank and B(k - (pp - 1)).chunk == 0)
+        send_next, send_prev = stages.send(F(warmup + k)).send_next, stages.send(B(k)).send_prev
+        items.append(_Batch(send_next, send_prev, recv_prev, recv_next))
+    if not forward_only:
+        if all_warmup:
+            items.append(_Batch(recv_next=not stages.last_rank))
+        for k in range(remaining, total):
+            items.append(B(k))
+            recv_next = not (stages.last_rank and B(k + 1).chunk == vpp - 1) and k < total - 1
+            items.append(_Batch(send_prev=stages.send(B(k)).send_prev, recv_next=recv_next))
+    return _bind(items, forwards, backwards if not forward_only else [], stages)
+
+
+_current: list = [None]  # the table item running now, for error messages
+
+
+def current_step() -> str | None:
+    """The schedule item this rank is at (`F3.1`, `[>next F3 <next B0]`), or None."""
+    return None if _current[0] is None else repr(_current[0])
 
 
 def deallocate_output_tensor(out: torch.Tensor) -> None:
@@ -151,83 +305,103 @@ class _Run:
     collect_non_loss_data: bool = False
 
 
-def _execute(run: _Run, steps: list[Step], interleaved: bool) -> list:
-    """Run a schedule table: blocking receives, sends that complete in the background."""
-    inputs = [{} for _ in run.chunks]
-    outputs = [{} for _ in run.chunks]
+def _execute(run: _Run, table: list, interleaved: bool) -> list:
+    """Follow a schedule table: compute steps, and communication batches each waited for.
+
+    Waiting on a batch costs nothing extra under NCCL (the GPU stream orders the
+    kernels); the overlap comes from posting sends and receives together.
+    """
+    steps = compute_steps(table)
+    received: dict[Step, torch.Tensor] = {}  # activations (F steps) and gradients (B steps)
+    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    input_grads: dict[Step, torch.Tensor | None] = {}
     # Gradients sync over data parallel only in the chunk's last microbatch: every other
     # forward and backward runs under no_sync (torch's DDP decides in forward).
-    last_backward = {s.chunk: i for i, s in enumerate(steps) if s.kind == "B"}
-    sync_microbatch = {steps[i].chunk: steps[i].microbatch for i in last_backward.values()}
+    last_backward = {s.chunk: s.microbatch for s in steps if s.kind == "B"}
 
     def sync_context(step: Step):
-        if run.forward_only or sync_microbatch.get(step.chunk) == step.microbatch:
+        if run.forward_only or last_backward.get(step.chunk) == step.microbatch:
             return contextlib.nullcontext()
         return run.no_sync_func(run.chunks[step.chunk])
 
-    in_flight: list[tuple[list, torch.Tensor | None]] = []  # (send requests, tensor to free)
     losses = []
     comm = {"tensor_shape": run.tensor_shape, "dtype": run.dtype}
     comm["variable_seq_lengths"] = run.variable_seq_lengths
 
-    def retire(block: bool) -> None:
-        keep = []
-        for requests, tensor in in_flight:
-            if block or all(r.is_completed() for r in requests):
-                for r in requests:
-                    r.wait()
-                if tensor is not None:
-                    deallocate_output_tensor(tensor)
+    def exchange(batch: Comm) -> None:
+        send_next = None if batch.send_next is None else outputs[_key(batch.send_next)]
+        send_prev = None if batch.send_prev is None else input_grads.pop(batch.send_prev)
+        from_prev, from_next, _ = communicate(
+            tensor_send_next=send_next,
+            tensor_send_prev=send_prev,
+            recv_prev=batch.recv_prev is not None,
+            recv_next=batch.recv_next is not None,
+            **comm,
+        )
+        if batch.recv_prev is not None:
+            received[batch.recv_prev] = from_prev
+        if batch.recv_next is not None:
+            received[batch.recv_next] = from_next
+        if batch.send_next is not None:  # sent: only its autograd graph is still needed
+            if run.forward_only:
+                outputs.pop(_key(batch.send_next))
             else:
-                keep.append((requests, tensor))
-        in_flight[:] = keep
+                deallocate_output_tensor(send_next)
 
-    for step in steps:
-        chunk = run.chunks[step.chunk]
+    try:
+        for item in table:
+            _current[0] = item
+            if isinstance(item, Comm):
+                exchange(item)
+                continue
+            step, key = item, _key(item)
+            chunk = run.chunks[step.chunk]
+            if interleaved:
+                ps.set_virtual_pipeline_model_parallel_rank(step.chunk)
+            first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+            if step.kind == "F":
+                input_tensor = None if first else received.pop(step)
+                set_input = _wrapped_attr(chunk, "set_input_tensor")
+                if set_input is not None:
+                    set_input(input_tensor)
+                elif not first:
+                    raise TypeError(
+                        f"pipeline schedule: {type(chunk).__name__} needs a "
+                        "set_input_tensor(tensor) method to take the previous stage's activation"
+                    )
+                grad_mode = torch.no_grad() if run.forward_only else contextlib.nullcontext()
+                with grad_mode, sync_context(step):
+                    output, loss_func = run.forward_step_func(run.data_iterators[step.chunk], chunk)
+                    if last and run.collect_non_loss_data:
+                        losses.append(loss_func(output, non_loss_data=True))
+                    elif last:
+                        loss, info = loss_func(output)
+                        losses.append(info)
+                        output = loss / run.num_microbatches
+                if not last or not run.forward_only:
+                    outputs[key] = output
+                if not run.forward_only:
+                    inputs[key] = input_tensor
+            else:
+                grad = None if last else received.pop(step)
+                input_tensor, output = inputs.pop(key), outputs.pop(key)
+                if last and run.grad_scale_func is not None:
+                    output = run.grad_scale_func(output)
+                with sync_context(step):
+                    custom_backward(output, grad)
+                if not first:
+                    input_grads[step] = input_tensor.grad
+    finally:
+        _current[0] = None
         if interleaved:
-            ps.set_virtual_pipeline_model_parallel_rank(step.chunk)
-        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        if step.kind == "F":
-            input_tensor = None if first else communicate(recv_prev=True, **comm)[0]
-            set_input = _wrapped_attr(chunk, "set_input_tensor")
-            if set_input is not None:
-                set_input(input_tensor)
-            elif not first:
-                raise TypeError(
-                    f"pipeline schedule: {type(chunk).__name__} needs a set_input_tensor(tensor) "
-                    "method to take the previous stage's activation"
-                )
-            grad_mode = torch.no_grad() if run.forward_only else contextlib.nullcontext()
-            with grad_mode, sync_context(step):
-                output, loss_func = run.forward_step_func(run.data_iterators[step.chunk], chunk)
-                if last and run.collect_non_loss_data:
-                    losses.append(loss_func(output, non_loss_data=True))
-                elif last:
-                    loss, info = loss_func(output)
-                    losses.append(info)
-                    output = loss / run.num_microbatches
-            if not last:
-                _, _, requests = communicate(tensor_send_next=output, wait=False, **comm)
-                in_flight.append((requests, None if run.forward_only else output))
-            if not run.forward_only:
-                inputs[step.chunk][step.microbatch] = input_tensor
-                outputs[step.chunk][step.microbatch] = output
-        else:
-            grad = None if last else communicate(recv_next=True, **comm)[1]
-            input_tensor = inputs[step.chunk].pop(step.microbatch)
-            output = outputs[step.chunk].pop(step.microbatch)
-            if last and run.grad_scale_func is not None:
-                output = run.grad_scale_func(output)
-            with sync_context(step):
-                custom_backward(output, grad)
-            if not first:
-                _, _, requests = communicate(tensor_send_prev=input_tensor.grad, wait=False, **comm)
-                in_flight.append((requests, None))
-        retire(block=False)
-    retire(block=True)
-    if interleaved:
-        ps.set_virtual_pipeline_model_parallel_rank(0)
+            ps.set_virtual_pipeline_model_parallel_rank(0)
     return losses
+
+
+def _key(step: Step) -> tuple[int, int]:
+    """Forward and backward of one microbatch on one chunk share their tensors."""
+    return step.microbatch, step.chunk
 
 
 def _wrapped_attr(module: nn.Module, name: str):
@@ -283,11 +457,11 @@ def _forward_backward(
     chunks = _as_list(model, n_chunks, "models")
     iterators = _as_list(data_iterator, n_chunks, "data iterators")
     if kind == "none":
-        steps = schedule_no_pipelining(num_microbatches, forward_only)
+        table = schedule_no_pipelining(num_microbatches, forward_only)
     elif kind == "1f1b":
-        steps = schedule_1f1b(num_microbatches, pp, rank, forward_only)
+        table = schedule_1f1b(num_microbatches, pp, rank, forward_only)
     else:
-        steps = schedule_interleaved(num_microbatches, pp, rank, vpp, forward_only)
+        table = schedule_interleaved(num_microbatches, pp, rank, vpp, forward_only)
     if hidden_size is None:  # a Megatron-style model carries it in its config
         hidden_size = getattr(getattr(chunks[0], "config", None), "hidden_size", None)
     if pp > 1 and hidden_size is None and not variable_seq_lengths:
@@ -311,7 +485,7 @@ def _forward_backward(
         grad_scale_func=grad_scale_func,
         collect_non_loss_data=collect_non_loss_data,
     )
-    losses = _execute(run, steps, interleaved=kind == "interleaved")
+    losses = _execute(run, table, interleaved=kind == "interleaved")
     if finalize_model_grads_func is not None and not forward_only:
         finalize_model_grads_func(chunks)
     return losses

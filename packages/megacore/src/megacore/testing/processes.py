@@ -13,7 +13,8 @@ Every multi-process test of the suite goes through `run_distributed`:
 It spawns one process per rank, joins them into one process group (gloo by
 default) through a TCPStore that this process hosts on a port the OS picks (so
 parallel test runs never race for a port), calls the function on every rank
-and returns the results in rank order.  If a rank raises, or dies, the call
+(held to NCCL's rules by `nccl_semantics`, see nccl.py) and returns the
+results in rank order.  If a rank raises, or dies, the call
 raises `DistributedTestError` with that rank's traceback, after stopping the
 other ranks (which would otherwise wait forever in their next collective).  If
 the ranks do not all finish within `timeout` seconds, they are stopped and the
@@ -25,6 +26,7 @@ the function's module from its file path when the name alone does not import
 (as under pytest's importlib import mode).
 """
 
+import contextlib
 import faulthandler
 import importlib
 import multiprocessing as mp
@@ -45,6 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megacore.testing.nccl import nccl_semantics
+
 _HOST = "127.0.0.1"
 # After the first rank fails, how long the others get to report their own errors.
 _GRACE_S = 2.0
@@ -64,6 +68,7 @@ def run_distributed(
     *,
     timeout: float = 180.0,
     backend: str = "gloo",
+    nccl_rules: bool = True,
 ) -> list[Any]:
     """Call `fn(*args, **kwargs)` on `world_size` spawned ranks; return their results by rank.
 
@@ -71,6 +76,8 @@ def run_distributed(
     `dist.get_world_size()`), the RANK/WORLD_SIZE/LOCAL_RANK environment
     variables, and an equal share of the CPU cores for torch threads.  With
     backend="nccl" each rank also gets `torch.cuda.set_device(rank % devices)`.
+    With `nccl_rules` (the default) the function runs inside `nccl_semantics()`,
+    so gloo refuses what NCCL would hang on or refuse.
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
@@ -81,7 +88,9 @@ def run_distributed(
     threads = max(1, (cores or 1) // world_size)
 
     store = dist.TCPStore(_HOST, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-    launch = _Launch(world_size, store.port, backend, timeout, threads, fn.__module__, module_file)
+    launch = _Launch(
+        world_size, store.port, backend, timeout, threads, fn.__module__, module_file, nccl_rules
+    )
     ctx = mp.get_context("spawn")
     ranks: list[_Rank] = []
     with tempfile.TemporaryDirectory(prefix="run_distributed_") as tmp:
@@ -124,6 +133,7 @@ class _Launch:
     threads: int
     module_name: str
     module_file: str | None
+    nccl_rules: bool
 
 
 @dataclass
@@ -280,7 +290,8 @@ def _rank_main(rank: int, launch: _Launch, payload: bytes, conn: Connection, sta
         dist.init_process_group(
             launch.backend, store=store, rank=rank, world_size=launch.world_size, timeout=timeout
         )
-        report = ("ok", fn(*args, **kwargs))
+        with nccl_semantics() if launch.nccl_rules else contextlib.nullcontext():
+            report = ("ok", fn(*args, **kwargs))
     except BaseException:
         report = ("error", (traceback.format_exc(), time.time()))
     try:

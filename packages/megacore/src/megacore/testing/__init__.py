@@ -1,0 +1,14 @@
+"""Test doubles for multi-process code, stricter than production so they prove something.
+
+- `run_distributed` (processes.py): call a function on N spawned ranks of a real
+  process group and get their results, or one error naming the rank that failed.
+- `nccl_semantics` (nccl.py): make gloo behave as NCCL does where gloo forgives:
+  batched sends/receives complete only against the peer's matching batch, and
+  every tensor handed to a collective is on the rank's device and contiguous.
+  `run_distributed` turns it on for every rank unless told not to.
+"""
+
+from megacore.testing.nccl import NCCLSemanticsError, nccl_semantics
+from megacore.testing.processes import DistributedTestError, run_distributed
+
+__all__ = ["DistributedTestError", "NCCLSemanticsError", "nccl_semantics", "run_distributed"]

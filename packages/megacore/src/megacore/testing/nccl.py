@@ -1,0 +1,241 @@
+"""NCCL's rules, enforced on gloo: a test double stricter than the backend it stands for.
+
+Gloo forgives two things NCCL does not, so a schedule or a model that passes
+on gloo can hang or crash on GPUs:
+
+- **Unmatched sends.**  Gloo buffers a send until someone receives it.  NCCL
+  runs a batch of sends and receives (one `batch_isend_irecv`, a NCCL group)
+  only when each peer runs a batch holding the matching operations, and the
+  batches between two ranks run in the order they were posted (one stream per
+  communicator).  So two ranks that both send first and receive afterwards
+  wait on each other forever.
+- **Wrong tensors.**  Gloo takes CPU tensors and non-contiguous views; NCCL
+  needs contiguous tensors on the rank's GPU.
+
+Inside `nccl_semantics()`, every `batch_isend_irecv` is checked against the
+peers' batches before it runs: the k-th batch rank r posts with peer q must
+hold, in order, a receive for each send of q's k-th batch with r and a send
+for each of its receives, of the same shape, dtype and tag (NCCL ignores tags,
+so a swapped pair would deliver an activation as a gradient).  A mismatch
+fails at once on both ranks, naming the two ranks, both batches and the
+pipeline schedule step each was at; a peer that never posts its batch (a
+deadlock) fails after `timeout` seconds with what that peer is waiting on.
+This is stricter than NCCL in one way, on purpose: a batch must be matched by
+exactly one batch of the peer, where NCCL might let one group's operations
+drain across two of the peer's.  Every tensor handed to a p2p operation or a
+collective must be on `device` (the rank's training device) and contiguous.
+
+The batches are compared through the job's TCP store, so the check costs a
+few store round trips per batch and nothing per collective but a look at the
+arguments.
+"""
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
+# Modules whose own names for torch.distributed functions are patched too
+# (`from torch.distributed import all_reduce`, `all_gather_flat = dist.all_gather_into_tensor`).
+_PATCHED_PACKAGES = ("torch.distributed", "megacore", "megatrain", "megaeval")
+
+_contexts_entered = 0  # every rank enters contexts in the same order: a shared key prefix
+
+
+class NCCLSemanticsError(RuntimeError):
+    """A p2p batch or collective that NCCL would hang on or refuse."""
+
+
+def _schedule_step() -> str:
+    """Where the pipeline schedule is, for messages ("" outside a schedule)."""
+    schedules = sys.modules.get("megacore.pipeline_parallel.schedules")
+    step = schedules.current_step() if schedules is not None else None
+    return f"schedule step {step}" if step else "outside a pipeline schedule"
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+class _Checker:
+    def __init__(self, store, device: torch.device, timeout: float, where: Callable[[], str]):
+        self.store, self.device, self.timeout, self.where = store, device, timeout, where
+        self.rank = dist.get_rank()
+        self.batches: dict[tuple[str, int], int] = {}  # (group, peer) -> batches posted
+
+    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        if tensor.device != self.device:
+            raise NCCLSemanticsError(
+                f"rank {self.rank}: {what} got a tensor {_describe(tensor)} on {tensor.device}, "
+                f"but this rank runs on {self.device}; NCCL takes only tensors on the rank's "
+                f"device ({self.where()})"
+            )
+        if not tensor.is_contiguous():
+            raise NCCLSemanticsError(
+                f"rank {self.rank}: {what} got a non-contiguous tensor {_describe(tensor)} "
+                f"(strides {tensor.stride()}); NCCL needs contiguous tensors ({self.where()})"
+            )
+
+    def check_batch(self, ops: list) -> None:
+        """Publish this batch and wait for each peer's matching one; raise if they differ."""
+        # Batches are ordered per communicator: the group's ranks name it.
+        gkey = "-".join(map(str, dist.get_process_group_ranks(ops[0].group)))
+        peers: dict[int, list[dict]] = {}
+        for op in ops:
+            self.check_tensor(op.tensor, "batch_isend_irecv")
+            send = op.op is dist.isend
+            peers.setdefault(op.peer, []).append(
+                {"op": "send" if send else "recv", "tag": op.tag, "tensor": _describe(op.tensor)}
+            )
+        where = self.where()
+        mine = {}
+        for peer, peer_ops in peers.items():
+            index = self.batches.get((gkey, peer), 0)
+            self.batches[(gkey, peer)] = index + 1
+            mine[peer] = (index, {"ops": peer_ops, "where": where})
+            self.store.set(f"{gkey}/{self.rank}->{peer}/{index}", json.dumps(mine[peer][1]))
+        pending = {str(p): ops for p, (_, ops) in mine.items()}
+        self.store.set(f"pending/{self.rank}", json.dumps(pending))
+        for peer, (index, batch) in mine.items():
+            theirs = self._await(f"{gkey}/{peer}->{self.rank}/{index}", peer, index, batch)
+            self._match(peer, index, batch, theirs)
+
+    def _await(self, key: str, peer: int, index: int, batch: dict) -> dict:
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout))
+        except Exception:  # the store's timeout error type differs between torch versions
+            posted = self.store.check([f"pending/{peer}"])
+            stuck = self.store.get(f"pending/{peer}") if posted else b""
+            raise NCCLSemanticsError(
+                f"rank {self.rank} waited {self.timeout:g} s for rank {peer}'s batch #{index} "
+                f"matching its own {_ops(batch)} at {batch['where']}: under NCCL this hangs. "
+                f"Rank {peer}'s last batch: {_pending(stuck)}"
+            ) from None
+        theirs = json.loads(self.store.get(key))
+        self.store.delete_key(key)  # each key is read by its one peer
+        return theirs
+
+    def _match(self, peer: int, index: int, mine: dict, theirs: dict) -> None:
+        flip = {"send": "recv", "recv": "send"}
+        for direction in ("send", "recv"):
+            a = [o for o in mine["ops"] if o["op"] == direction]
+            b = [o for o in theirs["ops"] if o["op"] == flip[direction]]
+            same = len(a) == len(b) and all(
+                x["tag"] == y["tag"] and x["tensor"] == y["tensor"]
+                for x, y in zip(a, b, strict=True)
+            )
+            if not same:
+                low, high = sorted((self.rank, peer))
+                first, second = (mine, theirs) if low == self.rank else (theirs, mine)
+                raise NCCLSemanticsError(
+                    f"batch #{index} between ranks {low} and {high} does not match, so under "
+                    f"NCCL neither completes: rank {low} posted {_ops(first)} at "
+                    f"{first['where']}; rank {high} posted {_ops(second)} at {second['where']}. "
+                    "Each send needs the peer's receive of the same shape, dtype and tag in "
+                    "its batch of the same index (post a send and the receive that answers "
+                    "it together, as send_forward_recv_backward does)"
+                )
+
+
+def _ops(batch: dict) -> str:
+    return "[" + ", ".join(f"{o['op']} tag {o['tag']} {o['tensor']}" for o in batch["ops"]) + "]"
+
+
+def _pending(raw: bytes) -> str:
+    if not raw:
+        return "none posted"
+    return "; ".join(
+        f"with rank {peer}: {_ops(batch)} at {batch['where']}"
+        for peer, batch in json.loads(raw).items()
+    )
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _patch_everywhere(originals: dict[str, Callable], wrappers: dict[str, Callable]) -> list:
+    """Replace each original function wherever our packages hold a name for it."""
+    by_id = {id(f): wrappers[name] for name, f in originals.items()}
+    undo = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(_PATCHED_PACKAGES):
+            continue
+        for attr, value in list(vars(module).items()):
+            wrapper = by_id.get(id(value))
+            if wrapper is not None and callable(value):
+                undo.append((module, attr, value))
+                setattr(module, attr, wrapper)
+    return undo
+
+
+@contextlib.contextmanager
+def nccl_semantics(
+    device: torch.device | str | None = None,
+    timeout: float = 30.0,
+    where: Callable[[], str] = _schedule_step,
+) -> Iterator[None]:
+    """Within the block, p2p batches and collectives are held to NCCL's rules (module doc).
+
+    `device`: the rank's training device (default: its CUDA device under NCCL,
+    else the CPU).  `timeout`: seconds to wait for a peer's batch before calling
+    it a deadlock.  Needs an initialized default process group; every rank of
+    the job must enter the block.
+    """
+    global _contexts_entered
+    _contexts_entered += 1
+    store = dist.PrefixStore(
+        f"nccl_semantics/{_contexts_entered}/", dist.distributed_c10d._get_default_store()
+    )
+    checker = _Checker(store, torch.device(device) if device else _default_device(), timeout, where)
+    original_batch = dist.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list):
+        if p2p_op_list:
+            checker.check_batch(p2p_op_list)
+        return original_batch(p2p_op_list)
+
+    def collective(name: str, fn: Callable) -> Callable:
+        def checked(*args, **kwargs):
+            for value in (*args, *kwargs.values()):
+                tensors = value if isinstance(value, (list, tuple)) else [value]
+                for t in tensors:
+                    checker.check_tensor(t, name)
+            return fn(*args, **kwargs)
+
+        checked.__name__ = checked.__qualname__ = name
+        return checked
+
+    originals = {"batch_isend_irecv": original_batch}
+    originals |= {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    wrappers = {"batch_isend_irecv": batch_isend_irecv}
+    wrappers |= {n: collective(n, f) for n, f in originals.items() if n != "batch_isend_irecv"}
+    undo = _patch_everywhere(originals, wrappers)
+    try:
+        yield
+    finally:
+        for module, attr, value in reversed(undo):
+            setattr(module, attr, value)
