@@ -118,20 +118,25 @@ class _Checker:
         pending = {str(p): ops for p, (_, ops) in mine.items()}
         self.store.set(f"pending/{self.rank}", json.dumps(pending))
         for peer, (index, batch) in mine.items():
-            theirs = self._await(f"{gkey}/{peer}->{self.rank}/{index}", peer, index, batch)
+            theirs = self._await(gkey, peer, index, batch)
             self._match(peer, index, batch, theirs)
 
-    def _await(self, key: str, peer: int, index: int, batch: dict) -> dict:
+    def _await(self, gkey: str, peer: int, index: int, batch: dict) -> dict:
+        key, mine = f"{gkey}/{peer}->{self.rank}/{index}", f"{gkey}/{self.rank}->{peer}/{index}"
         try:
             self.store.wait([key], timedelta(seconds=self.timeout))
         except Exception:  # the store's timeout error type differs between torch versions
-            posted = self.store.check([f"pending/{peer}"])
-            stuck = self.store.get(f"pending/{peer}") if posted else b""
-            raise NCCLSemanticsError(
-                f"rank {self.rank} waited {self.timeout:g} s for rank {peer}'s batch #{index} "
-                f"matching its own {_ops(batch)} at {batch['where']}: under NCCL this hangs. "
-                f"Rank {peer}'s last batch: {_pending(stuck)}"
-            ) from None
+            # Withdraw our batch so that a peer arriving late fails too instead of posting a
+            # receive no one answers.  If it is already gone, the peer took it (after
+            # publishing its own, which it writes first): the match was just late.
+            if self.store.delete_key(mine):
+                posted = self.store.check([f"pending/{peer}"])
+                stuck = self.store.get(f"pending/{peer}") if posted else b""
+                raise NCCLSemanticsError(
+                    f"rank {self.rank} waited {self.timeout:g} s for rank {peer}'s batch "
+                    f"#{index} matching its own {_ops(batch)} at {batch['where']}: under NCCL "
+                    f"this hangs. Rank {peer}'s last batch: {_pending(stuck)}"
+                ) from None
         theirs = json.loads(self.store.get(key))
         self.store.delete_key(key)  # each key is read by its one peer
         return theirs
