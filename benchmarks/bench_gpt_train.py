@@ -22,8 +22,8 @@ right after one of ours than after one of its own; `--block 1` shows that.
 
 Reported per model: tokens/s (median over the timed steps; total tokens / total
 time; the fastest step), ms/step, model TFLOP/s of the median step by the paper's
-count (`model_flops_per_iteration`, no recompute; the same formula for HF, same
-shape), MFU against a measured fp32 matmul rate (`megatrain.metrics.
+count (`model_flops_per_iteration`; no recompute, so HFU = MFU; the same formula
+for HF, same shape), MFU against a measured fp32 matmul rate (`megatrain.metrics.
 measured_matmul_tflops`, what `megatrain run` takes as a CPU's peak; measured
 before and after the steps, the higher kept), parameters, page faults and system
 CPU time per step, the losses (the first near ln 8192 = 9.01 on both sides: the
@@ -65,7 +65,7 @@ EOD = 0
 # -- a synthetic corpus in megadata's format (DESIGN.md "Corpus directory") ---------------------
 
 
-def write_corpus(root: Path, splits: dict[str, list[list[int]]]) -> Path:
+def write_corpus(root: Path, splits: dict[str, list[list[int]]], vocab_size: int = VOCAB) -> Path:
     """manifest.json + one Arrow IPC shard per split; every document ends with EOD."""
     root.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([("doc_id", pa.string()), ("tokens", pa.list_(pa.uint16()))])
@@ -95,7 +95,7 @@ def write_corpus(root: Path, splits: dict[str, list[list[int]]]) -> Path:
             "file": "tokenizer.json",
             "kind": "gpt2-bpe",
             "sha256": "0" * 64,
-            "vocab_size": VOCAB,
+            "vocab_size": vocab_size,
         },
         "splits": entries,
     }
@@ -103,10 +103,12 @@ def write_corpus(root: Path, splits: dict[str, list[list[int]]]) -> Path:
     return root
 
 
-def random_docs(rng: np.random.Generator, tokens: int, doc_len: int = 4096) -> list[list[int]]:
+def random_docs(
+    rng: np.random.Generator, tokens: int, vocab_size: int = VOCAB, doc_len: int = 4096
+) -> list[list[int]]:
     docs = []
     while sum(map(len, docs)) < tokens:
-        doc = rng.integers(1, VOCAB, size=doc_len - 1).tolist()
+        doc = rng.integers(1, vocab_size, size=doc_len - 1).tolist()
         docs.append([*doc, EOD])
     return docs
 
@@ -143,30 +145,52 @@ def free_port() -> int:
 
 
 class HFTrainer:
-    """GPT2LMHeadModel with AdamW, clipping and lr exactly as our config asks, on our batches."""
+    """GPT2LMHeadModel with AdamW, clipping and lr exactly as our config asks, on our batches.
 
-    def __init__(self, config, batches: "data_lib.GPTBatches", seed: int):
+    The shape and dropout are the config's; `vocab_size` is ours after padding, so both
+    models do the same matmuls.  On a GPU (bench_gpu.py) the weights stay fp32 and the
+    forward runs under `torch.autocast(autocast_dtype)`, the usual HF mixed precision;
+    `recompute` turns on HF's gradient checkpointing (every block again in backward, as our
+    full recompute).
+    """
+
+    def __init__(
+        self,
+        config,
+        batches: "data_lib.GPTBatches",
+        seed: int,
+        vocab_size: int = VOCAB,
+        device: torch.device | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        recompute: bool = False,
+    ):
         import transformers
 
-        o = config.optimizer
+        o, m = config.optimizer, config.model
         self.config, self.batches, self.iteration = config, batches, 0
+        self.device = device or torch.device("cpu")
+        self.autocast_dtype = autocast_dtype
         hf_config = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=config.model.max_position_embeddings,
-            n_embd=HIDDEN,
-            n_layer=LAYERS,
-            n_head=HEADS,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            layer_norm_epsilon=config.model.layernorm_epsilon,
-            initializer_range=config.model.init_method_std,
+            vocab_size=vocab_size,
+            n_positions=m.max_position_embeddings,
+            n_embd=m.hidden_size,
+            n_layer=m.num_layers,
+            n_head=m.num_attention_heads,
+            n_inner=config.ffn_hidden_size,
+            resid_pdrop=m.hidden_dropout,
+            embd_pdrop=m.hidden_dropout,
+            attn_pdrop=m.attention_dropout,
+            layer_norm_epsilon=m.layernorm_epsilon,
+            initializer_range=m.init_method_std,
             bos_token_id=EOD,
             eos_token_id=EOD,
             attn_implementation="sdpa",
         )
         torch.manual_seed(seed)
-        self.model = transformers.GPT2LMHeadModel(hf_config)
+        self.model = transformers.GPT2LMHeadModel(hf_config).to(self.device)
+        if recompute:  # renamed activation_checkpointing_enable in transformers 5.x
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            (enable or self.model.gradient_checkpointing_enable)({"use_reentrant": False})
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]  # tied wte once
         self.optimizer = torch.optim.AdamW(
@@ -190,9 +214,12 @@ class HFTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = next(self.batches)
-        tokens = torch.as_tensor(batch["tokens"], dtype=torch.long)
-        labels = torch.as_tensor(batch["labels"], dtype=torch.long)
-        logits = self.model(input_ids=tokens, use_cache=False).logits
+        tokens = torch.as_tensor(batch["tokens"], dtype=torch.long).to(self.device)
+        labels = torch.as_tensor(batch["labels"], dtype=torch.long).to(self.device)
+        with torch.autocast(
+            self.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None
+        ):
+            logits = self.model(input_ids=tokens, use_cache=False).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, o.clip_grad)
@@ -221,11 +248,20 @@ class Recorder:
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def summarize(seconds: list[float], losses: list[float], flops: float, peak: float) -> dict:
-    tokens = BATCH * SEQ
+def summarize(
+    seconds: list[float],
+    losses: list[float],
+    flops: float,
+    peak: float,
+    tokens: int = BATCH * SEQ,
+    hardware_flops: float | None = None,
+) -> dict:
+    """Throughput of timed steps; `flops` the model FLOPs of a step (MFU), `hardware_flops`
+    with recomputation (HFU, = MFU when not given)."""
     median = statistics.median(seconds)
     mean = sum(seconds) / len(seconds)
     tflops = flops / median / 1e12
+    hardware_tflops = (flops if hardware_flops is None else hardware_flops) / median / 1e12
     return {
         "tokens_per_s_median": tokens / median,
         "tokens_per_s_mean": tokens / mean,  # total tokens / total time
@@ -235,7 +271,9 @@ def summarize(seconds: list[float], losses: list[float], flops: float, peak: flo
         "ms_per_step_min": min(seconds) * 1e3,
         "ms_per_step_max": max(seconds) * 1e3,
         "model_tflops": tflops,
+        "hardware_tflops": hardware_tflops,
         "mfu": tflops / peak,
+        "hfu": hardware_tflops / peak,
         "step_ms": [round(s * 1e3, 2) for s in seconds],
         "losses": [round(x, 4) for x in losses],
     }
@@ -258,6 +296,18 @@ def profile_step(step, rows: int) -> list[dict]:
         }
         for e in events[:rows]
     ]
+
+
+def loader(corpus: Path, vocab_size: int, seq: int, batch: int, seed: int):
+    """A GPTBatches of one microbatch per step over the train split: built twice with the same
+    seed, it gives the second model the very batches `build_run` gives ours."""
+    return data_lib.GPTBatches(
+        data_lib.open_corpus(corpus, "train", vocab_size=vocab_size),
+        seq_len=seq,
+        seed=seed,
+        global_batch_size=batch,
+        micro_batch_size=batch,
+    )
 
 
 def main() -> None:
@@ -316,16 +366,10 @@ def main() -> None:
     )
     try:
         run = build_run(config, torch.device("cpu"))
-        hf_batches = data_lib.GPTBatches(
-            data_lib.open_corpus(corpus, "train", vocab_size=VOCAB),
-            seq_len=SEQ,
-            seed=args.seed,
-            global_batch_size=BATCH,
-            micro_batch_size=BATCH,
-        )
-        hf = HFTrainer(config, hf_batches, args.seed)
+        hf_batches = loader(corpus, VOCAB, SEQ, BATCH, args.seed)
+        hf = HFTrainer(config, hf_batches, args.seed, vocab_size=run.model_config.vocab_size)
         peaks = [measured_matmul_tflops()]
-        flops = model_flops_per_iteration(run.model_config, BATCH, SEQ, full_recompute=False)
+        flops = model_flops_per_iteration(run.model_config, BATCH, SEQ)  # no recompute: = HFU
 
         # Both loaders are GPTBatches over one corpus and seed; check every step's batch agrees.
         run.train_data = Recorder(run.train_data)
@@ -433,7 +477,8 @@ def main() -> None:
                 "batches": "identical: two GPTBatches over the same synthetic corpus and seed; "
                 f"the digests of all {len(ours_digests)} batches of each model were compared",
                 "flops_per_step": flops,
-                "flops_formula": "model_flops_per_iteration(full_recompute=False), both models",
+                "flops_formula": "model_flops_per_iteration (72 B s l h^2 (1 + s/6h + V/12lh)), "
+                "both models; no recompute, so HFU = MFU",
                 "peak_tflops": peak,
                 "peak_tflops_measurements": peaks,
                 "peak_source": f"megatrain.metrics.measured_matmul_tflops(): fp32 2048^3 matmul, "

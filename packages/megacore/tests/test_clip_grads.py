@@ -59,12 +59,14 @@ def _clip_at_each_layout():
         _backward(cfg, [chunk])
         params = list(chunk.parameters())
         inf_norm = get_grad_norm(params, math.inf)
+        # The plain per-tensor path, before clipping changes the gradients.
+        plain = get_grad_norm(params, foreach=False), get_grad_norm(params, math.inf, foreach=False)
         norm = clip_grad_norm(params, max_norm)
         diff = 0.0
         for name, p in chunk.named_parameters():
             ref = ref_grads["embedding.weight" if name == "output_weight" else name]
             diff = max(diff, (full_tensor(p, p.grad) - ref).abs().max().item())
-        out[(tp_size, pp)] = {"norm": norm, "inf": inf_norm, "grad_diff": diff}
+        out[(tp_size, pp)] = {"norm": norm, "inf": inf_norm, "grad_diff": diff, "plain": plain}
         ps.destroy_model_parallel()
     return out
 
@@ -76,3 +78,5 @@ def test_clip_grad_norm_equals_torch_on_gathered_model():
             assert abs(got["norm"] - out["ref_norm"]) < 1e-5 * out["ref_norm"], layout
             assert abs(got["inf"] - out["ref_inf"]) < 1e-7, layout
             assert got["grad_diff"] < 1e-6, layout
+            assert abs(got["plain"][0] - got["norm"]) < 1e-6 * got["norm"], layout
+            assert got["plain"][1] == got["inf"], layout

@@ -28,6 +28,8 @@ LR = 0.01
 # by up to ~lr / 70 between summation orders; a wrong shard or a lost contribution moves by ~lr.
 # Adam does not see a wrong gradient scale; the norms do.
 FP32_TOL, FP32_WEIGHT_TOL = 2e-5, LR / 20
+# The speed path off: torch's per-tensor AdamW, a norm and a host sync per tensor.
+PLAIN_PATH = {"fused_adam": False, "fused_grad_norm": False}
 # bf16/fp16 against fp32 after 5 steps: the loss (about 4.2) within LOSS_TOL, and the mean
 # absolute weight difference within WEIGHT_TOL times the mean absolute change of the weights
 # over the 5 steps (measured: bf16 9e-4 and 0.05, fp16 1.2e-4 and 0.01).
@@ -60,8 +62,76 @@ def _strict_reduce_scatter(output, input, group=None, async_op=False):
     return work if async_op else None
 
 
+class _LateGather:
+    """The handle of `_late_all_gather`: the gather happens at wait()."""
+
+    def __init__(self, output, input, group):
+        self.args = output, input, group
+
+    def wait(self):
+        output, input, group = self.args
+        _REAL_ALL_GATHER(output, input, group=group)
+        return True
+
+
+def _late_all_gather(output, input, group=None, async_op=False):
+    """All-gather whose async form leaves nan outside this rank's part until wait().
+
+    On gloo an async all-gather is usually done by the time anyone looks; on a GPU
+    it may still be running, so code that reads parameters before waiting (a
+    forward under overlap_param_gather without its hook) reads nan here.
+    """
+    if not async_op:
+        return _REAL_ALL_GATHER(output, input, group=group)
+    start = (input.data_ptr() - output.data_ptr()) // output.element_size()
+    output[:start] = math.nan
+    output[start + input.numel() :] = math.nan
+    return _LateGather(output, input, group)
+
+
 _REAL_REDUCE_SCATTER = ddp_module.reduce_scatter_flat
-ddp_module.reduce_scatter_flat = _strict_reduce_scatter  # in every rank importing this module
+_REAL_ALL_GATHER = ddp_module.all_gather_flat
+# In every rank importing this module.
+ddp_module.reduce_scatter_flat = _strict_reduce_scatter
+ddp_module.all_gather_flat = _late_all_gather
+
+# The ways Python code reads a tensor's value on the host: each is a device sync on a GPU.
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+def _step_counting_host_reads(optimizer):
+    """optimizer.step()'s result and how many tensor values it read on the host.
+
+    torch's AdamW itself is left out: it reads its step counters with .item(), but
+    they live on the CPU (or, fused, stay on the device), so no device sync.
+    """
+    count, counting = [0], [True]
+
+    def wrap(real):
+        def read(self, *args, **kwargs):
+            count[0] += counting[0]
+            return real(self, *args, **kwargs)
+
+        return read
+
+    def adam_step(*args, **kwargs):
+        counting[0] = False
+        try:
+            return type(optimizer.optimizer).step(optimizer.optimizer, *args, **kwargs)
+        finally:
+            counting[0] = True
+
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    optimizer.optimizer.step = adam_step
+    for name, real in originals.items():
+        setattr(torch.Tensor, name, wrap(real))
+    try:
+        result = optimizer.step()
+    finally:
+        for name, real in originals.items():
+            setattr(torch.Tensor, name, real)
+        del optimizer.optimizer.step
+    return result, count[0]
 
 
 def _forward_step(inject_inf):
@@ -93,6 +163,7 @@ def _train(
     bucket_size=700,  # several buckets, some parameters split between ranks
     state=None,
     start=0,
+    overlap_param_gather=False,
     **opt,
 ):
     """Train `steps` steps from step `start` and report losses, weights and optimizer facts.
@@ -118,6 +189,7 @@ def _train(
                 use_distributed_optimizer=dist_opt,
                 bucket_size=bucket_size,
                 data_parallel_group=group,
+                overlap_param_gather=overlap_param_gather,
             )
             for c in chunks
         ]
@@ -138,7 +210,7 @@ def _train(
         for c, weights in zip(chunks, state["model"], strict=True):
             c.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
-    losses, results, scales = [], [], []
+    losses, results, scales, host_reads = [], [], [], []
     for step in range(start, start + steps):
         count = GLOBAL_MICROBATCHES // dp
         mine = _batches(step)[dp_rank * count : (dp_rank + 1) * count]
@@ -160,9 +232,13 @@ def _train(
             if group is not None:
                 dist.all_reduce(loss, group=group)
             losses.append(loss.item() / dp)
-        results.append(optimizer.step())
+        result, reads = _step_counting_host_reads(optimizer)
+        results.append(result)
+        host_reads.append(reads)
         scales.append(optimizer.get_loss_scale())
         optimizer.zero_grad()
+    # The last step's overlapped all-gather has no forward after it to wait for it.
+    optimizer.finish_param_sync()
     module = lambda c: c.module if isinstance(c, DistributedDataParallel) else c  # noqa: E731
     weights = {}
     for c in chunks:
@@ -176,6 +252,7 @@ def _train(
         "grad_norms": [r[1] for r in results],
         "scales": scales,
         "skipped": optimizer.num_skipped_steps,
+        "host_reads": host_reads,
         "state": {
             "model": [{k: v.clone() for k, v in c.state_dict().items()} for c in chunks],
             "optimizer": optimizer.state_dict(),
@@ -202,7 +279,8 @@ def _owned_elements(optimizer, group):
 def _diff(run, reference):
     """Of a run against the reference: (max loss difference, max and mean weight difference)."""
     losses = run["losses"] or reference["losses"]  # stages before the last have none
-    loss = max(abs(a - b) for a, b in zip(losses, reference["losses"], strict=True))
+    pairs = zip(losses, reference["losses"], strict=True)
+    loss = max((abs(a - b) for a, b in pairs), default=0.0)
     diffs = [(w - reference["weights"][n]).abs() for n, w in run["weights"].items()]
     mean = sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs)
     return loss, max(d.max().item() for d in diffs), mean
@@ -214,15 +292,39 @@ def _world_of_4():
     out = {"reference_norms": reference["grad_norms"], "update": _diff(initial, reference)[2]}
     # fp32: pure data parallelism at dp=4 and dp=2, and tp=2 x dp=2, with and without sharding.
     layouts = {"dp4": (1, "world"), "dp2": (1, [[0, 1], [2, 3]]), "tp2dp2": (2, "world")}
+    runs = {}
     for name, (tp_size, groups) in layouts.items():
         for dist_opt in (False, True):
-            run = _train(tp_size=tp_size, dp_groups=groups, dist_opt=dist_opt)
+            run = runs[(name, dist_opt)] = _train(
+                tp_size=tp_size, dp_groups=groups, dist_opt=dist_opt
+            )
             out[("fp32", name, dist_opt)] = {
                 "diff": _diff(run, reference),
                 "ok": run["ok"],
                 "norms": run["grad_norms"],
                 "owned": run["owned"],
+                "host_reads": run["host_reads"],
             }
+    # The speed path (the default) against the plain one: TP-duplicated parameters
+    # unsharded; and the tied embedding over two interleaved stages, sharded over DP.
+    # Then overlap_param_gather against the blocking all-gather on the latter.
+    pipelined = {"pp": 2, "vpp": 2, "dp_groups": "world", "dist_opt": True}
+    runs["pp2dp2", True] = _train(**pipelined)
+    for name, dist_opt, kw in (("tp2dp2", False, {"tp_size": 2}), ("pp2dp2", True, pipelined)):
+        kw = {"dp_groups": "world", "dist_opt": dist_opt, **kw}
+        plain = _train(**kw, **PLAIN_PATH)
+        fast = runs[name, dist_opt]
+        norms = zip(fast["grad_norms"], plain["grad_norms"], strict=True)
+        out[("plain", name)] = {
+            "diff": _diff(fast, plain),
+            "norms": max(abs(a - b) / b for a, b in norms),
+            "host_reads": (fast["host_reads"], plain["host_reads"]),
+        }
+    overlapped = _train(**pipelined, overlap_param_gather=True)
+    out["overlap"] = {
+        "diff": _diff(overlapped, runs["pp2dp2", True]),
+        "host_reads": overlapped["host_reads"],
+    }
     # bf16 and fp16 (fp32 gradient buffers and fp16 ones) against fp32.
     for dtype in (torch.bfloat16, torch.float16):
         for dist_opt in (False, True):
@@ -263,7 +365,22 @@ def _world_of_4():
             "skipped": runs[3]["skipped"],
             "weight_change_after": same,
             "losses": runs[3]["losses"],
+            "host_reads": runs[3]["host_reads"],
         }
+    # The same on the plain path: the same steps skipped, the same scales.
+    plain = _train(
+        dp_groups="world",
+        dist_opt=True,
+        dtype=torch.float16,
+        steps=4,
+        inject_at=(1, 2),
+        **PLAIN_PATH,
+    )
+    out["inf", "plain"] = {
+        "ok": plain["ok"],
+        "scales": plain["scales"],
+        "diff": _diff(runs[3], plain),
+    }
     # State: 3 steps, save, a fresh optimizer loads and goes on for 2: the same as 5 in a row.
     for dist_opt in (False, True):
         kw = {"dp_groups": "world", "dist_opt": dist_opt, "dtype": torch.float16}
@@ -341,6 +458,41 @@ def test_optimizer_state_resumes_exactly(world_of_4):
             got = out[("resume", dist_opt)]
             assert got["losses"][0] == got["losses"][1], dist_opt
             assert got["weights"] == 0.0, dist_opt
+
+
+def test_speed_path_equals_plain_path(world_of_4):
+    for out in world_of_4:
+        for name in ("tp2dp2", "pp2dp2"):
+            got = out[("plain", name)]
+            assert got["diff"][0] < FP32_TOL, name
+            assert got["diff"][1] < FP32_WEIGHT_TOL, name
+            assert got["norms"] < 1e-6, name
+        # fp16 with inf at steps 1 and 2: both paths skip them and back off alike.
+        fast, plain = out[("inf", True)], out[("inf", "plain")]
+        assert plain["ok"] == fast["ok"] and plain["scales"] == fast["scales"]
+        loss_tol, weight_tol = LOW_PRECISION["torch.float16"]
+        assert plain["diff"][0] < loss_tol
+        assert plain["diff"][2] < weight_tol * out["update"]
+
+
+def test_one_host_sync_per_step(world_of_4):
+    for out in world_of_4:
+        for name in ("dp4", "dp2", "tp2dp2"):
+            for dist_opt in (False, True):
+                assert out[("fp32", name, dist_opt)]["host_reads"] == [1] * STEPS, name
+        for dist_opt in (False, True):  # fp16: loss scaling, two skipped steps
+            assert out[("inf", dist_opt)]["host_reads"] == [1] * 4, dist_opt
+        assert out["overlap"]["host_reads"] == [1] * STEPS
+        for name in ("tp2dp2", "pp2dp2"):
+            fast, plain = out[("plain", name)]["host_reads"]
+            assert fast == [1] * STEPS, name
+            assert min(plain) > 2, name  # the count sees the plain path's per-tensor reads
+
+
+def test_overlapped_param_gather_equals_blocking(world_of_4):
+    for out in world_of_4:
+        # The same all-gathers, only waited for later: bit for bit the same training.
+        assert out["overlap"]["diff"] == (0.0, 0.0, 0.0)
 
 
 def _world_of_8():

@@ -1,9 +1,12 @@
 """Optimizer pieces in one process: loss scaling step by step, decay groups, bad input."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
+from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -12,6 +15,7 @@ from megacore.optimizer import (
     NonFiniteLossGuard,
     OptimizerConfig,
 )
+from megacore.optimizer.optimizer import _adam_implementation
 
 
 def test_defaults_are_the_papers():
@@ -84,6 +88,21 @@ def test_no_weight_decay_on_biases_and_norms():
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
     assert [p.numel() for p in decay["params"]] == [32, 16]
     assert [p.numel() for p in no_decay["params"]] == [8, 8, 8]
+
+
+def test_adam_kernel_choice():
+    model = nn.Linear(4, 8)
+    fast = MegatronOptimizer(OptimizerConfig(), [model]).optimizer.defaults
+    assert (fast["foreach"], fast["fused"]) == (True, None)  # on CPU: foreach
+    plain = MegatronOptimizer(OptimizerConfig(fused_adam=False), [model]).optimizer.defaults
+    assert plain["foreach"] is False
+    on_gpu = SimpleNamespace(is_cuda=True)  # what the choice looks at
+    assert _adam_implementation(True, [on_gpu, on_gpu]) == {"fused": True}
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer():
+    with pytest.raises(ValueError, match="overlap_param_gather needs use_distributed_optimizer"):
+        DistributedDataParallel(nn.Linear(2, 2), overlap_param_gather=True)
 
 
 def test_distributed_optimizer_needs_the_data_parallel_wrapper():

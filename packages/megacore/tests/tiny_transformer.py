@@ -40,7 +40,10 @@ def _mark_sequence_parallel(module: nn.Module, on: bool) -> None:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TinyConfig):
+    """Weights drawn in order (qkv, proj, fc1, fc2) from the CPU `generator`, or from the
+    default CPU generator when None (tests that build blocks directly seed that one)."""
+
+    def __init__(self, cfg: TinyConfig, generator: torch.Generator | None = None):
         super().__init__()
         h, sp = cfg.hidden, cfg.sequence_parallel
         self.cfg = cfg
@@ -51,14 +54,16 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
         _mark_sequence_parallel(self.ln1, sp)
         _mark_sequence_parallel(self.ln2, sp)
-        self.qkv = tp.ColumnParallelLinear(h, 3 * h, sequence_parallel=sp)
+        g = generator
+        self.qkv = tp.ColumnParallelLinear(h, 3 * h, sequence_parallel=sp, generator=g)
         self.proj = tp.RowParallelLinear(
-            h, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init
+            h, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init, generator=g
         )
-        self.fc1 = tp.ColumnParallelLinear(h, cfg.ffn, sequence_parallel=sp)
+        self.fc1 = tp.ColumnParallelLinear(h, cfg.ffn, sequence_parallel=sp, generator=g)
         self.fc2 = tp.RowParallelLinear(
-            cfg.ffn, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init
-        )
+            cfg.ffn, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init,
+            generator=g,
+        )  # fmt: skip
 
     def _residual_dropout(self, x):
         if not (self.training and self.cfg.dropout):
@@ -86,8 +91,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """The whole model, or one pipeline chunk of it (`layer_ids`, `pre_process`, `post_process`).
 
-    Each piece is drawn from its own seed (seed + 1 + layer id for a block), so a
-    chunk built on any pipeline rank holds the weights the whole model holds.
+    Each piece is drawn from its own CPU generator (seeded seed + 1 + layer id for a
+    block), so a chunk built on any pipeline rank holds the weights the whole model
+    holds, and building leaves the global generators (dropout's) as they were.
     A last stage without the embedding keeps its own copy of the word embeddings
     for the output layer, marked `shared_embedding` (pipeline_parallel syncs it).
     """
@@ -98,14 +104,13 @@ class TinyGPT(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.input_tensor = None
         if pre_process:
-            torch.manual_seed(seed)
-            self.embedding = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden)
+            self.embedding = tp.VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden, generator=torch.Generator().manual_seed(seed)
+            )
         layer_ids = range(cfg.layers) if layer_ids is None else layer_ids
-        blocks = {}
-        for i in layer_ids:
-            torch.manual_seed(seed + 1 + i)
-            blocks[str(i)] = Block(cfg)
-        self.blocks = nn.ModuleDict(blocks)
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(cfg, torch.Generator().manual_seed(seed + 1 + i)) for i in layer_ids}
+        )
         if post_process:
             self.ln_f = nn.LayerNorm(cfg.hidden)
             _mark_sequence_parallel(self.ln_f, cfg.sequence_parallel)

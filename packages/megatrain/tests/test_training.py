@@ -1,5 +1,8 @@
 """The training loop under real gloo process groups, against the same run in one process.
 
+Every rank runs under `nccl_semantics` (run_distributed's default), so each layout's
+pipeline schedule, in training and in evaluation, also meets NCCL's matching rules.
+
 One 8-rank spawn trains the same tiny GPT on the same corpus for 3 steps at
 several (tp, pp, vpp, dp) layouts; one 1-rank spawn gives the reference, and
 also shows the model learns and that bf16 follows fp32.
@@ -21,10 +24,11 @@ STEPS = 3
 FP32_TOL = 2e-5
 LAYOUTS = {
     # name: overrides; every layout sees the same global batch of 16 sequences per step
-    "tp2-pp2-dp2-distopt": [
+    "tp2-pp2-dp2-distopt-overlap": [
         "parallel.tensor_model_parallel_size=2",
         "parallel.pipeline_model_parallel_size=2",
         "parallel.use_distributed_optimizer=true",
+        "parallel.overlap_param_gather=true",
     ],
     "tp2-pp2-vpp2-dp2-seqpar-recompute": [
         "parallel.tensor_model_parallel_size=2",
@@ -34,6 +38,8 @@ LAYOUTS = {
         'model.recompute="full"',
     ],
     "dp8-selective": ['model.recompute="selective"'],
+    # 1F1B over four stages with data parallelism: middle stages talk to both neighbours.
+    "pp4-dp2": ["parallel.pipeline_model_parallel_size=4"],
     "tp4-pp2-distopt-recompute-distributed": [
         "parallel.tensor_model_parallel_size=4",
         "parallel.pipeline_model_parallel_size=2",

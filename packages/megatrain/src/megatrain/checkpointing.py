@@ -13,11 +13,23 @@
 Weights and optimizer state are saved per parameter at its global shape: a
 tensor-parallel shard as a DTensor over the TP group (torch.distributed.checkpoint
 writes each shard once and reads back whatever slices another layout needs), a
-replicated one as a plain tensor.  Optimizer state sharded over data-parallel
-ranks is first gathered per parameter, so a checkpoint does not depend on the
-data-parallel size or on whether the distributed optimizer was on.  The word
-embeddings are padded to a multiple of 128 x tp; a layout with another padding
-reads the saved rows and keeps its own padding rows at zero.
+replicated one as a plain tensor.  The word embeddings are padded to a multiple
+of 128 x tp; a layout with another padding reads the saved rows and keeps its
+own padding rows at zero.
+
+Optimizer state is saved and loaded per shard, never gathered.  Under the
+distributed optimizer a rank holds a flat range [start, end) of each (TP-local)
+parameter; a flat range of a row-major tensor is a few rectangular boxes (a
+partial row, whole rows, a partial row, recursively), each a contiguous piece of
+the range.  Each rank hands DCP its boxes, at their offsets in the global
+tensor, as the chunks of one tensor (`_Pieces`): DCP writes only local data and
+checks at save that the chunks of all ranks tile every tensor exactly once, and
+a loader asks only for the boxes of its own ranges, read straight into its
+masters and new moment tensors.  So no rank holds more optimizer state than its
+own shard, plus, while loading, one saved chunk (at most one parameter of the
+saving layout) that DCP reads and narrows.  What lands on disk is the same
+global tensor a gather would have written: the format does not depend on tp,
+pp, dp or the distributed optimizer, and the offline readers see whole tensors.
 
 A save goes to `.tmp-iter_N/`, is checked (every rank's files present, sizes
 recorded in meta.json), renamed to `iter_N/`, and only then is `latest`
@@ -35,6 +47,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from tqdm.auto import tqdm
@@ -98,6 +116,114 @@ def _global(p: torch.Tensor, like: torch.nn.Parameter, mesh: DeviceMesh):
     return p
 
 
+def _tp_place(like: torch.nn.Parameter, mesh: DeviceMesh) -> tuple[tuple[int, ...], list[int]]:
+    """(global shape, offset of this rank's TP shard in it) of parameter `like`, as `_global`
+    places it: TP shards of equal size along `partition_dim`, in TP rank order."""
+    shape, offsets = list(like.shape), [0] * like.dim()
+    if getattr(like, "tensor_model_parallel", False) and mesh.size() > 1:
+        if getattr(like, "partition_stride", 1) != 1:
+            raise NotImplementedError("checkpoints of strided tensor-parallel weights")
+        dim = like.partition_dim
+        offsets[dim] = mesh.get_local_rank() * shape[dim]
+        shape[dim] *= mesh.size()
+    return tuple(shape), offsets
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous `t` as a tensor whose storage is exactly its bytes, sharing its memory.
+
+    DCP's writer copies a CPU tensor that is a view into a larger storage (a parameter in
+    the DDP buffer, a box of a shard) before writing it, and keeps the last piece of every
+    tensor it wrote until the file is complete: one rank's share of the weights or of its
+    optimizer state, copied.  A storage that is a slice of the larger one (no copy) is
+    written as it is.  On a GPU DCP copies to the host anyway.
+    """
+    if t.device.type != "cpu" or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start : start + t.nbytes]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape)
+
+
+def flat_range_boxes(
+    shape: tuple[int, ...], start: int, end: int
+) -> list[tuple[int, int, list[int], list[int]]]:
+    """Elements [start, end) of a row-major tensor of `shape` as rectangular boxes, in order:
+    (first, last flat index + 1, offsets, sizes) each, every box contiguous in memory.
+
+    A partial first row, the whole rows, a partial last row (each partial row split the same
+    way one dimension down): at most 2 x dims - 1 boxes.
+    """
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [(start, end, [start] if shape else [], [end - start] if shape else [])]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    first, last = start // inner, (end - 1) // inner
+    if first == last:  # inside one row: that row's boxes, one dimension down
+        base = first * inner
+        return [
+            (base + a, base + b, [first, *o], [1, *s])
+            for a, b, o, s in flat_range_boxes(shape[1:], start - base, end - base)
+        ]
+    boxes = []
+    if start % inner:  # the partial first row
+        boxes += flat_range_boxes(shape, start, (first + 1) * inner)
+        first += 1
+    rows_end = end // inner  # rows [first, rows_end) are whole
+    if rows_end > first:
+        offsets, sizes = [first] + [0] * (len(shape) - 1), [rows_end - first, *shape[1:]]
+        boxes.append((first * inner, rows_end * inner, offsets, sizes))
+    if end % inner:  # the partial last row
+        boxes += flat_range_boxes(shape, rows_end * inner, end)
+    return boxes
+
+
+class _Pieces(torch.Tensor):
+    """A tensor of global shape `size` of which this rank holds some rectangular pieces
+    (offsets -> tensor): DCP saves and loads it piece by piece through the protocol that
+    DTensor implements (`__create_write_items__`, `__create_chunk_list__`,
+    `__get_tensor_shard__`), so writes hold only local data and reads fill only the pieces.
+
+    No operation runs on it (it has no storage): it only carries the pieces into DCP.
+    """
+
+    @staticmethod
+    def __new__(cls, size, dtype, device, pieces: list[tuple[list[int], torch.Tensor]]):
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(size), dtype=dtype, device=device)
+        r._pieces = {torch.Size(offsets): t for offsets, t in pieces}
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a checkpoint's _Pieces (DCP only reads its pieces)")
+
+    def __repr__(self):
+        return f"_Pieces(size={tuple(self.shape)}, {len(self._pieces)} pieces)"
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                    properties=TensorProperties.create_from_tensor(t),
+                    size=self.size(),
+                ),
+            )
+            for offsets, t in self._pieces.items()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self._pieces.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._pieces[torch.Size(index.offset)]
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -147,6 +273,35 @@ def layout_of(run) -> dict:
     }
 
 
+def _optimizer_pieces(run, params: dict, mesh: DeviceMesh) -> dict[str, _Pieces]:
+    """This rank's optimizer state as DCP should see it: "<name>/<state>" at the parameter's
+    global shape, holding the boxes of this rank's ranges (views of the optimizer's own
+    tensors: nothing is copied or gathered here)."""
+    names = {p: n for n, p in params.items()}  # without the last stage's tied embeddings
+    pieces: dict[str, list] = {}
+    shapes = {}
+    for shard, state in run.optimizer.shard_state():
+        name = names.get(shard.param)
+        if name is None:
+            continue
+        shape, tp_offsets = _tp_place(shard.param, mesh)
+        boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
+        for key in OPTIMIZER_STATES:
+            flat = state[key]
+            shapes[f"{name}/{key}"] = shape
+            pieces.setdefault(f"{name}/{key}", []).extend(
+                (
+                    [o + t for o, t in zip(offsets, tp_offsets, strict=True)],
+                    _own_storage(flat[a - shard.start : b - shard.start].view(sizes)),
+                )
+                for a, b, offsets, sizes in boxes
+            )
+    return {
+        key: _Pieces(shapes[key], torch.float32, run.device, chunks)
+        for key, chunks in pieces.items()
+    }
+
+
 def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
     """Save `run` at its iteration under `ckpt` (every rank calls it); returns the directory.
 
@@ -162,15 +317,9 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
     dist.barrier()
     mesh = _tp_mesh(run.device)
     params = named_params(run.chunks)
-    weights = {n: _global(p.detach(), p, mesh) for n, p in params.items()}
+    weights = {n: _global(_own_storage(p.detach()), p, mesh) for n, p in params.items()}
     dcp.save(weights, checkpoint_id=tmp / "model")
-    states = run.optimizer.param_state()
-    optimizer = {
-        f"{n}/{key}": _global(states[p][key], p, mesh)
-        for n, p in params.items()
-        for key in OPTIMIZER_STATES
-    }
-    dcp.save(optimizer, checkpoint_id=tmp / "optimizer")
+    dcp.save(_optimizer_pieces(run, params, mesh), checkpoint_id=tmp / "optimizer")
     torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
@@ -376,24 +525,84 @@ def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh)
     return direct
 
 
+def _saved_shape_problem(metadata, key: str, like: torch.nn.Parameter, mesh) -> str | None:
+    """Why the saved tensor `key` cannot fill parameter `like`'s state here, or None."""
+    if key not in metadata:
+        return f"no saved tensor {key!r}"
+    if not hasattr(metadata[key], "size"):
+        return f"{key!r} is not a tensor"
+    saved, here = tuple(metadata[key].size), _tp_place(like, mesh)[0]
+    vocab_padding = getattr(like, "partition_dim", None) == 0 and saved[1:] == here[1:]
+    if saved != here and not vocab_padding:
+        return f"{key} was saved with shape {saved}, here {here}"
+    return None
+
+
+def _read_shard_state(
+    targets: list, params: dict, checkpoint_id: Path, mesh: DeviceMesh, key_of
+) -> None:
+    """Fill the optimizer's `targets` (`MegatronOptimizer.load_shard_state`) from the DCP
+    directory `checkpoint_id`: each shard's state "k" from the saved tensor `key_of(name, k)`,
+    only the boxes of the shard's own ranges.  A saved tensor of another shape is refused,
+    except word embeddings padded differently: the saved rows are read, the rest are zero."""
+    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    keys = sorted({k for _, state in targets for k in state})
+    # Every saved tensor this rank's stage needs is checked, whether or not this rank holds a
+    # range of it, and the ranks agree before anyone reads: a rank that refused alone would
+    # leave the others waiting in dcp.load's collectives.
+    problems = [
+        problem
+        for name, p in params.items()
+        for k in keys
+        if (problem := _saved_shape_problem(metadata, key_of(name, k), p, mesh))
+    ]
+    flag = torch.tensor([float(bool(problems))], device=mesh.device_type)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CheckpointError(
+            f"{checkpoint_id}: "
+            + ("; ".join(problems) if problems else "another rank refused its optimizer state")
+        )
+    names = {p: n for n, p in params.items()}  # the last stage's tied embeddings included
+    pieces: dict[str, list] = {}
+    for shard, state in targets:
+        shape, tp_offsets = _tp_place(shard.param, mesh)
+        boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
+        for k, flat in state.items():
+            key = key_of(names[shard.param], k)
+            rows = metadata[key].size[0] if shape else 0  # differs for padded embeddings
+            for a, b, offsets, sizes in boxes:
+                box = flat[a - shard.start : b - shard.start].view(sizes)
+                at = [o + t for o, t in zip(offsets, tp_offsets, strict=True)]
+                if shape and rows != shape[0]:  # rows past the saved ones are padding: zero
+                    keep = max(0, min(sizes[0], rows - at[0]))
+                    box[keep:].zero_()
+                    box = box[:keep]
+                    if keep == 0:
+                        continue
+                pieces.setdefault(key, []).append((at, box))
+    # Every rank calls dcp.load (a collective), with or without pieces of its own.
+    dcp.load(
+        {
+            key: _Pieces(metadata[key].size, torch.float32, chunks[0][1].device, chunks)
+            for key, chunks in pieces.items()
+        },
+        checkpoint_id=checkpoint_id,
+    )
+
+
 def _start_from_weights(run, params: dict, directory: Path, mesh: DeviceMesh, meta: dict) -> dict:
     """A checkpoint of weights only: fine-tuning starts from them, as training starts from an
-    initialisation (fp32 masters read from the saved weights, zero Adam moments, step 0,
+    initialisation (fp32 masters read from the saved weights, no Adam moments, step 0,
     iteration 0, data from the start, generators as `build_run` seeded them)."""
-    masters = {
-        n: (torch.empty(p.shape, dtype=torch.float32, device=p.device), p)
-        for n, p in params.items()
-    }
-    _load_into(masters, "", directory / "model", mesh)  # not via the run's dtype: no rounding
-    states = {
-        p: {
-            "master": masters[n][0],
-            "exp_avg": torch.zeros_like(masters[n][0]),
-            "exp_avg_sq": torch.zeros_like(masters[n][0]),
-        }
-        for n, p in params.items()
-    }
-    run.optimizer.load_param_state(states, adam_step=0)
+    # Each shard's master is read straight from the saved weights (in fp32, not via the
+    # run's dtype: no rounding).
+    run.optimizer.load_shard_state(
+        lambda targets: _read_shard_state(
+            targets, params, directory / "model", mesh, lambda name, _: name
+        ),
+        adam_step=0,
+    )
     if dist.get_rank() == 0:
         print(
             f"megatrain: {directory} holds weights only (no optimizer state): training starts "
@@ -427,14 +636,12 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
         _load_into({n: (p.data, p) for n, p in params.items()}, "", directory / "model", mesh)
     if not has_optimizer_state(meta):
         return _start_from_weights(run, params, directory, mesh, meta)
-    states = {
-        p: {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in OPTIMIZER_STATES}
-        for p in params.values()
-    }
-    for key in OPTIMIZER_STATES:
-        targets = {n: (states[p][key], p) for n, p in params.items()}
-        _load_into(targets, f"/{key}", directory / "optimizer", mesh)
-    run.optimizer.load_param_state(states, meta["optimizer"]["adam_step"])
+    run.optimizer.load_shard_state(
+        lambda targets: _read_shard_state(
+            targets, params, directory / "optimizer", mesh, lambda name, k: f"{name}/{k}"
+        ),
+        meta["optimizer"]["adam_step"],
+    )
     if run.optimizer.grad_scaler and meta["optimizer"]["grad_scaler"]:
         run.optimizer.grad_scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
     run.optimizer.num_skipped_steps = meta["optimizer"]["num_skipped_steps"]

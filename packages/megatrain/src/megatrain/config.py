@@ -55,6 +55,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    # Leave the distributed optimizer's parameter all-gather running into the next forward.
+    overlap_param_gather: bool = False
     bucket_size: int = 40_000_000  # elements per DDP gradient bucket
     # Keep activations between layers sharded over TP under full recompute.
     distribute_saved_activations: bool = False
@@ -313,6 +315,11 @@ def validate(config: Config, world_size: int | None = None) -> int:
             f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
             f"by parallel.tensor_model_parallel_size ({tp})",
         )
+    _need(
+        p.use_distributed_optimizer or not p.overlap_param_gather,
+        "parallel.overlap_param_gather overlaps the distributed optimizer's parameter "
+        "all-gather: it needs parallel.use_distributed_optimizer = true",
+    )
     _need(
         not (p.sequence_parallel and p.distribute_saved_activations and tp > 1),
         "parallel.distribute_saved_activations keeps 1/tp of each layer's input, which must be "

@@ -87,14 +87,17 @@ def load_model(ckpt: str | Path, device: torch.device, dtype=torch.float32) -> L
     meta = read_meta(directory)
     tokenizer = load_tokenizer(directory, meta)
     cfg = model_config(meta)
-    chunks = [c.to(device) for c in build_gpt_chunks(cfg)]
+    # Built on `device` in `dtype` (the tied-embedding sync inside runs there), then
+    # overwritten by the checkpoint; loading casts the saved tensors to `dtype`, rounding
+    # them as `.to(dtype)` would.
+    chunks = build_gpt_chunks(cfg, device=device, dtype=dtype)
     params = named_params(chunks, loading=True)
     with torch.no_grad():
         _load_into(
             {n: (p.data, p) for n, p in params.items()}, "", directory / "model", _tp_mesh(device)
         )
     for c in chunks:
-        c.to(dtype).eval()
+        c.eval()
     return LoadedModel(
         chunks=chunks,
         config=cfg,

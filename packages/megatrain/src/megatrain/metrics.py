@@ -1,8 +1,11 @@
-"""What a run reports: throughput, TFLOP/s and MFU per device, log lines, TensorBoard, a loss plot.
+"""What a run reports: throughput, TFLOP/s, MFU and HFU, log lines, TensorBoard, a loss plot.
 
-Only global rank 0 writes.  The FLOP count is the paper's (see
-`megatrain.models.gpt.model_flops_per_iteration`); the peak is one device's
-dense bf16/fp16 tensor rate from the table below, or, on a CPU, the rate of a
+Only global rank 0 writes.  TFLOP/s and MFU (model FLOPs utilisation) use the model FLOPs,
+72 B s l h^2 (1 + s/6h + V/12lh) per iteration whatever is recomputed
+(`megatrain.models.gpt.model_flops_per_iteration`); HFU (hardware FLOPs utilisation) adds
+the recomputed work (`hardware_flops_per_iteration`: 96 B s l h^2 (1 + s/6h + V/16lh) under
+full recompute, the attention cores again under selective, = MFU without).  The peak is one
+device's dense bf16/fp16 tensor rate from the table below, or, on a CPU, the rate of a
 large fp32 matrix multiply measured at start (no vendor number applies to an
 arbitrary CPU).  `logging.peak_tflops` overrides both.
 """
@@ -82,6 +85,7 @@ def format_line(record: dict) -> str:
         "tokens_per_s": "{:.0f} tokens/s",
         "tflops": "{:.3g} TFLOP/s/device",
         "mfu": "MFU {:.1%}",
+        "hfu": "HFU {:.1%}",
         "valid_loss": "valid loss {:.4f}",
         "valid_ppl": "valid ppl {:.2f}",
     }

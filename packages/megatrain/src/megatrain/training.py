@@ -30,7 +30,12 @@ from megatrain import data as data_lib
 from megatrain.config import Config, validate
 from megatrain.lr_schedule import learning_rate
 from megatrain.metrics import RunLog, device_peak_tflops
-from megatrain.models.gpt import GPTConfig, build_gpt_chunks, model_flops_per_iteration
+from megatrain.models.gpt import (
+    GPTConfig,
+    build_gpt_chunks,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+)
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,13 +144,16 @@ def build_run(config: Config, device: torch.device) -> Run:
     valid_corpus = open_corpus(config, "valid")
     model_config = gpt_config(config, train_corpus.vocab_size)
     dtype = PRECISION_DTYPES[t.precision]
-    chunks = [c.to(device=device, dtype=dtype) for c in build_gpt_chunks(model_config, t.seed)]
+    # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
+    # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
+    chunks = build_gpt_chunks(model_config, t.seed, device=device, dtype=dtype)
     chunks = [
         DistributedDataParallel(
             c,
             grad_reduce_in_fp32=dtype != torch.float32,
             overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.use_distributed_optimizer,
+            overlap_param_gather=p.overlap_param_gather,
             bucket_size=p.bucket_size,
         )
         for c in chunks
@@ -327,6 +335,7 @@ def resume(run: Run) -> None:
 def _save(run: Run, log: RunLog) -> None:
     c = run.config.checkpoint
     if c.save:
+        run.optimizer.finish_param_sync()  # overlap_param_gather: the weights it saves
         path = checkpointing.save_checkpoint(run, c.save, keep=c.keep)
         log.info(f"megatrain: saved {path}")
 
@@ -339,8 +348,11 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     if rank0:
         (Path(t.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     peak, peak_source = device_peak_tflops(run.device, lg.peak_tflops)
-    flops = model_flops_per_iteration(
-        run.model_config, t.global_batch_size, t.seq_length, run.model_config.recompute == "full"
+    # MFU counts what the model needs; HFU also what recomputation runs again, so a run with
+    # full recompute is not credited for redoing its forward (HFU = MFU without recompute).
+    flops = model_flops_per_iteration(run.model_config, t.global_batch_size, t.seq_length)
+    hardware_flops = hardware_flops_per_iteration(
+        run.model_config, t.global_batch_size, t.seq_length, run.model_config.recompute
     )
     world = dist.get_world_size()
     log.info(
@@ -360,7 +372,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
         record = None
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
             elapsed = (time.perf_counter() - interval_start) / len(interval_losses)
-            tflops = flops / elapsed / world / 1e12
+            tflops = flops / elapsed / world / 1e12  # model TFLOP/s per device
             record = {
                 "iteration": run.iteration,
                 "train_iters": t.train_iters,
@@ -373,6 +385,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
                 "tokens_per_s": t.global_batch_size * t.seq_length / elapsed,
                 "tflops": tflops,
                 "mfu": tflops / peak,
+                "hfu": hardware_flops / elapsed / world / 1e12 / peak,
             }
         if run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters:
             record = record or {"iteration": run.iteration, "train_iters": t.train_iters}

@@ -20,6 +20,17 @@ every rank the whole model again.  A parameter marked `shared_embedding` (the
 tied word embeddings on the first and last pipeline stage) gets a bucket of its
 own, so both copies shard identically and summing them over the stages after
 the reduce-scatter stays exact.
+
+With `overlap_param_gather=True` (Megatron-LM's flag of that name, distributed
+optimizer only) `all_gather_params()` starts the bucket all-gathers and returns;
+a forward pre-hook on each module that holds parameters waits for the gathers of
+its parameters' buckets, so the communication overlaps the next forward.  What
+reads the parameters another way first (a checkpoint) calls `finish_param_sync()`.
+
+The gradient hook is Megatron-LM's param hook: the add into `main_grad` is the
+only pass accumulation takes (no per-step copy into the buffer); skipping it
+needs the weight-gradient GEMM to write `main_grad` itself (Megatron's
+gradient_accumulation_fusion), a change to the layers' backward.
 """
 
 import contextlib
@@ -42,7 +53,8 @@ class Bucket:
     offset: int  # where the bucket starts in its buffer
     params: list[nn.Parameter]
     ready: set = field(default_factory=set)
-    handle: object = None
+    handle: object = None  # the gradient reduction in flight
+    gather: object = None  # the parameter all-gather in flight (overlap_param_gather)
 
 
 @dataclass(eq=False)
@@ -96,15 +108,22 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: bool = False,
         bucket_size: int = 40_000_000,
         data_parallel_group: dist.ProcessGroup | None = None,
+        overlap_param_gather: bool = False,
     ):
         super().__init__()
         if bucket_size < 1:
             raise ValueError(
                 f"DistributedDataParallel: bucket_size must be >= 1, got {bucket_size}"
             )
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError(
+                "DistributedDataParallel: overlap_param_gather needs "
+                "use_distributed_optimizer=True (without it no parameters are gathered)"
+            )
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather
         self.group = data_parallel_group or ps.get_data_parallel_group()
         self.dp_size = dist.get_world_size(self.group)
         self.dp_rank = dist.get_rank(self.group)
@@ -122,6 +141,12 @@ class DistributedDataParallel(nn.Module):
         self.buckets = [b for buffer in self.buffers for b in buffer.buckets]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        if overlap_param_gather:
+            self._hooks += [
+                m.register_forward_pre_hook(self._params_needed)
+                for m in module.modules()
+                if any(id(p) in self._bucket_of for p in m.parameters(recurse=False))
+            ]
 
     def _make_buffer(self, dtypes, params, bucket_size) -> GradBuffer:
         param_dtype, grad_dtype = dtypes
@@ -227,17 +252,31 @@ class DistributedDataParallel(nn.Module):
         return out
 
     def all_gather_params(self) -> None:
-        """Give every rank the parameters the others updated (distributed optimizer only)."""
+        """Give every rank the parameters the others updated (distributed optimizer only).
+
+        Under overlap_param_gather this only starts the all-gathers.
+        """
         if not self.use_distributed_optimizer or self.dp_size == 1:
             return
-        handles = [
-            all_gather_flat(
+        self.finish_param_sync()
+        # Buckets are laid out in backward order: start those the forward reaches first.
+        for bucket in reversed(self.buckets):
+            bucket.gather = all_gather_flat(
                 bucket.param_data, self._shard(bucket.param_data), group=self.group, async_op=True
             )
-            for bucket in self.buckets
-        ]
-        for handle in handles:
-            handle.wait()
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
+        for bucket in self.buckets:
+            _wait_gather(bucket)
+
+    def _params_needed(self, module: nn.Module, args) -> None:
+        for p in module.parameters(recurse=False):
+            bucket = self._bucket_of.get(id(p))
+            if bucket is not None:
+                _wait_gather(bucket)
 
     def zero_grad_buffer(self) -> None:
         """Zero every main_grad before the next step's first microbatch."""
@@ -248,3 +287,9 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = None
         for p in self.module.parameters():
             p.grad = None
+
+
+def _wait_gather(bucket: Bucket) -> None:
+    if bucket.gather is not None:
+        bucket.gather.wait()
+        bucket.gather = None

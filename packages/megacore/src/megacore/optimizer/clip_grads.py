@@ -8,10 +8,16 @@ counts only on TP rank 0, and the tied word embeddings only on the first stage
 `torch.nn.utils.clip_grad_norm_` on the gathered model.  The distributed
 optimizer passes its fp32 shards, which carry the same marks, and adds the
 data-parallel group to `groups`, since each DP rank then holds a different piece.
+
+By default (`foreach=True`) the per-tensor norms come from one `torch._foreach_norm`
+call, the local sum and a count of non-finite gradients travel in one 2-element
+tensor, with one all-reduce per group and one host sync (`grad_stats`, which the
+optimizer also reads its inf/nan check from).  `foreach=False` is the plain
+per-tensor path, kept as the reference the tests compare with.
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,8 +47,64 @@ def comm_device(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
+def grad_stats(
+    counted: Sequence[torch.Tensor],
+    others: Sequence[torch.Tensor] = (),
+    norm_type: float = 2.0,
+    *,
+    groups: list,
+) -> torch.Tensor:
+    """[sum of |g|^p over `counted` (the max |g| for the inf norm), number of gradients in
+    `counted` or `others` holding inf or nan], reduced over `groups`; no host sync.
+
+    `counted`: the fp32 gradients that enter the norm on this rank (`counts_once`);
+    `others`: the rest (TP duplicates), which only the inf/nan count looks at.
+    """
+    grads = [*counted, *others]
+    device = comm_device(grads)
+    if grads:
+        # One pass over every gradient; the norm of a tensor holding inf or nan is inf or nan.
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).to(device)
+        mine = norms[: len(counted)]
+        if norm_type == math.inf:
+            value = mine.max() if counted else norms.new_zeros(())
+        else:
+            value = mine.pow(norm_type).sum()
+        stats = torch.stack([value, (~torch.isfinite(norms)).sum().to(value.dtype)])
+    else:
+        stats = torch.zeros(2, device=device)
+    # Both entries reduce with the same op (a count's max is > 0 iff its sum is): one collective.
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    for group in groups:
+        dist.all_reduce(stats, op=op, group=group)
+    return stats
+
+
+def norm_of(value: float, norm_type: float) -> float:
+    """The global norm from `grad_stats`' first entry."""
+    return value if norm_type == math.inf else value ** (1.0 / norm_type)
+
+
+def _plain_norm_value(grads: list[torch.Tensor], norm_type: float, groups: list) -> float:
+    """The per-tensor reference: one norm and one reduction term per gradient."""
+    if norm_type == math.inf:
+        local = max((g.abs().max() for g in grads), default=torch.tensor(0.0))
+        op = dist.ReduceOp.MAX
+    else:
+        local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.tensor(0.0))
+        op = dist.ReduceOp.SUM
+    total = torch.as_tensor(local, dtype=torch.float32, device=comm_device(grads)).reshape(1)
+    for group in groups:
+        dist.all_reduce(total, op=op, group=group)
+    return total.item()
+
+
 def get_grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, groups: list | None = None
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    groups: list | None = None,
+    foreach: bool = True,
 ) -> float:
     """Global norm of the gradients of the whole model, the same on every rank of `groups`.
 
@@ -50,18 +112,17 @@ def get_grad_norm(
     """
     params = [p for p in parameters if _grad(p) is not None]
     grads = [_grad(p).detach().float() for p in params if counts_once(p)]
-    device = comm_device(grads)
     groups = [ps.get_model_parallel_group()] if groups is None else groups
-    if norm_type == math.inf:
-        local = max((g.abs().max() for g in grads), default=torch.tensor(0.0))
-        op = dist.ReduceOp.MAX
+    if foreach:
+        value = grad_stats(grads, (), norm_type, groups=groups)[0].item()
     else:
-        local = sum((g.norm(norm_type) ** norm_type for g in grads), torch.tensor(0.0))
-        op = dist.ReduceOp.SUM
-    total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
-    for group in groups:
-        dist.all_reduce(total, op=op, group=group)
-    return total.item() if norm_type == math.inf else total.item() ** (1.0 / norm_type)
+        value = _plain_norm_value(grads, norm_type, groups)
+    return norm_of(value, norm_type)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """What to multiply the gradients by (>= 1 means: leave them)."""
+    return max_norm / (total_norm + 1e-6)
 
 
 def clip_grad_norm(
@@ -70,15 +131,20 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     *,
     groups: list | None = None,
+    foreach: bool = True,
 ) -> float:
     """Scale every gradient by max_norm / total_norm when the total exceeds max_norm.
 
     Returns the total norm before clipping (inf or nan when a gradient is).
     """
     params = [p for p in parameters if _grad(p) is not None]
-    total = get_grad_norm(params, norm_type, groups=groups)
-    coeff = max_norm / (total + 1e-6)
+    total = get_grad_norm(params, norm_type, groups=groups, foreach=foreach)
+    coeff = clip_coefficient(total, max_norm)
     if coeff < 1.0:
-        for p in params:
-            _grad(p).detach().mul_(coeff)
+        grads = [_grad(p).detach() for p in params]
+        if foreach:
+            torch._foreach_mul_(grads, coeff)
+        else:
+            for g in grads:
+                g.mul_(coeff)
     return total

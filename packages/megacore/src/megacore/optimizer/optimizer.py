@@ -16,11 +16,20 @@ keeps master copies of:
   step if found, clip by the global norm, AdamW on the masters, masters back
   to the model, and with sharding an all-gather of the updated parameters.
 
+The speed path, each part switchable and tested equal to the plain one:
+`fused_adam` runs torch's fused AdamW on CUDA (foreach elsewhere) instead of
+its per-tensor loop; `fused_grad_norm` takes the inf/nan check and the norm
+from one `torch._foreach_norm` pass, all-reduces them as one tensor per group
+and reads that tensor once, the step's only host sync (the plain path syncs
+per tensor and per reduction); `overlap_param_gather` on the
+`DistributedDataParallel` chunks leaves the all-gather running after `step()`
+until the next forward needs each bucket.
+
 So memory per parameter is seed 002's table: fp16 params and grads 20 bytes
 (4 + 16/d sharded), fp16 params with fp32 grads 18 (6 + 12/d), fp32 16 (8 + 8/d).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +39,13 @@ from torch import nn
 from megacore import parallel_state as ps
 from megacore.distributed import DistributedDataParallel
 from megacore.optimizer.clip_grads import (
+    clip_coefficient,
     clip_grad_norm,
     comm_device,
     counts_once,
     get_grad_norm,
+    grad_stats,
+    norm_of,
 )
 from megacore.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megacore.precision import check_device_supports
@@ -58,6 +70,9 @@ class OptimizerConfig:
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
     log_num_zeros_in_grad: bool = False
+    # The speed path (module docstring); False gives the plain per-tensor path.
+    fused_adam: bool = True
+    fused_grad_norm: bool = True
 
     def __post_init__(self):
         if self.fp16 and self.bf16:
@@ -101,6 +116,16 @@ def _unique_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     return list(dict.fromkeys(params))
 
 
+def _adam_implementation(fast: bool, masters: list[torch.Tensor]) -> dict:
+    """torch AdamW's kernel choice: fused (one kernel for every tensor) when all masters are
+    on CUDA, foreach (a few kernels per group) elsewhere; `fast=False`: the per-tensor loop."""
+    if not fast:
+        return {"foreach": False}
+    if masters and all(m.is_cuda for m in masters):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 class MegatronOptimizer:
     """AdamW with master weights, loss scaling, clipping and (optionally) ZeRO-1 sharding.
 
@@ -139,6 +164,7 @@ class MegatronOptimizer:
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
+            **_adam_implementation(config.fused_adam, decay + no_decay),
         )
         self.grad_scaler = None
         if config.fp16:
@@ -193,10 +219,17 @@ class MegatronOptimizer:
     def step(self) -> tuple[bool, float | None, int | None]:
         """(update_successful, grad_norm, num_zeros_in_grad); (False, None, None) if skipped.
 
-        Call after `finalize_model_grads` (the data-parallel reduction).
+        Call after `finalize_model_grads` (the data-parallel reduction).  With
+        `fused_grad_norm` the step reads the device once (twice with log_num_zeros_in_grad).
         """
+        # An overlapped all-gather of the last step still reads the shards Adam rewrites.
+        self.finish_param_sync()
         grads = self._masters_take_grads()
-        found_inf = self._unscale_and_check(grads)
+        groups = self._norm_groups()
+        if self.config.fused_grad_norm:
+            found_inf, grad_norm = self._unscale_check_and_norm(grads, groups)
+        else:
+            found_inf, grad_norm = self._unscale_and_check(grads), None
         if self.grad_scaler:
             self.grad_scaler.update(found_inf)
         if found_inf:
@@ -204,20 +237,38 @@ class MegatronOptimizer:
             for s in self.shards:
                 s.master.grad = None
             return False, None, None
-        masters = [s.master for s in self.shards]
-        groups = self._norm_groups()
-        if self.config.clip_grad > 0:
-            grad_norm = clip_grad_norm(masters, self.config.clip_grad, groups=groups)
-        else:
-            grad_norm = get_grad_norm(masters, groups=groups)
+        if grad_norm is None:  # the plain path reduces and reads the norm on its own
+            masters = [s.master for s in self.shards]
+            if self.config.clip_grad > 0:
+                grad_norm = clip_grad_norm(
+                    masters, self.config.clip_grad, groups=groups, foreach=False
+                )
+            else:
+                grad_norm = get_grad_norm(masters, groups=groups, foreach=False)
+        elif self.config.clip_grad > 0:
+            coeff = clip_coefficient(grad_norm, self.config.clip_grad)
+            if coeff < 1.0:
+                torch._foreach_mul_(grads, coeff)
         num_zeros = self._count_zeros(groups) if self.config.log_num_zeros_in_grad else None
         self.optimizer.step()
-        for s in self.shards:
-            if s.owns_master:
-                s.param.detach().view(-1)[s.start : s.end].copy_(s.master)
+        owned = [s for s in self.shards if s.owns_master]
+        if owned:
+            torch._foreach_copy_(
+                [s.param.detach().view(-1)[s.start : s.end] for s in owned],
+                [s.master for s in owned],
+            )
         for chunk in self.ddp_chunks:
-            chunk.all_gather_params()
+            chunk.all_gather_params()  # returns at once under overlap_param_gather
         return True, grad_norm, num_zeros
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers `step()` left running (overlap_param_gather).
+
+        The next forward waits for each bucket as it reaches it; call this before reading
+        the parameters any other way (a checkpoint), or it may see other ranks' old values.
+        """
+        for chunk in self.ddp_chunks:
+            chunk.finish_param_sync()
 
     def _masters_take_grads(self) -> list[torch.Tensor]:
         grads = []
@@ -236,8 +287,25 @@ class MegatronOptimizer:
             groups += list(dict.fromkeys(c.group for c in self.ddp_chunks))
         return groups
 
+    def _unscale_check_and_norm(
+        self, grads: list[torch.Tensor], groups: list
+    ) -> tuple[bool, float]:
+        """(whether any rank's gradients hold inf or nan, the global gradient norm), from one
+        foreach norm pass, one all-reduce per group and one host sync."""
+        if self.grad_scaler and grads:
+            # One foreach pass; torch._amp_foreach_non_finite_check_and_unscale_ would also
+            # flag inf/nan, but the norms below do that anyway.
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
+        counted, others = [], []
+        for s in self.shards:
+            if s.master.grad is not None:
+                (counted if counts_once(s.master) else others).append(s.master.grad)
+        value, bad = grad_stats(counted, others, groups=groups).tolist()  # the one sync
+        return bad > 0, norm_of(value, 2.0)
+
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Divide by the loss scale; True when any rank's gradients hold inf or nan."""
+        """The plain path: divide by the loss scale; True when any rank's gradients hold
+        inf or nan (a host sync per gradient)."""
         if self.grad_scaler:
             inv = 1.0 / self.grad_scaler.scale
             for g in grads:
@@ -250,8 +318,12 @@ class MegatronOptimizer:
 
     def _count_zeros(self, groups: list) -> int:
         masters = [s.master for s in self.shards if s.master.grad is not None]
-        count = sum((m.grad == 0).sum().item() for m in masters if counts_once(m))
-        total = torch.tensor([float(count)], device=comm_device(masters))
+        device = comm_device(masters)
+        # Summed on the device, so the count costs one host sync, not one per tensor.
+        total = torch.zeros(1, dtype=torch.int64, device=device)
+        for m in masters:
+            if counts_once(m):
+                total += (m.grad == 0).sum().to(device)
         for group in groups:
             dist.all_reduce(total, group=group)
         return int(total.item())
@@ -271,35 +343,25 @@ class MegatronOptimizer:
             "layout": self._layout(),
         }
 
-    # -- state by parameter, for checkpoints that change layout --------------------------
+    # -- state by shard, for checkpoints that change layout ----------------------------------
 
-    def param_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """fp32 master, exp_avg and exp_avg_sq of every parameter of this rank, each of the
-        parameter's shape (its TP shard), whole even when sharded over DP.
+    def shard_state(self) -> list[tuple[Shard, dict[str, torch.Tensor]]]:
+        """This rank's fp32 master, exp_avg and exp_avg_sq, shard by shard: flat tensors of
+        the shard's elements [start, end) of its flattened parameter (a TP shard's).
 
-        Under the distributed optimizer each DP rank holds a flat range of each parameter;
-        the ranges are summed over the data-parallel group (a collective: call on every rank).
-        A layout-independent checkpoint saves these beside the weights.
+        The tensors the optimizer holds, not copies, and no collective: a layout-independent
+        checkpoint writes each rank's own ranges (`megatrain.checkpointing`), so saving holds
+        no more optimizer state than training does.  Before the first step the moments do
+        not exist yet and are zeros of the shard's size.
         """
-        out = {}
-        group = self.ddp_chunks[0].group if self.sharded and self.ddp_chunks else None
-        shards = {id(s.param): s for s in self.shards}
-        for p in _unique_params(self.model_chunks):
-            flat = torch.zeros(3, p.numel(), dtype=torch.float32, device=p.device)
-            s = shards.get(id(p))
-            if s is not None:
-                state = self.optimizer.state.get(s.master, {})
-                for row, value in enumerate(
-                    (s.master, state.get("exp_avg"), state.get("exp_avg_sq"))
-                ):
-                    if value is not None:
-                        flat[row, s.start : s.end] = value.detach().float().view(-1)
-            if group is not None:
-                dist.all_reduce(flat, group=group)
-            out[p] = {
-                name: flat[row].view(p.shape)
-                for row, name in enumerate(("master", "exp_avg", "exp_avg_sq"))
-            }
+        out = []
+        for s in self.shards:
+            state = self.optimizer.state.get(s.master, {})
+            values = {"master": s.master.detach()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state.get(key)
+                values[key] = torch.zeros_like(values["master"]) if value is None else value
+            out.append((s, {k: v.detach().view(-1) for k, v in values.items()}))
         return out
 
     def adam_step(self) -> int:
@@ -309,29 +371,43 @@ class MegatronOptimizer:
                 return int(state["step"])
         return 0
 
-    def load_param_state(
-        self, states: dict[nn.Parameter, dict[str, torch.Tensor]], adam_step: int
+    def load_shard_state(
+        self, read: Callable[[list[tuple[Shard, dict[str, torch.Tensor]]]], None], adam_step: int
     ) -> None:
-        """The inverse of `param_state()`: each rank keeps its own range of each parameter."""
+        """The inverse of `shard_state()`: `read(targets)` fills, for each shard, the flat fp32
+        tensors of its elements [start, end) under "master" (the master itself) and, when
+        `adam_step` > 0, "exp_avg" and "exp_avg_sq" (new tensors, installed afterwards).
+
+        Reading straight into the shard's own tensors keeps loading at this rank's own
+        state; with `adam_step` 0 the moments are dropped (Adam starts afresh).
+        """
+        targets = []
+        for s in self.shards:
+            values = {"master": s.master.detach().view(-1)}
+            if adam_step:
+                values["exp_avg"] = torch.empty_like(values["master"])
+                values["exp_avg_sq"] = torch.empty_like(values["master"])
+            targets.append((s, values))
         with torch.no_grad():
-            for s in self.shards:
-                if s.param not in states:
-                    raise ValueError(
-                        f"optimizer: no saved state for a parameter of shape {tuple(s.param.shape)}"
-                    )
-                state = {
-                    k: v.reshape(-1)[s.start : s.end].to(s.master.device, torch.float32)
-                    for k, v in states[s.param].items()
+            read(targets)
+        # Where torch's AdamW keeps the step count: on the device for fused or capturable
+        # groups (their kernels read it there), else a CPU scalar.
+        on_device = {
+            id(p)
+            for g in self.optimizer.param_groups
+            if g.get("fused") or g.get("capturable")
+            for p in g["params"]
+        }
+        for s, values in targets:
+            if adam_step:
+                device = s.master.device if id(s.master) in on_device else "cpu"
+                self.optimizer.state[s.master] = {
+                    "step": torch.tensor(float(adam_step), dtype=torch.float32, device=device),
+                    "exp_avg": values["exp_avg"].view_as(s.master),
+                    "exp_avg_sq": values["exp_avg_sq"].view_as(s.master),
                 }
-                s.master.copy_(state["master"].view_as(s.master))
-                if adam_step:
-                    self.optimizer.state[s.master] = {
-                        "step": torch.tensor(float(adam_step)),
-                        "exp_avg": state["exp_avg"].clone().view_as(s.master),
-                        "exp_avg_sq": state["exp_avg_sq"].clone().view_as(s.master),
-                    }
-                else:
-                    self.optimizer.state.pop(s.master, None)
+            else:
+                self.optimizer.state.pop(s.master, None)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; refuses state saved for other parameters or another sharding."""

@@ -3,7 +3,7 @@
 The first stage looks tokens up in the word embeddings; the last stage uses the
 same matrix as its output layer.  With pp > 1 each keeps its own copy, marked
 `param.shared_embedding = True`.  `sync_shared_embeddings` makes the copies
-equal once (the first stage's wins); after each backward
+equal once (the first stage's wins), on their final device; after each backward
 `allreduce_shared_embedding_grads` sums their gradients over the embedding
 group, so both copies take the same step and stay equal, exactly as the one
 tied matrix of an unsplit model would.
@@ -33,13 +33,26 @@ def _embedding_group_in_use() -> bool:
 
 
 def sync_shared_embeddings(model_chunks: list[nn.Module]) -> None:
-    """Copy the first stage's word embeddings into the last stage's output copy."""
+    """Copy the first stage's word embeddings into the last stage's output copy.
+
+    A collective over the embedding group: call it once the parameters are on their
+    final device (NCCL moves CUDA tensors only), as megatrain's `build_gpt_chunks` does
+    by building the chunks there.
+    """
     if not _embedding_group_in_use():
         return
     group = ps.get_embedding_group()
     src = ps.get_embedding_global_ranks()[0]
+    shared = _shared(model_chunks)
+    if dist.get_backend(group) == "nccl":
+        on_cpu = [tuple(p.shape) for p in shared if p.device.type == "cpu"]
+        if on_cpu:  # NCCL would fail later with a far less helpful message
+            raise ValueError(
+                f"sync_shared_embeddings: tied embedding copies of shape {on_cpu} are on the "
+                "CPU, but the embedding group uses NCCL; build the model on its GPU first"
+            )
     with torch.no_grad():
-        for p in _shared(model_chunks):
+        for p in shared:
             dist.broadcast(p.data, src=src, group=group)
 
 

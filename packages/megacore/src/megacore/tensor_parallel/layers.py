@@ -1,10 +1,16 @@
 """Tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
 
-Initialization draws the full (unsharded) weight on the CPU from the default
-generator and keeps this rank's slice, so for one seed a model at TP=k holds
-exactly the weights it holds at TP=1 and computes the same function.  Every
-rank draws the same full tensor, so the generator advances identically on all
-TP ranks whatever their number.
+Initialization draws the full (unsharded) weight on the CPU, in float32, and
+keeps this rank's slice, so for one seed a model at TP=k holds exactly the
+weights it holds at TP=1 and computes the same function.  Every rank draws the
+same full tensor, so the generator advances identically on all TP ranks
+whatever their number.  The draw comes from `generator` (a CPU
+`torch.Generator`) when one is given, so building a model need not touch (or
+reseed) the global generators; without one it comes from the default CPU
+generator, as in Megatron.  The parameters themselves are allocated on `device`
+in `params_dtype` and the slice copied there: the CPU draw is what makes a
+model built on a GPU hold the same numbers as one built on the CPU (CUDA
+generators draw other streams), at the cost of one full-size draw per weight.
 
 Like Megatron's, the linear layers return `(output, bias)`: `bias` is None
 unless `skip_bias_add=True`, in which case the caller adds it (to fuse it with
@@ -37,14 +43,16 @@ from megacore.tensor_parallel.utils import (
     vocab_range,
 )
 
-InitMethod = Callable[[torch.Tensor], torch.Tensor]
+# init_method(tensor) fills `tensor` in place; it must also accept `generator=` (a
+# torch.Generator) to be used by a layer given a generator.
+InitMethod = Callable[..., torch.Tensor]
 
 
 def init_method_normal(sigma: float = 0.02) -> InitMethod:
-    """N(0, sigma), the paper's initialization."""
+    """N(0, sigma), the paper's initialization; from `generator`, or the default one."""
 
-    def init_(tensor):
-        return nn.init.normal_(tensor, mean=0.0, std=sigma)
+    def init_(tensor, generator: torch.Generator | None = None):
+        return nn.init.normal_(tensor, mean=0.0, std=sigma, generator=generator)
 
     return init_
 
@@ -61,6 +69,25 @@ def _tp_size_and_rank() -> tuple[int, int]:
     )
 
 
+def _draw_on_cpu(
+    tensor: torch.Tensor, init_method: InitMethod, generator: torch.Generator | None
+) -> torch.Tensor:
+    """`init_method(tensor)` from `generator`, or from the default CPU generator when None.
+
+    The generator must be a CPU one: weights are drawn on the CPU whatever their
+    device (see the module docstring), so its numbers do not depend on the device.
+    """
+    if generator is None:
+        return init_method(tensor)
+    if generator.device.type != "cpu":
+        raise ValueError(
+            f"megacore.tensor_parallel: the initialization generator is on {generator.device}; "
+            "weights are drawn on the CPU (the same numbers on every device), so pass a CPU "
+            "torch.Generator"
+        )
+    return init_method(tensor, generator=generator)
+
+
 def _sharded_weight(
     full_shape: tuple[int, int],
     partition_dim: int,
@@ -69,11 +96,13 @@ def _sharded_weight(
     perform_initialization: bool,
     dtype: torch.dtype,
     device,
+    generator: torch.Generator | None,
 ) -> nn.Parameter:
     """This rank's slice of a weight split along `partition_dim`, marked as a TP shard.
 
-    Initialized (unless `perform_initialization` is False, e.g. before loading a
-    checkpoint) as the slice of the full weight drawn on the CPU.
+    Allocated on `device` in `dtype` and initialized (unless `perform_initialization`
+    is False, e.g. before loading a checkpoint) as the slice of the full float32
+    weight drawn on the CPU from `generator`.
     """
     world, rank = _tp_size_and_rank()
     shape = list(full_shape)
@@ -82,7 +111,7 @@ def _sharded_weight(
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
     if perform_initialization:
         master = torch.empty(full_shape, dtype=torch.float32)
-        (init_method or init_method_normal())(master)
+        _draw_on_cpu(master, init_method or init_method_normal(), generator)
         with torch.no_grad():
             weight.copy_(shard_of(master, partition_dim, rank, world, stride))
     return weight
@@ -100,6 +129,8 @@ class ColumnParallelLinear(nn.Module):
     `gather_output=True`.  `stride` > 1 splits each of `stride` stacked blocks of
     the output (e.g. [q; k; v]) separately.  With `skip_weight_param_allocation`
     the weight is passed to `forward` (an output layer tied to the embedding).
+    Parameters live on `device` in `params_dtype`; the weight is drawn from the CPU
+    `generator` (the default CPU generator when None).
     """
 
     def __init__(
@@ -117,6 +148,7 @@ class ColumnParallelLinear(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
+        generator: torch.Generator | None = None,
     ):
         super().__init__()
         world, _ = _tp_size_and_rank()
@@ -142,7 +174,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = _sharded_weight(
                 (output_size, input_size), 0, stride, init_method, perform_initialization,
-                params_dtype, device,
+                params_dtype, device, generator,
             )  # fmt: skip
         if bias:
             self.bias = _zero_bias(self.output_size_per_partition, params_dtype, device)
@@ -188,6 +220,8 @@ class RowParallelLinear(nn.Module):
     column-parallel layer) or the full X, which is then split.  The partial
     products are summed over the TP group (all-reduce, or reduce-scatter along the
     sequence with `sequence_parallel`), then the bias, which is replicated, is added.
+    Parameters live on `device` in `params_dtype`; the weight is drawn from the CPU
+    `generator` (the default CPU generator when None).
     """
 
     def __init__(
@@ -204,6 +238,7 @@ class RowParallelLinear(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
+        generator: torch.Generator | None = None,
     ):
         super().__init__()
         world, _ = _tp_size_and_rank()
@@ -226,7 +261,7 @@ class RowParallelLinear(nn.Module):
         )
         self.weight = _sharded_weight(
             (output_size, input_size), 1, stride, init_method, perform_initialization,
-            params_dtype, device,
+            params_dtype, device, generator,
         )  # fmt: skip
         if bias:
             self.bias = _zero_bias(output_size, params_dtype, device)
@@ -260,7 +295,8 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank looks up the ids in its range, zeroes the others, and the partial
     embeddings are summed over the TP group.  The vocabulary must divide by TP:
-    pad it with `vocab_size_with_padding`.
+    pad it with `vocab_size_with_padding`.  The weight lives on `device` in
+    `params_dtype` and is drawn from the CPU `generator` (the default one when None).
     """
 
     def __init__(
@@ -272,6 +308,7 @@ class VocabParallelEmbedding(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
+        generator: torch.Generator | None = None,
     ):
         super().__init__()
         world, rank = _tp_size_and_rank()
@@ -286,7 +323,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.weight = _sharded_weight(
             (num_embeddings, embedding_dim), 0, 1, init_method, perform_initialization,
-            params_dtype, device,
+            params_dtype, device, generator,
         )  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

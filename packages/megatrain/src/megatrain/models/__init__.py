@@ -4,6 +4,7 @@ from megatrain.models.gpt import (
     GPTConfig,
     GPTModel,
     build_gpt_chunks,
+    hardware_flops_per_iteration,
     model_flops_per_iteration,
     num_parameters,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "GPTConfig",
     "GPTModel",
     "build_gpt_chunks",
+    "hardware_flops_per_iteration",
     "model_flops_per_iteration",
     "num_parameters",
 ]

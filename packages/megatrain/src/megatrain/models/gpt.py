@@ -11,9 +11,14 @@ Generation passes a `KVCache`: each attention layer appends its keys and values
 and attends over all cached positions, so a new token costs one position's work.
 
 `GPTModel` is the whole model or one pipeline chunk of it (`layer_ids`,
-`pre_process`, `post_process`).  Every piece is drawn from its own seed (the
-embeddings from `seed`, layer i from `seed + 1 + i`) on the CPU at full size
-and then sliced, so any (tp, pp, vpp) layout holds the same numbers as one process.
+`pre_process`, `post_process`).  Every piece is drawn from its own CPU
+`torch.Generator` (the word embeddings seeded `seed`, the positions `seed - 1`,
+layer i `seed + 1 + i`) at full size and then sliced, so any (tp, pp, vpp) layout
+holds the same numbers as one process.  The parameters are allocated on their
+device in their dtype and the slices copied there: drawing on the CPU keeps a
+GPU-built model equal to a CPU-built one, and private generators leave the
+global ones (which dropout uses) untouched, so building a model changes no
+random state.
 """
 
 from dataclasses import dataclass, field
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from megacore import parallel_state, pipeline_parallel
 from megacore import tensor_parallel as tp
@@ -76,11 +82,17 @@ class KVCache:
         return keys[:, :, :end], values[:, :, :end]
 
 
-def _layer_norm(cfg: GPTConfig) -> nn.LayerNorm:
-    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+def _layer_norm(cfg: GPTConfig, device=None, dtype=torch.float32) -> nn.LayerNorm:
+    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
     for p in ln.parameters():  # replicated; under sequence parallelism their grads are partial
         p.sequence_parallel = cfg.sequence_parallel
     return ln
+
+
+def _cpu_generator(seed: int) -> torch.Generator:
+    """A private generator for one piece of the model: it draws what torch.manual_seed(seed)
+    would make the default CPU generator draw, without touching the global state."""
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -94,26 +106,67 @@ def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool)
     return F.dropout(x, p, True)
 
 
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GeLU (tanh approximation) of x + bias.
+
+    The column-parallel fc1 leaves its bias out (`skip_bias_add`) so the add and the GeLU
+    are one elementwise expression: under `training.compile` one kernel, in eager two,
+    as before.  The same numbers as adding the bias in the linear, up to rounding.
+    """
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def bias_dropout_add(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool,
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """residual + dropout(x + bias): the end of each half of a block, Megatron's fused op.
+
+    The row-parallel layers leave their bias out (`skip_bias_add`) so the bias, the dropout
+    and the residual add are one elementwise expression (one kernel under `training.compile`).
+    The dropout draws the same mask as `_dropout` would: the same generator, the same shape.
+    """
+    if bias is not None:
+        x = x + bias
+    return residual + _dropout(x, p, training, sequence_parallel)
+
+
+def _placement(generator, device, dtype) -> dict:
+    """The keyword arguments that put a tensor-parallel layer's parameters in place."""
+    return {"generator": generator, "device": device, "params_dtype": dtype}
+
+
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, generator=None, device=None, dtype=torch.float32):
         super().__init__()
         h, sp = cfg.hidden_size, cfg.sequence_parallel
         self.cfg = cfg
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
         self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
         std = cfg.init_method_std
+        place = _placement(generator, device, dtype)
         self.qkv = tp.ColumnParallelLinear(
-            h, 3 * h, sequence_parallel=sp, init_method=tp.init_method_normal(std)
+            h, 3 * h, sequence_parallel=sp, init_method=tp.init_method_normal(std), **place
         )
         self.proj = tp.RowParallelLinear(
             h,
             h,
             input_is_parallel=True,
             sequence_parallel=sp,
+            skip_bias_add=True,  # added in bias_dropout_add
             init_method=tp.scaled_init_method_normal(std, cfg.num_layers),
+            **place,
         )
 
     def _core(self, q, k, v):
+        # The flash-eligible call (bf16/fp16 on CUDA): no attn_mask (is_causal instead of a
+        # materialized s x s mask), 4-D [b, heads, s, d] inputs with head_dim <= 256, and the
+        # last dimension of stride 1.  Flash takes the batch, head and sequence strides as
+        # they come, so the permuted views of the QKV output need no contiguous() copy.
         p = self.cfg.attention_dropout if self.training else 0.0
         if not p:  # no random numbers needed (so none need seeding, e.g. for evaluation)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -132,7 +185,8 @@ class ParallelAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected output without its bias, and that bias (for bias_dropout_add)."""
         qkv, _ = self.qkv(x)
         s, b = qkv.shape[:2]
         # [s, b, heads, 3, d] -> three of [b, heads, s, d]
@@ -144,51 +198,68 @@ class ParallelAttention(nn.Module):
         else:
             out = self._core(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        out, _ = self.proj(out)
-        return out
+        return self.proj(out)
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, generator=None, device=None, dtype=torch.float32):
         super().__init__()
         h, sp, std = cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std
         tp.divide_by_tp(cfg.ffn_hidden_size, "ffn_hidden_size")
+        place = _placement(generator, device, dtype)
         self.fc1 = tp.ColumnParallelLinear(
-            h, cfg.ffn_hidden_size, sequence_parallel=sp, init_method=tp.init_method_normal(std)
+            h,
+            cfg.ffn_hidden_size,
+            sequence_parallel=sp,
+            init_method=tp.init_method_normal(std),
+            skip_bias_add=True,  # added in bias_gelu
+            **place,
         )
         self.fc2 = tp.RowParallelLinear(
             cfg.ffn_hidden_size,
             h,
             input_is_parallel=True,
             sequence_parallel=sp,
+            skip_bias_add=True,  # added in bias_dropout_add
             init_method=tp.scaled_init_method_normal(std, cfg.num_layers),
+            **place,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.fc1(x)
-        out, _ = self.fc2(F.gelu(hidden, approximate="tanh"))  # GPT-2's GeLU
-        return out
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output without fc2's bias, and that bias (for bias_dropout_add)."""
+        hidden, bias = self.fc1(x)
+        return self.fc2(bias_gelu(hidden, bias))
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """One block; its weights are drawn from `generator` in order (qkv, proj, fc1, fc2)."""
+
+    def __init__(self, cfg: GPTConfig, generator=None, device=None, dtype=torch.float32):
         super().__init__()
         self.cfg = cfg
-        self.ln1, self.attention = _layer_norm(cfg), ParallelAttention(cfg)
-        self.ln2, self.mlp = _layer_norm(cfg), ParallelMLP(cfg)
+        self.ln1 = _layer_norm(cfg, device, dtype)
+        self.attention = ParallelAttention(cfg, generator, device, dtype)
+        self.ln2 = _layer_norm(cfg, device, dtype)
+        self.mlp = ParallelMLP(cfg, generator, device, dtype)
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
     ) -> torch.Tensor:
         p, sp = self.cfg.hidden_dropout, self.cfg.sequence_parallel
-        x = x + _dropout(self.attention(self.ln1(x), cache, layer_id), p, self.training, sp)
-        return x + _dropout(self.mlp(self.ln2(x)), p, self.training, sp)
+        out, bias = self.attention(self.ln1(x), cache, layer_id)
+        x = bias_dropout_add(out, bias, x, p, self.training, sp)
+        out, bias = self.mlp(self.ln2(x))
+        return bias_dropout_add(out, bias, x, p, self.training, sp)
 
 
 class GPTModel(nn.Module):
     """The whole GPT-2, or one pipeline chunk: `forward(tokens, labels)` gives the loss per token
     [b, s] on the last stage, the activations [s, b, h] before it, and logits (this rank's
-    vocabulary slice, [s, b, v/tp]) when `labels` is None."""
+    vocabulary slice, [s, b, v/tp]) when `labels` is None.
+
+    Built directly on `device` in `dtype` (see the module docstring for the numbers);
+    a last stage's copy of the tied word embeddings is zero until `build_gpt_chunks`
+    syncs it."""
 
     def __init__(
         self,
@@ -197,40 +268,57 @@ class GPTModel(nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         seed: int = 1234,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         self.config = cfg
         self.pre_process, self.post_process = pre_process, post_process
         self.input_tensor = None
-        init = tp.init_method_normal(cfg.init_method_std)
         if pre_process:
             self.embedding = tp.VocabParallelEmbedding(
-                cfg.vocab_size, cfg.hidden_size, perform_initialization=False
+                cfg.vocab_size,
+                cfg.hidden_size,
+                perform_initialization=False,  # _init_word_embeddings: padding rows zero
+                params_dtype=dtype,
+                device=device,
             )
             self._init_word_embeddings(seed)
-            self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            torch.manual_seed(seed - 1)
-            init(self.position_embedding.weight)
+            # skip_init: nn.Embedding's own init would draw from the global generator.
+            self.position_embedding = skip_init(
+                nn.Embedding,
+                cfg.max_position_embeddings,
+                cfg.hidden_size,
+                device=device,
+                dtype=dtype,
+            )
+            self._init_position_embeddings(seed - 1)
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
-        layers = {}
-        for i in self.layer_ids:
-            torch.manual_seed(seed + 1 + i)
-            layers[str(i)] = TransformerLayer(cfg)
-        self.layers = nn.ModuleDict(layers)
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(cfg, _cpu_generator(seed + 1 + i), device, dtype)
+                for i in self.layer_ids
+            }
+        )
         if post_process:
-            self.final_layernorm = _layer_norm(cfg)
+            self.final_layernorm = _layer_norm(cfg, device, dtype)
             self.output_layer = tp.ColumnParallelLinear(
                 cfg.hidden_size,
                 cfg.vocab_size,
                 bias=False,
                 sequence_parallel=cfg.sequence_parallel,
                 skip_weight_param_allocation=True,
+                params_dtype=dtype,
+                device=device,
             )
             if pre_process:
                 self.output_weight = None  # the word embeddings themselves
             else:  # a copy on the last stage, kept equal by megacore.pipeline_parallel
                 rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
-                self.output_weight = nn.Parameter(torch.zeros(rows, cfg.hidden_size))
+                self.output_weight = nn.Parameter(
+                    torch.zeros(rows, cfg.hidden_size, device=device, dtype=dtype)
+                )
                 tp.set_tensor_model_parallel_attributes(self.output_weight, True, 0)
                 self.output_weight.shared_embedding = True
         if pre_process and not post_process:
@@ -242,12 +330,20 @@ class GPTModel(nn.Module):
         whatever the padding (which depends on tp)."""
         cfg = self.config
         rows = cfg.true_vocab_size or cfg.vocab_size
-        torch.manual_seed(seed)
         full = torch.zeros(cfg.vocab_size, cfg.hidden_size)
-        tp.init_method_normal(cfg.init_method_std)(full[:rows])
+        init = tp.init_method_normal(cfg.init_method_std)
+        init(full[:rows], generator=_cpu_generator(seed))
         world = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
         self.embedding.weight.copy_(tp.shard_of(full, 0, rank, world))
+
+    @torch.no_grad()
+    def _init_position_embeddings(self, seed: int) -> None:
+        """Drawn on the CPU in float32, like every other weight, then copied into place."""
+        weight = self.position_embedding.weight
+        full = torch.empty(weight.shape)
+        tp.init_method_normal(self.config.init_method_std)(full, generator=_cpu_generator(seed))
+        weight.copy_(full)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input here."""
@@ -308,9 +404,17 @@ class GPTModel(nn.Module):
         return losses.t()  # [b, s]
 
 
-def build_gpt_chunks(cfg: GPTConfig, seed: int = 1234) -> list[GPTModel]:
+def build_gpt_chunks(
+    cfg: GPTConfig,
+    seed: int = 1234,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> list[GPTModel]:
     """This rank's chunks of the model (one, or vpp under interleaving), tied embeddings synced.
 
+    Built directly on `device` (the CPU when None) in `dtype`, so the sync, a collective
+    over the embedding group, runs where the parameters stay (NCCL needs them on the GPU).
     Needs `megacore.parallel_state.initialize_model_parallel` first.
     """
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -328,6 +432,8 @@ def build_gpt_chunks(cfg: GPTConfig, seed: int = 1234) -> list[GPTModel]:
                 pre_process=parallel_state.is_pipeline_first_stage(),
                 post_process=parallel_state.is_pipeline_last_stage(),
                 seed=seed,
+                device=device,
+                dtype=dtype,
             )
         )
     if vpp:
@@ -343,12 +449,58 @@ def num_parameters(cfg: GPTConfig) -> int:
     return n * layer + cfg.vocab_size * h + cfg.max_position_embeddings * h + 2 * h
 
 
-def model_flops_per_iteration(
-    cfg: GPTConfig, global_batch: int, seq_length: int, full_recompute: bool
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def _forward_flops(cfg: GPTConfig, batch: int, seq: int) -> tuple[float, float, float]:
+    """FLOPs of one forward pass of the whole model, in three parts the recompute modes redo
+    differently: (the layers' dense matmuls, the layers' attention cores, the logits).
+
+    Only matrix multiplies count, a multiply-add as 2 FLOPs (Narayanan et al. 2021, appendix).
+    Per layer, for B s tokens: QKV 2Bsh(3h), projection 2Bsh^2, MLP 2Bsh(f) twice, so
+    8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); the attention core, scores QK^T 2Bs^2h and scores x V
+    2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper counts it, though a causal kernel
+    skips the masked half).  The logits 2BshV once.  Embeddings, LayerNorm, GeLU, softmax and
+    dropout are not matmuls and are left out.
+    """
+    b, s, n, h = batch, seq, cfg.num_layers, cfg.hidden_size
+    f, v = cfg.ffn_hidden_size, cfg.vocab_size
+    dense = n * (8 * b * s * h * h + 4 * b * s * h * f)
+    core = n * 4 * b * s * s * h
+    logits = 2 * b * s * h * v
+    return dense, core, logits
+
+
+def model_flops_per_iteration(cfg: GPTConfig, global_batch: int, seq_length: int) -> float:
+    """Model FLOPs of one training iteration, the numerator of MFU: what the model needs,
+    whatever is recomputed.  Forward once, backward twice the forward (the gradients of the
+    inputs and of the weights), so with f = 4h and V the padded vocabulary:
+
+        3 (24 B s l h^2 + 4 B s^2 h l + 2 B s h V) = 72 B s l h^2 (1 + s/6h + V/12lh)
+
+    (Narayanan et al. 2021's count without its recompute pass).
+    """
+    dense, core, logits = _forward_flops(cfg, global_batch, seq_length)
+    return 3 * (dense + core + logits)
+
+
+def hardware_flops_per_iteration(
+    cfg: GPTConfig, global_batch: int, seq_length: int, recompute: str | None = None
 ) -> float:
-    """The paper's count (DESIGN.md, MFU row): 72 B s l h^2 (1 + s/6h + V/12lh), or with full
-    recomputation of each layer 96 B s l h^2 (1 + s/6h + V/16lh)."""
-    b, s, n, h, v = global_batch, seq_length, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
-    if full_recompute:
-        return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
-    return 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+    """Hardware FLOPs of one training iteration, the numerator of HFU: the model FLOPs plus
+    what recomputation runs again in backward.  `recompute` defaults to `cfg.recompute`.
+
+    - "none": nothing again; HFU = MFU.
+    - "full": every layer's forward again (not the logits, which are outside the
+      checkpointed layers): 4 (24 B s l h^2 + 4 B s^2 h l) + 3 (2 B s h V)
+      = 96 B s l h^2 (1 + s/6h + V/16lh), the count Narayanan et al. 2021 report.
+    - "selective": only the attention core again (QK^T and scores x V; Korthikanti et al.
+      2022): 72 B s l h^2 (1 + s/6h + V/12lh) + 4 B s^2 h l
+      = 72 B s l h^2 (1 + 2s/9h + V/12lh).
+    """
+    recompute = cfg.recompute if recompute is None else recompute
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
+    dense, core, _ = _forward_flops(cfg, global_batch, seq_length)
+    again = {"none": 0.0, "selective": core, "full": dense + core}[recompute]
+    return model_flops_per_iteration(cfg, global_batch, seq_length) + again

@@ -1,0 +1,395 @@
+"""GPT-2 1.2B training on one GPU: megatrain's training step beside Hugging Face's GPT-2.
+
+    make bench-gpu                                   # the paper's 1.2B, bf16, one GPU
+    python benchmarks/bench_gpu.py --micro-batch 4 --recompute none --out bench-results/gpu.json
+    python benchmarks/bench_gpu.py --small --out bench-results/gpu-small.json   # on a CPU
+
+The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
+1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
+recompute ("full") unless `--recompute` says otherwise, one microbatch of
+`--micro-batch` sequences per step (global batch = micro batch), bf16 on a GPU, on a
+synthetic corpus of random tokens (bench_gpt_train.py's helpers).  `--small` (or
+`--layers/--hidden/--heads/--seq/--vocab`) shrinks the shape so the same script runs
+on a CPU, in fp32.
+
+Ours is the step `megatrain run` takes: a `megatrain.training.Run` from `build_run` (a
+1-process NCCL group on a GPU, gloo on a CPU; bf16 parameters with fp32 masters in
+`MegatronOptimizer`), one `train_step(run)` per iteration.  HF's is
+`transformers.GPT2LMHeadModel` of the same shape, padded vocabulary and dropout, SDPA
+attention, fp32 weights under `torch.autocast(bf16)` (HF's usual mixed precision), gradient
+checkpointing when we recompute fully, `torch.optim.AdamW` with our lr, betas, eps, decay
+and clipping, on the very same batches.  Each model runs alone: built, `--warmup` steps,
+`--iters` timed steps (`torch.cuda.synchronize()` before and after each), then freed, so
+`torch.cuda.max_memory_allocated` is its own peak.
+
+Reported per model: tokens/s (median step; mean), ms/step, model TFLOP/s, MFU (model FLOPs,
+72 B s l h^2 (1 + s/6h + V/12lh), whatever is recomputed) and HFU (with the recomputed
+work: 96 B s l h^2 (1 + s/6h + V/16lh) under full recompute) against one device's dense
+bf16 peak (`megatrain.metrics.device_peak_tflops`; on a CPU the best of two measured fp32
+matmul rates), peak memory, losses; and ours / HF tokens/s (median and fastest step).
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from bench_gpt_train import (
+    HFTrainer,
+    Recorder,
+    cpu_model,
+    free_port,
+    loader,
+    random_docs,
+    summarize,
+    write_corpus,
+)
+
+from megacore import parallel_state as ps
+from megatrain.config import load_config
+from megatrain.metrics import device_peak_tflops, measured_matmul_tflops
+from megatrain.models.gpt import (
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    num_parameters,
+)
+from megatrain.training import build_run, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "pipelines" / "models" / "gpt2-1.2b.toml"
+# A shape a 2-core CPU trains in seconds a step: the same code path, smaller matrices.
+SMALL = {"layers": 4, "hidden": 256, "heads": 4, "seq": 256, "vocab": 8192, "micro_batch": 4}
+GIB = 2**30
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results/gpu.json"))
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: the config's")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="default: bf16 on a GPU, fp32 on a CPU")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per model")
+    parser.add_argument("--small", action="store_true", help=f"a CPU-sized shape: {SMALL}")
+    for name in ("layers", "hidden", "heads", "seq", "vocab"):
+        parser.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face model")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="override the peak")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args()
+    if args.small:
+        for name, value in SMALL.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.device is None:
+        if not torch.cuda.is_available() and not args.small:
+            parser.error("no CUDA device: pass --small (or --device cpu) to run on the CPU")
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.precision is None:
+        args.precision = "bf16" if args.device == "cuda" else "fp32"
+    return args
+
+
+def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
+    """The config's fields this benchmark sets: one device, one microbatch a step."""
+    o = [
+        "parallel.tensor_model_parallel_size=1",
+        "parallel.pipeline_model_parallel_size=1",
+        "parallel.data_parallel_size=1",
+        f'training.precision="{args.precision}"',
+        f"training.train_iters={args.warmup + args.iters}",
+        # The paper's 3000 warm-up iterations exceed this run; the lr does not change the speed.
+        "optimizer.lr_warmup_iters=0",
+        f"training.seed={args.seed}",
+        f'training.output_dir="{out}"',
+        f'data.corpus="{corpus}"',
+        "logging.tensorboard=false",
+    ]
+    if args.micro_batch:
+        o += [
+            f"training.micro_batch_size={args.micro_batch}",
+            f"training.global_batch_size={args.micro_batch}",
+        ]
+    if args.recompute:
+        o.append(f'model.recompute="{args.recompute}"')
+    for name, field in (("layers", "num_layers"), ("hidden", "hidden_size"),
+                        ("heads", "num_attention_heads"), ("vocab", "vocab_size")):  # fmt: skip
+        if getattr(args, name) is not None:
+            o.append(f"model.{field}={getattr(args, name)}")
+    if args.seq is not None:
+        o += [f"training.seq_length={args.seq}", f"model.max_position_embeddings={args.seq}"]
+    return o
+
+
+def init_process_group(device: torch.device) -> None:
+    """A 1-process group, as `megatrain run` makes one: NCCL on a GPU, gloo on a CPU."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, init_method=init, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=init)
+
+
+def run_steps(step, warmup: int, iters: int, device: torch.device, name: str):
+    """(seconds of each timed step, losses of every step).  On a GPU the clock reads only after
+    `synchronize()`, so a step's time is its kernels', not how fast Python queued them."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds, losses = [], []
+    for i in range(warmup + iters):
+        sync()
+        start = time.perf_counter()
+        out = step()
+        sync()
+        elapsed = time.perf_counter() - start
+        losses.append(out["loss"])
+        if i >= warmup:
+            seconds.append(elapsed)
+        if i + 1 == warmup or i + 1 == warmup + iters:
+            label = "warm-up" if i < warmup else "timed"
+            print(f"{name:9s} {label} steps done; loss {out['loss']:.4f}", flush=True)
+    return seconds, losses
+
+
+def reset_memory(device: torch.device) -> float | None:
+    """Free what the previous model left and start a new peak; GiB still allocated."""
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) / GIB
+
+
+def peak_memory(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict:
+    """megatrain's step, as `megatrain run` takes it; the run is freed on return."""
+    before = reset_memory(device)
+    run = build_run(config, device)
+    run.train_data = Recorder(run.train_data)
+    seconds, losses = run_steps(
+        lambda: train_step(run), args.warmup, args.iters, device, "megatrain"
+    )
+    return {
+        "seconds": seconds,
+        "losses": losses,
+        "model_config": run.model_config,  # the vocabulary padded as training pads it
+        "recompute": run.model_config.recompute,
+        "peak_memory_gib": peak_memory(device),
+        "memory_before_gib": before,
+        "parameters": sum(
+            p.numel() for p in dict.fromkeys(p for c in run.chunks for p in c.parameters())
+        ),
+        "precision": "fp32"
+        if args.precision == "fp32"
+        else f"{args.precision} parameters, fp32 masters (MegatronOptimizer)",
+        "digests": run.train_data.digests,
+    }
+
+
+def measure_hf(config, corpus: Path, vocab_padded: int, device, args) -> dict:
+    """GPT2LMHeadModel of the same shape on the same batches; freed on return."""
+    t, recompute = config.training, config.model.recompute
+    before = reset_memory(device)
+    low = torch.bfloat16 if args.precision == "bf16" else None
+    batches = loader(corpus, config.model.vocab_size, t.seq_length, t.micro_batch_size, args.seed)
+    hf = HFTrainer(
+        config,
+        Recorder(batches),
+        args.seed,
+        vocab_size=vocab_padded,
+        device=device,
+        autocast_dtype=low,
+        recompute=recompute == "full",
+    )
+    seconds, losses = run_steps(hf.step, args.warmup, args.iters, device, "hf")
+    # HF has no selective recompute; its SDPA keeps no s x s matrix to spare anyway.
+    return {
+        "seconds": seconds,
+        "losses": losses,
+        "recompute": "full" if recompute == "full" else "none",
+        "peak_memory_gib": peak_memory(device),
+        "memory_before_gib": before,
+        "parameters": sum(p.numel() for p in hf.params),
+        "attn_implementation": hf.attn_implementation,
+        "precision": "fp32 weights, torch.autocast(bf16)" if low else "fp32",
+        "digests": hf.batches.digests,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    # An indexed device, as megatrain's init_distributed makes: NCCL's device_id needs one.
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    tmp = tempfile.TemporaryDirectory(prefix="bench_gpu_")
+    work = Path(tmp.name)
+    config = load_config(args.config, overrides(args, work / "corpus", work / "run"))
+    m, t = config.model, config.training
+    batch, seq = t.micro_batch_size, t.seq_length
+    rng = np.random.default_rng(args.seed)
+    need = int((args.warmup + args.iters) * batch * seq * 1.1) + 2 * seq  # one epoch suffices
+    docs = {
+        "train": random_docs(rng, need, m.vocab_size),
+        "valid": random_docs(rng, 4 * seq, m.vocab_size),
+    }
+    corpus = write_corpus(work / "corpus", docs, vocab_size=m.vocab_size)
+
+    init_process_group(device)
+    results = {}
+    try:
+        # A GPU's dense bf16 peak from the table; a CPU's fp32 matmul rate, measured before and
+        # after the steps with the best kept (as bench_gpt_train.py: noise only lowers a rate).
+        if device.type == "cuda" or args.peak_tflops:
+            peak, peak_source = device_peak_tflops(device, args.peak_tflops)
+            peak_source = "--peak-tflops" if args.peak_tflops else peak_source
+            peaks = [peak]
+        else:
+            peaks = [measured_matmul_tflops()]
+        results["megatrain"] = measure_ours(config, device, args)
+        ps.destroy_model_parallel()
+        model_config = results["megatrain"].pop("model_config")
+        if not args.no_hf:
+            results["hf"] = measure_hf(config, corpus, model_config.vocab_size, device, args)
+            if results["hf"]["digests"] != results["megatrain"]["digests"]:
+                raise RuntimeError("the two models were trained on different batches")
+            reset_memory(device)
+        if device.type == "cpu" and not args.peak_tflops:
+            peaks.append(measured_matmul_tflops())
+            peak = max(peaks)
+            peak_source = f"CPU fp32 2048^3 matmul, best of two, {torch.get_num_threads()} threads"
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        tmp.cleanup()
+
+    flops = model_flops_per_iteration(model_config, batch, seq)  # the same work on both sides
+    for r in results.values():  # plus what each side recomputes
+        r["hardware_flops"] = hardware_flops_per_iteration(model_config, batch, seq, r["recompute"])
+    tokens = batch * seq
+    report = {}
+    for name, r in results.items():
+        summary = summarize(r["seconds"], r["losses"], flops, peak, tokens, r["hardware_flops"])
+        extra = {k: v for k, v in r.items() if k not in ("seconds", "losses", "digests")}
+        report[name] = {**summary, **extra, "batches_checked": len(r["digests"])}
+    record = {
+        "benchmark": "gpu",
+        "machine": {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "shape": {
+            "config": str(config_path(args.config)),
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads,
+            "ffn_hidden_size": config.ffn_hidden_size,
+            "seq_length": seq,
+            "vocab_size": m.vocab_size,
+            "vocab_size_padded": model_config.vocab_size,
+            "micro_batch_size": batch,
+            "global_batch_size": batch,
+            "tokens_per_step": tokens,
+            "precision": args.precision,
+            "recompute": m.recompute,
+            "hidden_dropout": m.hidden_dropout,
+            "attention_dropout": m.attention_dropout,
+            "parameters_formula": num_parameters(model_config),
+        },
+        "method": {
+            "device": str(device),
+            "warmup_steps": args.warmup,
+            "timed_steps": args.iters,
+            "timing": "perf_counter around each step, torch.cuda.synchronize() before and after"
+            if device.type == "cuda"
+            else "perf_counter around each step",
+            "order": "ours alone (build, warm-up, timed, freed), then HF alone",
+            "batches": "a GPTBatches over a synthetic corpus of random tokens"
+            if args.no_hf
+            else "identical: two GPTBatches over one synthetic corpus and seed; the digests "
+            "of every batch were compared",
+            "model_flops_per_step": flops,
+            "model_flops_formula": "72 B s l h^2 (1 + s/6h + V/12lh) (model_flops_per_iteration)",
+            "hardware_flops_formula": "hardware_flops_per_iteration: + 24 B s l h^2 + 4 B s^2 h l "
+            "(a forward of every layer) under full recompute, + 4 B s^2 h l under selective",
+            "peak_tflops": peak,
+            "peak_tflops_measurements": peaks,
+            "peak_source": peak_source,
+        },
+        "ln_vocab": math.log(m.vocab_size),
+        **report,
+    }
+    if "hf" in report:
+        ours, hf = report["megatrain"], report["hf"]
+        record["ratio_tokens_per_s_ours_over_hf"] = (
+            ours["tokens_per_s_median"] / hf["tokens_per_s_median"]
+        )
+        # The fastest steps: the least disturbed by other work on a shared machine.
+        record["ratio_tokens_per_s_best_ours_over_hf"] = (
+            ours["tokens_per_s_best"] / hf["tokens_per_s_best"]
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print_table(record)
+    print(f"wrote {args.out}")
+
+
+def config_path(path: Path) -> Path:
+    """Relative to the repository when inside it, so the JSON does not name this machine."""
+    path = path.resolve()
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def print_table(record: dict) -> None:
+    s, method = record["shape"], record["method"]
+    print(
+        f"\nGPT-2 {s['num_layers']}x{s['hidden_size']}, {s['num_attention_heads']} heads, seq "
+        f"{s['seq_length']}, vocab {s['vocab_size_padded']}, micro batch {s['micro_batch_size']}, "
+        f"{s['precision']}, recompute {s['recompute']} on {record['machine']['device']}; "
+        f"peak {method['peak_tflops']:.3g} TFLOP/s ({method['peak_source']})"
+    )
+    print(f"  {'model':9s} {'tokens/s':>10s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} "
+          f"{'HFU':>6s} {'peak GiB':>9s} {'first loss':>10s}")  # fmt: skip
+    for name in ("megatrain", "hf"):
+        r = record.get(name)
+        if r is None:
+            continue
+        memory = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
+        print(
+            f"  {name:9s} {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:9.1f} "
+            f"{r['model_tflops']:8.3g} {r['mfu']:6.1%} {r['hfu']:6.1%} {memory:>9s} "
+            f"{r['losses'][0]:10.4f}"
+        )
+    if "ratio_tokens_per_s_ours_over_hf" in record:
+        print(
+            f"  ours / HF tokens/s: {record['ratio_tokens_per_s_ours_over_hf']:.3f} (median step), "
+            f"{record['ratio_tokens_per_s_best_ours_over_hf']:.3f} (fastest step)"
+        )
+
+
+if __name__ == "__main__":
+    main()

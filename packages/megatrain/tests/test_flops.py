@@ -1,0 +1,127 @@
+"""The FLOP counts behind MFU and HFU, and what the training loop logs from them."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatrain.config import load_config
+from megatrain.models import hardware_flops_per_iteration, model_flops_per_iteration
+from megatrain.models.gpt import GPTConfig
+from megatrain.testing import random_documents, write_corpus
+from megatrain.training import gpt_config, train
+
+MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
+
+
+def _paper_8_3b() -> GPTConfig:
+    return gpt_config(load_config(MODELS / "gpt2-8.3b.toml"), 50257)
+
+
+def test_model_flops_of_the_8_3b_config_by_hand():
+    config = _paper_8_3b()
+    assert config.recompute == "full"  # the paper's setting: MFU must not count it
+    # B 512, s 1024, l 72, h 3072, V 50257 padded to a multiple of 128 x tp 8 = 51200:
+    #   72 B s l h^2             = 72 * 512 * 1024 * 72 * 3072^2 = 2.5649e16
+    #   72 B s l h^2 * s/6h      = 12 B s^2 h l                  = 1.4250e15
+    #   72 B s l h^2 * V/12lh    = 6 B s h V                     = 4.9478e14
+    assert config.vocab_size == 51200
+    dense = 72 * 512 * 1024 * 72 * 3072**2
+    attention = 12 * 512 * 1024**2 * 3072 * 72
+    logits = 6 * 512 * 1024 * 3072 * 51200
+    assert (dense, attention, logits) == (25649407252758528, 1424967069597696, 494780232499200)
+    flops = model_flops_per_iteration(config, 512, 1024)
+    assert flops == dense + attention + logits == 27569154554855424  # 2.757e16 per iteration
+    # The same as the closed form, and about 6 x parameters x tokens plus the attention.
+    b, s, n, h, v = 512, 1024, 72, 3072, 51200
+    assert math.isclose(flops, 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h)))
+    # 6 x 8.3e9 parameters x 524288 tokens = 2.61e16; the s^2 terms add the rest.
+    assert 1.0 < flops / (6 * 8.3e9 * b * s) < 1.1
+
+
+@pytest.mark.parametrize("name", ["355m", "1.2b", "8.3b"])
+def test_full_recompute_hfu_over_mfu_is_96_over_72(name):
+    config = gpt_config(load_config(MODELS / f"gpt2-{name}.toml"), 50257)
+    b, s, n, h, v = 512, 1024, config.num_layers, config.hidden_size, config.vocab_size
+    model = model_flops_per_iteration(config, b, s)
+    full = hardware_flops_per_iteration(config, b, s, "full")
+    assert math.isclose(full, 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h)))
+    want = (96 * (1 + s / (6 * h) + v / (16 * n * h))) / (72 * (1 + s / (6 * h) + v / (12 * n * h)))
+    assert math.isclose(full / model, want)
+    assert 1.25 < full / model < 4 / 3  # one more forward of the layers, not of the logits
+    # The config's own recompute ("full") is the default.
+    assert hardware_flops_per_iteration(config, b, s) == full
+
+
+def test_selective_recompute_adds_the_attention_core_and_none_adds_nothing():
+    config = _paper_8_3b()
+    b, s, n, h, v = 8, 1024, 72, 3072, 51200
+    model = model_flops_per_iteration(config, b, s)
+    assert hardware_flops_per_iteration(config, b, s, "none") == model
+    selective = hardware_flops_per_iteration(config, b, s, "selective")
+    # QK^T and scores x V once more in each layer: 4 B s^2 h l.
+    assert selective - model == 4 * b * s * s * h * n
+    assert math.isclose(
+        selective, 72 * b * s * n * h * h * (1 + 2 * s / (9 * h) + v / (12 * n * h))
+    )
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        hardware_flops_per_iteration(config, b, s, "partial")
+
+
+def test_ffn_size_other_than_4h_is_counted():
+    config = GPTConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
+        max_position_embeddings=32, ffn_hidden_size=100,
+    )  # fmt: skip
+    b, s, n, h, f, v = 3, 32, 2, 64, 100, 128
+    forward = n * (2 * b * s * h * 3 * h + 2 * b * s * h * h + 2 * 2 * b * s * h * f)
+    forward += n * 4 * b * s * s * h + 2 * b * s * h * v
+    assert model_flops_per_iteration(config, b, s) == 3 * forward
+
+
+def test_logged_record_at_full_recompute_has_hfu_above_mfu(tmp_path):
+    """Two iterations of `train` in this process (a 1-rank gloo group); the log's MFU is the
+    72-based count over the measured time and the peak, HFU the 96-based one."""
+    rng = np.random.default_rng(0)
+    splits = {
+        "train": [random_documents(rng, 40, 1000, 8, 40)],
+        "valid": [random_documents(rng, 10, 1000, 8, 40)],
+    }
+    corpus = write_corpus(tmp_path / "corpus", splits)
+    out = tmp_path / "run"
+    config = load_config(
+        None,
+        [
+            f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
+            "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+            "model.max_position_embeddings=16", 'model.recompute="full"',
+            "training.seq_length=16", "training.micro_batch_size=2",
+            "training.global_batch_size=4", "training.train_iters=2",
+            "training.eval_interval=2", "training.eval_iters=1",
+            "logging.log_interval=1", "logging.tensorboard=false", "logging.peak_tflops=0.5",
+        ],
+    )  # fmt: skip
+    threads = torch.get_num_threads()  # train() sets the CPU thread count of the process
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rendezvous'}"
+    )
+    try:
+        train(config)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    b, s, n, h, v = 4, 16, 2, 32, 1024  # vocabulary 1000 padded to 1024
+    model = 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+    hardware = 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+    for r in records:
+        seconds = r["ms_per_iter"] / 1e3
+        assert math.isclose(r["tflops"], model / seconds / 1e12)
+        assert math.isclose(r["mfu"], model / seconds / 1e12 / 0.5)
+        assert math.isclose(r["hfu"], hardware / seconds / 1e12 / 0.5)
+        assert r["hfu"] > r["mfu"]
