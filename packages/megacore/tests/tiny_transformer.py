@@ -171,8 +171,9 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torc
     world = get_tensor_model_parallel_world_size()
     if not getattr(param, "tensor_model_parallel", False) or world == 1:
         return tensor.detach().clone()
+    tensor = tensor.detach().contiguous()  # empty_like keeps strides: NCCL takes contiguous only
     shards = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(shards, tensor.detach().contiguous(), group=get_tensor_model_parallel_group())
+    dist.all_gather(shards, tensor, group=get_tensor_model_parallel_group())
     return tp.unshard(shards, param.partition_dim, param.partition_stride)
 
 

@@ -36,7 +36,7 @@ def test_paper_configs(name):
     )
     assert (o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_style) == (1.5e-4, 1e-5, 3000, "cosine")
     assert (o.weight_decay, o.clip_grad, config.model.hidden_dropout) == (0.01, 1.0, 0.1)
-    assert config.model.recompute == "full"
+    assert config.model.recompute != "none"  # which one: by memory, test_memory.py
     dp = validate(config, nodes * 8)
     assert dp == nodes * 8 // tp
     model = gpt_config(config, 50257)

@@ -53,8 +53,9 @@ def test_full_recompute_hfu_over_mfu_is_96_over_72(name):
     want = (96 * (1 + s / (6 * h) + v / (16 * n * h))) / (72 * (1 + s / (6 * h) + v / (12 * n * h)))
     assert math.isclose(full / model, want)
     assert 1.25 < full / model < 4 / 3  # one more forward of the layers, not of the logits
-    # The config's own recompute ("full") is the default.
-    assert hardware_flops_per_iteration(config, b, s) == full
+    # The config's own recompute mode is the default.
+    own = hardware_flops_per_iteration(config, b, s, config.recompute)
+    assert hardware_flops_per_iteration(config, b, s) == own
 
 
 def test_selective_recompute_adds_the_attention_core_and_none_adds_nothing():

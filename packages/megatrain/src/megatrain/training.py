@@ -33,6 +33,7 @@ from megatrain.metrics import RunLog, device_peak_tflops
 from megatrain.models.gpt import (
     GPTConfig,
     build_gpt_chunks,
+    compile_layers,
     hardware_flops_per_iteration,
     model_flops_per_iteration,
 )
@@ -147,6 +148,8 @@ def build_run(config: Config, device: torch.device) -> Run:
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
     chunks = build_gpt_chunks(model_config, t.seed, device=device, dtype=dtype)
+    if t.compile:
+        chunks = [compile_layers(c) for c in chunks]
     chunks = [
         DistributedDataParallel(
             c,

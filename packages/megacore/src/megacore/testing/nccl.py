@@ -231,7 +231,7 @@ def nccl_semantics(
                     checker.check_tensor(t, name)
             return fn(*args, **kwargs)
 
-        checked.__name__ = checked.__qualname__ = name
+        checked.__qualname__ = f"nccl_semantics.{name}"  # not the c10d name: dynamo maps those
         return checked
 
     originals = {"batch_isend_irecv": original_batch}

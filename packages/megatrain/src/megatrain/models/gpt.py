@@ -110,8 +110,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """GPT-2's GeLU (tanh approximation) of x + bias.
 
     The column-parallel fc1 leaves its bias out (`skip_bias_add`) so the add and the GeLU
-    are one elementwise expression: under `training.compile` one kernel, in eager two,
-    as before.  The same numbers as adding the bias in the linear, up to rounding.
+    are one elementwise expression: one kernel under `training.compile`; in eager the add
+    is a pass of its own, as in Megatron without its fusion (a plain function, not
+    TorchScript: deprecated, and it fuses nothing on a CPU).  The same numbers as adding
+    the bias in the linear, up to rounding.
     """
     return F.gelu(x + bias, approximate="tanh")
 
@@ -285,12 +287,13 @@ class GPTModel(nn.Module):
                 device=device,
             )
             self._init_word_embeddings(seed)
-            # skip_init: nn.Embedding's own init would draw from the global generator.
+            # skip_init: nn.Embedding's own init would draw from the global generator.  It
+            # builds on "meta" and stays there when told device=None: name the CPU.
             self.position_embedding = skip_init(
                 nn.Embedding,
                 cfg.max_position_embeddings,
                 cfg.hidden_size,
-                device=device,
+                device="cpu" if device is None else device,
                 dtype=dtype,
             )
             self._init_position_embeddings(seed - 1)
@@ -367,6 +370,10 @@ class GPTModel(nn.Module):
         for i, layer in self.layers.items():
             if self.config.recompute == "full" and self.training:
                 x = tp.checkpoint(layer, self.config.distribute_saved_activations, x)
+            elif cache is None:
+                # No layer id when there is no cache to key: under training.compile one
+                # compiled graph then serves every layer (an id would recompile per layer).
+                x = layer(x)
             else:
                 x = layer(x, cache, int(i))
         return x
@@ -402,6 +409,26 @@ class GPTModel(nn.Module):
             return logits
         losses = tp.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
         return losses.t()  # [b, s]
+
+
+def compile_layers(model: GPTModel) -> GPTModel:
+    """torch.compile each TransformerLayer of `model` in place (`training.compile`).
+
+    Per layer, not the whole model: the graph is one block (LayerNorms, bias + GeLU, bias +
+    dropout + residual fused; the matmuls and attention stay library kernels), compiled once
+    and reused by every layer, and full recompute's `tp.checkpoint` stays outside it, calling
+    the compiled layer in forward and again in backward.  Dynamo breaks the graph at what it
+    cannot trace, the RNG tracker's fork (generator state swaps), selective recompute's
+    checkpoint, and runs those eagerly, so the dropout masks and the recompute are the
+    eager ones.  With tp > 1 the tensor-parallel collectives sit in the same graph.
+    `Module.compile` keeps the parameter names (no `_orig_mod.` prefix), so checkpoints do
+    not change.  `fallback_random`: dropout draws from torch's generators as in eager, so a
+    seed gives the same masks with compile on or off (inductor's own in-kernel random
+    numbers would be a little faster and draw other masks).
+    """
+    for layer in model.layers.values():
+        layer.compile(options={"fallback_random": True})
+    return model
 
 
 def build_gpt_chunks(

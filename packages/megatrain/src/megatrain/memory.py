@@ -1,0 +1,168 @@
+"""Memory per GPU of a training config, and the cheapest recompute mode that fits a GPU.
+
+An estimate of the steady state of training, per pipeline stage, in bytes:
+
+- **Weights and optimizer**: this stage's parameters on one TP rank (the sharded
+  matrices / tp, the replicated biases and LayerNorms whole) times the bytes per
+  parameter of megacore's optimizer (its module docstring): fp32 16 (weights and
+  grads 4 each, Adam's two moments 8); fp16/bf16 18 (16-bit weights 2, fp32 grads 4,
+  fp32 master and moments 12).  Under `use_distributed_optimizer` the fp32 state is
+  sharded over data parallelism: 8 + 8/d and 6 + 12/d.
+- **Activations** (Korthikanti et al. 2022, section 4; 16-bit activations, 1-byte
+  dropout masks) per layer per microbatch, s sequence, b micro batch, h hidden,
+  a heads, t tp:
+
+      none       s b h (34 + 5 a s / h)                     tp 1
+                 s b h (10 + 24/t + 5 a s / (h t))          tp t
+                 s b h (34/t + 5 a s / (h t))               tp t, sequence parallel
+      selective  the same without the 5 a s / h term (the attention core's s x s tensors)
+      full       2 s b h, the layer's input (/ t with sequence parallelism or
+                 distribute_saved_activations), plus one layer's "none" activations,
+                 rebuilt during its backward
+
+  times the stage's layers times the microbatches in flight: under 1F1B stage 0
+  holds pp of them (interleaved: times 1 + (pp - 1) / (pp vpp)), the last stage one;
+  without pipelining one.  Stage 0 adds the embedding dropout mask (s b h per
+  microbatch, / t with sequence parallelism); the last stage the output layer's
+  input, the final LayerNorm's and the fp32 logits the loss keeps (the paper's
+  4 s b h / t (1 + v / h)).  fp32 activations count twice the 16-bit bytes.
+
+Not counted: the CUDA context, library workspaces, communication buffers and
+fragmentation; `fits` keeps a headroom (10%) for them.  The 5 a s / h term is what
+attention that materializes its s x s scores keeps; the fused SDPA kernels (flash,
+memory-efficient) keep only their output and a row statistic, so "none" is an
+upper bound there and the choice it leads to a safe one.
+"""
+
+from megatrain.config import Config
+from megatrain.models.gpt import GPTConfig
+from megatrain.training import gpt_config
+
+GIB = 2**30
+# Memory of the GPUs configs are sized for (what the device reports, not the marketing GB).
+GPU_MEMORY = {
+    "v100-16gb": 16 * GIB,
+    "v100-32gb": 32 * GIB,  # the paper's DGX-2H
+    "a100-40gb": 40 * GIB,
+    "a100-80gb": 80 * GIB,
+    "h100-80gb": 80 * GIB,
+}
+RECOMPUTE_MODES = ("none", "selective", "full")  # cheapest compute first
+HEADROOM = 0.1
+
+
+def _bytes_per_parameter(precision: str, distributed_optimizer: bool, dp: int) -> float:
+    """megacore's optimizer table: (replicated bytes, bytes sharded over dp when distributed)."""
+    replicated, shardable = (8, 8) if precision == "fp32" else (6, 12)
+    return replicated + (shardable / dp if distributed_optimizer else shardable)
+
+
+def _layer_parameters_per_rank(cfg: GPTConfig, tp: int) -> int:
+    """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
+    row-parallel biases and the LayerNorms whole (as `num_parameters` counts them, at tp 1)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
+    return split // tp + replicated
+
+
+def parameters_per_gpu(cfg: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
+    embeddings included).  At tp = pp = 1 this is `num_parameters(cfg)`."""
+    h = cfg.hidden_size
+    count = cfg.num_layers // pp * _layer_parameters_per_rank(cfg, tp)
+    words = cfg.vocab_size * h // tp
+    if stage == 0:
+        count += words + cfg.max_position_embeddings * h
+    if stage == pp - 1:
+        count += 2 * h  # final LayerNorm
+        if pp > 1:
+            count += words  # the output layer's copy of the word embeddings
+    return count
+
+
+def _activations_per_layer(config: Config, recompute: str) -> float:
+    """Bytes one layer keeps for one microbatch (16-bit; module docstring)."""
+    m, p, t = config.model, config.parallel, config.training
+    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    tp = p.tensor_model_parallel_size
+    sp = p.sequence_parallel and tp > 1
+    if recompute == "full":
+        split_input = sp or (p.distribute_saved_activations and tp > 1)
+        return 2 * s * b * h / (tp if split_input else 1)
+    dense = 34 / tp if sp else 10 + 24 / tp
+    core = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
+    return s * b * h * (dense + core)
+
+
+def memory_breakdown(
+    config: Config,
+    recompute: str | None = None,
+    *,
+    vocab_size: int | None = None,
+    data_parallel_size: int | None = None,
+    stage: int = 0,
+) -> dict[str, float]:
+    """Bytes per GPU of pipeline stage `stage`: parameters (count), weights_and_optimizer,
+    activations, total.  `recompute` defaults to the config's; `vocab_size` (the tokenizer's,
+    before padding) to `model.vocab_size`; the data-parallel size (which only the distributed
+    optimizer's sharding depends on) to `parallel.data_parallel_size` or 1."""
+    m, p, t = config.model, config.parallel, config.training
+    recompute = m.recompute if recompute is None else recompute
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
+    vocab_size = vocab_size or m.vocab_size
+    if not vocab_size:
+        raise ValueError(
+            "memory_breakdown: model.vocab_size is 0 (taken from the corpus); pass vocab_size="
+        )
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    dp = data_parallel_size or p.data_parallel_size or 1
+    cfg = gpt_config(config, vocab_size)
+    params = parameters_per_gpu(cfg, tp, pp, stage)
+    state = params * _bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp)
+
+    s, b, h, v = t.seq_length, t.micro_batch_size, m.hidden_size, cfg.vocab_size
+    sp = p.sequence_parallel and tp > 1
+    per_microbatch = cfg.num_layers // pp * _activations_per_layer(config, recompute)
+    if stage == 0:
+        per_microbatch += s * b * h / (tp if sp else 1)  # embedding dropout mask
+    in_flight = 1.0
+    if pp > 1 and stage == 0:  # 1F1B's warm-up; the interleaved one runs further ahead
+        in_flight = pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else pp
+    activations = in_flight * per_microbatch
+    if recompute == "full":  # the layer being recomputed holds all of its activations
+        activations += _activations_per_layer(config, "none")
+    if stage == pp - 1:  # one microbatch reaches the loss at a time
+        activations += 4 * s * b * h / tp * (1 + v / h)
+    if t.precision == "fp32":
+        activations *= 2
+    return {
+        "parameters": params,
+        "weights_and_optimizer": state,
+        "activations": activations,
+        "total": state + activations,
+    }
+
+
+def estimate_memory_per_gpu(config: Config, recompute: str | None = None, **kwargs) -> float:
+    """Bytes per GPU of the fullest pipeline stage (see `memory_breakdown` for the arguments)."""
+    pp = config.parallel.pipeline_model_parallel_size
+    return max(
+        memory_breakdown(config, recompute, stage=stage, **kwargs)["total"] for stage in {0, pp - 1}
+    )
+
+
+def fits(config: Config, gpu_memory_bytes: float, recompute: str | None = None, **kwargs) -> bool:
+    """Whether the estimate leaves `HEADROOM` of the GPU free (for what it does not count)."""
+    return estimate_memory_per_gpu(config, recompute, **kwargs) <= (1 - HEADROOM) * gpu_memory_bytes
+
+
+def cheapest_recompute(config: Config, gpu_memory_bytes: float, **kwargs) -> str:
+    """The recompute mode that redoes the least work and still fits: none, else selective,
+    else full (which is returned even when it does not fit either: nothing recomputes more)."""
+    for mode in RECOMPUTE_MODES[:-1]:
+        if fits(config, gpu_memory_bytes, mode, **kwargs):
+            return mode
+    return "full"

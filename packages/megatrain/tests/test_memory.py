@@ -1,0 +1,109 @@
+"""Memory per GPU (`megatrain.memory`) and the recompute the shipped configs choose by it."""
+
+from pathlib import Path
+
+import pytest
+
+from megatrain.config import load_config
+from megatrain.memory import (
+    GIB,
+    GPU_MEMORY,
+    cheapest_recompute,
+    estimate_memory_per_gpu,
+    memory_breakdown,
+    parameters_per_gpu,
+)
+from megatrain.models import num_parameters
+from megatrain.training import gpt_config
+
+MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
+GPT2_VOCAB = 50257
+# What each shipped config is sized for: the paper trained every size on 32 GB V100s
+# (DGX-2H); gpt2-tiny is for a laptop, whose vocabulary comes from the corpus (GPT-2's at most).
+TARGETS = {
+    "gpt2-355m": GPU_MEMORY["v100-32gb"],
+    "gpt2-1.2b": GPU_MEMORY["v100-32gb"],
+    "gpt2-2.5b": GPU_MEMORY["v100-32gb"],
+    "gpt2-4.2b": GPU_MEMORY["v100-32gb"],
+    "gpt2-8.3b": GPU_MEMORY["v100-32gb"],
+    "gpt2-tiny": 8 * GIB,
+}
+
+
+def _shipped(name: str):
+    config = load_config(MODELS / f"{name}.toml")
+    return config, config.model.vocab_size or GPT2_VOCAB
+
+
+def test_every_shipped_config_has_a_target():
+    assert {p.stem for p in MODELS.glob("*.toml")} == set(TARGETS)
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_shipped_recompute_is_the_cheapest_that_fits(name):
+    """Changing a config, or the estimate, keeps the choice honest: none if it fits with 10%
+    to spare, else selective, else full."""
+    config, vocab = _shipped(name)
+    estimates = {
+        mode: estimate_memory_per_gpu(config, mode, vocab_size=vocab)
+        for mode in ("none", "selective", "full")
+    }
+    assert estimates["none"] >= estimates["selective"] >= estimates["full"]
+    chosen = cheapest_recompute(config, TARGETS[name], vocab_size=vocab)
+    assert config.model.recompute == chosen, {m: round(b / GIB, 1) for m, b in estimates.items()}
+    assert estimates[chosen] <= 0.9 * TARGETS[name]  # every shipped config fits its GPU
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_parameter_term_is_num_parameters(name):
+    """One GPU holds the whole model at tp = pp = 1; over a tp x pp layout the ranks hold it
+    once, plus the replicated pieces on every TP rank and the last stage's embedding copy."""
+    config, vocab = _shipped(name)
+    config.parallel.tensor_model_parallel_size = config.parallel.pipeline_model_parallel_size = 1
+    cfg = gpt_config(config, vocab)
+    assert memory_breakdown(config, vocab_size=vocab)["parameters"] == num_parameters(cfg)
+    tp, pp = 4, 2
+    config.parallel.tensor_model_parallel_size = tp
+    config.parallel.pipeline_model_parallel_size = pp
+    cfg = gpt_config(config, vocab)  # padded for tp 4
+    h = cfg.hidden_size
+    replicated = cfg.num_layers * 6 * h + cfg.max_position_embeddings * h + 2 * h
+    held = tp * sum(parameters_per_gpu(cfg, tp, pp, stage) for stage in range(pp))
+    assert held == num_parameters(cfg) + (tp - 1) * replicated + cfg.vocab_size * h
+
+
+def test_the_355m_estimate_by_hand():
+    """Korthikanti et al. 2022 at s 1024, b 8, h 1024, a 16, 24 layers, tp 1, fp16 Adam."""
+    config, vocab = _shipped("gpt2-355m")
+    s, b, h, a, n, v = 1024, 8, 1024, 16, 24, 50304  # vocabulary padded to 128
+    params = num_parameters(gpt_config(config, vocab))
+    logits = 4 * s * b * h * (1 + v / h)
+    embedding = s * b * h
+    by_mode = {
+        "none": n * s * b * h * (34 + 5 * a * s / h),
+        "selective": n * s * b * h * 34,
+        "full": n * 2 * s * b * h + s * b * h * (34 + 5 * a * s / h),
+    }
+    for mode, layers in by_mode.items():
+        got = memory_breakdown(config, mode, vocab_size=vocab)
+        assert got["weights_and_optimizer"] == 18 * params
+        assert got["activations"] == pytest.approx(layers + embedding + logits)
+    assert estimate_memory_per_gpu(config, "none") / GIB == pytest.approx(28.9, abs=0.05)
+
+
+def test_layouts_that_save_memory_estimate_less():
+    config, vocab = _shipped("gpt2-8.3b")  # tp 8, full recompute
+    base = memory_breakdown(config, "selective", vocab_size=vocab)
+    config.parallel.sequence_parallel = True  # the 10 s b h per layer split over tp
+    sp = memory_breakdown(config, "selective", vocab_size=vocab)
+    assert sp["activations"] < base["activations"]
+    config.parallel.use_distributed_optimizer = True  # fp32 state over 8 data-parallel ranks
+    sharded = memory_breakdown(config, "selective", vocab_size=vocab, data_parallel_size=8)
+    assert sharded["weights_and_optimizer"] == pytest.approx(
+        base["weights_and_optimizer"] * (6 + 12 / 8) / 18
+    )
+    # Pipelining: the first stage holds pp microbatches of half the layers, the last one.
+    config = load_config(MODELS / "gpt2-8.3b.toml", ["parallel.pipeline_model_parallel_size=2"])
+    first, last = (memory_breakdown(config, vocab_size=vocab, stage=i) for i in (0, 1))
+    assert first["activations"] > last["activations"]
+    assert estimate_memory_per_gpu(config, vocab_size=vocab) == max(first["total"], last["total"])

@@ -1,0 +1,184 @@
+"""The model's speed path (issue 17): fused bias ops, per-layer torch.compile, flash-eligible SDPA.
+
+Each part is switchable and held equal to the plain path on the CPU in fp32: the fused
+structure (the linears' `skip_bias_add`, `bias_gelu`, `bias_dropout_add`) against the math as
+written out before it, `training.compile` against eager, with dropout off and on (the same
+seed must draw the same masks), and under activation recompute.  One process (a gloo world
+of one), a 2-layer model: torch.compile takes seconds per graph on a CPU.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacore import parallel_state as ps
+from megacore import tensor_parallel as tp
+from megatrain.config import ConfigError, load_config
+from megatrain.models.gpt import GPTConfig, GPTModel, compile_layers
+
+B, S, VOCAB = 2, 16, 64
+
+
+def _cfg(dropout: float, recompute: str = "none") -> GPTConfig:
+    return GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=S,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        recompute=recompute,
+    )
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
+    return tokens, labels
+
+
+@pytest.fixture
+def one_process(tmp_path):
+    """tp = pp = 1 in this process: a gloo world of one."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(
+            "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rendezvous'}"
+        )
+    ps.initialize_model_parallel(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def _plain_losses(model: GPTModel, tokens, labels) -> torch.Tensor:
+    """The model's math as written before the fused structure: each linear adds its bias,
+    then GeLU, or dropout and the residual; the random draws in the model's order."""
+    cfg = model.config
+    p = cfg.hidden_dropout
+    x = model.embed(tokens)
+    for layer in model.layers.values():
+        att, mlp = layer.attention, layer.mlp
+        qkv = F.linear(layer.ln1(x), att.qkv.weight, att.qkv.bias)
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, att.heads_local, 3, att.head_dim).permute(3, 1, 2, 0, 4)
+        if cfg.attention_dropout:
+            with tp.get_rng_tracker().fork():
+                core = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=cfg.attention_dropout, is_causal=True
+                )
+        else:
+            core = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        core = core.permute(2, 0, 1, 3).reshape(s, b, -1)
+        x = x + F.dropout(F.linear(core, att.proj.weight, att.proj.bias), p, p > 0)
+        hidden = F.gelu(F.linear(layer.ln2(x), mlp.fc1.weight, mlp.fc1.bias), approximate="tanh")
+        x = x + F.dropout(F.linear(hidden, mlp.fc2.weight, mlp.fc2.bias), p, p > 0)
+    logits = F.linear(model.final_layernorm(x), model.embedding.weight)
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.t().flatten(), reduction="none")
+    return losses.view(s, b).t()
+
+
+def _step(model: GPTModel, forward=None, seed: int = 42):
+    """Per-token losses and gradients of one forward and backward from `seed`."""
+    model.train()
+    model.zero_grad()
+    tp.model_parallel_manual_seed(seed)
+    tokens, labels = _batch()
+    losses = (forward or model)(tokens, labels)
+    losses.mean().backward()
+    return losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b, atol):
+    losses_a, grads_a = a
+    losses_b, grads_b = b
+    torch.testing.assert_close(losses_a, losses_b, rtol=0, atol=atol)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fused_bias_structure_is_the_plain_math(one_process, dropout, recompute):
+    model = GPTModel(_cfg(dropout, recompute), seed=1234, device="cpu")
+    layer = model.layers["0"]
+    assert layer.mlp.fc1.skip_bias_add and layer.mlp.fc2.skip_bias_add
+    assert layer.attention.proj.skip_bias_add
+    plain = _step(model, lambda t, lab: _plain_losses(model, t, lab))
+    fused = _step(model)
+    assert plain[0].std() > 0  # dropout on: the draws matched, not just the shapes
+    # The biases now join after the matmul instead of inside it (addmm): rounding only.
+    _assert_same(fused, plain, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")  # inductor's own
+def test_compile_equals_eager(one_process):
+    """training.compile: the compiled layers give eager's losses and gradients, with dropout
+    (the same masks from the same seed) and without, under full recompute (checkpoint around
+    the compiled layer) and none; one graph serves both layers (no recompile per layer)."""
+    torch._dynamo.reset()
+    cfg = _cfg(0.1)
+    eager = GPTModel(cfg, seed=1234, device="cpu")
+    compiled = compile_layers(GPTModel(cfg, seed=1234, device="cpu"))
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            _assert_same(_step(compiled), _step(eager), atol=1e-5)
+        assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # it did compile
+        for dropout, recompute in ((0.1, "full"), (0.0, "none")):
+            # The config object is shared: the models read it at each forward.
+            cfg.hidden_dropout = cfg.attention_dropout = dropout
+            cfg.recompute = recompute
+            _assert_same(_step(compiled), _step(eager), atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_training_compile_is_a_checked_boolean():
+    assert load_config(None).training.compile is False
+    assert load_config(None, ["training.compile=true"]).training.compile is True
+    with pytest.raises(ConfigError, match=r"training\.compile: expected bool"):
+        load_config(None, ["training.compile=1"])
+
+
+def test_training_attention_is_the_flash_eligible_call(one_process, monkeypatch):
+    """Flash attention (bf16/fp16 on CUDA) takes no attn_mask, 4-D [b, heads, s, d] inputs,
+    head_dim <= 256 and a last dimension of stride 1: what training passes, recompute or not."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        calls.append((q, k, v, args, kwargs))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    for recompute in ("none", "selective"):
+        calls.clear()
+        _step(GPTModel(_cfg(0.1, recompute), seed=1234, device="cpu"))
+        assert calls  # selective: the forward and its recompute in backward
+        for q, k, v, args, kwargs in calls:
+            assert not args and kwargs.get("attn_mask") is None and kwargs["is_causal"]
+            assert kwargs["dropout_p"] == 0.1
+            for t in (q, k, v):
+                assert t.shape == (B, 4, S, 8) and t.stride(-1) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a CUDA GPU")
+def test_flash_attention_runs_the_training_forward(one_process):
+    """With SDPA held to the flash kernel (an error if the call were not eligible), a bf16
+    model trains a step on the GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = GPTModel(_cfg(0.1), seed=1234, device="cuda", dtype=torch.bfloat16)
+    model.train()
+    tp.model_parallel_manual_seed(42)
+    tokens, labels = (t.cuda() for t in _batch())
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        losses = model(tokens, labels)
+        losses.mean().backward()
+    assert torch.isfinite(losses).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
