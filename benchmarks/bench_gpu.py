@@ -6,7 +6,8 @@
 
 The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
 1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
-recompute ("full") unless `--recompute` says otherwise, one microbatch of
+recompute chosen by memory (`--recompute auto`: the least that fits the GPU by
+`megatrain.memory`; a 32 GB V100 needs "full", an 80 GB H100 less), one microbatch of
 `--micro-batch` sequences per step (global batch = micro batch), bf16 on a GPU, on a
 synthetic corpus of random tokens (bench_gpt_train.py's helpers).  `--small` (or
 `--layers/--hidden/--heads/--seq/--vocab`) shrinks the shape so the same script runs
@@ -55,6 +56,7 @@ from bench_gpt_train import (
 
 from megacore import parallel_state as ps
 from megatrain.config import load_config
+from megatrain.memory import cheapest_recompute
 from megatrain.metrics import device_peak_tflops, measured_matmul_tflops
 from megatrain.models.gpt import (
     hardware_flops_per_iteration,
@@ -76,7 +78,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the config's")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
+    parser.add_argument(
+        "--recompute",
+        choices=("auto", "none", "selective", "full"),
+        default="auto",
+        help="auto (default): the least recompute that fits this GPU's memory by "
+        "megatrain.memory's estimate; the config's own on a CPU",
+    )
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="default: bf16 on a GPU, fp32 on a CPU")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3)
@@ -124,7 +132,7 @@ def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
             f"training.micro_batch_size={args.micro_batch}",
             f"training.global_batch_size={args.micro_batch}",
         ]
-    if args.recompute:
+    if args.recompute != "auto":
         o.append(f'model.recompute="{args.recompute}"')
     for name, field in (("layers", "num_layers"), ("hidden", "hidden_size"),
                         ("heads", "num_attention_heads"), ("vocab", "vocab_size")):  # fmt: skip
@@ -244,6 +252,9 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="bench_gpu_")
     work = Path(tmp.name)
     config = load_config(args.config, overrides(args, work / "corpus", work / "run"))
+    if args.recompute == "auto" and device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        config.model.recompute = cheapest_recompute(config, memory)
     m, t = config.model, config.training
     batch, seq = t.micro_batch_size, t.seq_length
     rng = np.random.default_rng(args.seed)
