@@ -306,16 +306,21 @@ class _Run:
 
 
 def _execute(run: _Run, table: list, interleaved: bool) -> list:
-    """Follow a schedule table: compute steps, and communication batches each waited for.
+    """Follow a schedule table: compute steps, and communication batches.
 
-    Waiting on a batch costs nothing extra under NCCL (the GPU stream orders the
-    kernels); the overlap comes from posting sends and receives together.
+    A batch is posted whole and waited for only when a compute step needs what it
+    brings (Megatron's overlap_p2p_comm): an interleaved rank starts its next forward
+    while the gradient for its next backward is still arriving.  Batches complete in
+    the order they were posted (one stream per communicator under NCCL), and a sent
+    output is freed once its batch has completed.
     """
     steps = compute_steps(table)
     received: dict[Step, torch.Tensor] = {}  # activations (F steps) and gradients (B steps)
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     input_grads: dict[Step, torch.Tensor | None] = {}
+    # (requests, steps whose tensors it brings, tensors it sends, output to free when done)
+    in_flight: list[tuple[list, tuple, tuple, torch.Tensor | None]] = []
     # Gradients sync over data parallel only in the chunk's last microbatch: every other
     # forward and backward runs under no_sync (torch's DDP decides in forward).
     last_backward = {s.chunk: s.microbatch for s in steps if s.kind == "B"}
@@ -329,25 +334,48 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
     comm = {"tensor_shape": run.tensor_shape, "dtype": run.dtype}
     comm["variable_seq_lengths"] = run.variable_seq_lengths
 
+    def complete(count: int) -> None:
+        """Wait for the `count` oldest batches in flight."""
+        for requests, _, _, to_free in in_flight[:count]:
+            for request in requests:
+                request.wait()
+            if to_free is not None:  # sent: only its autograd graph is still needed
+                deallocate_output_tensor(to_free)
+        del in_flight[:count]
+
+    def wait_for(step: Step) -> torch.Tensor:
+        """What a batch in flight brings for `step`, once that batch (and older ones) are done."""
+        for i, (_, brings, _, _) in enumerate(in_flight):
+            if step in brings:
+                complete(i + 1)
+                break
+        return received.pop(step)
+
     def exchange(batch: Comm) -> None:
         send_next = None if batch.send_next is None else outputs[_key(batch.send_next)]
         send_prev = None if batch.send_prev is None else input_grads.pop(batch.send_prev)
-        from_prev, from_next, _ = communicate(
+        from_prev, from_next, requests = communicate(
             tensor_send_next=send_next,
             tensor_send_prev=send_prev,
             recv_prev=batch.recv_prev is not None,
             recv_next=batch.recv_next is not None,
+            wait=False,
             **comm,
         )
         if batch.recv_prev is not None:
             received[batch.recv_prev] = from_prev
         if batch.recv_next is not None:
             received[batch.recv_next] = from_next
-        if batch.send_next is not None:  # sent: only its autograd graph is still needed
-            if run.forward_only:
-                outputs.pop(_key(batch.send_next))
-            else:
-                deallocate_output_tensor(send_next)
+        if batch.send_next is not None and run.forward_only:
+            outputs.pop(_key(batch.send_next))  # nothing runs backward through it
+        brings = tuple(s for s in (batch.recv_prev, batch.recv_next) if s is not None)
+        to_free = send_next if not run.forward_only else None
+        in_flight.append((requests, brings, (send_next, send_prev), to_free))
+        # Free what finished sending already, so outputs do not pile up between waits.
+        done = 0
+        while done < len(in_flight) and all(r.is_completed() for r in in_flight[done][0]):
+            done += 1
+        complete(done)
 
     try:
         for item in table:
@@ -361,7 +389,7 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
                 ps.set_virtual_pipeline_model_parallel_rank(step.chunk)
             first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
             if step.kind == "F":
-                input_tensor = None if first else received.pop(step)
+                input_tensor = None if first else wait_for(step)
                 set_input = _wrapped_attr(chunk, "set_input_tensor")
                 if set_input is not None:
                     set_input(input_tensor)
@@ -384,7 +412,7 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
                 if not run.forward_only:
                     inputs[key] = input_tensor
             else:
-                grad = None if last else received.pop(step)
+                grad = None if last else wait_for(step)
                 input_tensor, output = inputs.pop(key), outputs.pop(key)
                 if last and run.grad_scale_func is not None:
                     output = run.grad_scale_func(output)
@@ -392,6 +420,7 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
                     custom_backward(output, grad)
                 if not first:
                     input_grads[step] = input_tensor.grad
+        complete(len(in_flight))
     finally:
         _current[0] = None
         if interleaved:
