@@ -25,6 +25,7 @@ from megacore.testing import NCCLSemanticsError, nccl_semantics, run_distributed
 
 SHAPE = (2, 3)
 ALL_GATHER_FLAT = collectives.all_gather_flat
+ALL_REDUCE = dist.all_reduce
 _at = ["start"]  # the emulated schedule's step, for the checker's messages
 _NO_WAIT = {"tensor_shape": SHAPE, "wait": False}
 _in_flight = []  # gloo aborts a send whose request is dropped: keep them, as the old executor did
@@ -143,7 +144,7 @@ def _scenarios():
         "megacore_name": _attempt(_all_gather_flat_strided),
         # Outside the block gloo is itself again: nothing is left patched.
         "restored": collectives.all_gather_flat is ALL_GATHER_FLAT
-        and dist.all_reduce.__module__ == "torch.distributed.distributed_c10d",
+        and dist.all_reduce is ALL_REDUCE,
     }
 
 

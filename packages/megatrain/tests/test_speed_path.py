@@ -4,7 +4,8 @@ Each part is switchable and held equal to the plain path on the CPU in fp32: the
 structure (the linears' `skip_bias_add`, `bias_gelu`, `bias_dropout_add`) against the math as
 written out before it, `training.compile` against eager, with dropout off and on (the same
 seed must draw the same masks), and under activation recompute.  One process (a gloo world
-of one), a 2-layer model: torch.compile takes seconds per graph on a CPU.
+of one), a 2-layer model: torch.compile takes seconds per graph on a CPU; and once at tp 2
+with sequence parallelism, where the collectives sit inside the compiled graph.
 """
 
 import pytest
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
+from megacore.testing import run_distributed
 from megatrain.config import ConfigError, load_config
-from megatrain.models.gpt import GPTConfig, GPTModel, compile_layers
+from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks, compile_layers
 
 B, S, VOCAB = 2, 16, 64
 
@@ -136,6 +138,43 @@ def test_compile_equals_eager(one_process):
             _assert_same(_step(compiled), _step(eager), atol=1e-5)
     finally:
         torch._dynamo.reset()
+
+
+def _compile_at_tp2():
+    """Eager and compiled, tp 2 with sequence parallelism and full recompute: the TP
+    collectives inside the compiled graph (and nccl_semantics' wrappers around them)."""
+    ps.initialize_model_parallel(2, 1)
+    cfg = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=S,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute="full",
+        sequence_parallel=True,
+    )
+    tokens, labels = _batch()
+    out = []
+    for compiled in (False, True):
+        (model,) = build_gpt_chunks(cfg, 1234, device="cpu")
+        if compiled:
+            model = compile_layers(model)
+        loss = model(tokens, labels).mean()
+        loss.backward()
+        out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    ps.destroy_model_parallel()
+    (eager_loss, eager), (loss, grads) = out
+    assert eager.keys() == grads.keys()
+    # Plain numbers back to the test (tensors would travel as shared memory of a rank that exits).
+    return eager_loss, loss, {n: (g - eager[n]).abs().max().item() for n, g in grads.items()}
+
+
+def test_compile_equals_eager_at_tp2_with_sequence_parallelism():
+    for eager_loss, loss, diffs in run_distributed(_compile_at_tp2, 2, timeout=300):
+        assert loss == pytest.approx(eager_loss, abs=1e-6)
+        assert len(diffs) == 28 and max(diffs.values()) < 1e-6, diffs  # every parameter
 
 
 def test_training_compile_is_a_checked_boolean():

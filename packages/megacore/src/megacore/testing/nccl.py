@@ -27,10 +27,12 @@ collective must be on `device` (the rank's training device) and contiguous.
 
 The batches are compared through the job's TCP store, so the check costs a
 few store round trips per batch and nothing per collective but a look at the
-arguments.
+arguments.  Code that torch.compile traces calls its own traceable collectives, which
+the checker does not see.
 """
 
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -224,6 +226,9 @@ def nccl_semantics(
         return original_batch(p2p_op_list)
 
     def collective(name: str, fn: Callable) -> Callable:
+        # The original's signature (functools.wraps): torch.compile, finding the patched
+        # name where it looks for torch.distributed's collectives, reads it ("op").
+        @functools.wraps(fn)
         def checked(*args, **kwargs):
             for value in (*args, *kwargs.values()):
                 tensors = value if isinstance(value, (list, tuple)) else [value]
@@ -231,7 +236,6 @@ def nccl_semantics(
                     checker.check_tensor(t, name)
             return fn(*args, **kwargs)
 
-        checked.__qualname__ = f"nccl_semantics.{name}"  # not the c10d name: dynamo maps those
         return checked
 
     originals = {"batch_isend_irecv": original_batch}
