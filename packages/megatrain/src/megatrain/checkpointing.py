@@ -107,23 +107,31 @@ def _tp_mesh(device: torch.device) -> DeviceMesh:
     return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), device.type)
 
 
+def _tp_split(like: torch.nn.Parameter, mesh: DeviceMesh) -> int | None:
+    """The dimension parameter `like` is split along over the TP ranks here, or None."""
+    if not (getattr(like, "tensor_model_parallel", False) and mesh.size() > 1):
+        return None
+    stride = getattr(like, "partition_stride", 1)
+    if stride != 1:  # no megatrain model splits a weight this way
+        raise CheckpointError(
+            f"a tensor-parallel weight of shape {tuple(like.shape)} is split with stride "
+            f"{stride}; checkpoints support only contiguous tensor-parallel splits"
+        )
+    return like.partition_dim
+
+
 def _global(p: torch.Tensor, like: torch.nn.Parameter, mesh: DeviceMesh):
     """A tensor shaped like parameter `like` as DCP should see it: its global shape."""
-    if getattr(like, "tensor_model_parallel", False) and mesh.size() > 1:
-        if getattr(like, "partition_stride", 1) != 1:
-            raise NotImplementedError("checkpoints of strided tensor-parallel weights")
-        return DTensor.from_local(p, mesh, [Shard(like.partition_dim)], run_check=False)
-    return p
+    dim = _tp_split(like, mesh)
+    return p if dim is None else DTensor.from_local(p, mesh, [Shard(dim)], run_check=False)
 
 
 def _tp_place(like: torch.nn.Parameter, mesh: DeviceMesh) -> tuple[tuple[int, ...], list[int]]:
     """(global shape, offset of this rank's TP shard in it) of parameter `like`, as `_global`
-    places it: TP shards of equal size along `partition_dim`, in TP rank order."""
+    places it: TP shards of equal size along the split dimension, in TP rank order."""
     shape, offsets = list(like.shape), [0] * like.dim()
-    if getattr(like, "tensor_model_parallel", False) and mesh.size() > 1:
-        if getattr(like, "partition_stride", 1) != 1:
-            raise NotImplementedError("checkpoints of strided tensor-parallel weights")
-        dim = like.partition_dim
+    dim = _tp_split(like, mesh)
+    if dim is not None:
         offsets[dim] = mesh.get_local_rank() * shape[dim]
         shape[dim] *= mesh.size()
     return tuple(shape), offsets
@@ -315,6 +323,8 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
+    # Under overlap_param_gather the last step's all-gathers may still be filling the weights.
+    run.optimizer.finish_param_sync()
     mesh = _tp_mesh(run.device)
     params = named_params(run.chunks)
     weights = {n: _global(_own_storage(p.detach()), p, mesh) for n, p in params.items()}

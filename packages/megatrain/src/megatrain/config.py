@@ -25,6 +25,10 @@ class ConfigError(ValueError):
     """A config file or override that cannot run; the message names the field and what is wrong."""
 
 
+# Activation recompute modes, the cheapest in compute first.
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = 2
@@ -167,7 +171,7 @@ _SECTION_TYPES = {
     "logging": LoggingConfig,
 }
 CHOICES = {
-    ("model", "recompute"): ("none", "selective", "full"),
+    ("model", "recompute"): RECOMPUTE_CHOICES,
     ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("training", "precision"): ("fp32", "bf16", "fp16"),
 }

@@ -87,10 +87,10 @@ def load_model(ckpt: str | Path, device: torch.device, dtype=torch.float32) -> L
     meta = read_meta(directory)
     tokenizer = load_tokenizer(directory, meta)
     cfg = model_config(meta)
-    # Built on `device` in `dtype` (the tied-embedding sync inside runs there), then
-    # overwritten by the checkpoint; loading casts the saved tensors to `dtype`, rounding
-    # them as `.to(dtype)` would.
-    chunks = build_gpt_chunks(cfg, device=device, dtype=dtype)
+    # Built on `device` in `dtype` without drawing weights (the checkpoint fills every
+    # parameter); loading casts the saved tensors to `dtype`, rounding them as `.to(dtype)`
+    # would.
+    chunks = build_gpt_chunks(cfg, device=device, dtype=dtype, initialize=False)
     params = named_params(chunks, loading=True)
     with torch.no_grad():
         _load_into(

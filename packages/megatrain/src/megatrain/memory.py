@@ -34,7 +34,7 @@ memory-efficient) keep only their output and a row statistic, so "none" is an
 upper bound there and the choice it leads to a safe one.
 """
 
-from megatrain.config import Config
+from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models.gpt import GPTConfig
 from megatrain.training import gpt_config
 
@@ -47,7 +47,6 @@ GPU_MEMORY = {
     "a100-80gb": 80 * GIB,
     "h100-80gb": 80 * GIB,
 }
-RECOMPUTE_MODES = ("none", "selective", "full")  # cheapest compute first
 HEADROOM = 0.1
 
 
@@ -109,8 +108,8 @@ def memory_breakdown(
     optimizer's sharding depends on) to `parallel.data_parallel_size` or 1."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, not {recompute!r}")
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
     vocab_size = vocab_size or m.vocab_size
     if not vocab_size:
         raise ValueError(
@@ -162,7 +161,7 @@ def fits(config: Config, gpu_memory_bytes: float, recompute: str | None = None, 
 def cheapest_recompute(config: Config, gpu_memory_bytes: float, **kwargs) -> str:
     """The recompute mode that redoes the least work and still fits: none, else selective,
     else full (which is returned even when it does not fit either: nothing recomputes more)."""
-    for mode in RECOMPUTE_MODES[:-1]:
+    for mode in RECOMPUTE_CHOICES[:-1]:
         if fits(config, gpu_memory_bytes, mode, **kwargs):
             return mode
     return "full"

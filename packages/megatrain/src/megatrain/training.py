@@ -338,7 +338,6 @@ def resume(run: Run) -> None:
 def _save(run: Run, log: RunLog) -> None:
     c = run.config.checkpoint
     if c.save:
-        run.optimizer.finish_param_sync()  # overlap_param_gather: the weights it saves
         path = checkpointing.save_checkpoint(run, c.save, keep=c.keep)
         log.info(f"megatrain: saved {path}")
 

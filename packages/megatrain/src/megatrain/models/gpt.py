@@ -30,6 +30,7 @@ from torch.nn.utils import skip_init
 
 from megacore import parallel_state, pipeline_parallel
 from megacore import tensor_parallel as tp
+from megatrain.config import RECOMPUTE_CHOICES
 
 
 @dataclass
@@ -137,20 +138,30 @@ def bias_dropout_add(
     return residual + _dropout(x, p, training, sequence_parallel)
 
 
-def _placement(generator, device, dtype) -> dict:
-    """The keyword arguments that put a tensor-parallel layer's parameters in place."""
-    return {"generator": generator, "device": device, "params_dtype": dtype}
+def _placement(generator, device, dtype, initialize: bool = True) -> dict:
+    """The keyword arguments that put a tensor-parallel layer's parameters in place: on
+    `device` in `dtype`, drawn from `generator`, or left undrawn (`initialize=False`) when
+    a checkpoint will overwrite them."""
+    return {
+        "generator": generator,
+        "device": device,
+        "params_dtype": dtype,
+        "perform_initialization": initialize,
+    }
+
+
+def _layer_norm_in(cfg: GPTConfig, place: dict) -> nn.LayerNorm:
+    return _layer_norm(cfg, place["device"], place["params_dtype"])
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, generator=None, device=None, dtype=torch.float32):
+    def __init__(self, cfg: GPTConfig, place: dict):
         super().__init__()
         h, sp = cfg.hidden_size, cfg.sequence_parallel
         self.cfg = cfg
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
         self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
         std = cfg.init_method_std
-        place = _placement(generator, device, dtype)
         self.qkv = tp.ColumnParallelLinear(
             h, 3 * h, sequence_parallel=sp, init_method=tp.init_method_normal(std), **place
         )
@@ -204,11 +215,10 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, generator=None, device=None, dtype=torch.float32):
+    def __init__(self, cfg: GPTConfig, place: dict):
         super().__init__()
         h, sp, std = cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std
         tp.divide_by_tp(cfg.ffn_hidden_size, "ffn_hidden_size")
-        place = _placement(generator, device, dtype)
         self.fc1 = tp.ColumnParallelLinear(
             h,
             cfg.ffn_hidden_size,
@@ -234,15 +244,16 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """One block; its weights are drawn from `generator` in order (qkv, proj, fc1, fc2)."""
+    """One block, its parameters placed by `place` (`_placement`); its weights are drawn
+    from the placement's generator in order (qkv, proj, fc1, fc2)."""
 
-    def __init__(self, cfg: GPTConfig, generator=None, device=None, dtype=torch.float32):
+    def __init__(self, cfg: GPTConfig, place: dict):
         super().__init__()
         self.cfg = cfg
-        self.ln1 = _layer_norm(cfg, device, dtype)
-        self.attention = ParallelAttention(cfg, generator, device, dtype)
-        self.ln2 = _layer_norm(cfg, device, dtype)
-        self.mlp = ParallelMLP(cfg, generator, device, dtype)
+        self.ln1 = _layer_norm_in(cfg, place)
+        self.attention = ParallelAttention(cfg, place)
+        self.ln2 = _layer_norm_in(cfg, place)
+        self.mlp = ParallelMLP(cfg, place)
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
@@ -261,7 +272,8 @@ class GPTModel(nn.Module):
 
     Built directly on `device` in `dtype` (see the module docstring for the numbers);
     a last stage's copy of the tied word embeddings is zero until `build_gpt_chunks`
-    syncs it."""
+    syncs it.  `initialize=False` skips drawing the weights (their values are whatever
+    the memory held), for a model a checkpoint is about to overwrite."""
 
     def __init__(
         self,
@@ -273,6 +285,7 @@ class GPTModel(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        initialize: bool = True,
     ):
         super().__init__()
         self.config = cfg
@@ -286,7 +299,8 @@ class GPTModel(nn.Module):
                 params_dtype=dtype,
                 device=device,
             )
-            self._init_word_embeddings(seed)
+            if initialize:
+                self._init_word_embeddings(seed)
             # skip_init: nn.Embedding's own init would draw from the global generator.  It
             # builds on "meta" and stays there when told device=None: name the CPU.
             self.position_embedding = skip_init(
@@ -296,11 +310,14 @@ class GPTModel(nn.Module):
                 device="cpu" if device is None else device,
                 dtype=dtype,
             )
-            self._init_position_embeddings(seed - 1)
+            if initialize:
+                self._init_position_embeddings(seed - 1)
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerLayer(cfg, _cpu_generator(seed + 1 + i), device, dtype)
+                str(i): TransformerLayer(
+                    cfg, _placement(_cpu_generator(seed + 1 + i), device, dtype, initialize)
+                )
                 for i in self.layer_ids
             }
         )
@@ -437,11 +454,13 @@ def build_gpt_chunks(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    initialize: bool = True,
 ) -> list[GPTModel]:
     """This rank's chunks of the model (one, or vpp under interleaving), tied embeddings synced.
 
     Built directly on `device` (the CPU when None) in `dtype`, so the sync, a collective
     over the embedding group, runs where the parameters stay (NCCL needs them on the GPU).
+    `initialize=False`: no weights drawn, for a model a checkpoint is about to fill.
     Needs `megacore.parallel_state.initialize_model_parallel` first.
     """
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -461,6 +480,7 @@ def build_gpt_chunks(
                 seed=seed,
                 device=device,
                 dtype=dtype,
+                initialize=initialize,
             )
         )
     if vpp:
@@ -474,9 +494,6 @@ def num_parameters(cfg: GPTConfig) -> int:
     h, f, n = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
     layer = 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h
     return n * layer + cfg.vocab_size * h + cfg.max_position_embeddings * h + 2 * h
-
-
-RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 def _forward_flops(cfg: GPTConfig, batch: int, seq: int) -> tuple[float, float, float]:
