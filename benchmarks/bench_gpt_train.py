@@ -279,19 +279,24 @@ def summarize(
     }
 
 
-def profile_step(step, rows: int) -> list[dict]:
-    """One step under torch.profiler: the ops with the most self CPU time."""
+def profile_step(step, rows: int, cuda: bool = False) -> list[dict]:
+    """One step under torch.profiler: the ops with the most self CPU time, or with `cuda` the
+    most self GPU time (the kernels launched under each op)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1
     return [
         {
             "op": e.key,
-            "self_ms": round(e.self_cpu_time_total / 1e3, 2),
-            "share": round(e.self_cpu_time_total / total, 4),
+            "self_ms": round(getattr(e, attr) / 1e3, 2),
+            "share": round(getattr(e, attr) / total, 4),
             "calls": e.count,
         }
         for e in events[:rows]

@@ -49,6 +49,7 @@ from bench_gpt_train import (
     cpu_model,
     free_port,
     loader,
+    profile_step,
     random_docs,
     summarize,
     write_corpus,
@@ -93,6 +94,12 @@ def parse_args() -> argparse.Namespace:
     for name in ("layers", "hidden", "heads", "seq", "vocab"):
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face model")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more step of ours: top ops by time"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="ours with training.compile (HF stays eager)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the peak")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--seed", type=int, default=1234)
@@ -127,11 +134,11 @@ def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
         f'data.corpus="{corpus}"',
         "logging.tensorboard=false",
     ]
-    if args.micro_batch:
-        o += [
-            f"training.micro_batch_size={args.micro_batch}",
-            f"training.global_batch_size={args.micro_batch}",
-        ]
+    # One microbatch a step on both sides (HF's loader takes one): global batch = micro batch.
+    micro = args.micro_batch or load_config(args.config).training.micro_batch_size
+    o += [f"training.micro_batch_size={micro}", f"training.global_batch_size={micro}"]
+    if args.compile:
+        o.append("training.compile=true")
     if args.recompute != "auto":
         o.append(f'model.recompute="{args.recompute}"')
     for name, field in (("layers", "num_layers"), ("hidden", "hidden_size"),
@@ -195,6 +202,12 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
     seconds, losses = run_steps(
         lambda: train_step(run), args.warmup, args.iters, device, "megatrain"
     )
+    profile = None
+    if args.profile:
+        profile = profile_step(lambda: train_step(run), 30, cuda=device.type == "cuda")
+        for row in profile:
+            ms, share, calls = row["self_ms"], row["share"], row["calls"]
+            print(f"  {ms:9.2f} ms {share:6.1%} {calls:6d}  {row['op'][:90]}")
     return {
         "seconds": seconds,
         "losses": losses,
@@ -209,6 +222,7 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
         if args.precision == "fp32"
         else f"{args.precision} parameters, fp32 masters (MegatronOptimizer)",
         "digests": run.train_data.digests,
+        **({"profile_top_ops": profile} if profile else {}),
     }
 
 
@@ -327,6 +341,7 @@ def main() -> None:
             "tokens_per_step": tokens,
             "precision": args.precision,
             "recompute": m.recompute,
+            "compile": t.compile,
             "hidden_dropout": m.hidden_dropout,
             "attention_dropout": m.attention_dropout,
             "parameters_formula": num_parameters(model_config),

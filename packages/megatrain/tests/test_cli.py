@@ -103,6 +103,19 @@ def test_unknown_key_in_config_file(tmp_path, monkeypatch):
     assert result.exit_code == 2 and f"{bad}: unknown field training.batch" in result.output
 
 
+def test_more_ranks_than_gpus_is_refused_before_workers_start(corpus, monkeypatch):
+    """NCCL refuses two ranks on one GPU only once every worker runs (seen on an H100)."""
+    import torch
+
+    monkeypatch.setattr(launch, "launch", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = ["run", "--config", str(TINY), f'data.corpus="{corpus}"', "--nproc-per-node", "2"]
+    result = CliRunner().invoke(main, [*args, "parallel.pipeline_model_parallel_size=2"])
+    assert result.exit_code == 2, result.output
+    assert "--nproc-per-node 2 exceeds the 1 GPU(s)" in result.output
+
+
 def test_slurm_environment_is_adopted(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)

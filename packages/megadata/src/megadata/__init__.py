@@ -1,5 +1,8 @@
 """Corpus builder: raw documents to deduplicated, tokenized Arrow shards. Imports no torch."""
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = version("megadata")
+try:
+    __version__ = version("megadata")
+except PackageNotFoundError:  # run from the source tree (PYTHONPATH), not installed
+    __version__ = "0+source"

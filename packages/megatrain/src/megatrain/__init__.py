@@ -1,5 +1,8 @@
 """GPT-2 and BERT models and their training loop, built on megacore."""
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = version("megatrain")
+try:
+    __version__ = version("megatrain")
+except PackageNotFoundError:  # run from the source tree (PYTHONPATH), not installed
+    __version__ = "0+source"

@@ -37,6 +37,16 @@ def _default_nproc(config: Config, nnodes: int) -> int:
     return config.model_parallel_size
 
 
+def _check_gpus(nproc: int, gpus: int) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), after every worker has
+    started: say so before launching."""
+    if gpus and nproc > gpus:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} exceeds the {gpus} GPU(s) of this node: NCCL needs one "
+            f"GPU per rank (use more nodes, or CUDA_VISIBLE_DEVICES= to train on the CPU)"
+        )
+
+
 def _check_inputs(config: Config) -> None:
     """Refuse a missing or mismatched corpus or checkpoint here rather than in every worker."""
     from megatrain import checkpointing
@@ -118,6 +128,9 @@ def run_command(
             raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
         nproc = nproc_per_node or _default_nproc(config, nnodes)
         validate(config, nproc * nnodes)
+        import torch
+
+        _check_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         _check_inputs(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         click.echo(f"megatrain run: {e}", err=True)

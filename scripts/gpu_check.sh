@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The single-GPU paths on a CUDA machine, NCCL as the backend: train (bf16, tp=pp=dp=1), resume,
+# evaluate (WikiText-103, LAMBADA), generate, export to HF and back, the tests that need CUDA,
+# then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it.
+#
+#   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
+#
+# Runs from the source tree (PYTHONPATH), so it needs no `make install` on a GPU image that already
+# has torch, numpy, click, pyarrow, safetensors, tokenizers, tqdm, matplotlib and tensorboard.
+# Each step prints PASS/FAIL; the exit code is the number of failed steps.
+set -uo pipefail
+OUT=${1:-gpu-check}
+mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
+PY=$(command -v "${PYTHON:-python3}")
+[[ $PY == /* ]] || PY="$PWD/$PY"  # absolute, but not resolved: a venv's python is a link
+export PYTHONPATH="packages/megacore/src:packages/megatrain/src:packages/megaeval/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+CORPUS=${CORPUS:-data/corpus/default}
+# The console scripts, without installing the packages (`timeout` runs programs, not functions).
+mkdir -p "$OUT/bin"
+for tool in megatrain megaeval; do
+    printf '#!/bin/sh\nexec "%s" -c "import sys; from %s.cli import main; sys.argv[0] = \\"%s\\"; main()" "$@"\n' \
+        "$PY" "$tool" "$tool" >"$OUT/bin/$tool"
+    chmod +x "$OUT/bin/$tool"
+done
+export PATH="$OUT/bin:$PATH"
+failed=0
+step() {  # step NAME TIMEOUT COMMAND...: run, log to $OUT/NAME.log, report
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+        echo "PASS $name ($((SECONDS - start)) s)"
+    else
+        echo "FAIL $name (exit $?, $((SECONDS - start)) s); last lines:"
+        tail -15 "$OUT/$name.log" | sed 's/^/    /'
+        failed=$((failed + 1))
+    fi
+}
+
+"$PY" -c 'import torch; c = torch.cuda.is_available(); print("torch", torch.__version__, "cuda",
+  torch.version.cuda, torch.cuda.get_device_name(0) if c else "(no GPU)", "nccl", c and torch.cuda.nccl.version())'
+
+RUN="$OUT/run"
+TRAIN=(--config pipelines/models/gpt2-tiny.toml "data.corpus=\"$CORPUS\"" "training.output_dir=\"$RUN\""
+    training.precision=\"bf16\" training.eval_interval=20 logging.log_interval=10)
+step train 300 megatrain run "${TRAIN[@]}" training.train_iters=40 checkpoint.save_interval=20 --save "$RUN/ckpt"
+step resume 300 megatrain run "${TRAIN[@]}" training.train_iters=60 --save "$RUN/ckpt" --load "$RUN/ckpt"
+step wikitext103 300 megaeval wikitext103 --ckpt "$RUN/ckpt" --data "$CORPUS/eval/wiki.test.tokens" \
+    --seq-len 256 --stride 32 --json "$OUT/wikitext103.json"
+step lambada 300 megaeval lambada --ckpt "$RUN/ckpt" --data "$CORPUS/eval/lambada.jsonl" --json "$OUT/lambada.json"
+step generate 300 megatrain generate --ckpt "$RUN/ckpt" --prompt "The" --max-new-tokens 20
+step export-hf 300 megatrain export-hf --ckpt "$RUN/ckpt" --out "$RUN/hf"
+step import-hf 300 megatrain import-hf "$RUN/hf" --out "$RUN/reimported"
+step cuda-tests 600 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_speed_path.py \
+    packages/megatrain/tests/test_construction.py
+# NCCL with two ranks on one GPU: refused by some NCCL versions ("Duplicate GPU"); reported, not counted.
+if timeout 240 megatrain run --nproc-per-node 2 "${TRAIN[@]}" training.train_iters=20 \
+    parallel.pipeline_model_parallel_size=2 "training.output_dir=\"$OUT/pp2\"" >"$OUT/pp2-nccl.log" 2>&1; then
+    echo "PASS pp2-nccl-one-gpu (two ranks share the GPU)"
+else
+    echo "SKIP pp2-nccl-one-gpu: $(grep -m1 -iE 'duplicate gpu|error' "$OUT/pp2-nccl.log" | cut -c1-200)"
+fi
+exit "$failed"
