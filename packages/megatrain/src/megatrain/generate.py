@@ -122,7 +122,7 @@ def generation_worker(
 
     device, _ = init_distributed()
     ps.initialize_model_parallel(tp_size, 1)
-    loaded = load_model(ckpt, device)
+    loaded = load_model(ckpt, device, kind="gpt")
     results = []
     for text in prompts:
         ids = loaded.tokenizer.encode(text).ids

@@ -23,13 +23,14 @@ from megatrain.checkpointing import (
     read_meta,
 )
 from megatrain.config import Config
-from megatrain.models.gpt import GPTConfig, build_gpt_chunks
+from megatrain.models import build_model_chunks
+from megatrain.models.transformer import TransformerConfig
 
 
 @dataclass
 class LoadedModel:
     chunks: list  # this rank's pipeline chunks, in eval mode
-    config: GPTConfig
+    config: TransformerConfig
     meta: dict
     directory: Path  # the iteration directory
     tokenizer: "object"  # tokenizers.Tokenizer
@@ -68,9 +69,24 @@ def load_tokenizer(directory: Path, meta: dict):
     return tokenizer
 
 
-def model_config(meta: dict) -> GPTConfig:
+def model_kind(meta: dict) -> str:
+    """ "gpt" or "bert": the model.kind of the checkpoint's run config (GPT before BERT was)."""
+    return ((meta.get("config") or {}).get("model") or {}).get("kind", "gpt")
+
+
+def require_kind(meta: dict, kind: str, what: str, where) -> None:
+    """Refuse a checkpoint of another model kind for `what` (e.g. "generation")."""
+    found = model_kind(meta)
+    if found != kind:
+        raise CheckpointError(
+            f"{where}: holds a {found.upper()} model (model.kind = {found!r}); {what} needs a "
+            f"{kind.upper()} checkpoint"
+        )
+
+
+def model_config(meta: dict) -> TransformerConfig:
     """The checkpoint's model at this process's layout, for forward passes only."""
-    from megatrain.training import gpt_config
+    from megatrain import training
 
     config = Config.from_dict(meta["config"])
     config.parallel.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
@@ -78,19 +94,24 @@ def model_config(meta: dict) -> GPTConfig:
     config.parallel.virtual_pipeline_model_parallel_size = None
     config.parallel.sequence_parallel = False
     config.model.recompute = "none"
-    return gpt_config(config, meta["vocab_size"])
+    return training.model_config(config, meta["vocab_size"])
 
 
-def load_model(ckpt: str | Path, device: torch.device, dtype=torch.float32) -> LoadedModel:
-    """This rank's part of the checkpoint's model, in eval mode (every rank calls it)."""
+def load_model(
+    ckpt: str | Path, device: torch.device, dtype=torch.float32, kind: str | None = None
+) -> LoadedModel:
+    """This rank's part of the checkpoint's model (GPT or BERT, as its config says), in eval
+    mode (every rank calls it); `kind` refuses a checkpoint of another model kind."""
     directory = find_checkpoint(ckpt)
     meta = read_meta(directory)
+    if kind is not None:
+        require_kind(meta, kind, f"a {kind.upper()} model", directory)
     tokenizer = load_tokenizer(directory, meta)
     cfg = model_config(meta)
     # Built on `device` in `dtype` without drawing weights (the checkpoint fills every
     # parameter); loading casts the saved tensors to `dtype`, rounding them as `.to(dtype)`
     # would.
-    chunks = build_gpt_chunks(cfg, device=device, dtype=dtype, initialize=False)
+    chunks = build_model_chunks(model_kind(meta), cfg, device=device, dtype=dtype, initialize=False)
     params = named_params(chunks, loading=True)
     with torch.no_grad():
         _load_into(

@@ -35,8 +35,9 @@ upper bound there and the choice it leads to a safe one.
 """
 
 from megatrain.config import RECOMPUTE_CHOICES, Config
-from megatrain.models.gpt import GPTConfig
-from megatrain.training import gpt_config
+from megatrain.models.bert import MASKED_LM_PROB
+from megatrain.models.transformer import TransformerConfig as GPTConfig
+from megatrain.training import model_config
 
 GIB = 2**30
 # Memory of the GPUs configs are sized for (what the device reports, not the marketing GB).
@@ -67,16 +68,22 @@ def _layer_parameters_per_rank(cfg: GPTConfig, tp: int) -> int:
 
 def parameters_per_gpu(cfg: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
     """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
-    embeddings included).  At tp = pp = 1 this is `num_parameters(cfg)`."""
+    embeddings included).  At tp = pp = 1 this is the model's `parameter_count`.  A
+    bidirectional config is BERT: token types, and its heads on the last stage."""
     h = cfg.hidden_size
     count = cfg.num_layers // pp * _layer_parameters_per_rank(cfg, tp)
     words = cfg.vocab_size * h // tp
     if stage == 0:
-        count += words + cfg.max_position_embeddings * h
+        count += words + (cfg.max_position_embeddings + cfg.num_tokentypes) * h
+        if cfg.block_order == "post_ln":
+            count += 2 * h  # the embeddings' LayerNorm
     if stage == pp - 1:
-        count += 2 * h  # final LayerNorm
+        if cfg.block_order == "pre_ln":
+            count += 2 * h  # final LayerNorm
         if pp > 1:
             count += words  # the output layer's copy of the word embeddings
+        if not cfg.causal:  # BERT's LM head (dense, LayerNorm, vocab-split bias), pooler, SOP
+            count += (h * h + h) + 2 * h + cfg.vocab_size // tp + (h * h + h) + (2 * h + 2)
     return count
 
 
@@ -118,7 +125,7 @@ def memory_breakdown(
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size or 1
     dp = data_parallel_size or p.data_parallel_size or 1
-    cfg = gpt_config(config, vocab_size)
+    cfg = model_config(config, vocab_size)
     params = parameters_per_gpu(cfg, tp, pp, stage)
     state = params * _bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp)
 
@@ -134,7 +141,9 @@ def memory_breakdown(
     if recompute == "full":  # the layer being recomputed holds all of its activations
         activations += _activations_per_layer(config, "none")
     if stage == pp - 1:  # one microbatch reaches the loss at a time
-        activations += 4 * s * b * h / tp * (1 + v / h)
+        # BERT's masked LM takes the logits of the predicted tokens only.
+        predicted = 1.0 if cfg.causal else MASKED_LM_PROB
+        activations += 4 * s * b * h / tp * (1 + v / h) * predicted
     if t.precision == "fp32":
         activations *= 2
     return {

@@ -77,6 +77,9 @@ def format_line(record: dict) -> str:
     parts = [f"iteration {record['iteration']}/{record['train_iters']}"]
     fmt = {
         "loss": "loss {:.4f}",
+        "mlm_loss": "MLM {:.4f}",
+        "sop_loss": "SOP {:.4f}",
+        "sop_accuracy": "SOP acc {:.1%}",
         "lr": "lr {:.3e}",
         "grad_norm": "grad norm {:.3f}",
         "loss_scale": "loss scale {:.0f}",
@@ -87,6 +90,9 @@ def format_line(record: dict) -> str:
         "mfu": "MFU {:.1%}",
         "hfu": "HFU {:.1%}",
         "valid_loss": "valid loss {:.4f}",
+        "valid_mlm_loss": "valid MLM {:.4f}",
+        "valid_sop_loss": "valid SOP {:.4f}",
+        "valid_sop_accuracy": "valid SOP acc {:.1%}",
         "valid_ppl": "valid ppl {:.2f}",
     }
     for key, pattern in fmt.items():

@@ -24,22 +24,29 @@ def write_corpus(
     kind: str = "gpt2-bpe",
     batch_rows: int = 3,
     vocab_size: int = VOCAB,
+    sentence_ends: dict[str, list[list[list[int]]]] | None = None,
     **manifest_overrides,
 ) -> Path:
-    """A corpus directory in megadata's format: splits -> shards -> documents (token lists)."""
+    """A corpus directory in megadata's format: splits -> shards -> documents (token lists).
+
+    `sentence_ends`, shaped like `splits` (one list of ends per document), adds the
+    column that megadata writes for BERT corpora."""
     root.mkdir(parents=True, exist_ok=True)
     value_type = {"uint16": pa.uint16(), "uint32": pa.uint32()}[dtype]
-    schema = pa.schema([("doc_id", pa.string()), ("tokens", pa.list_(value_type))])
+    columns = [("doc_id", pa.string()), ("tokens", pa.list_(value_type))]
+    if sentence_ends is not None:
+        columns.append(("sentence_ends", pa.list_(pa.uint32())))
+    schema = pa.schema(columns)
     entries = {}
     for split, shards in splits.items():
         (root / split).mkdir(exist_ok=True)
         listed = []
         for i, docs in enumerate(shards):
             file = f"{split}/shard-{i:05d}.arrow"
-            table = pa.table(
-                {"doc_id": [f"{split}-{i}-{r}" for r in range(len(docs))], "tokens": docs},
-                schema=schema,
-            )
+            data = {"doc_id": [f"{split}-{i}-{r}" for r in range(len(docs))], "tokens": docs}
+            if sentence_ends is not None:
+                data["sentence_ends"] = sentence_ends[split][i]
+            table = pa.table(data, schema=schema)
             with pa.ipc.new_file(str(root / file), schema) as writer:
                 # Several record batches per shard, as megadata writes large shards.
                 for batch in table.to_batches(max_chunksize=batch_rows):
@@ -59,7 +66,7 @@ def write_corpus(
         }
     manifest = {
         "format_version": 1,
-        "sentence_boundaries": False,
+        "sentence_boundaries": sentence_ends is not None,
         "token_dtype": dtype,
         "tokenizer": {
             "eod_id": EOD,
@@ -128,3 +135,89 @@ def grammar_texts(n: int, seed: int = 0) -> list[str]:
             sentences.append(f"the {subject} {verbs[subject]} on the {place}.")
         out.append(" ".join(sentences))
     return out
+
+
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # megadata's, in its order
+STDLIB_MODULES = (
+    "argparse", "subprocess", "difflib", "doctest", "pickle", "typing", "statistics", "csv",
+    "shutil", "logging", "unittest", "json", "textwrap", "string", "collections", "functools",
+)  # fmt: skip
+
+
+def english_texts(min_chars: int = 400) -> list[str]:
+    """Real English that ships with Python, written by its authors: the docstrings of the
+    public functions and classes of a few standard-library modules."""
+    import importlib
+    import inspect
+    import warnings
+
+    texts, seen = [], set()
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        for attr in sorted(dir(module)):
+            if attr.startswith("_"):
+                continue
+            with warnings.catch_warnings():  # typing.io and typing.re warn when touched
+                warnings.simplefilter("ignore", DeprecationWarning)
+                obj = getattr(module, attr)
+                doc = "" if inspect.ismodule(obj) else inspect.getdoc(obj) or ""
+            if len(doc) >= min_chars and doc not in seen:
+                seen.add(doc)
+                texts.append(doc)
+    return texts
+
+
+def write_bert_text_corpus(
+    root: Path, texts: list[str], vocab_size: int = 1000, valid_every: int = 5, **kwargs
+):
+    """A bert-wordpiece corpus of real text as megadata's tokenize stage writes it: a
+    lowercase WordPiece tokenizer.json trained on the texts, sentences split by pysbd
+    (megadata's splitter), documents ending with [SEP] and their `sentence_ends`.
+    Returns (root, tokenizer, sentences: per split and shard, each document's
+    sentences as token lists); `kwargs` go to `write_corpus`."""
+    import pysbd
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=BERT_SPECIALS, show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    sep = tok.token_to_id("[SEP]")
+    segmenter = pysbd.Segmenter(language="en", clean=False)
+    docs, ends, sentences = [], [], []
+    for text in texts:
+        pieces = [s for s in (p.strip() for p in segmenter.segment(text)) if s]
+        encoded = [e.ids for e in tok.encode_batch(pieces, add_special_tokens=False)]
+        seq, bounds = [], []
+        for ids in encoded:
+            seq += ids
+            bounds.append(len(seq))
+        docs.append([*seq, sep])
+        ends.append(bounds)
+        sentences.append(encoded)
+
+    def split(items):
+        return {
+            "train": [[x for i, x in enumerate(items) if i % valid_every]],
+            "valid": [[x for i, x in enumerate(items) if not i % valid_every]],
+        }
+
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    write_corpus(
+        root,
+        split(docs),
+        kind="bert-wordpiece",
+        vocab_size=size,
+        sentence_ends=split(ends),
+        **kwargs,
+    )
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["tokenizer"].update(eod_id=sep, sha256=sha256(root / "tokenizer.json"))
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root, tok, split(sentences)

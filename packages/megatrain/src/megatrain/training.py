@@ -1,4 +1,8 @@
-"""The GPT training loop: one function, `train(config)`, run by every rank of the job.
+"""The training loop of GPT and BERT: one function, `train(config)`, run by every rank.
+
+`model.kind` picks the model, its corpus (GPT-2 BPE documents, or WordPiece with sentence
+ends for BERT), its samples (`data.GPTBatches` or `bert_data.BertBatches`) and its loss
+(next-token cross entropy; BERT's masked-LM plus sentence-order losses, logged apart).
 
 Per iteration: each data-parallel rank takes its G / dp samples of the global
 batch as G / (micro x dp) microbatches; the pipeline schedule of the layout
@@ -6,11 +10,13 @@ runs them forward and backward; megacore's DDP averages gradients over the
 data-parallel ranks (reduce-scatter under the distributed optimizer); the
 optimizer unscales, skips non-finite steps, clips to the global norm and takes
 the AdamW step; the learning rate follows warm-up and decay.  The loss is the
-mean over the global batch, identical to one process over the whole batch.
+mean over the global batch (BERT's: the mean over microbatches of each one's mean over its
+predicted tokens), identical to one process over the whole batch.
 """
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -30,13 +36,9 @@ from megatrain import data as data_lib
 from megatrain.config import Config, validate
 from megatrain.lr_schedule import learning_rate
 from megatrain.metrics import RunLog, device_peak_tflops
-from megatrain.models.gpt import (
-    GPTConfig,
-    build_gpt_chunks,
-    compile_layers,
-    hardware_flops_per_iteration,
-    model_flops_per_iteration,
-)
+from megatrain.models import build_model_chunks, flops_per_iteration
+from megatrain.models.bert import bert_config
+from megatrain.models.transformer import TransformerConfig, compile_layers
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,13 +61,14 @@ def init_distributed() -> tuple[torch.device, bool]:
     return device or torch.device("cpu"), created
 
 
-def gpt_config(config: Config, vocab_size: int) -> GPTConfig:
+def model_config(config: Config, vocab_size: int) -> TransformerConfig:
     """The model of a run config; `vocab_size` is the tokenizer's, padded here for TP."""
     m, p = config.model, config.parallel
     padded = tp.vocab_size_with_padding(
         vocab_size, p.tensor_model_parallel_size, m.make_vocab_size_divisible_by
     )
-    return GPTConfig(
+    make = bert_config if m.kind == "bert" else TransformerConfig
+    return make(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -80,7 +83,11 @@ def gpt_config(config: Config, vocab_size: int) -> GPTConfig:
         recompute=m.recompute,
         distribute_saved_activations=p.distribute_saved_activations,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+        block_order=m.block_order,
     )
+
+
+TOKENIZER_KINDS = {"gpt": "gpt2-bpe", "bert": "bert-wordpiece"}
 
 
 def open_corpus(config: Config, split: str) -> "data_lib.Corpus":
@@ -89,7 +96,7 @@ def open_corpus(config: Config, split: str) -> "data_lib.Corpus":
         config.data.corpus,
         split,
         vocab_size=config.model.vocab_size or None,
-        tokenizer_kind="gpt2-bpe",
+        tokenizer_kind=TOKENIZER_KINDS[config.model.kind],
         tokenizer_sha256=config.data.tokenizer_sha256,
         verify_sha256=config.data.verify_sha256,
     )
@@ -100,10 +107,10 @@ class Run:
     """Everything one rank holds while training."""
 
     config: Config
-    model_config: GPTConfig
+    model_config: TransformerConfig
     chunks: list
     optimizer: MegatronOptimizer
-    train_data: "data_lib.GPTBatches"
+    train_data: "data_lib.GPTBatches"  # or bert_data.BertBatches
     valid_corpus: "data_lib.Corpus"
     device: torch.device
     dtype: torch.dtype
@@ -112,23 +119,37 @@ class Run:
     history: dict = field(default_factory=lambda: {"loss": [], "valid": [], "grad_norm": []})
 
     @property
+    def kind(self) -> str:
+        return self.config.model.kind
+
+    @property
     def num_microbatches(self) -> int:
         t = self.config.training
         return t.global_batch_size // (t.micro_batch_size * self.dp_size)
 
 
-def _batches(config: Config, corpus: "data_lib.Corpus", dp: int) -> "data_lib.GPTBatches":
+def _batches(config: Config, corpus: "data_lib.Corpus", dp: int):
     """This data-parallel rank's microbatches of a split, in the paper's order."""
-    t = config.training
-    return data_lib.GPTBatches(
-        corpus,
-        seq_len=t.seq_length,
-        seed=t.seed,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=dp,
-    )
+    t, d = config.training, config.data
+    common = {
+        "seq_len": t.seq_length,
+        "seed": t.seed,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": dp,
+    }
+    if config.model.kind == "bert":
+        from megatrain.bert_data import BertBatches
+
+        return BertBatches(
+            corpus,
+            **common,
+            masked_lm_prob=d.masked_lm_prob,
+            max_ngram=d.max_ngram,
+            short_seq_prob=d.short_seq_prob,
+        )
+    return data_lib.GPTBatches(corpus, **common)
 
 
 def build_run(config: Config, device: torch.device) -> Run:
@@ -143,11 +164,11 @@ def build_run(config: Config, device: torch.device) -> Run:
     )
     train_corpus = open_corpus(config, "train")
     valid_corpus = open_corpus(config, "valid")
-    model_config = gpt_config(config, train_corpus.vocab_size)
+    transformer = model_config(config, train_corpus.vocab_size)
     dtype = PRECISION_DTYPES[t.precision]
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
-    chunks = build_gpt_chunks(model_config, t.seed, device=device, dtype=dtype)
+    chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
     if t.compile:
         chunks = [compile_layers(c) for c in chunks]
     chunks = [
@@ -183,30 +204,46 @@ def build_run(config: Config, device: torch.device) -> Run:
         chunks,
     )
     train_data = _batches(config, train_corpus, dp)
-    return Run(config, model_config, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)
+    return Run(config, transformer, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)
 
 
-def _to_device(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.as_tensor(batch["tokens"], dtype=torch.long).to(device, non_blocking=True)
-    labels = torch.as_tensor(batch["labels"], dtype=torch.long).to(device, non_blocking=True)
-    return tokens, labels
+def _to_device(batch: dict, device: torch.device) -> dict:
+    """A microbatch's arrays as tensors on `device`; BERT's loss_mask stays on the CPU, where
+    the model finds the positions it selects without a host sync."""
+    out = {}
+    for name, array in batch.items():
+        tensor = torch.as_tensor(array)
+        out[name] = tensor if name == "loss_mask" else tensor.to(device, non_blocking=True)
+    return out
 
 
 def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    losses = model(tokens, labels)
+    batch = next(data_iterator)
+    if "labels" in batch:  # GPT
+        output = model(batch["tokens"], batch["labels"])
+    else:  # BERT
+        output = model(
+            batch["tokens"],
+            batch["token_types"],
+            batch["padding_mask"],
+            batch["mlm_labels"],
+            batch["loss_mask"],
+            batch["sop_labels"],
+        )
 
     def loss_func(output):
-        if output.dim() != 2:  # a stage before the last hands on activations
-            return output, {}
-        loss = output.float().mean()
+        if isinstance(output, dict):  # BERT's last stage: its losses, logged apart
+            return output["loss"], {k: v.detach() for k, v in output.items()}
+        loss = output.float().mean()  # GPT's last stage: the loss per token
         return loss, {"loss": loss.detach()}
 
-    return losses, loss_func
+    return output, loss_func
 
 
-def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -> float:
-    """Run one global batch through the pipeline; return its mean loss (on every rank)."""
+def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -> dict:
+    """Run one global batch through the pipeline; return its mean loss and the model's other
+    statistics ({"loss": ..., BERT: "mlm_loss", "sop_loss", "sop_accuracy"}), as floats on
+    every rank."""
     t = run.config.training
     interleaved = len(run.chunks) > 1
     infos = pipe.get_forward_backward_func()(
@@ -226,30 +263,37 @@ def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -
         finalize_model_grads_func=None if forward_only else pipe.finalize_model_grads,
     )
     # The last stage holds the losses: average over DP, then share over the pipeline.
-    total = torch.zeros(1, device=run.device)
+    names = STATISTICS[run.kind]
+    total = torch.zeros(len(names), device=run.device)
     if infos:
-        total += torch.stack([i["loss"].float() for i in infos]).mean()
+        total += torch.stack([torch.stack([i[n].float() for n in names]) for i in infos]).mean(0)
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         total /= run.dp_size
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return total.item()
+    return dict(zip(names, total.tolist(), strict=True))
 
 
-def evaluate(run: Run) -> float:
-    """Mean loss over `eval_iters` global batches of the valid split, always from its start."""
+# What each model's last stage reports per microbatch ("loss" is what is trained).
+STATISTICS = {"gpt": ("loss",), "bert": ("loss", "mlm_loss", "sop_loss", "sop_accuracy")}
+
+
+def evaluate(run: Run, statistics: bool = False) -> float | dict:
+    """Mean loss over `eval_iters` global batches of the valid split, always from its start
+    (with `statistics`, every statistic of `forward_backward`, averaged)."""
     t = run.config.training
     batches = _batches(run.config, run.valid_corpus, run.dp_size)
     for c in run.chunks:
         c.eval()
-    losses = []
+    results = []
     with torch.no_grad():
         for _ in range(t.eval_iters):
             micro = [_to_device(next(batches), run.device) for _ in range(run.num_microbatches)]
-            losses.append(forward_backward(run, micro, forward_only=True))
+            results.append(forward_backward(run, micro, forward_only=True))
     for c in run.chunks:
         c.train()
-    return sum(losses) / len(losses)
+    mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    return mean if statistics else mean["loss"]
 
 
 def lr_for(config: Config, iteration: int) -> float:
@@ -271,11 +315,11 @@ def train_step(run: Run) -> dict:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     micro = [_to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
-    loss = forward_backward(run, micro)
+    stats = forward_backward(run, micro)
     ok, grad_norm, _ = run.optimizer.step()
     run.optimizer.zero_grad()
     run.iteration += 1
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "ok": ok}
+    return {**stats, "lr": lr, "grad_norm": grad_norm, "ok": ok}
 
 
 class StopSignal:
@@ -352,9 +396,8 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     peak, peak_source = device_peak_tflops(run.device, lg.peak_tflops)
     # MFU counts what the model needs; HFU also what recomputation runs again, so a run with
     # full recompute is not credited for redoing its forward (HFU = MFU without recompute).
-    flops = model_flops_per_iteration(run.model_config, t.global_batch_size, t.seq_length)
-    hardware_flops = hardware_flops_per_iteration(
-        run.model_config, t.global_batch_size, t.seq_length, run.model_config.recompute
+    flops, hardware_flops = flops_per_iteration(
+        run.kind, run.model_config, t.global_batch_size, t.seq_length
     )
     world = dist.get_world_size()
     log.info(
@@ -364,21 +407,24 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
         f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"
     )
     guard = NonFiniteLossGuard(t.max_nonfinite_losses)
-    interval_losses, interval_start = [], time.perf_counter()
+    interval, interval_start = [], time.perf_counter()
+    names = STATISTICS[run.kind]
     while run.iteration < t.train_iters:
         step = train_step(run)
         guard.check(step["loss"], run.iteration)
-        run.history["loss"].append(step["loss"])
+        for n in names:  # GPT: the loss; BERT: also its parts and the SOP accuracy
+            run.history.setdefault(n, []).append(step[n])
         run.history["grad_norm"].append(step["grad_norm"])
-        interval_losses.append(step["loss"])
+        interval.append([step[n] for n in names])
         record = None
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
-            elapsed = (time.perf_counter() - interval_start) / len(interval_losses)
+            elapsed = (time.perf_counter() - interval_start) / len(interval)
             tflops = flops / elapsed / world / 1e12  # model TFLOP/s per device
             record = {
                 "iteration": run.iteration,
                 "train_iters": t.train_iters,
-                "loss": sum(interval_losses) / len(interval_losses),
+                # The interval's means: the loss (BERT: and its parts, SOP accuracy).
+                **{n: sum(v[i] for v in interval) / len(interval) for i, n in enumerate(names)},
                 "lr": step["lr"],
                 "grad_norm": step["grad_norm"],
                 "loss_scale": run.optimizer.get_loss_scale(),
@@ -391,8 +437,10 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             }
         if run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters:
             record = record or {"iteration": run.iteration, "train_iters": t.train_iters}
-            record["valid_loss"] = evaluate(run)
-            record["valid_ppl"] = float(torch.tensor(record["valid_loss"]).exp())
+            valid = evaluate(run, statistics=True)
+            record.update({f"valid_{n}": v for n, v in valid.items()})
+            # GPT: the perplexity of the loss; BERT: of the masked LM.
+            record["valid_ppl"] = math.exp(min(valid.get("mlm_loss", valid["loss"]), 700))
             run.history["valid"].append((run.iteration, record["valid_loss"]))
         if record is not None:
             log.record(record)
@@ -406,7 +454,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
         ):
             _save(run, log)
         if record is not None:
-            interval_losses, interval_start = [], time.perf_counter()
+            interval, interval_start = [], time.perf_counter()
         if stopping:
             log.info(
                 f"megatrain: stopped by {stop.received or 'a signal'} at iteration {run.iteration}"

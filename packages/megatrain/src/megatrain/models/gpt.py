@@ -1,409 +1,68 @@
-"""GPT-2 (paper section 2.2) from megacore's tensor-parallel pieces.
+"""GPT-2 (paper section 2.2) on the shared transformer (`models/transformer.py`).
 
-Pre-LayerNorm blocks; attention heads split over TP ranks (QKV column-parallel,
-laid out per head as [q k v] so a contiguous slice is whole heads; projection
-row-parallel); GeLU MLP of ffn_hidden_size (4h) column- then row-parallel;
-learned positions; word embeddings split over the (padded) vocabulary and tied
-to the output layer; final LayerNorm; causal attention by
-`scaled_dot_product_attention`.  Activations are [sequence, batch, hidden].
+Pre-LayerNorm blocks, causal attention, GPT-2's tanh GeLU, learned positions, word
+embeddings tied to the output layer, a final LayerNorm: `TransformerConfig`'s defaults.
 
-Generation passes a `KVCache`: each attention layer appends its keys and values
-and attends over all cached positions, so a new token costs one position's work.
+Generation passes a `KVCache`: each attention layer appends its keys and values and
+attends over all cached positions, so a new token costs one position's work.
 
-`GPTModel` is the whole model or one pipeline chunk of it (`layer_ids`,
-`pre_process`, `post_process`).  Every piece is drawn from its own CPU
-`torch.Generator` (the word embeddings seeded `seed`, the positions `seed - 1`,
-layer i `seed + 1 + i`) at full size and then sliced, so any (tp, pp, vpp) layout
-holds the same numbers as one process.  The parameters are allocated on their
-device in their dtype and the slices copied there: drawing on the CPU keeps a
-GPU-built model equal to a CPU-built one, and private generators leave the
-global ones (which dropout uses) untouched, so building a model changes no
-random state.
+`GPTModel` is the whole model or one pipeline chunk of it (`layer_ids`, `pre_process`,
+`post_process`); `build_gpt_chunks` builds this rank's chunks.
 """
 
-from dataclasses import dataclass, field
-
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.utils import skip_init
 
-from megacore import parallel_state, pipeline_parallel
 from megacore import tensor_parallel as tp
-from megatrain.config import RECOMPUTE_CHOICES
+from megatrain.models.transformer import (
+    KVCache,
+    LanguageModel,
+    TransformerConfig,
+    bias_dropout_add,
+    bias_gelu,
+    build_chunks,
+    compile_layers,
+    layer_parameters,
+    recomputed_flops,
+    transformer_forward_flops,
+)
+
+# GPT's settings are TransformerConfig's defaults (pre_ln, causal, tanh GeLU, no token types).
+GPTConfig = TransformerConfig
+
+__all__ = [
+    "GPTConfig",
+    "GPTModel",
+    "KVCache",
+    "bias_dropout_add",
+    "bias_gelu",
+    "build_gpt_chunks",
+    "compile_layers",
+    "hardware_flops_per_iteration",
+    "model_flops_per_iteration",
+    "num_parameters",
+]
 
 
-@dataclass
-class GPTConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int  # padded: divisible by tp
-    max_position_embeddings: int
-    # The tokenizer's vocabulary; the logits of the padding rows above it are masked out,
-    # so the padding (which depends on tp) changes nothing a layout computes.
-    true_vocab_size: int | None = None
-    ffn_hidden_size: int | None = None
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
-    recompute: str = "none"  # none | selective | full
-    distribute_saved_activations: bool = False
-    sequence_parallel: bool = False
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-
-
-@dataclass
-class KVCache:
-    """Keys and values of the positions seen so far, per layer (local heads of this TP rank).
-
-    `offset` is the number of cached positions; `GPTModel.forward` advances it.
-    """
-
-    max_length: int
-    offset: int = 0
-    layers: dict = field(default_factory=dict)  # layer id -> (keys, values) [b, heads, max, d]
-
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [b, heads, s, d] at the next positions; all cached keys and values."""
-        b, heads, s, d = k.shape
-        end = self.offset + s
-        if end > self.max_length:
-            raise ValueError(f"KVCache: {end} positions exceed max_length={self.max_length}")
-        if layer_id not in self.layers:
-            shape = (b, heads, self.max_length, d)
-            self.layers[layer_id] = (k.new_empty(shape), v.new_empty(shape))
-        keys, values = self.layers[layer_id]
-        keys[:, :, self.offset : end] = k
-        values[:, :, self.offset : end] = v
-        return keys[:, :, :end], values[:, :, :end]
-
-
-def _layer_norm(cfg: GPTConfig, device=None, dtype=torch.float32) -> nn.LayerNorm:
-    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
-    for p in ln.parameters():  # replicated; under sequence parallelism their grads are partial
-        p.sequence_parallel = cfg.sequence_parallel
-    return ln
-
-
-def _cpu_generator(seed: int) -> torch.Generator:
-    """A private generator for one piece of the model: it draws what torch.manual_seed(seed)
-    would make the default CPU generator draw, without touching the global state."""
-    return torch.Generator(device="cpu").manual_seed(seed)
-
-
-def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
-    """Dropout of a replicated activation: one mask on every TP rank, or, when each rank holds
-    other tokens (sequence parallelism), a mask of its own from the model-parallel stream."""
-    if not (training and p):
-        return x
-    if sequence_parallel:
-        with tp.get_rng_tracker().fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
-
-
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GPT-2's GeLU (tanh approximation) of x + bias.
-
-    The column-parallel fc1 leaves its bias out (`skip_bias_add`) so the add and the GeLU
-    are one elementwise expression: one kernel under `training.compile`; in eager the add
-    is a pass of its own, as in Megatron without its fusion (a plain function, not
-    TorchScript: deprecated, and it fuses nothing on a CPU).  The same numbers as adding
-    the bias in the linear, up to rounding.
-    """
-    return F.gelu(x + bias, approximate="tanh")
-
-
-def bias_dropout_add(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    p: float,
-    training: bool,
-    sequence_parallel: bool = False,
-) -> torch.Tensor:
-    """residual + dropout(x + bias): the end of each half of a block, Megatron's fused op.
-
-    The row-parallel layers leave their bias out (`skip_bias_add`) so the bias, the dropout
-    and the residual add are one elementwise expression (one kernel under `training.compile`).
-    The dropout draws the same mask as `_dropout` would: the same generator, the same shape.
-    """
-    if bias is not None:
-        x = x + bias
-    return residual + _dropout(x, p, training, sequence_parallel)
-
-
-def _placement(generator, device, dtype, initialize: bool = True) -> dict:
-    """The keyword arguments that put a tensor-parallel layer's parameters in place: on
-    `device` in `dtype`, drawn from `generator`, or left undrawn (`initialize=False`) when
-    a checkpoint will overwrite them."""
-    return {
-        "generator": generator,
-        "device": device,
-        "params_dtype": dtype,
-        "perform_initialization": initialize,
-    }
-
-
-def _layer_norm_in(cfg: GPTConfig, place: dict) -> nn.LayerNorm:
-    return _layer_norm(cfg, place["device"], place["params_dtype"])
-
-
-class ParallelAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, place: dict):
-        super().__init__()
-        h, sp = cfg.hidden_size, cfg.sequence_parallel
-        self.cfg = cfg
-        self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
-        self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
-        std = cfg.init_method_std
-        self.qkv = tp.ColumnParallelLinear(
-            h, 3 * h, sequence_parallel=sp, init_method=tp.init_method_normal(std), **place
-        )
-        self.proj = tp.RowParallelLinear(
-            h,
-            h,
-            input_is_parallel=True,
-            sequence_parallel=sp,
-            skip_bias_add=True,  # added in bias_dropout_add
-            init_method=tp.scaled_init_method_normal(std, cfg.num_layers),
-            **place,
-        )
-
-    def _core(self, q, k, v):
-        # The flash-eligible call (bf16/fp16 on CUDA): no attn_mask (is_causal instead of a
-        # materialized s x s mask), 4-D [b, heads, s, d] inputs with head_dim <= 256, and the
-        # last dimension of stride 1.  Flash takes the batch, head and sequence strides as
-        # they come, so the permuted views of the QKV output need no contiguous() copy.
-        p = self.cfg.attention_dropout if self.training else 0.0
-        if not p:  # no random numbers needed (so none need seeding, e.g. for evaluation)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        with tp.get_rng_tracker().fork():  # local heads: another mask on each TP rank
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-
-    def _cached_core(self, q, k, v, cache: KVCache, layer_id: int):
-        offset = cache.offset
-        k, v = cache.append(layer_id, k, v)
-        s = q.shape[2]
-        if offset == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # Query i sits at position offset + i and sees keys up to there.
-        mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(offset)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The projected output without its bias, and that bias (for bias_dropout_add)."""
-        qkv, _ = self.qkv(x)
-        s, b = qkv.shape[:2]
-        # [s, b, heads, 3, d] -> three of [b, heads, s, d]
-        q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
-        if cache is not None:
-            out = self._cached_core(q, k, v, cache, layer_id)
-        elif self.cfg.recompute == "selective":  # the s x s part is cheap to redo, costly to keep
-            out = tp.checkpoint(self._core, False, q, k, v)
-        else:
-            out = self._core(q, k, v)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        return self.proj(out)
-
-
-class ParallelMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, place: dict):
-        super().__init__()
-        h, sp, std = cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std
-        tp.divide_by_tp(cfg.ffn_hidden_size, "ffn_hidden_size")
-        self.fc1 = tp.ColumnParallelLinear(
-            h,
-            cfg.ffn_hidden_size,
-            sequence_parallel=sp,
-            init_method=tp.init_method_normal(std),
-            skip_bias_add=True,  # added in bias_gelu
-            **place,
-        )
-        self.fc2 = tp.RowParallelLinear(
-            cfg.ffn_hidden_size,
-            h,
-            input_is_parallel=True,
-            sequence_parallel=sp,
-            skip_bias_add=True,  # added in bias_dropout_add
-            init_method=tp.scaled_init_method_normal(std, cfg.num_layers),
-            **place,
-        )
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output without fc2's bias, and that bias (for bias_dropout_add)."""
-        hidden, bias = self.fc1(x)
-        return self.fc2(bias_gelu(hidden, bias))
-
-
-class TransformerLayer(nn.Module):
-    """One block, its parameters placed by `place` (`_placement`); its weights are drawn
-    from the placement's generator in order (qkv, proj, fc1, fc2)."""
-
-    def __init__(self, cfg: GPTConfig, place: dict):
-        super().__init__()
-        self.cfg = cfg
-        self.ln1 = _layer_norm_in(cfg, place)
-        self.attention = ParallelAttention(cfg, place)
-        self.ln2 = _layer_norm_in(cfg, place)
-        self.mlp = ParallelMLP(cfg, place)
-
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer_id: int = 0
-    ) -> torch.Tensor:
-        p, sp = self.cfg.hidden_dropout, self.cfg.sequence_parallel
-        out, bias = self.attention(self.ln1(x), cache, layer_id)
-        x = bias_dropout_add(out, bias, x, p, self.training, sp)
-        out, bias = self.mlp(self.ln2(x))
-        return bias_dropout_add(out, bias, x, p, self.training, sp)
-
-
-class GPTModel(nn.Module):
+class GPTModel(LanguageModel):
     """The whole GPT-2, or one pipeline chunk: `forward(tokens, labels)` gives the loss per token
     [b, s] on the last stage, the activations [s, b, h] before it, and logits (this rank's
-    vocabulary slice, [s, b, v/tp]) when `labels` is None.
+    vocabulary slice, [s, b, v/tp]) when `labels` is None.  See `LanguageModel` for how it
+    is built."""
 
-    Built directly on `device` in `dtype` (see the module docstring for the numbers);
-    a last stage's copy of the tied word embeddings is zero until `build_gpt_chunks`
-    syncs it.  `initialize=False` skips drawing the weights (their values are whatever
-    the memory held), for a model a checkpoint is about to overwrite."""
-
-    def __init__(
-        self,
-        cfg: GPTConfig,
-        layer_ids=None,
-        pre_process: bool = True,
-        post_process: bool = True,
-        seed: int = 1234,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        initialize: bool = True,
-    ):
-        super().__init__()
-        self.config = cfg
-        self.pre_process, self.post_process = pre_process, post_process
-        self.input_tensor = None
-        if pre_process:
-            self.embedding = tp.VocabParallelEmbedding(
-                cfg.vocab_size,
-                cfg.hidden_size,
-                perform_initialization=False,  # _init_word_embeddings: padding rows zero
-                params_dtype=dtype,
-                device=device,
-            )
-            if initialize:
-                self._init_word_embeddings(seed)
-            # skip_init: nn.Embedding's own init would draw from the global generator.  It
-            # builds on "meta" and stays there when told device=None: name the CPU.
-            self.position_embedding = skip_init(
-                nn.Embedding,
-                cfg.max_position_embeddings,
-                cfg.hidden_size,
-                device="cpu" if device is None else device,
-                dtype=dtype,
-            )
-            if initialize:
-                self._init_position_embeddings(seed - 1)
-        self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
-        self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(
-                    cfg, _placement(_cpu_generator(seed + 1 + i), device, dtype, initialize)
-                )
-                for i in self.layer_ids
-            }
-        )
-        if post_process:
-            self.final_layernorm = _layer_norm(cfg, device, dtype)
+    def __init__(self, cfg: GPTConfig, *args, **kwargs):
+        if not cfg.causal or cfg.num_tokentypes:
+            raise ValueError("GPTModel: needs causal attention and no token types")
+        super().__init__(cfg, *args, **kwargs)
+        if self.post_process:
             self.output_layer = tp.ColumnParallelLinear(
                 cfg.hidden_size,
                 cfg.vocab_size,
                 bias=False,
                 sequence_parallel=cfg.sequence_parallel,
                 skip_weight_param_allocation=True,
-                params_dtype=dtype,
-                device=device,
+                params_dtype=kwargs.get("dtype", torch.float32),
+                device=kwargs.get("device"),
             )
-            if pre_process:
-                self.output_weight = None  # the word embeddings themselves
-            else:  # a copy on the last stage, kept equal by megacore.pipeline_parallel
-                rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
-                self.output_weight = nn.Parameter(
-                    torch.zeros(rows, cfg.hidden_size, device=device, dtype=dtype)
-                )
-                tp.set_tensor_model_parallel_attributes(self.output_weight, True, 0)
-                self.output_weight.shared_embedding = True
-        if pre_process and not post_process:
-            self.embedding.weight.shared_embedding = True
-
-    @torch.no_grad()
-    def _init_word_embeddings(self, seed: int) -> None:
-        """Rows of the real vocabulary drawn as one matrix, padding rows zero: the same numbers
-        whatever the padding (which depends on tp)."""
-        cfg = self.config
-        rows = cfg.true_vocab_size or cfg.vocab_size
-        full = torch.zeros(cfg.vocab_size, cfg.hidden_size)
-        init = tp.init_method_normal(cfg.init_method_std)
-        init(full[:rows], generator=_cpu_generator(seed))
-        world = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        self.embedding.weight.copy_(tp.shard_of(full, 0, rank, world))
-
-    @torch.no_grad()
-    def _init_position_embeddings(self, seed: int) -> None:
-        """Drawn on the CPU in float32, like every other weight, then copied into place."""
-        weight = self.position_embedding.weight
-        full = torch.empty(weight.shape)
-        tp.init_method_normal(self.config.init_method_std)(full, generator=_cpu_generator(seed))
-        weight.copy_(full)
-
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """The pipeline schedule hands a non-first stage its input here."""
-        self.input_tensor = tensor
-
-    def embed(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        end = offset + tokens.shape[1]
-        if end > self.config.max_position_embeddings:
-            raise ValueError(
-                f"GPTModel: sequence of {end} tokens is longer than the position table "
-                f"(max_position_embeddings={self.config.max_position_embeddings})"
-            )
-        positions = torch.arange(offset, end, device=tokens.device)
-        x = self.embedding(tokens) + self.position_embedding(positions)
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.config.sequence_parallel:
-            x = tp.scatter_to_sequence_parallel_region(x)
-        return _dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
-
-    def run_layers(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        for i, layer in self.layers.items():
-            if self.config.recompute == "full" and self.training:
-                x = tp.checkpoint(layer, self.config.distribute_saved_activations, x)
-            elif cache is None:
-                # No layer id when there is no cache to key: under training.compile one
-                # compiled graph then serves every layer (an id would recompile per layer).
-                x = layer(x)
-            else:
-                x = layer(x, cache, int(i))
-        return x
-
-    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        true_vocab = self.config.true_vocab_size
-        local = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
-        if true_vocab is None or start + local <= true_vocab:
-            return logits
-        keep = max(0, true_vocab - start)
-        padding = torch.arange(local, device=logits.device) >= keep
-        return logits.masked_fill(padding, float("-inf"))
 
     def forward(
         self,
@@ -414,38 +73,17 @@ class GPTModel(nn.Module):
         """`cache` (generation, one pipeline stage): continue after its cached positions."""
         offset = cache.offset if cache is not None else 0
         x = self.embed(tokens, offset) if self.pre_process else self.input_tensor
-        x = self.run_layers(x, cache)
+        x = self.run_layers(x, cache=cache)
         if cache is not None:
             cache.offset += tokens.shape[1]
         if not self.post_process:
             return x
-        weight = self.embedding.weight if self.output_weight is None else self.output_weight
-        logits, _ = self.output_layer(self.final_layernorm(x), weight=weight)
-        logits = self._mask_padding(logits)
+        logits, _ = self.output_layer(x, weight=self.tied_output_weight())
+        logits = self.mask_padding(logits)
         if labels is None:
             return logits
         losses = tp.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
         return losses.t()  # [b, s]
-
-
-def compile_layers(model: GPTModel) -> GPTModel:
-    """torch.compile each TransformerLayer of `model` in place (`training.compile`).
-
-    Per layer, not the whole model: the graph is one block (LayerNorms, bias + GeLU, bias +
-    dropout + residual fused; the matmuls and attention stay library kernels), compiled once
-    and reused by every layer, and full recompute's `tp.checkpoint` stays outside it, calling
-    the compiled layer in forward and again in backward.  Dynamo breaks the graph at what it
-    cannot trace, the RNG tracker's fork (generator state swaps), selective recompute's
-    checkpoint, and runs those eagerly, so the dropout masks and the recompute are the
-    eager ones.  With tp > 1 the tensor-parallel collectives sit in the same graph.
-    `Module.compile` keeps the parameter names (no `_orig_mod.` prefix), so checkpoints do
-    not change.  `fallback_random`: dropout draws from torch's generators as in eager, so a
-    seed gives the same masks with compile on or off (inductor's own in-kernel random
-    numbers would be a little faster and draw other masks).
-    """
-    for layer in model.layers.values():
-        layer.compile(options={"fallback_random": True})
-    return model
 
 
 def build_gpt_chunks(
@@ -456,63 +94,26 @@ def build_gpt_chunks(
     dtype: torch.dtype = torch.float32,
     initialize: bool = True,
 ) -> list[GPTModel]:
-    """This rank's chunks of the model (one, or vpp under interleaving), tied embeddings synced.
-
-    Built directly on `device` (the CPU when None) in `dtype`, so the sync, a collective
-    over the embedding group, runs where the parameters stay (NCCL needs them on the GPU).
-    `initialize=False`: no weights drawn, for a model a checkpoint is about to fill.
-    Needs `megacore.parallel_state.initialize_model_parallel` first.
-    """
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = []
-    for v in range(vpp or 1):
-        if vpp:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
-        layer_ids = pipeline_parallel.layers_for(cfg.num_layers, rank, pp, vpp, virtual_rank=v)
-        chunks.append(
-            GPTModel(
-                cfg,
-                layer_ids,
-                pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(),
-                seed=seed,
-                device=device,
-                dtype=dtype,
-                initialize=initialize,
-            )
-        )
-    if vpp:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-    pipeline_parallel.sync_shared_embeddings(chunks)
-    return chunks
+    """This rank's GPT chunks (see `transformer.build_chunks`)."""
+    return build_chunks(GPTModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
 
 
 def num_parameters(cfg: GPTConfig) -> int:
     """Parameters of the whole model (tied embeddings counted once), from the config alone."""
-    h, f, n = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-    layer = 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h
-    return n * layer + cfg.vocab_size * h + cfg.max_position_embeddings * h + 2 * h
+    h = cfg.hidden_size
+    return (
+        cfg.num_layers * layer_parameters(cfg)
+        + cfg.vocab_size * h
+        + cfg.max_position_embeddings * h
+        + 2 * h
+    )
 
 
 def _forward_flops(cfg: GPTConfig, batch: int, seq: int) -> tuple[float, float, float]:
     """FLOPs of one forward pass of the whole model, in three parts the recompute modes redo
-    differently: (the layers' dense matmuls, the layers' attention cores, the logits).
-
-    Only matrix multiplies count, a multiply-add as 2 FLOPs (Narayanan et al. 2021, appendix).
-    Per layer, for B s tokens: QKV 2Bsh(3h), projection 2Bsh^2, MLP 2Bsh(f) twice, so
-    8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); the attention core, scores QK^T 2Bs^2h and scores x V
-    2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper counts it, though a causal kernel
-    skips the masked half).  The logits 2BshV once.  Embeddings, LayerNorm, GeLU, softmax and
-    dropout are not matmuls and are left out.
-    """
-    b, s, n, h = batch, seq, cfg.num_layers, cfg.hidden_size
-    f, v = cfg.ffn_hidden_size, cfg.vocab_size
-    dense = n * (8 * b * s * h * h + 4 * b * s * h * f)
-    core = n * 4 * b * s * s * h
-    logits = 2 * b * s * h * v
-    return dense, core, logits
+    differently: (the layers' dense matmuls, the layers' attention cores, the logits 2BshV)."""
+    dense, core = transformer_forward_flops(cfg, batch, seq)
+    return dense, core, 2 * batch * seq * cfg.hidden_size * cfg.vocab_size
 
 
 def model_flops_per_iteration(cfg: GPTConfig, global_batch: int, seq_length: int) -> float:
@@ -542,9 +143,5 @@ def hardware_flops_per_iteration(
       2022): 72 B s l h^2 (1 + s/6h + V/12lh) + 4 B s^2 h l
       = 72 B s l h^2 (1 + 2s/9h + V/12lh).
     """
-    recompute = cfg.recompute if recompute is None else recompute
-    if recompute not in RECOMPUTE_CHOICES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
-    dense, core, _ = _forward_flops(cfg, global_batch, seq_length)
-    again = {"none": 0.0, "selective": core, "full": dense + core}[recompute]
-    return model_flops_per_iteration(cfg, global_batch, seq_length) + again
+    model = model_flops_per_iteration(cfg, global_batch, seq_length)
+    return model + recomputed_flops(cfg, global_batch, seq_length, recompute)

@@ -1,0 +1,219 @@
+"""BERT (paper section 3, Table 4, Fig. 7) on the shared transformer (`models/transformer.py`).
+
+Bidirectional attention with a key-padding mask, BERT's exact GeLU, two token types, and
+either block order: "pre_ln" is the paper's architecture (b), LayerNorm on the input of
+attention and MLP plus a final LayerNorm, which trains stably as BERT grows; "post_ln" is
+the original BERT's (a), LayerNorm after each residual add and on the embeddings.
+
+The heads, on the last pipeline stage, as Megatron's BERT:
+
+- masked LM: dense h -> h, GeLU, LayerNorm, then the word embeddings (tied, split over the
+  vocabulary) with a vocabulary-parallel bias; the cross entropy is taken through
+  `vocab_parallel_cross_entropy` on the masked positions only (picked before the head, so
+  the logits of the other 85% are never computed), averaged over them.
+- sentence-order prediction: the pooler (dense + tanh on [CLS]'s final hidden state) and
+  a 2-way linear head; label 1 = the segments were swapped.
+
+The heads are replicated over TP ranks and run on the whole sequence: under sequence
+parallelism the final hidden states are gathered first, with a backward that only splits
+(every TP rank then computes the same heads on the same tokens, so their gradients need no
+reduction).  Their weights are drawn from private generators below the transformer's
+(`seed - 3`: LM head, `seed - 4`: pooler, `seed - 5`: SOP head), so every layout holds the
+same numbers.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megacore import tensor_parallel as tp
+from megatrain.models.transformer import (
+    GELUS,
+    LanguageModel,
+    TransformerConfig,
+    _cpu_generator,
+    _layer_norm,
+    build_chunks,
+    layer_parameters,
+    recomputed_flops,
+    transformer_forward_flops,
+)
+
+# The fraction of tokens BERT predicts (its masking rate), for the FLOP count.
+MASKED_LM_PROB = 0.15
+
+
+def bert_config(**fields) -> TransformerConfig:
+    """A TransformerConfig with BERT's settings (bidirectional, erf GeLU, two token types,
+    pre_ln unless `block_order="post_ln"`, LayerNorm epsilon 1e-12 as BERT's)."""
+    settings = {"causal": False, "gelu": "erf", "num_tokentypes": 2, "layernorm_epsilon": 1e-12}
+    return TransformerConfig(**{**settings, **fields})
+
+
+def _replicated_linear(cfg, rows: int, cols: int, seed: int, device, dtype, initialize):
+    """nn.Linear(cols -> rows), weight N(0, std) from its own generator, bias zero."""
+    layer = nn.Linear(cols, rows, device="cpu" if device is None else device, dtype=dtype)
+    if initialize:
+        full = torch.empty(rows, cols)
+        tp.init_method_normal(cfg.init_method_std)(full, generator=_cpu_generator(seed))
+        with torch.no_grad():
+            layer.weight.copy_(full)
+            layer.bias.zero_()
+    return layer
+
+
+class BertModel(LanguageModel):
+    """The whole BERT, or one pipeline chunk.
+
+    `forward(tokens, token_types, padding_mask, ...)` with [b, s] inputs (`padding_mask`
+    True on real tokens).  A stage before the last returns its activations [s, b, h].  The
+    last stage returns, given `mlm_labels` [b, s], `loss_mask` [b, s] (1 where a token is to
+    be predicted) and `sop_labels` [b], a dict of scalar tensors: "mlm_loss" (mean over the
+    predicted tokens), "sop_loss", "sop_accuracy" and "loss" (their sum); without labels,
+    (masked-LM logits [s, b, v/tp] of every position, SOP logits [b, 2]).  Pass `loss_mask`
+    on the CPU to spare a host sync: the positions it selects are found there.
+    """
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        layer_ids=None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        seed: int = 1234,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        initialize: bool = True,
+    ):
+        if cfg.causal or cfg.num_tokentypes < 1:
+            raise ValueError("BertModel: needs bidirectional attention and token types")
+        super().__init__(
+            cfg,
+            layer_ids,
+            pre_process,
+            post_process,
+            seed,
+            device=device,
+            dtype=dtype,
+            initialize=initialize,
+        )
+        if not post_process:
+            return
+        h = cfg.hidden_size
+        self.lm_dense = _replicated_linear(cfg, h, h, seed - 3, device, dtype, initialize)
+        self.lm_layernorm = _layer_norm(cfg, device, dtype)
+        for p in self.lm_layernorm.parameters():
+            p.sequence_parallel = False  # after the gather: every rank sees every token
+        self.lm_output = tp.ColumnParallelLinear(
+            h,
+            cfg.vocab_size,
+            bias=False,
+            skip_weight_param_allocation=True,
+            params_dtype=dtype,
+            device=device,
+        )
+        rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
+        self.lm_bias = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype))
+        tp.set_tensor_model_parallel_attributes(self.lm_bias, True, 0)
+        self.pooler = _replicated_linear(cfg, h, h, seed - 4, device, dtype, initialize)
+        self.sop_head = _replicated_linear(cfg, 2, h, seed - 5, device, dtype, initialize)
+
+    def _mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> this rank's vocabulary slice of the logits [..., v/tp]."""
+        x = F.gelu(self.lm_dense(hidden), approximate=GELUS[self.config.gelu])
+        logits, _ = self.lm_output(self.lm_layernorm(x), weight=self.tied_output_weight())
+        return self.mask_padding(logits + self.lm_bias)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        token_types: torch.Tensor,
+        padding_mask: torch.Tensor,
+        mlm_labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        sop_labels: torch.Tensor | None = None,
+    ):
+        device = tokens.device if self.pre_process else self.input_tensor.device
+        # Keys to attend, broadcast over heads and queries: [b, 1, 1, s].
+        mask = padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        x = self.embed(tokens, token_types=token_types) if self.pre_process else self.input_tensor
+        x = self.run_layers(x, mask)
+        if not self.post_process:
+            return x
+        if self.config.sequence_parallel:
+            x = tp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        pooled = torch.tanh(self.pooler(x[0]))  # [CLS] is position 0
+        sop_logits = self.sop_head(pooled)
+        if mlm_labels is None:
+            return self._mlm_logits(x), sop_logits
+        s, b, h = x.shape
+        # The positions to predict, in the [s, b] order of x, found where loss_mask lives.
+        picked = loss_mask.t().reshape(-1).nonzero().squeeze(1).to(x.device, non_blocking=True)
+        targets = mlm_labels.to(x.device).t().reshape(-1).index_select(0, picked)
+        logits = self._mlm_logits(x.reshape(s * b, h).index_select(0, picked))
+        mlm_losses = tp.vocab_parallel_cross_entropy(logits.float(), targets)
+        mlm_loss = mlm_losses.sum() / max(1, picked.numel())
+        sop_labels = sop_labels.to(x.device)
+        sop_loss = F.cross_entropy(sop_logits.float(), sop_labels)
+        accuracy = (sop_logits.argmax(-1) == sop_labels).float().mean()
+        return {
+            "loss": mlm_loss + sop_loss,
+            "mlm_loss": mlm_loss,
+            "sop_loss": sop_loss,
+            "sop_accuracy": accuracy,
+        }
+
+
+def build_bert_chunks(
+    cfg: TransformerConfig,
+    seed: int = 1234,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    initialize: bool = True,
+) -> list[BertModel]:
+    """This rank's BERT chunks (see `transformer.build_chunks`)."""
+    return build_chunks(BertModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
+
+
+def num_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of the whole BERT (tied embeddings counted once), from the config alone."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    embeddings = v * h + cfg.max_position_embeddings * h + cfg.num_tokentypes * h
+    norms = 2 * h  # the final LayerNorm (pre_ln) or the embeddings' (post_ln)
+    heads = (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)  # LM head, pooler, SOP
+    return cfg.num_layers * layer_parameters(cfg) + embeddings + norms + heads
+
+
+def _forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float, float]:
+    """(the layers' dense matmuls, the attention cores, the heads) of one forward pass; the
+    MLM head runs on the predicted 15% of the tokens: 2 B m h (h + V), m = 0.15 s."""
+    dense, core = transformer_forward_flops(cfg, batch, seq)
+    predicted = batch * seq * MASKED_LM_PROB
+    h = cfg.hidden_size
+    return dense, core, 2 * predicted * h * (h + cfg.vocab_size) + 2 * batch * h * (h + 2)
+
+
+def model_flops_per_iteration(cfg: TransformerConfig, global_batch: int, seq_length: int) -> float:
+    """Model FLOPs of one BERT training iteration (forward once, backward twice), whatever is
+    recomputed: the numerator of MFU, as `gpt.model_flops_per_iteration`."""
+    return 3 * sum(_forward_flops(cfg, global_batch, seq_length))
+
+
+def hardware_flops_per_iteration(
+    cfg: TransformerConfig, global_batch: int, seq_length: int, recompute: str | None = None
+) -> float:
+    """Model FLOPs plus what recomputation runs again (the numerator of HFU)."""
+    model = model_flops_per_iteration(cfg, global_batch, seq_length)
+    return model + recomputed_flops(cfg, global_batch, seq_length, recompute)
+
+
+__all__ = [
+    "BertModel",
+    "bert_config",
+    "build_bert_chunks",
+    "hardware_flops_per_iteration",
+    "model_flops_per_iteration",
+    "num_parameters",
+]

@@ -1,0 +1,130 @@
+"""BERT pretraining under real gloo process groups, against the same run in one process.
+
+One 1-rank spawn trains the tiny BERT of both block orders (pre_ln: the paper's (b);
+post_ln: the original (a)) for 3 steps; one 8-rank spawn trains the same at tensor,
+pipeline (interleaved), data, sequence parallel layouts with the distributed optimizer and
+full or selective recompute.  The masked-LM and SOP losses, the gradient norms and the
+validation loss must equal the one-process run's; every rank runs under NCCL's rules
+(run_distributed's default).  The corpus is real English (Python's docstrings) tokenized
+as megadata's BERT corpora are: WordPiece with sentence ends.
+"""
+
+import math
+
+import pytest
+
+from megacore.testing import run_distributed
+from megatrain.config import load_config
+from megatrain.testing import english_texts, write_bert_text_corpus
+from megatrain.training import train
+
+STEPS = 3
+FP32_TOL = 2e-5  # as the GPT layouts: fp32 summation order only
+ORDERS = ("pre_ln", "post_ln")
+LAYOUTS = {
+    "tp2-pp2-vpp2-dp2-seqpar-full": [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        'model.recompute="full"',
+    ],
+    "tp4-pp2-distopt-selective": [
+        "parallel.tensor_model_parallel_size=4",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.use_distributed_optimizer=true",
+        'model.recompute="selective"',
+    ],
+    "dp8-distopt-overlap": [
+        "parallel.use_distributed_optimizer=true",
+        "parallel.overlap_param_gather=true",
+    ],
+}
+# post_ln runs fewer layouts (the spawn's time): the ones that split its extra LayerNorms.
+POST_LN_LAYOUTS = ("tp2-pp2-vpp2-dp2-seqpar-full", "dp8-distopt-overlap")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert-corpus")
+    write_bert_text_corpus(root, english_texts(), vocab_size=1000)
+    return str(root)
+
+
+def _config(corpus, out, order, overrides=()):
+    return load_config(
+        None,
+        [
+            'model.kind="bert"',
+            f"model.block_order={order!r}",
+            f"data.corpus={corpus!r}",
+            f"training.output_dir={out!r}",
+            "model.num_layers=4",
+            "model.hidden_size=32",
+            "model.num_attention_heads=4",
+            "model.max_position_embeddings=32",
+            "model.hidden_dropout=0.0",
+            "model.attention_dropout=0.0",
+            "training.seq_length=32",
+            "training.micro_batch_size=2",
+            "training.global_batch_size=16",
+            f"training.train_iters={STEPS}",
+            f"training.eval_interval={STEPS}",
+            "training.eval_iters=2",
+            "optimizer.lr=0.005",
+            "optimizer.min_lr=0.0005",
+            "optimizer.lr_warmup_iters=1",
+            "logging.log_interval=1",
+            "logging.tensorboard=false",
+            "logging.peak_tflops=1.0",
+            *overrides,
+        ],
+    )
+
+
+def _one_process(corpus, out):
+    return {order: train(_config(corpus, f"{out}/{order}", order)) for order in ORDERS}
+
+
+def _layouts(corpus, out):
+    runs = {}
+    for order in ORDERS:
+        for name, overrides in LAYOUTS.items():
+            if order == "post_ln" and name not in POST_LN_LAYOUTS:
+                continue
+            runs[order, name] = train(_config(corpus, f"{out}/{order}-{name}", order, overrides))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bert-one")
+    return run_distributed(_one_process, 1, args=(corpus, str(out)), timeout=300)[0]
+
+
+def test_bert_one_process_logs_both_losses(one_process):
+    for order, run in one_process.items():
+        assert len(run["loss"]) == len(run["mlm_loss"]) == len(run["sop_loss"]) == STEPS
+        for loss, mlm, sop in zip(run["loss"], run["mlm_loss"], run["sop_loss"], strict=True):
+            assert loss == pytest.approx(mlm + sop, abs=1e-5)
+            assert 0.3 < sop < 1.2, (order, run["sop_loss"])  # about ln 2 at the start
+        # The masked LM starts near ln(vocabulary) and its steps lower it.
+        assert run["mlm_loss"][0] > math.log(1000) - 1.0, (order, run["mlm_loss"])
+        assert run["mlm_loss"][-1] < run["mlm_loss"][0], (order, run["mlm_loss"])
+        assert 0.0 <= run["sop_accuracy"][0] <= 1.0
+    # The two block orders are different functions of the same weights.
+    assert one_process["pre_ln"]["loss"][0] != one_process["post_ln"]["loss"][0]
+
+
+def test_bert_layouts_match_one_process(corpus, one_process, tmp_path):
+    runs = run_distributed(_layouts, 8, args=(corpus, str(tmp_path)), timeout=600)[0]
+    assert len(runs) == len(LAYOUTS) + len(POST_LN_LAYOUTS)
+    for (order, name), run in runs.items():
+        reference = one_process[order]
+        for key in ("loss", "mlm_loss", "sop_loss"):
+            for a, b in zip(run[key], reference[key], strict=True):
+                assert abs(a - b) < FP32_TOL, (order, name, key, run[key], reference[key])
+        for a, b in zip(run["grad_norm"], reference["grad_norm"], strict=True):
+            assert abs(a - b) < FP32_TOL * b, (order, name, run["grad_norm"])
+        (it, valid), (ref_it, ref_valid) = run["valid"][-1], reference["valid"][-1]
+        assert it == ref_it == STEPS and abs(valid - ref_valid) < FP32_TOL, (order, name)
