@@ -128,3 +128,36 @@ def test_bert_layouts_match_one_process(corpus, one_process, tmp_path):
             assert abs(a - b) < FP32_TOL * b, (order, name, run["grad_norm"])
         (it, valid), (ref_it, ref_valid) = run["valid"][-1], reference["valid"][-1]
         assert it == ref_it == STEPS and abs(valid - ref_valid) < FP32_TOL, (order, name)
+
+
+def _resume_and_reshard(corpus, out):
+    """post_ln (its embedding LayerNorm too) at tp2-dp2 with the distributed optimizer:
+    6 steps straight; 3 steps, a save, 3 more after loading at the same layout; and 3
+    more after loading at pp2-dp2."""
+    ckpt = f"{out}/ckpt"
+    tp2 = [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.use_distributed_optimizer=true",
+        "training.train_iters=6",
+        "training.eval_interval=3",
+    ]
+    pp2 = ["parallel.pipeline_model_parallel_size=2", *tp2[2:]]
+    full = train(_config(corpus, f"{out}/full", "post_ln", tp2))
+    saving = [*tp2, "training.exit_interval=3", f"checkpoint.save={ckpt!r}"]
+    first = train(_config(corpus, f"{out}/first", "post_ln", saving))
+    second = train(_config(corpus, f"{out}/second", "post_ln", [*tp2, f"checkpoint.load={ckpt!r}"]))
+    moved = train(_config(corpus, f"{out}/pp2", "post_ln", [*pp2, f"checkpoint.load={ckpt!r}"]))
+    return full, first, second, moved
+
+
+def test_bert_resumes_bitwise_and_reshards(corpus, tmp_path):
+    full, first, second, moved = run_distributed(
+        _resume_and_reshard, 4, args=(corpus, str(tmp_path)), timeout=300
+    )[0]
+    assert first["stopped_at"] == 3
+    for key in ("loss", "mlm_loss", "sop_loss", "grad_norm"):
+        assert first[key] + second[key] == full[key], key  # bitwise
+    assert second["valid"] == [v for v in full["valid"] if v[0] > 3]
+    for key in ("loss", "mlm_loss", "sop_loss"):
+        for a, b in zip(moved[key], full[key][3:], strict=True):
+            assert abs(a - b) < FP32_TOL, (key, moved[key], full[key])
