@@ -16,7 +16,7 @@ from megaeval.errors import EvalDataError, EvalSettingsError
 @click.version_option(__version__, prog_name="megaeval")
 def main() -> None:
     """Evaluate megatrain checkpoints as the paper did: WikiText103
-    perplexity, LAMBADA cloze accuracy, and fine-tuning tasks.
+    perplexity, LAMBADA cloze accuracy (BERT fine-tuning is not built yet).
 
     Run `megaeval COMMAND --help` for one evaluation.
     """

@@ -182,7 +182,7 @@ def generate_command(
     from megatrain import launch
     from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
     from megatrain.generate import Sampling, generation_worker
-    from megatrain.inference import check_layout, load_tokenizer
+    from megatrain.inference import check_layout, load_tokenizer, require_kind
 
     try:
         sampling = Sampling(
@@ -196,6 +196,7 @@ def generate_command(
         )
         directory = find_checkpoint(ckpt)
         meta = read_meta(directory)
+        require_kind(meta, "gpt", "generation", directory)
         load_tokenizer(directory, meta)
         check_layout(meta, tp, 1, directory)
     except (CheckpointError, ValueError) as e:
@@ -213,7 +214,7 @@ def generate_command(
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
-@main.command("export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2.")
+@main.command("export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2 or BERT.")
 @click.option(
     "--ckpt",
     required=True,
@@ -223,9 +224,11 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True)
 def export_hf_command(ckpt, out, dtype):
-    """Write the GPT-2 of --ckpt as a Hugging Face directory (config.json, model.safetensors,
-    tokenizer files) that `transformers.GPT2LMHeadModel.from_pretrained` and `AutoTokenizer`
-    load.  Needs transformers: pip install 'megatrain[hf]'."""
+    """Write the GPT-2 or BERT of --ckpt as a Hugging Face directory (config.json,
+    model.safetensors, tokenizer files) that `AutoTokenizer` and
+    `transformers.GPT2LMHeadModel.from_pretrained` load, or for a BERT
+    `MegatronBertForPreTraining` (block_order pre_ln) or `BertForPreTraining` (post_ln).
+    Needs transformers: pip install 'megatrain[hf]'."""
     from megatrain.hf import export_hf
 
     try:
@@ -235,7 +238,7 @@ def export_hf_command(ckpt, out, dtype):
     click.echo(f"megatrain export-hf: wrote {out}")
 
 
-@main.command("import-hf", short_help="Import a Hugging Face GPT-2 as a checkpoint.")
+@main.command("import-hf", short_help="Import a Hugging Face GPT-2 or BERT as a checkpoint.")
 @click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--out",
@@ -248,13 +251,16 @@ def export_hf_command(ckpt, out, dtype):
     "tokenizer_file",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="Keep this tokenizer.json (e.g. the corpus's, so its sha256 matches) instead of "
-    "HF_DIR's vocab.json + merges.txt or tokenizer.json.",
+    help="Keep this tokenizer.json (e.g. the corpus's, so its sha256 matches), or for a BERT "
+    "build it from this vocab.txt, instead of HF_DIR's vocab.json + merges.txt (GPT-2) or "
+    "vocab.txt (BERT), else its tokenizer.json.",
 )
 def import_hf_command(hf_dir, out, tokenizer_file):
-    """Write the GPT2LMHeadModel of HF_DIR (config.json, model.safetensors or
-    pytorch_model.bin, tokenizer) as a megatrain checkpoint of weights only, which
-    `megatrain run --load OUT` fine-tunes from (iteration 0, fresh optimizer)."""
+    """Write the GPT2LMHeadModel, BertForPreTraining or MegatronBertForPreTraining of
+    HF_DIR (config.json, model.safetensors or pytorch_model.bin, tokenizer) as a megatrain
+    checkpoint of weights only, which `megatrain run --load OUT` fine-tunes from (iteration
+    0, fresh optimizer); a BERT becomes model.kind "bert", block_order post_ln (BERT) or
+    pre_ln (MegatronBERT)."""
     from megatrain.hf import import_hf
 
     try:

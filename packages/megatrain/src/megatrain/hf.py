@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 export and import (`megatrain export-hf`, `megatrain import-hf`).
+"""Hugging Face GPT-2 export and import (`megatrain export-hf`, `megatrain import-hf`); both
+dispatch a BERT to `hf_bert`.
 
 Our GPT-2 and `transformers.GPT2LMHeadModel` compute the same function; only the
 storage differs:
@@ -169,7 +170,8 @@ def _hf_tokenizer(tokenizer_file: Path, eod: str, max_length: int, out: Path) ->
 
 
 def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True):
-    """Write the model of checkpoint `ckpt` as a Hugging Face GPT-2 directory `out`."""
+    """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`: a GPT-2, or
+    for a BERT (model.kind "bert") what `hf_bert.export_bert` writes."""
     torch_dtype = dtype_of(dtype)
     try:
         import transformers
@@ -185,7 +187,13 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
             f"{tokenizer_file} does not exist: export needs the tokenizer the model was trained "
             "with (saved there from the corpus directory's tokenizer.json)"
         )
+    from megatrain.inference import model_kind
+
     meta, state = read_full_state(ckpt, progress=progress)
+    if model_kind(meta) == "bert":
+        from megatrain.hf_bert import export_bert
+
+        return export_bert(meta, state, tokenizer_file, out, dtype)
     tok_info = meta.get("tokenizer") or {}
     if tok_info.get("kind", TOKENIZER_KIND) != TOKENIZER_KIND or "eod_id" not in tok_info:
         raise CheckpointError(
@@ -367,12 +375,19 @@ def import_hf(
     hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None
 ) -> Path:
     """Write the GPT2LMHeadModel of `hf_dir` as a megatrain checkpoint (iteration 0, weights
-    only) under `out_ckpt`; returns the iteration directory."""
+    only) under `out_ckpt`; returns the iteration directory.  A BERT (config.json's model_type
+    "bert" or "megatron-bert") goes to `hf_bert.import_bert`."""
     from tokenizers import Tokenizer
 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
-        raise HFFormatError(f"{hf_dir} is not a directory: expected a Hugging Face GPT-2 model")
+        raise HFFormatError(
+            f"{hf_dir} is not a directory: expected a Hugging Face GPT-2 or BERT model"
+        )
+    from megatrain import hf_bert
+
+    if hf_bert.is_bert(hf_dir):  # config.json's model_type "bert" or "megatron-bert"
+        return hf_bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
     c = read_hf_config(hf_dir)
     tokenizer_bytes = read_hf_tokenizer(hf_dir, tokenizer_file)
     tok = Tokenizer.from_str(tokenizer_bytes.decode())
@@ -399,22 +414,40 @@ def import_hf(
     # One dropout for embeddings and residuals here; HF's resid_pdrop stands for both.
     m.hidden_dropout, m.attention_dropout = float(c["resid_pdrop"]), float(c["attn_pdrop"])
     m.init_method_std, m.layernorm_epsilon = c["initializer_range"], c["layer_norm_epsilon"]
+    padded = checked_padding(config, hf_dir)
+    weights = from_hf_state(tensors, m.num_layers, m.num_attention_heads, padded)
+    imported = {"hf_dir": str(hf_dir.resolve()), "embd_pdrop": c["embd_pdrop"]}
+    return write_imported(out_ckpt, config, weights, tokenizer_bytes, eod_id, imported)
+
+
+def checked_padding(config: Config, hf_dir: Path) -> int:
+    """Validate an imported model's run config (refused naming config.json); its padded
+    vocabulary at tp 1.  Sets the sequence length to what the positions allow."""
+    m = config.model
     config.training.seq_length = min(config.training.seq_length, m.max_position_embeddings)
     try:
         validate(config)
     except ConfigError as e:
         raise HFFormatError(f"{hf_dir / 'config.json'}: {e}") from e
-    padded = vocab_size_with_padding(vocab, 1, m.make_vocab_size_divisible_by)
-    weights = from_hf_state(tensors, m.num_layers, m.num_attention_heads, padded)
+    return vocab_size_with_padding(m.vocab_size, 1, m.make_vocab_size_divisible_by)
+
+
+def write_imported(
+    out_ckpt, config: Config, weights: dict, tokenizer_bytes: bytes, eod_id: int, imported: dict
+) -> Path:
+    """An imported model as a megatrain checkpoint of weights only (iteration 0, tp = pp = 1),
+    which `megatrain run --load` fine-tunes from; returns the iteration directory."""
+    m = config.model
+    vocab = m.vocab_size
     meta = {
         "iteration": 0,
         "model": {k: getattr(m, k) for k in MODEL_FIELDS},
-        "padded_vocab_size": padded,
+        "padded_vocab_size": vocab_size_with_padding(vocab, 1, m.make_vocab_size_divisible_by),
         "vocab_size": vocab,
         "tokenizer": {
             "eod_id": eod_id,
             "file": "tokenizer.json",
-            "kind": TOKENIZER_KIND,
+            "kind": {"gpt": TOKENIZER_KIND, "bert": "bert-wordpiece"}[m.kind],
             "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
             "vocab_size": vocab,
         },
@@ -430,6 +463,6 @@ def import_hf(
         "data": None,
         "optimizer": None,  # weights only: a run starts from them at iteration 0
         "dtype": str(weights["embedding.weight"].dtype).removeprefix("torch."),
-        "imported_from": {"hf_dir": str(hf_dir.resolve()), "embd_pdrop": c["embd_pdrop"]},
+        "imported_from": imported,
     }
     return write_checkpoint(out_ckpt, meta, weights, None, tokenizer_bytes)
