@@ -47,6 +47,7 @@ FAST = CrawlSettings(
     concurrency=8,
     per_host=4,
     host_delay=0.0,
+    allow_private=True,  # the site is on 127.0.0.1 (test_crawl_address.py: refused without it)
 )
 NO_ARTICLE = (
     "<html><head><title>Photos</title></head><body><nav><a href='/'>Home</a> | "
@@ -465,6 +466,7 @@ def test_a_killed_crawl_resumes(site, tmp_path):
     url_list = write_list(tmp_path / "urls.txt", urls)
     out = tmp_path / "out"
     args = [str(url_list), "--out", str(out), "--per-host", "2", "--host-delay", "0"]
+    args.append("--allow-private")
     code = "import sys; from megadata.crawl import crawl_command; crawl_command(sys.argv[1:])"
     process = subprocess.Popen([sys.executable, "-c", code, *args, "--no-progress"])
     deadline = time.monotonic() + 20
@@ -568,7 +570,8 @@ def test_cli_crawls_and_prints_the_reasons(site, tmp_path):
     url_list = write_list(tmp_path / "urls.txt", small_list(site, tmp_path))
     out = tmp_path / "out"
     args = ["crawl", str(url_list), "--out", str(out), "--host-delay", "0", "--timeout", "1"]
-    result = CliRunner().invoke(main, [*args, "--backoff", "0", "--no-progress"])
+    args += ["--allow-private", "--backoff", "0", "--no-progress"]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "URL lists: 1 file, 10 URLs (0 duplicates" in result.output
     assert "http 404" in result.output and "not html: image/png" in result.output

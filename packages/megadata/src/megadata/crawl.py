@@ -9,6 +9,10 @@ stage = filter | fetch | extract, reason, maybe detail), keyed by the
 normalised URL; a URL listed twice is fetched once and counted as a duplicate.
 `DIR/summary.json` holds the counts per reason.
 
+Only hosts on the public internet are fetched: a URL or redirect whose host resolves to
+a loopback, private, link-local or other non-global address ends in errors.jsonl with
+that reason, unless `--allow-private` (an intranet crawl; the tests' local server).
+
 Lines are appended whole and flushed, so a crawl killed at any moment resumes
 from the two files: a rerun drops a cut-off last line, skips every URL the files
 hold and does the rest.
@@ -17,6 +21,7 @@ hold and does the rest.
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections import Counter
@@ -26,9 +31,12 @@ import click
 from tqdm import tqdm
 
 from megadata.crawl_fetch import (
+    AddressCheck,
     CrawlSettings,
     Fetcher,
     HostScheduler,
+    Resolver,
+    check_address,
     crawl_url,
     error_record,
 )
@@ -123,12 +131,14 @@ def fetch_all(
     blacklist: Blacklist,
     output: CrawlOutput,
     progress: bool,
+    check: AddressCheck | None = check_address,
+    resolve: Resolver = socket.getaddrinfo,
 ) -> None:
     """Fetch `urls` with `settings.concurrency` threads, each URL's record written as it ends."""
     if not urls:
         return
     hosts = HostScheduler(settings.per_host, settings.host_delay, window=64 * settings.concurrency)
-    fetcher = Fetcher(settings, blacklist, hosts)
+    fetcher = Fetcher(settings, blacklist, hosts, check, resolve)
     bar = tqdm(total=len(urls), unit="url", desc="crawl", disable=not progress)
     bar_lock, failures = threading.Lock(), []
 
@@ -164,8 +174,17 @@ def fetch_all(
         raise failures[0]
 
 
-def crawl(url_files, out_dir, settings: CrawlSettings | None = None, progress: bool = True) -> dict:
-    """Crawl the URLs of `url_files` into `out_dir`, resuming what is there; the summary."""
+def crawl(
+    url_files,
+    out_dir,
+    settings: CrawlSettings | None = None,
+    progress: bool = True,
+    *,
+    check: AddressCheck | None = check_address,
+    resolve: Resolver = socket.getaddrinfo,
+) -> dict:
+    """Crawl the URLs of `url_files` into `out_dir`, resuming what is there; the summary.
+    `check` and `resolve` decide where requests may connect (ignored with allow_private)."""
     settings = settings or CrawlSettings()
     started = time.monotonic()
     out_dir = Path(out_dir)
@@ -189,7 +208,7 @@ def crawl(url_files, out_dir, settings: CrawlSettings | None = None, progress: b
                     filtered += 1
                 else:
                     to_fetch.append(url)
-            fetch_all(to_fetch, settings, blacklist, output, progress)
+            fetch_all(to_fetch, settings, blacklist, output, progress, check, resolve)
         finally:
             output.close()
     reasons: dict = {}
@@ -326,6 +345,12 @@ _list_file = click.Path(exists=True, dir_okay=False, path_type=Path)
     show_default=True,
     type=click.FloatRange(min=0),
     help="Seconds between request starts to one host.",
+)
+@click.option(
+    "--allow-private",
+    is_flag=True,
+    help="Also fetch hosts on loopback, private, link-local and other non-global addresses "
+    "(off: such URLs and redirects are refused, the reason in errors.jsonl).",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def crawl_command(url_files, out_dir, no_progress, **options):

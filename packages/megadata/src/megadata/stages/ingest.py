@@ -6,24 +6,69 @@ Formats (`kind` of a source in the recipe):
 - `jsonl`: one JSON object per line with `text` and optionally `url`, `title`, `source`;
 - `html`: web pages; the article text and title are extracted with newspaper3k;
 - `wikipedia`: a MediaWiki XML dump (.xml or .xml.bz2), articles only (namespace
-  0, no redirects), wiki markup stripped with mwparserfromhell.
+  0, no redirects), wiki markup stripped with mwparserfromhell: templates, tables,
+  references, file/image links with their captions, category and interlanguage
+  links, headings of sections left empty and the parentheses they leave empty
+  (`Paris (; born ...)`) are removed.
 
-Bad input never stops the run: bytes that are not UTF-8 are replaced, an empty
-file, a line that is not JSON or has no text are skipped; each is counted and
-named (file and line) in a warning.
+Bad input never stops the run and never lands in the corpus mangled. What is
+skipped (a line or file that is not UTF-8, a line that is not JSON, is nested too
+deeply or has no text, a document over `max_doc_bytes`, an empty file, a page the
+XML or wiki parser rejects, a compressed file cut short: the documents before it
+are kept) and what is repaired (NUL characters and lone UTF-16 surrogates removed,
+a UTF-8 byte-order mark dropped silently) is counted by kind in the stage's
+statistics, named with file and line in a warning (the first `WARNINGS_PER_FILE` of
+a file) and listed in full, one JSON line each, in `<stage dir>/_problems/<task>.jsonl`.
+A document is never cut: over `max_doc_bytes` (a source option, 16 MiB by default)
+it is skipped whole, and a line that long is read past in chunks, never held.
 """
 
 import bz2
 import gzip
 import json
 import logging
+import lzma
+import re
 import xml.etree.ElementTree as ET
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from megadata.documents import text_bytes, write_docs
+from megadata.documents import atomic_write_bytes, text_bytes, write_docs
 
 log = logging.getLogger("megadata.ingest")
+
+DEFAULT_MAX_DOC_BYTES = 16 * 2**20  # 3x the crawler's page cap; Wikipedia's longest is ~1 MB
+WARNINGS_PER_FILE = 20  # problems of a file named in the log; all are in _problems/
+PROBLEMS_DIR = "_problems"
+_CHUNK = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_FIELDS = ("text", "url", "title", "source")
+
+
+class _Notes:
+    """Counts a file's problems by kind (into `problems`: the stage's statistics), names
+    each in a warning (the first WARNINGS_PER_FILE) and lists it in `listed` (if given)."""
+
+    def __init__(self, path: Path, problems: dict, listed: list | None):
+        self.path, self.problems, self.listed, self.warned = path, problems, listed, 0
+
+    def __call__(self, kind: str, line: int | None, message: str, action: str) -> None:
+        self.problems[kind] = self.problems.get(kind, 0) + 1
+        where = f"{self.path}:{line}" if line else str(self.path)
+        if self.listed is not None:
+            record = {"file": str(self.path), "line": line, "problem": kind}
+            self.listed.append({**record, "detail": message, "action": action})
+        if self.warned < WARNINGS_PER_FILE:
+            log.warning("%s: %s; %s", where, message, action)
+        elif self.warned == WARNINGS_PER_FILE:
+            log.warning(
+                "%s: more problems not named here (all are counted, and listed under %s/)",
+                self.path,
+                PROBLEMS_DIR,
+            )
+        self.warned += 1
 
 
 def _open_binary(path: Path):
@@ -34,52 +79,182 @@ def _open_binary(path: Path):
     return open(path, "rb")
 
 
-def _decode(data: bytes, path: Path, problems: dict) -> str:
+def _max_doc_bytes(options: dict) -> int:
+    value = options.get("max_doc_bytes", DEFAULT_MAX_DOC_BYTES)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_doc_bytes must be a positive integer, got {value!r}")
+    return value
+
+
+def _lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, bytes, size) per line of a binary file, a UTF-8 byte-order mark dropped;
+    the bytes are None for a line of more than `limit` bytes, read past in chunks, never held."""
+    number = 0
+    while raw := f.readline(limit + 1):
+        number += 1
+        whole = len(raw) <= limit or raw.endswith(b"\n")
+        if number == 1:
+            raw = raw.removeprefix(_BOM)
+        if whole:
+            yield number, raw, len(raw)
+            continue
+        size = len(raw)
+        while chunk := f.readline(_CHUNK):
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+                break
+        yield number, None, size
+
+
+def _read_at_most(f, limit: int) -> tuple[bytes | None, int]:
+    """(the whole contents, size), or (None, size) when over `limit` bytes (read past)."""
+    data = f.read(limit + 1)
+    if len(data) <= limit:
+        return data, len(data)
+    size = len(data)
+    del data
+    while chunk := f.read(_CHUNK):
+        size += len(chunk)
+    return None, size
+
+
+def _too_large(note: _Notes, line: int | None, size: int, limit: int, what: str) -> None:
+    note("too_large", line, f"{what} of {size} bytes is over max_doc_bytes = {limit}", "skipped")
+
+
+def _decode(data: bytes, note: _Notes, line: int | None, what: str) -> str | None:
+    """Strict UTF-8, or None with the problem noted (line: of the first bad byte)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        problems["not_utf8"] = problems.get("not_utf8", 0) + 1
-        log.warning("%s: not UTF-8 (%s); undecodable bytes replaced with U+FFFD", path, e.reason)
-        return data.decode("utf-8", errors="replace")
+        at = line if line is not None else data.count(b"\n", 0, e.start) + 1
+        note("not_utf8", at, f"not UTF-8 ({e.reason} at byte {e.start})", f"{what} skipped")
+        return None
 
 
-def read_text(path: Path, split: str, problems: dict) -> Iterator[dict]:
-    with _open_binary(path) as f:
-        text = _decode(f.read(), path, problems)
-    if split == "file":
-        pieces = [text]
-    elif split == "line":
-        pieces = text.splitlines()
-    elif split == "paragraph":
-        pieces = text.replace("\r\n", "\n").split("\n\n")
-    else:
+def _without_nul(text: str, note: _Notes, line: int | None) -> str:
+    if "\x00" in text:
+        note("nul_chars", line, f"{text.count(chr(0))} NUL characters", "removed")
+        text = text.replace("\x00", "")
+    return text
+
+
+# ---------------------------------------------------------------- text
+
+
+def read_text(
+    path: Path,
+    split: str,
+    problems: dict,
+    *,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    listed: list | None = None,
+) -> Iterator[dict]:
+    if split not in ("file", "line", "paragraph"):
         raise ValueError(f"source {path}: split must be file, line or paragraph, got {split!r}")
-    for piece in pieces:
-        if piece.strip():
-            yield {"text": piece.strip()}
+    return _read_text(path, split, _Notes(path, problems, listed), max_doc_bytes)
 
 
-def read_jsonl(path: Path, problems: dict) -> Iterator[dict]:
+def _read_text(path: Path, split: str, note: _Notes, limit: int) -> Iterator[dict]:
     with _open_binary(path) as f:
-        for number, raw in enumerate(f, 1):
-            line = _decode(raw, path, problems).strip()
-            if not line:
+        if split == "file":
+            data, size = _read_at_most(f, limit)
+            if data is None:
+                _too_large(note, None, size, limit, "file")
+                return
+            text = _decode(data.removeprefix(_BOM), note, None, "file")
+            if text is not None and (text := _without_nul(text, note, None).strip()):
+                yield {"text": text}
+            return
+        if split == "line":
+            for number, raw, size in _lines(f, limit):
+                if raw is None:
+                    _too_large(note, number, size, limit, "line")
+                    continue
+                text = _decode(raw, note, number, "line")
+                for piece in _without_nul(text or "", note, number).splitlines():
+                    if piece.strip():
+                        yield {"text": piece.strip()}
+            return
+        # paragraph: the lines up to an empty one ("\n\n" separates, as it always did); a
+        # paragraph with a line that is not UTF-8, or over the size limit, is skipped whole
+        lines: list[str] = []
+        start, size, skipped = None, 0, False
+        for number, raw, length in _lines(f, limit):
+            if raw in (b"\n", b"\r\n"):
+                if lines and not skipped and (text := "\n".join(lines).strip()):
+                    yield {"text": text}
+                lines, start, size, skipped = [], None, 0, False
+                continue
+            start, size = start or number, size + length
+            if skipped:
+                continue
+            if raw is None or size > limit:
+                _too_large(note, start, size, limit, "paragraph")
+                lines, skipped = [], True
+                continue
+            text = _decode(raw, note, number, "paragraph")
+            if text is None:
+                lines, skipped = [], True
+                continue
+            text = _without_nul(text, note, number)
+            lines.append(text[:-1].removesuffix("\r") if text.endswith("\n") else text)
+        if lines and not skipped and (text := "\n".join(lines).strip()):
+            yield {"text": text}
+
+
+# ---------------------------------------------------------------- jsonl
+
+
+def read_jsonl(
+    path: Path,
+    problems: dict,
+    *,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    listed: list | None = None,
+) -> Iterator[dict]:
+    note = _Notes(path, problems, listed)
+    with _open_binary(path) as f:
+        for number, raw, size in _lines(f, max_doc_bytes):
+            if raw is None:
+                _too_large(note, number, size, max_doc_bytes, "line")
+                continue
+            if b"\x00" in raw:  # NUL bytes are NUL characters in UTF-8, wherever they are
+                note("nul_chars", number, f"{raw.count(0)} NUL bytes", "removed")
+                raw = raw.replace(b"\x00", b"")
+            line = _decode(raw, note, number, "line")
+            if line is None or not (line := line.strip()):
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems["bad_json"] = problems.get("bad_json", 0) + 1
-                log.warning("%s:%d: not JSON (%s); line skipped", path, number, e.msg)
+                obj = json.loads(line, strict=False)  # control characters inside strings are kept
+            except RecursionError:
+                note("too_deep", number, "JSON nested too deeply", "line skipped")
+                continue
+            except ValueError as e:  # JSONDecodeError, or an integer of over 4300 digits
+                note("bad_json", number, f"not JSON ({getattr(e, 'msg', e)})", "line skipped")
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                problems["no_text"] = problems.get("no_text", 0) + 1
-                log.warning("%s:%d: no 'text' string field; line skipped", path, number)
+                note("no_text", number, "no 'text' string field", "line skipped")
                 continue
-            yield {k: str(obj.get(k) or "") for k in ("text", "url", "title", "source")}
+            doc = {k: str(obj.get(k) or "") for k in _FIELDS}
+            if any(_SURROGATES.search(v) for v in doc.values()):
+                # Half of a UTF-16 pair (\ud800): no character, and not encodable as UTF-8.
+                found = sum(len(_SURROGATES.findall(v)) for v in doc.values())
+                note("lone_surrogates", number, f"{found} lone surrogate escapes", "removed")
+                doc = {k: _SURROGATES.sub("", v) for k, v in doc.items()}
+            if any("\x00" in v for v in doc.values()):  # from \u0000 escapes
+                found = sum(v.count("\x00") for v in doc.values())
+                note("nul_chars", number, f"{found} NUL characters", "removed")
+                doc = {k: v.replace("\x00", "") for k, v in doc.items()}
+            yield doc
 
 
-def extract_html(html: str, url: str = "") -> dict:
-    """Article text and title of a web page, by newspaper3k (no network: the HTML is given)."""
+# ---------------------------------------------------------------- html
+
+
+def extract_html(html: str | bytes, url: str = "") -> dict:
+    """Article text and title of a web page, by newspaper3k (no network: the HTML is given).
+    Bytes are decoded by the page's declared charset (or detected)."""
     from newspaper import Article, Config  # imports lxml and nltk: only when HTML is ingested
 
     config = Config()
@@ -90,27 +265,218 @@ def extract_html(html: str, url: str = "") -> dict:
     return {"text": article.text, "title": article.title or "", "url": url}
 
 
-def read_html(path: Path, problems: dict) -> Iterator[dict]:
+def read_html(
+    path: Path,
+    problems: dict,
+    *,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    listed: list | None = None,
+) -> Iterator[dict]:
+    note = _Notes(path, problems, listed)
     with _open_binary(path) as f:
-        html = _decode(f.read(), path, problems)
-    doc = extract_html(html)
+        data, size = _read_at_most(f, max_doc_bytes)
+    if data is None:
+        _too_large(note, None, size, max_doc_bytes, "page")
+        return
+    data = data.removeprefix(_BOM)
+    if b"\x00" in data:
+        note("nul_chars", None, f"{data.count(0)} NUL bytes", "removed")
+        data = data.replace(b"\x00", b"")
+    try:
+        html: str | bytes = data.decode("utf-8")
+    except UnicodeDecodeError:
+        html = data  # a page in another charset: decoded by its <meta charset>, not mangled
+    try:
+        doc = extract_html(html)
+    except Exception as e:  # a parser's surprise costs this page, not the stage
+        note("bad_html", None, f"not parsed ({type(e).__name__}: {e})", "skipped")
+        return
     if doc["text"].strip():
         yield doc
     else:
-        problems["no_article_text"] = problems.get("no_article_text", 0) + 1
-        log.warning("%s: no article text found in the HTML; skipped", path)
+        note("no_article_text", None, "no article text found in the HTML", "skipped")
+
+
+# ---------------------------------------------------------------- wikipedia
+
+_DROPPED_TAGS = frozenset(
+    {
+        "ref",
+        "references",
+        "table",
+        "gallery",
+        "imagemap",
+        "timeline",
+        "graph",
+        "score",
+        "math",
+        "chem",
+        "ce",
+        "templatedata",
+        "includeonly",
+        "inputbox",
+        "categorytree",
+        "section",
+        "mapframe",
+        "maplink",
+    }
+)
+_DROPPED_NAMESPACES = frozenset({"file", "image", "media", "category"})
+_LANGUAGE_PREFIX = re.compile(r"[a-z]{2,3}(?:-[a-z0-9]+)*|simple")
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+_STYLE_QUOTES = re.compile(r"'{2,}")  # two quotes for italics, three for bold
+_PAREN_LEAD = re.compile(r"\((?:\s*[,;:])+\s*")  # "(; born" -> "(born"
+_PAREN_TAIL = re.compile(r"(?:\s*[,;:])+\s*\)")  # "(born 1900; )" -> "(born 1900)"
+_PAREN_EMPTY = re.compile(r"(?:^|[ \t\xa0]+)\(\s*\)", re.M)  # "Paris ()" -> "Paris"; f() stays
+_SPACES = re.compile(r"[ \t]{2,}")
+_SPACE_BEFORE_PUNCT = re.compile(r"(?<=\w)[ \t]+(?=[.,;:](?:\s|$))")
+
+
+def _unwanted(node) -> bool:
+    from mwparserfromhell.nodes import Comment, Tag, Template, Wikilink
+
+    if isinstance(node, Template | Comment):
+        return True
+    if isinstance(node, Tag):
+        return str(node.tag).strip().lower() in _DROPPED_TAGS
+    if isinstance(node, Wikilink):
+        title = str(node.title).strip()
+        if title.startswith(":") or ":" not in title:  # [[:Category:X]] is a visible link
+            return False
+        prefix = title.split(":", 1)[0].strip()
+        if prefix.lower() in _DROPPED_NAMESPACES:  # with the caption: thumb|left|alt=...|text
+            return True
+        return node.text is None and _LANGUAGE_PREFIX.fullmatch(prefix) is not None
+    return False
+
+
+def _prune(code) -> None:
+    """Unwanted nodes out of `code` and of everything inside what stays."""
+    kept = []
+    for node in code.nodes:
+        if _unwanted(node):
+            continue
+        for child in node.__children__():
+            _prune(child)
+        kept.append(node)
+    code.nodes = kept
+
+
+def _drop_empty_sections(code) -> None:
+    """Headings whose section (subsections included) has no text left."""
+    from mwparserfromhell.nodes import Heading
+    from mwparserfromhell.wikicode import Wikicode
+
+    nodes = code.nodes
+    heads = [i for i, node in enumerate(nodes) if isinstance(node, Heading)]
+    if not heads:
+        return
+    has_text = [
+        not isinstance(node, Heading)
+        and bool(_MAGIC_WORD.sub("", Wikicode([node]).strip_code()).strip())
+        for node in nodes
+    ]
+    empty = set()
+    for h, i in enumerate(heads):
+        level = nodes[i].level
+        end = next((j for j in heads[h + 1 :] if nodes[j].level <= level), len(nodes))
+        if not any(has_text[i + 1 : end]):
+            empty.add(i)
+    code.nodes = [node for i, node in enumerate(nodes) if i not in empty]
+
+
+def _tidy(text: str) -> str:
+    text = _MAGIC_WORD.sub("", _STYLE_QUOTES.sub("", text))
+    text = _PAREN_LEAD.sub("(", text)
+    text = _PAREN_TAIL.sub(")", text)
+    text = _PAREN_EMPTY.sub("", text)
+    text = _SPACES.sub(" ", text)
+    text = _SPACE_BEFORE_PUNCT.sub("", text)
+    lines = [line.strip() for line in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def wikitext_to_text(wikitext: str) -> str:
+    """The prose of an article's wikitext: headings and paragraphs, no markup."""
+    import mwparserfromhell
+
+    # Bold and italic quotes are kept as text (and dropped by _tidy): an unbalanced pair (a
+    # caption's bold closed as italics) would make the parser give up its construct as text.
+    code = mwparserfromhell.parse(wikitext, skip_style_tags=True)
+    _prune(code)
+    _drop_empty_sections(code)
+    return _tidy(code.strip_code(normalize=True, collapse=True))
 
 
 def _local(tag: str) -> str:
     return tag.rsplit("}", 1)[-1]
 
 
-def read_wikipedia(path: Path, problems: dict) -> Iterator[dict]:
-    import mwparserfromhell
+_PAGE_START = re.compile(rb"<page[\s>]")
+_PAGE_END = b"</page>"
 
+
+def _xml_pages(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(first line, bytes, size) of each <page>...</page> of a dump, found in the bytes (text
+    cannot hold a literal "<page": "<" is &lt;) so that a page the XML parser rejects costs
+    only itself. The bytes are None for a page over `limit` bytes (read past, not held)."""
+    buf = bytearray()
+    line = 1  # of buf[0]
+    inside, start, size, scan, too_large = False, 0, 0, 0, False
+    read = getattr(f, "read1", f.read)  # what is there now: a dump cut short loses least
+    while True:
+        chunk = read(_CHUNK)
+        buf += chunk
+        while True:
+            if not inside:
+                found = _PAGE_START.search(buf)
+                at = found.start() if found else max(len(buf) - 5, 0)  # "<page" may go on
+                line += buf.count(b"\n", 0, at)
+                del buf[:at]
+                if not found:
+                    break
+                inside, start, size, scan, too_large = True, line, 0, 0, False
+            end = buf.find(_PAGE_END, scan)
+            if end < 0:
+                scan = max(len(buf) - len(_PAGE_END) + 1, 0)
+                if too_large or size + len(buf) > limit:  # drop what was read, go on counting
+                    too_large = True
+                    line += buf.count(b"\n", 0, scan)
+                    size += scan
+                    del buf[:scan]
+                    scan = 0
+                break
+            end += len(_PAGE_END)
+            page = bytes(buf[:end])
+            del buf[:end]
+            line += page.count(b"\n")
+            size += len(page)
+            inside = False
+            yield start, None if too_large or size > limit else page, size
+        if not chunk:
+            if inside:  # cut short: the XML parser names what is missing
+                yield start, None if too_large else bytes(buf), size + len(buf)
+            return
+
+
+def read_wikipedia(
+    path: Path,
+    problems: dict,
+    *,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    listed: list | None = None,
+) -> Iterator[dict]:
+    note = _Notes(path, problems, listed)
     with _open_binary(path) as f:
-        for _, elem in ET.iterparse(f, events=("end",)):
-            if _local(elem.tag) != "page":
+        for line, raw, size in _xml_pages(f, max_doc_bytes):
+            if raw is None:
+                _too_large(note, line, size, max_doc_bytes, "page")
+                continue
+            try:
+                elem = ET.fromstring(raw)
+            except ET.ParseError as e:
+                row = line + e.position[0] - 1
+                note("bad_xml", row, f"page not parsed as XML ({e})", "page skipped")
                 continue
             fields = {_local(c.tag): c for c in elem}
             ns = fields.get("ns")
@@ -121,29 +487,45 @@ def read_wikipedia(path: Path, problems: dict) -> Iterator[dict]:
             if revision is not None:
                 text_el = next((c for c in revision if _local(c.tag) == "text"), None)
             wikitext = text_el.text if text_el is not None else None
-            elem.clear()
             if (ns is not None and ns.text != "0") or "redirect" in fields or not wikitext:
                 continue
-            text = mwparserfromhell.parse(wikitext).strip_code(normalize=True, collapse=True)
-            text = "\n".join(line.strip() for line in text.splitlines())
+            try:
+                text = wikitext_to_text(wikitext)
+            except Exception as e:  # the wiki parser's surprise costs this page only
+                what = f"page {page_id} {title!r} not parsed as wikitext"
+                note("bad_wikitext", line, f"{what} ({type(e).__name__}: {e})", "page skipped")
+                continue
             yield {
-                "text": text.strip(),
+                "text": text,
                 "title": title,
                 "url": f"https://en.wikipedia.org/wiki?curid={page_id}",
                 "wiki_id": page_id,
             }
 
 
-def read_source_file(kind: str, path: Path, options: dict, problems: dict) -> Iterator[dict]:
+# ---------------------------------------------------------------- a file of a source
+
+
+def read_source_file(
+    kind: str, path: Path, options: dict, problems: dict, listed: list | None = None
+) -> Iterator[dict]:
+    limits = {"max_doc_bytes": _max_doc_bytes(options), "listed": listed}
     if kind == "text":
-        return read_text(path, options.get("split", "file"), problems)
+        return read_text(path, options.get("split", "file"), problems, **limits)
     if kind == "jsonl":
-        return read_jsonl(path, problems)
+        return read_jsonl(path, problems, **limits)
     if kind == "html":
-        return read_html(path, problems)
+        return read_html(path, problems, **limits)
     if kind == "wikipedia":
-        return read_wikipedia(path, problems)
+        return read_wikipedia(path, problems, **limits)
     raise ValueError(f"unknown source kind {kind!r}: expected text, jsonl, html or wikipedia")
+
+
+def _cut_short(e: BaseException, path: Path) -> bool:
+    """A compressed file that ends early or is corrupt (not an I/O error of the disk)."""
+    if isinstance(e, EOFError | gzip.BadGzipFile | zlib.error | lzma.LZMAError):
+        return True
+    return isinstance(e, OSError) and e.errno is None and path.suffix in (".bz2", ".gz")
 
 
 def ingest_file(
@@ -155,13 +537,15 @@ def ingest_file(
     out_dir: str,
     partition_docs: int,
 ) -> dict:
-    """One input file -> partitions `<source>-<file index>-<part>.arrow`, `partition_docs` each."""
+    """One input file -> partitions `<source>-<file index>-<part>.arrow`, `partition_docs` each,
+    and its problems listed in `_problems/<source>-<file index>.jsonl` (when it has any)."""
     path, out_dir = Path(path), Path(out_dir)
     problems: dict = {}
+    listed: list = []
+    note = _Notes(path, problems, listed)
     docs_in_bytes = path.stat().st_size
     if docs_in_bytes == 0:
-        problems["empty_files"] = 1
-        log.warning("%s: empty file; nothing to ingest", path)
+        note("empty_files", None, "empty file", "nothing to ingest")
     batch, part, n, out_bytes = [], 0, 0, 0
 
     def flush():
@@ -170,16 +554,28 @@ def ingest_file(
         out_bytes += text_bytes(batch)
         batch, part = [], part + 1
 
-    for doc in read_source_file(kind, path, options, problems) if docs_in_bytes else ():
-        key = doc.pop("wiki_id", None) or str(n)
-        doc["doc_id"] = f"{source}/{path.name}#{key}"
-        doc["source"] = source
-        batch.append(doc)
-        n += 1
-        if len(batch) == partition_docs:
-            flush()
+    docs = read_source_file(kind, path, options, problems, listed) if docs_in_bytes else iter(())
+    try:
+        for doc in docs:
+            key = doc.pop("wiki_id", None) or str(n)
+            doc["doc_id"] = f"{source}/{path.name}#{key}"
+            doc["source"] = source
+            batch.append(doc)
+            n += 1
+            if len(batch) == partition_docs:
+                flush()
+    except Exception as e:
+        if not _cut_short(e, path):
+            raise
+        note("cut_short", None, f"compressed file cut short or corrupt ({e})", "rest skipped")
     if batch or part == 0:
         flush()
+    report = out_dir / PROBLEMS_DIR / f"{source}-{file_index:05d}.jsonl"
+    if listed:
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in listed)
+        atomic_write_bytes(report, lines.encode("utf-8", errors="backslashreplace"))
+    else:
+        report.unlink(missing_ok=True)
     return {
         "docs_in": n,
         "docs_out": n,
