@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -78,6 +79,25 @@ def test_corpus_directory_follows_the_contract(built):
         == manifest["splits"]["train"]["tokens"] + (manifest["splits"]["valid"]["tokens"])
     )
     assert (corpus / "reports" / "dedup_clusters.jsonl").exists()
+
+
+def test_manifest_records_each_stage_as_printed(built):
+    """The manifest's stages are the rows `megadata run` prints: wall and CPU seconds of
+    every step of a stage (dedup: signatures, grouping, removal) and its statistics."""
+    recipe, results = built
+    manifest = json.loads((recipe.output / "manifest.json").read_text())
+    assert manifest["stages"] == [asdict(r) for r in results[:-1]]
+    dedup = manifest["stages"][4]
+    assert dedup["stage"] == "dedup"
+    assert {"candidate_pairs", "verified_pairs", "clusters", "removed"} <= set(dedup["extra"])
+    assert dedup["extra"]["removed"] == dedup["docs_in"] - dedup["docs_out"]
+    steps = [
+        json.loads((recipe.work / d / "_DONE.json").read_text())
+        for d in ("signatures", "lsh", "dedup")
+    ]
+    assert dedup["seconds"] >= sum(s["seconds"] for s in steps) > steps[-1]["seconds"]
+    assert dedup["cpu_seconds"] >= steps[0]["cpu_seconds"] > 0
+    assert all(s["cpu_seconds"] > 0 for s in manifest["stages"])
 
 
 def test_two_workers_give_the_same_bytes(tmp_path, built, inputs):

@@ -182,6 +182,27 @@ def _map(runner, recipe, stage, in_stage, fn, *extra) -> StageStats:
 
 
 def run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
+    """Run one stage (resuming it) and record its totals, the row `megadata` prints, in
+    `_work/_stats/<stage>.json`: the manifest's `stages` are these."""
+    stats = _run_stage(recipe, stage, runner)
+    atomic_write_json(_stats_file(recipe, stage), asdict(stats))
+    return stats
+
+
+def _stats_file(recipe: Recipe, stage: str) -> Path:
+    return recipe.work / "_stats" / f"{stage}.json"
+
+
+def _stage_summary(recipe: Recipe, stage: str) -> dict:
+    """What `run_stage` recorded; a stage finished by an older megadata has only its last
+    step's `_DONE.json`."""
+    path = _stats_file(recipe, stage)
+    if not path.exists():
+        path = recipe.work / stage / "_DONE.json"
+    return json.loads(path.read_text())
+
+
+def _run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
     work = recipe.work
     if stage == "ingest":
         tasks = []
@@ -275,6 +296,7 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
         num_perm,
         n,
         runner=runner,
+        sources=[s["name"] for s in recipe.sources],  # the survivor order starts with them
     )
     reports = recipe.output / "reports"
     reports.mkdir(parents=True, exist_ok=True)
@@ -284,6 +306,7 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     stats = _map(runner, recipe, "dedup", "filter", dedup.remove_partition, removed)
     stats.extra.update(groups["extra"])
     stats.seconds += signatures.seconds + groups["seconds"]
+    stats.cpu_seconds += signatures.cpu_seconds + groups["cpu_seconds"]
     return stats
 
 
@@ -320,6 +343,7 @@ def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
         "holdout", work / "holdout", [Task("eval-files", eval_files)], holdout.write_eval_files
     )
     stats.seconds += split.seconds
+    stats.cpu_seconds += split.cpu_seconds
     return stats
 
 
@@ -336,7 +360,7 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
     src, work = _need(recipe, "holdout"), recipe.work
     prep_dir = str(work / "decontaminate_eval")
     single = Runner(workers=1, progress=runner.progress)
-    single.run(
+    prepared = single.run(
         "eval sets",
         Path(prep_dir),
         [Task("eval-sets", (eval_sets, prep_dir, cfg))],
@@ -357,7 +381,8 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
         runner.progress,
     )
     stats = single.run("decontaminate", out, [Task("report", report)], decontaminate.write_report)
-    stats.seconds += removal.seconds
+    stats.seconds += removal.seconds + prepared.seconds
+    stats.cpu_seconds += removal.cpu_seconds + prepared.cpu_seconds
     return stats
 
 
@@ -375,7 +400,7 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
         )
         tok_path = recipe.output / "tokenizer.json"
         tok = Tokenizer.from_file(str(tok_path))
-        stages = [json.loads((recipe.work / s / "_DONE.json").read_text()) for s in STAGES[:-1]]
+        stages = [_stage_summary(recipe, s) for s in STAGES[:-1]]
         shard.write_manifest(
             recipe.output,
             {

@@ -52,12 +52,14 @@ class StageStats:
     bytes_in: int = 0
     bytes_out: int = 0
     tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the stage (of this run's tasks, on a resumed one)
+    cpu_seconds: float = 0.0  # CPU time of its tasks, wherever they ran (resumed ones too)
     extra: dict = field(default_factory=dict)
 
     def add(self, counts: dict) -> None:
         for key in COUNTS:
             setattr(self, key, getattr(self, key) + int(counts.get(key, 0)))
+        self.cpu_seconds += float(counts.get("cpu_seconds", 0.0))
         for key, value in counts.get("extra", {}).items():
             self.extra[key] = self.extra.get(key, 0) + value
 
@@ -104,10 +106,19 @@ def _connect(address: str):
     return client
 
 
+def _timed(fn: Callable, *args) -> dict:
+    """The task's counts with the CPU time of its process while it ran (its threads'
+    included: a library that works in threads is counted whole)."""
+    start = time.process_time()
+    counts = dict(fn(*args) or {})
+    counts["cpu_seconds"] = time.process_time() - start
+    return counts
+
+
 def _call(fn: Callable, *args) -> dict:
     """A task as a worker runs it."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
-    return fn(*args)
+    return _timed(fn, *args)
 
 
 class Runner:
@@ -213,7 +224,7 @@ class Runner:
         """(task, counts) as the tasks finish."""
         if self.inline or (self.scheduler is None and len(tasks) <= 1):
             for t in tasks:
-                yield t, fn(*t.args)
+                yield t, _timed(fn, *t.args)
             return
         if not tasks:
             return
@@ -242,12 +253,12 @@ def format_table(rows: Sequence[StageStats]) -> str:
     """The per-stage table `megadata run` prints."""
     head = (
         f"{'stage':<14}{'docs in':>10}{'docs out':>10}{'MB in':>9}{'MB out':>9}"
-        f"{'tokens':>12}{'sec':>8}"
+        f"{'tokens':>12}{'sec':>8}{'cpu sec':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.stage:<14}{r.docs_in:>10}{r.docs_out:>10}{r.bytes_in / 1e6:>9.2f}"
-            f"{r.bytes_out / 1e6:>9.2f}{r.tokens:>12}{r.seconds:>8.1f}"
+            f"{r.bytes_out / 1e6:>9.2f}{r.tokens:>12}{r.seconds:>8.1f}{r.cpu_seconds:>9.1f}"
         )
     return "\n".join(lines)

@@ -1,10 +1,25 @@
 """Near-duplicate removal: MinHash LSH over word shingles, verified by exact Jaccard, with the
 grouping done as distributed stages (only the final report gathers to one process).
 
+The rule.  The documents that LSH links (two documents are linked when they have the same
+values in one of the b bands) form connected components.  Each component is walked in the
+survivor order: earliest source in the recipe's order, then the longest text, then the
+smallest doc_id.  A document is kept unless it has exact Jaccard > threshold with a document
+kept before it that it shares a band bucket with (an LSH candidate); it is then removed, and
+reported with that kept document (the first one in the order) and their Jaccard.  So no
+document is removed without a kept document above the threshold beside it, and no two kept
+documents that are LSH candidates are above it.
+
+The cost is linear in a cluster's size: no step enumerates the pairs of a bucket.  A bucket
+of m documents gives m - 1 links to its smallest node (enough for the components), the first
+document of a component (kept by the rule) is compared with its candidates in parallel, and
+only the members it does not remove are walked one by one, each compared with the kept
+documents it shares a bucket with (for a cluster of near-copies: with none, or few).
+
 Each step is a stage of independent tasks run by the Runner (on Dask workers when there is
 a cluster), resumable like every stage.  Tasks exchange data through Arrow files under the
 dedup work directory, never through the scheduler.  A document is known by its node number,
-`partition << 32 | row`, which `_take` turns back into its text, doc_id or length.
+`partition << 32 | row`, which `_take` turns back into its text, doc_id, length or source.
 
 1. minhash (`signature_partition`, per partition): datasketch MinHash of the document's
    set of word n-grams.
@@ -12,38 +27,45 @@ dedup work directory, never through the scheduler.  A document is known by its n
    b bands of r rows of `choose_bands`; the row (band, band's values, node) goes to bucket
    hash(band, values) % S.  One Arrow file of S record batches, batch k = bucket k: the
    map side of a shuffle.
-3. pairs (`bucket_pairs`, per bucket): documents with the same values in the same band
-   are candidate pairs (the rule of datasketch's MinHashLSH with params=(b, r); the
-   values themselves are compared, the hash only routes), sent to S pair shards by pair.
-4. verify (`verify_pairs`, per pair shard): each distinct candidate pair is verified on
-   the exact shingle sets, reading only the texts of the shard's pairs; pairs with
-   Jaccard > threshold are edges, written both ways and routed by node to S node shards.
-5. components (`label_round`, per node shard, round after round): min-label propagation.
-   Every node starts labelled with itself; in a round, each node whose label dropped
-   sends it to its neighbours and keeps the smallest label it receives.  When a round
-   sends nothing, each node's label is the smallest node of its connected component.
-   Rounds: the longest shortest path from a component's smallest node, plus one: a few
-   for near-duplicates (mostly cliques), as many as its length for a long chain.  Each
-   round is a stage of its own (`round-NNN/`), so a resumed run goes on from the last.
-6. members (`component_members`, per node shard): each node with its degree (verified
-   pairs), text length and doc_id, routed by label to S component shards.
-7. survivors (`choose_survivors`, per component shard): each cluster keeps one survivor
-   (the member with the most verified pairs, then the longest text, then the smallest
-   doc_id) and a report line lists the others with their Jaccard to it.
-8. report (`write_report`, one task): clusters.jsonl in survivor order and removed.json,
+3. links (`bucket_links`, per bucket): documents with the same values in the same band
+   share a bucket (the rule of datasketch's MinHashLSH with params=(b, r); the values
+   themselves are compared, the hash only routes).  Each bucket of m >= 2 documents names
+   its smallest node its hub: m - 1 links (hub, member), and a row (node, band, hub) per
+   member, both routed by node to S node shards.  Two documents are candidates when they
+   have the same hub in some band.
+4. components (`label_round`, per node shard, round after round): min-label propagation
+   over the links.  Every node starts labelled with itself; in a round, each node whose
+   label dropped sends it to its neighbours and keeps the smallest label it receives.  When
+   a round sends nothing, each node's label is the smallest node of its component.  Each
+   round is a stage of its own (`label-NNN/`), so a resumed run goes on from the last.
+5. members (`component_members`, per node shard): each node with its hubs (one per band,
+   -1 where its bucket holds only itself), source rank, text length and doc_id, routed by
+   label to S component shards.
+6. firsts (`component_firsts`, per component shard): each component in the survivor order
+   (`order-NNNNN.arrow`); its first document is kept by the rule, and each member that is
+   its candidate is sent, with it, to the member's node shard.
+7. checked (`verify_against_first`, per node shard): the exact Jaccard of each such member
+   to its component's first document; above the threshold it is removed by it.  This is
+   where the bulk of a large cluster goes, spread over the node shards.
+8. greedy (`verify_remaining`, per component shard): the members the first did not remove,
+   walked in order, each compared with the kept documents it shares a bucket with until
+   one is above the threshold; report lines (a kept document and those it removed).
+9. report (`write_report`, one task): clusters.jsonl in survivor order and removed.json,
    the sorted removed ids that every remove task reads whole.  This step gathers to one
-   process: its memory grows with the number of documents in clusters (not the corpus).
-9. `remove_partition` (per partition): drops the removed ids.
+   process: its memory grows with the number of removed documents (not the corpus).
+10. `remove_partition` (per partition): drops the removed ids.
 """
 
 import itertools
 import json
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from datasketch import MinHash
 
 from megadata.documents import (
@@ -72,11 +94,16 @@ def shingles(text: str, n: int = 2) -> set[str]:
     words = _WORD.findall(text.lower())
     if len(words) < n:
         return {" ".join(words)} if words else set()
-    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+    if n == 2:  # the usual case, a third faster this way
+        return {f"{a} {b}" for a, b in itertools.pairwise(words)}
+    return set(map(" ".join, zip(*(words[i:] for i in range(n)), strict=False)))
 
 
 def jaccard(a: set, b: set) -> float:
-    return len(a & b) / len(a | b) if a or b else 1.0
+    if not (a or b):
+        return 1.0
+    common = len(a & b)
+    return common / (len(a) + len(b) - common)  # = len(a & b) / len(a | b)
 
 
 def choose_bands(threshold: float, num_perm: int, recall: float = 0.995) -> tuple[int, int]:
@@ -124,13 +151,16 @@ def find_duplicates(
     n: int,
     runner: Runner | None = None,
     shards: int | None = None,
+    sources: Sequence[str] | None = None,
 ) -> dict:
-    """Steps 2-8 above: write `<out_dir>/removed.json` (sorted ids) and `clusters.jsonl`;
-    return the counts.  `signature_paths[k]` holds the signatures of `doc_paths[k]`, row
-    for row; `num_perm` and `n` are what they were made with (the bands are cut from the
-    signatures, so their seed is not needed again).  Without a runner the tasks run
-    in this process.  `shards` (S) defaults to one per DOCS_PER_SHARD documents; the
-    result does not depend on it."""
+    """Steps 2-9 above: write `<out_dir>/removed.json` (sorted ids) and `clusters.jsonl`;
+    return the counts, wall seconds and CPU seconds.  `signature_paths[k]` holds the
+    signatures of `doc_paths[k]`, row for row; `num_perm` and `n` are what they were made
+    with (the bands are cut from the signatures, so their seed is not needed again).
+    `sources` is the recipe's order of sources (a document of a source not in it, or of any
+    source when it is None, comes after them).  Without a runner the tasks run in this
+    process.  `shards` (S) defaults to one per DOCS_PER_SHARD documents; the result does
+    not depend on it."""
     if len(signature_paths) != len(doc_paths):
         raise ValueError(
             f"dedup: {len(signature_paths)} signature files for {len(doc_paths)} partitions"
@@ -144,6 +174,7 @@ def find_duplicates(
     bands, rows = choose_bands(threshold, num_perm)
     if shards is None:
         shards = min(MAX_SHARDS, max(1, -(-docs_in // DOCS_PER_SHARD)))
+    sources = list(sources or [])
 
     stats = []
 
@@ -152,48 +183,68 @@ def find_duplicates(
         stats.append(runner.run(f"lsh-{name}", out / name, tasks, fn))
         return stats[-1]
 
-    def files(name: str, count: int) -> list[str]:
-        return [str(out / name / f"{k:05d}.arrow") for k in range(count)]
+    def files(name: str, count: int, prefix: str = "") -> list[str]:
+        return [str(out / name / f"{prefix}{k:05d}.arrow") for k in range(count)]
 
+    counts = dict.fromkeys(("candidate_pairs", "verified_pairs", "bucket_pairs", "components"), 0)
     if sigs:
-        band_files, pair_files = files("bands", len(sigs)), files("pairs", shards)
-        edge_files, member_files = files("verified", shards), files("members", shards)
-        chunk_files, each = files("survivors", shards), range(shards)
+        band_files, each = files("bands", len(sigs)), range(shards)
+        link_files, hub_files = files("links", shards), files("links", shards, "hubs-")
+        member_files = files("component-members", shards)
+        order_files, check_files = files("firsts", shards, "order-"), files("firsts", shards)
+        checked_files, chunk_files = files("checked", shards), files("greedy", shards)
         stage(
             "bands",
             band_partition,
             [(sigs[k], docs[k], k, band_files[k], bands, rows, shards) for k in range(len(sigs))],
         )
-        stage("pairs", bucket_pairs, [(band_files, k, pair_files[k], shards) for k in each])
-        verified = stage(
-            "verified",
-            verify_pairs,
-            [(pair_files, k, docs, edge_files[k], threshold, n, shards) for k in each],
+        links = stage(
+            "links",
+            bucket_links,
+            [(band_files, k, link_files[k], hub_files[k], shards) for k in each],
         )
         labels_dir = None
         for r in itertools.count():
-            name = f"round-{r:03d}"
-            tasks = [(edge_files, k, labels_dir, str(out / name), shards) for k in each]
+            name = f"label-{r:03d}"
+            tasks = [(link_files, k, labels_dir, str(out / name), shards) for k in each]
             labels_dir = str(out / name)
             if stage(name, label_round, tasks).extra.get("messages", 0) == 0:
                 break
         stage(
-            "members",
+            "component-members",
             component_members,
-            [(labels_dir, edge_files, k, sigs, member_files[k], shards) for k in each],
+            [
+                (labels_dir, hub_files, k, sigs, docs, sources, bands, member_files[k], shards)
+                for k in each
+            ],
         )
         stage(
-            "survivors",
-            choose_survivors,
-            [(member_files, k, docs, chunk_files[k], n, shards) for k in each],
+            "firsts",
+            component_firsts,
+            [(member_files, k, order_files[k], check_files[k], shards) for k in each],
         )
-        pairs = {key: verified.extra.get(key, 0) for key in ("candidate_pairs", "verified_pairs")}
+        checked = stage(
+            "checked",
+            verify_against_first,
+            [(check_files, k, docs, checked_files[k], threshold, n, shards) for k in each],
+        )
+        greedy = stage(
+            "greedy",
+            verify_remaining,
+            [
+                (order_files[k], checked_files, k, docs, chunk_files[k], threshold, n, shards)
+                for k in each
+            ],
+        )
+        for key in counts:
+            for step in (links, checked, greedy):
+                counts[key] += step.extra.get(key, 0)
     else:  # no partitions: nothing to group
-        chunk_files, pairs = [], {"candidate_pairs": 0, "verified_pairs": 0}
+        chunk_files = []
     report = runner.run(
         "lsh",
         out,
-        [Task("report", (chunk_files, str(out), docs_in, bands, rows, pairs))],
+        [Task("report", (chunk_files, str(out), docs_in, bands, rows, counts))],
         write_report,
     )
     return {
@@ -201,6 +252,7 @@ def find_duplicates(
         "docs_out": report.docs_out,
         "extra": report.extra,
         "seconds": report.seconds + sum(s.seconds for s in stats),
+        "cpu_seconds": report.cpu_seconds + sum(s.cpu_seconds for s in stats),
     }
 
 
@@ -252,50 +304,47 @@ def band_partition(
     return {"docs_in": docs, "docs_out": docs}
 
 
-def bucket_pairs(band_paths: list[str], bucket: int, out_path: str, shards: int) -> dict:
-    """Step 3: every two documents with equal values in a band of this bucket."""
-    rows = _read_shuffled(band_paths, bucket, shards)
-    groups = rows.group_by(["band", "key"]).aggregate([("node", "list")])
-    first, second = [], []
-    for nodes in groups.column("node_list").to_pylist():
-        for a, b in itertools.combinations(sorted(nodes), 2):
-            first.append(a)
-            second.append(b)
-    pairs = _unique_pairs(np.array(first, dtype=np.int64), np.array(second, dtype=np.int64))
-    _write_shuffled(
-        out_path,
-        {"a": pa.array(pairs[:, 0]), "b": pa.array(pairs[:, 1])},
-        _mix(pairs[:, 0], pairs[:, 1]) % np.uint64(shards),
-        shards,
-    )
-    return {}
-
-
-def verify_pairs(
-    pair_paths: list[str],
-    shard: int,
-    doc_paths: list[str],
-    out_path: str,
-    threshold: float,
-    n: int,
-    shards: int,
+def bucket_links(
+    band_paths: list[str], bucket: int, links_path: str, hubs_path: str, shards: int
 ) -> dict:
-    """Step 4: the shard's distinct candidate pairs, kept when their exact Jaccard > threshold.
-    A pair is routed by its own hash, so it is counted in one shard only."""
-    table = _read_shuffled(pair_paths, shard, shards)
-    pairs = _unique_pairs(table.column("a").to_numpy(), table.column("b").to_numpy())
-    nodes = np.unique(pairs)
-    sets = _shingle_sets(doc_paths, nodes, n)
-    keep = np.array([jaccard(sets[a], sets[b]) > threshold for a, b in pairs.tolist()], dtype=bool)
-    a, b = pairs[keep, 0], pairs[keep, 1]
-    node, neighbor = np.concatenate([a, b]), np.concatenate([b, a])
+    """Step 3: each bucket of this shard (documents with equal values in a band) as links
+    from its smallest node, its hub, to the others, and each member's (node, band, hub)."""
+    table = _read_shuffled(band_paths, bucket, shards)
+    band = table.column("band").to_numpy().astype(np.int64)
+    node = table.column("node").to_numpy().astype(np.int64)
+    width = table.schema.field("key").type.byte_width // 8
+    keys = _u64_matrix(table.column("key"), width)
+    order = np.lexsort((node, *keys.T[::-1], band))
+    band, node, keys = band[order], node[order], keys[order]
+    start = np.ones(len(node), dtype=bool)
+    start[1:] = (band[1:] != band[:-1]) | (keys[1:] != keys[:-1]).any(axis=1)
+    group = np.cumsum(start) - 1
+    size = np.bincount(group)
+    hub = node[start][group]
+    shared = size[group] >= 2
+    linked = shared & (node != hub)
+    edges = _unique_pairs(hub[linked], node[linked])
+    a, b = edges[:, 0], edges[:, 1]
+    ends = np.concatenate([a, b])
     _write_shuffled(
-        out_path,
-        {"node": pa.array(node), "neighbor": pa.array(neighbor)},
-        node % shards,
+        links_path,
+        {"node": pa.array(ends), "neighbor": pa.array(np.concatenate([b, a]))},
+        ends % shards,
         shards,
     )
-    return {"extra": {"candidate_pairs": len(pairs), "verified_pairs": int(keep.sum())}}
+    _write_shuffled(
+        hubs_path,
+        {
+            "node": pa.array(node[shared]),
+            "band": pa.array(band[shared]),
+            "hub": pa.array(hub[shared]),
+        },
+        node[shared] % shards,
+        shards,
+    )
+    sizes = size[size >= 2].astype(np.int64)
+    # What enumerating every pair of every bucket would have cost (a pair once per band).
+    return {"extra": {"bucket_pairs": int((sizes * (sizes - 1) // 2).sum())}}
 
 
 def label_round(
@@ -340,27 +389,37 @@ def label_round(
 
 def component_members(
     labels_dir: str,
-    edge_paths: list[str],
+    hub_paths: list[str],
     shard: int,
     signature_paths: list[str],
+    doc_paths: list[str],
+    sources: list[str],
+    bands: int,
     out_path: str,
     shards: int,
 ) -> dict:
-    """Step 6: the shard's nodes with what choosing a survivor needs, routed by component."""
+    """Step 5: the shard's nodes with what the survivor order and the candidate test need,
+    routed by component."""
     labels = read_table(Path(labels_dir) / f"labels-{shard:05d}.arrow")
     nodes, label = labels.column("node").to_numpy(), labels.column("label").to_numpy()
-    edges = _read_shuffled(edge_paths, shard, shards)
-    degree = np.bincount(
-        np.searchsorted(nodes, edges.column("node").to_numpy()), minlength=len(nodes)
-    )
+    memberships = _read_shuffled(hub_paths, shard, shards)
+    hubs = np.full((len(nodes), bands), -1, dtype=np.int64)
+    at = np.searchsorted(nodes, memberships.column("node").to_numpy())
+    hubs[at, memberships.column("band").to_numpy()] = memberships.column("hub").to_numpy()
+    if sources:
+        rank_of = {name: i for i, name in enumerate(sources)}
+        rank = [rank_of.get(s, len(sources)) for s in _take(doc_paths, nodes, "source")]
+    else:
+        rank = [0] * len(nodes)
     _write_shuffled(
         out_path,
         {
             "label": pa.array(label),
             "node": pa.array(nodes),
-            "degree": pa.array(degree.astype(np.int64)),
+            "rank": pa.array(rank, pa.int32()),
             "length": pa.array(_take(signature_paths, nodes, "length"), pa.int64()),
             "doc_id": pa.array(_take(signature_paths, nodes, "doc_id"), pa.string()),
+            "hubs": pa.FixedSizeListArray.from_arrays(pa.array(hubs.reshape(-1)), bands),
         },
         label % shards,
         shards,
@@ -368,43 +427,157 @@ def component_members(
     return {}
 
 
-def choose_survivors(
-    member_paths: list[str], shard: int, doc_paths: list[str], out_path: str, n: int, shards: int
+# Components one after the other, each in the survivor order: earliest source, longest text,
+# smallest doc_id (Arrow compares strings by UTF-8 bytes: the order of Python's str).
+SURVIVOR_ORDER = [
+    ("label", "ascending"),
+    ("rank", "ascending"),
+    ("length", "descending"),
+    ("doc_id", "ascending"),
+]
+
+
+def component_firsts(
+    member_paths: list[str], shard: int, order_path: str, check_path: str, shards: int
 ) -> dict:
-    """Step 7: a survivor per cluster of this shard, and the clusters' report lines."""
-    members = _read_shuffled(member_paths, shard, shards).to_pylist()
-    nodes = np.array([m["node"] for m in members], dtype=np.int64)
-    sets = _shingle_sets(doc_paths, nodes, n)
-    clusters = defaultdict(list)
-    for m in members:
-        clusters[m["label"]].append(m)
-    report = []
-    for cluster in clusters.values():
-        # The document most others duplicate (the original, for copies of one text), then
-        # the longest, then the smallest id: deterministic, and close to every member.
-        survivor = min(cluster, key=lambda m: (-m["degree"], -m["length"], m["doc_id"]))
-        others = sorted((m for m in cluster if m is not survivor), key=lambda m: m["doc_id"])
-        report.append(
-            {
-                "survivor": survivor["doc_id"],
-                "removed": [
-                    {
-                        "doc_id": m["doc_id"],
-                        "jaccard": round(jaccard(sets[m["node"]], sets[survivor["node"]]), 4),
-                    }
-                    for m in others
-                ],
-            }
-        )
-    report.sort(key=lambda c: c["survivor"])
-    atomic_write_bytes(Path(out_path), _jsonl(report))
+    """Step 6: the shard's components in the survivor order, and each member that is a
+    candidate of its component's first document sent with it to the member's node shard."""
+    members = _read_shuffled(member_paths, shard, shards)
+    members = members.take(pc.sort_indices(members, sort_keys=SURVIVOR_ORDER))
+    write_table(Path(order_path), members)
+    label, node = members.column("label").to_numpy(), members.column("node").to_numpy()
+    hubs = _hub_matrix(members)
+    start = np.ones(len(label), dtype=bool)
+    start[1:] = label[1:] != label[:-1]
+    first = np.maximum.accumulate(np.where(start, np.arange(len(label)), 0))
+    candidate = ((hubs == hubs[first]) & (hubs >= 0)).any(axis=1) & ~start
+    _write_shuffled(
+        check_path,
+        {
+            "label": pa.array(label[candidate]),
+            "node": pa.array(node[candidate]),
+            "first": pa.array(node[first][candidate]),
+        },
+        node[candidate] % shards,
+        shards,
+    )
     return {}
 
 
-def write_report(
-    chunk_paths: list[str], out_dir: str, docs_in: int, bands: int, rows: int, pairs: dict
+def verify_against_first(
+    check_paths: list[str],
+    shard: int,
+    doc_paths: list[str],
+    out_path: str,
+    threshold: float,
+    n: int,
+    shards: int,
 ) -> dict:
-    """Step 8: clusters.jsonl (one line per cluster, by survivor) and removed.json."""
+    """Step 7: the exact Jaccard of each of the shard's members to its component's first
+    document (a candidate of it), routed back by component."""
+    table = _read_shuffled(check_paths, shard, shards)
+    node, first = table.column("node").to_numpy(), table.column("first").to_numpy()
+    sets = _shingle_sets(doc_paths, np.unique(np.concatenate([node, first])), n)
+    similarity = np.array(
+        [jaccard(sets[a], sets[b]) for a, b in zip(node.tolist(), first.tolist(), strict=True)],
+        dtype=np.float64,
+    )
+    label = table.column("label").to_numpy()
+    _write_shuffled(
+        out_path,
+        {"node": pa.array(node), "jaccard": pa.array(similarity)},
+        label % shards,
+        shards,
+    )
+    removed = int((similarity > threshold).sum())
+    return {"extra": {"candidate_pairs": len(node), "verified_pairs": removed}}
+
+
+CHUNK_DOCS = 1024  # texts read at a time by the greedy walk
+
+
+def verify_remaining(
+    order_path: str,
+    checked_paths: list[str],
+    shard: int,
+    doc_paths: list[str],
+    out_path: str,
+    threshold: float,
+    n: int,
+    shards: int,
+) -> dict:
+    """Step 8: the rule on the members that their component's first document did not
+    remove, in the survivor order; the shard's report lines."""
+    members = read_table(Path(order_path))
+    label, node = members.column("label").to_numpy(), members.column("node").to_numpy()
+    doc_id = members.column("doc_id").to_pylist()
+    hubs = _hub_matrix(members)
+    checked = _read_shuffled(checked_paths, shard, shards)
+    similarity = dict(
+        zip(
+            checked.column("node").to_numpy().tolist(),
+            checked.column("jaccard").to_numpy().tolist(),
+            strict=True,
+        )
+    )
+    start = np.ones(len(label), dtype=bool)
+    start[1:] = label[1:] != label[:-1]
+    first = np.maximum.accumulate(np.where(start, np.arange(len(label)), 0))
+    removed_by = defaultdict(list)  # position of a kept document -> [(doc_id, jaccard)]
+    walk = []
+    for i, (v, f) in enumerate(zip(node.tolist(), first.tolist(), strict=True)):
+        if i == f:
+            continue
+        j = similarity.get(v)
+        if j is not None and j > threshold:
+            removed_by[f].append((doc_id[i], j))
+        else:
+            walk.append(i)
+    compared = verified = 0
+    component, kept, buckets = None, {}, defaultdict(list)
+    for c in range(0, len(walk), CHUNK_DOCS):
+        chunk = walk[c : c + CHUNK_DOCS]
+        texts = _take(doc_paths, node[chunk], "text")
+        for i, text in zip(chunk, texts, strict=True):
+            if first[i] != component:  # a new component: nothing is kept yet but its first
+                component, kept, buckets = first[i], {}, defaultdict(list)
+            keys = [(b, h) for b, h in enumerate(hubs[i].tolist()) if h >= 0]
+            earlier = sorted({k for key in keys for k in buckets.get(key, ())})
+            own = shingles(text, n)
+            for k in earlier:
+                compared += 1
+                j = jaccard(own, kept[k])
+                if j > threshold:
+                    verified += 1
+                    removed_by[k].append((doc_id[i], j))
+                    break
+            else:
+                kept[i] = own
+                for key in keys:
+                    buckets[key].append(i)
+    report = [
+        {
+            "survivor": doc_id[k],
+            "removed": [{"doc_id": d, "jaccard": round(j, 6)} for d, j in sorted(removed_by[k])],
+        }
+        for k in removed_by
+    ]
+    report.sort(key=lambda c: c["survivor"])
+    atomic_write_bytes(Path(out_path), _jsonl(report))
+    return {
+        "extra": {
+            "candidate_pairs": compared,
+            "verified_pairs": verified,
+            "components": int(start.sum()),
+        }
+    }
+
+
+def write_report(
+    chunk_paths: list[str], out_dir: str, docs_in: int, bands: int, rows: int, counts: dict
+) -> dict:
+    """Step 9: clusters.jsonl (one line per kept document that removed others, by its id)
+    and removed.json."""
     clusters = [json.loads(line) for p in chunk_paths for line in Path(p).read_text().splitlines()]
     clusters.sort(key=lambda c: c["survivor"])
     removed = sorted(m["doc_id"] for c in clusters for m in c["removed"])
@@ -416,8 +589,10 @@ def write_report(
         "extra": {
             "bands": bands,
             "rows": rows,
-            "candidate_pairs": pairs["candidate_pairs"],
-            "verified_pairs": pairs["verified_pairs"],
+            "candidate_pairs": counts["candidate_pairs"],
+            "verified_pairs": counts["verified_pairs"],
+            "bucket_pairs": counts["bucket_pairs"],
+            "components": counts["components"],
             "clusters": len(clusters),
             "removed": len(removed),
         },
@@ -472,6 +647,21 @@ def _read_shuffled(paths: list[str], shard: int, shards: int) -> pa.Table:
             )
         batches.append(reader.get_batch(shard))
     return pa.Table.from_batches(batches)
+
+
+def _u64_matrix(column, width: int) -> np.ndarray:
+    """A fixed-size binary column of 8 * width bytes as an (n, width) uint64 array."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if len(array) == 0:
+        return np.zeros((0, width), dtype=np.uint64)
+    data = np.frombuffer(array.buffers()[1], dtype=np.uint64)
+    return data[array.offset * width : (array.offset + len(array)) * width].reshape(-1, width)
+
+
+def _hub_matrix(members: pa.Table) -> np.ndarray:
+    column = members.column("hubs").combine_chunks()
+    width = members.schema.field("hubs").type.list_size
+    return column.flatten().to_numpy().reshape(-1, width)
 
 
 def _shingle_sets(doc_paths: list[str], nodes: np.ndarray, n: int) -> dict[int, set[str]]:
