@@ -430,3 +430,16 @@ def test_saving_and_loading_hold_no_more_than_own_shard(corpus, tmp_path):
         assert r["load"] <= 8 * r["own"] + 4 * r["bucket"], (rank, r)
         assert re.search(r"fc1.weight/exp_avg was saved with shape \(1024, 255\)", r["refused"])
         assert r["padded_exact"] and all(r["padded_exact"]), rank
+
+
+def test_a_kill_between_the_renames_of_a_resave_leaves_the_old_copy(killed_checkpoint, tmp_path):
+    """`publish` re-saving iteration N moves the old copy aside before the new one lands; a
+    kill in between leaves `latest` naming N with only `.old-N` on disk: it is taken back."""
+    from megatrain.checkpointing import LATEST, find_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    _copy(killed_checkpoint[0], ckpt)
+    name = (ckpt / LATEST).read_text().strip()
+    (ckpt / name).rename(ckpt / f".old-{name}")
+    assert find_checkpoint(ckpt) == ckpt / name
+    assert not (ckpt / f".old-{name}").exists()

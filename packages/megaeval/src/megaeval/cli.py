@@ -16,7 +16,7 @@ from megaeval.errors import EvalDataError, EvalSettingsError
 @click.version_option(__version__, prog_name="megaeval")
 def main() -> None:
     """Evaluate megatrain checkpoints as the paper did: WikiText103
-    perplexity, LAMBADA cloze accuracy (BERT fine-tuning is not built yet).
+    perplexity, LAMBADA cloze accuracy, and BERT fine-tuning (MNLI, QQP, SQuAD, RACE).
 
     Run `megaeval COMMAND --help` for one evaluation.
     """
@@ -256,3 +256,94 @@ def lambada_command(data, strict, batch_size, json_out, no_progress, **model):
         ("target perplexity", f"{result['target_ppl']:.3f}"),
     ]
     report(f"LAMBADA  {data}", rows, result, json_out)
+
+
+FINETUNE_DATA = {  # what --data must hold, per task
+    "mnli": ("train.tsv", "dev_matched.tsv", "dev_mismatched.tsv"),
+    "qqp": ("train.tsv", "dev.tsv"),
+    "squad1": ("train-v1.1.json", "dev-v1.1.json"),
+    "squad2": ("train-v2.0.json", "dev-v2.0.json"),
+    "race": ("train", "dev", "test"),
+}
+
+
+@main.command("finetune")
+@click.argument("task", type=click.Choice(sorted(FINETUNE_DATA)))
+@click.option(
+    "--ckpt",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="A megatrain BERT checkpoint (pretrained, `import-hf`ed, or fine-tuned with --eval-only).",
+)
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The task's directory in its official format (GLUE MNLI/QQP TSVs, SQuAD JSONs, "
+    "the RACE tree).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Results, predictions and checkpoints (OUT/ckpt, resumed) [default: runs/finetune-TASK].",
+)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel replicas (workers = tp x pp x dp).")  # fmt: skip
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Examples per step [default: Table 6].")  # fmt: skip
+@click.option("--lr", type=float, default=None, help="[default: Table 6]")
+@click.option("--epochs", type=click.IntRange(min=1), default=None, help="[default: Table 6]")
+@click.option("--max-seq-length", type=click.IntRange(min=8), default=None,
+              help="[default: 128 MNLI/QQP, 384 SQuAD, 512 RACE]")  # fmt: skip
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Examples per microbatch.")  # fmt: skip
+@click.option("--warmup", type=float, default=0.1, show_default=True,
+              help="Fraction of the iterations the learning rate warms up over.")  # fmt: skip
+@click.option("--dropout", type=float, default=0.1, show_default=True)
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="[default: bf16 on a GPU, fp32 on a CPU]")  # fmt: skip
+@click.option("--eval-only", is_flag=True, help="Score --ckpt (a fine-tuned one) on dev.")
+@click.option("--max-train-examples", type=click.IntRange(min=1), default=None,
+              help="Train on the first N examples only (a quick look).")  # fmt: skip
+@click.option("--max-eval-examples", type=click.IntRange(min=1), default=None)
+def finetune_command(task, ckpt, data, out, dp, **settings):
+    """Fine-tune a BERT checkpoint on TASK (mnli, qqp, squad1, squad2, race) as the paper
+    did (Table 6's batch size, learning rate and epochs for the nearest model size; warm-up
+    then linear decay; dropout 0.1), on tp x pp x dp workers, scoring the dev splits after
+    every epoch as the official scripts score them.  Writes OUT/metrics.json,
+    OUT/predictions*.json (question id -> answer text; example id -> label) and OUT/ckpt."""
+    from pathlib import Path
+
+    from megaeval.finetune.engine import Settings, finetune
+    from megatrain import launch
+    from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
+    from megatrain.inference import require_kind
+
+    missing = [f for f in FINETUNE_DATA[task] if not (Path(data) / f).exists()]
+    if settings["eval_only"]:
+        missing = [f for f in missing if not f.startswith("train")]
+    if missing:
+        raise click.UsageError(f"--data {data}: no {', '.join(missing)} (the {task} files)")
+    try:
+        directory = find_checkpoint(ckpt)
+        require_kind(read_meta(directory), "bert", f"megaeval finetune {task}", directory)
+    except CheckpointError as e:
+        raise click.UsageError(f"--ckpt: {e}") from None
+    out = out or f"runs/finetune-{task}"
+    workers = settings["tp"] * settings["pp"] * dp
+    try:
+        args = (task, ckpt, data, out, Settings(**settings))
+        results = launch.run_workers(finetune, args, workers)
+    except (launch.LaunchError, ValueError) as e:
+        raise click.ClickException(f"finetune {task}: {e}") from None
+    result = (results[0] or {}).get("metrics") or {}
+    rows = [
+        (f"{split} {name}", f"{value:.4f}" if isinstance(value, float) else str(value))
+        for split, metrics in result.items()
+        for name, value in metrics.items()
+    ]
+    report(f"finetune {task}  {ckpt} -> {out}", rows or [("results", "none")], result, None)

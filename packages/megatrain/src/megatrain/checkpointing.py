@@ -38,6 +38,7 @@ leaves the previous checkpoint and `latest` as they were.  Nothing is
 unpickled: DCP reads tensors, RNG files load with `weights_only=True`.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -254,12 +255,18 @@ def publish(tmp: Path, final: Path, meta: dict) -> None:
     """The last step of every save: meta.json into the complete `tmp` directory, `tmp`
     renamed to `final`, and only then `latest` (a temporary file renamed) naming it."""
     _write_json(tmp / "meta.json", meta)
+    # The same iteration saved again (a resume at N that saves at N): the old copy is moved
+    # aside, not deleted, until the new one is in place, so a kill between the two renames
+    # leaves `latest` naming a complete directory (`find_checkpoint` falls back to the old).
+    old = final.parent / f".old-{final.name}"
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     latest_tmp = final.parent / f".{LATEST}.tmp"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, final.parent / LATEST)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _rng_state() -> dict:
@@ -384,6 +391,10 @@ def find_checkpoint(ckpt: str | Path) -> Path:
     name = latest.read_text().strip()
     directory = ckpt / name
     meta_file = directory / "meta.json"
+    if not meta_file.is_file() and (ckpt / f".old-{name}" / "meta.json").is_file():
+        # Killed between `publish`'s two renames of a re-saved iteration: the old copy stands.
+        with contextlib.suppress(OSError):  # another rank may have moved it back already
+            os.replace(ckpt / f".old-{name}", directory)
     if not name.startswith("iter_") or not meta_file.is_file():
         raise CheckpointError(
             f"{latest} names {name!r}, but {meta_file} does not exist: the checkpoint was moved "
@@ -533,6 +544,24 @@ def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh)
             piece = whole[start : start + rows]
             target[: piece.shape[0]].copy_(piece)
     return direct
+
+
+def load_weights(chunks, directory: Path, device: torch.device, optional: tuple[str, ...] = ()):
+    """Fill this rank's parameters of `chunks` from the weights of checkpoint iteration
+    `directory` (any layout).  A parameter whose name starts with a prefix in `optional` is
+    left as it is when the checkpoint lacks it (a fine-tuning head a pretraining checkpoint
+    does not hold); weights the model does not have (pretraining heads) are not read.
+    Every rank calls it."""
+    saved = dcp.FileSystemReader(str(directory / "model")).read_metadata().state_dict_metadata
+    params = {
+        n: p
+        for n, p in named_params(chunks, loading=True).items()
+        if n in saved or not n.startswith(optional)
+    }
+    with torch.no_grad():
+        _load_into(
+            {n: (p.data, p) for n, p in params.items()}, "", directory / "model", _tp_mesh(device)
+        )
 
 
 def _saved_shape_problem(metadata, key: str, like: torch.nn.Parameter, mesh) -> str | None:

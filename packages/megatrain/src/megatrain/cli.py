@@ -104,9 +104,17 @@ def _worker(config_dict: dict):
     show_default=True,
     help="Times the elastic agent restarts failed workers.",
 )
+@click.option(
+    "--rdzv-timeout",
+    type=click.IntRange(min=1),
+    default=600,
+    show_default=True,
+    help="Seconds a node waits at --master-addr:--master-port for the other nodes (--nnodes > "
+    "1) before giving up.",
+)
 def run_command(
     config_path, overrides, nproc_per_node, load, save, nnodes, node_rank, master_addr,
-    master_port, max_restarts,
+    master_port, max_restarts, rdzv_timeout,
 ):  # fmt: skip
     """Train the model of --config on its corpus.
 
@@ -114,6 +122,14 @@ def run_command(
     parallel.tensor_model_parallel_size=2.  With no launcher this starts its own
     workers through torch.distributed's elastic agent; under torchrun or Slurm
     (one task per GPU) it joins the job from the environment.
+
+    With --nnodes N, start one `megatrain run` per node with the same --master-addr and
+    --master-port (node 0's address) and --node-rank 0..N-1 (scripts/slurm/ does so); the
+    nodes name the run alike: $MEGATRAIN_RUN_ID, else the Slurm job's id, else that address.
+
+    SIGINT (Ctrl-C) or SIGTERM: every rank finishes its iteration, saves and stops; the exit
+    status is then 130 (SIGINT) or 143 (SIGTERM).  A second one kills the workers at once (the
+    last complete checkpoint stays).
     """
     from megatrain import launch
 
@@ -122,7 +138,12 @@ def run_command(
         config = load_config(config_path, [*overrides, *flags])
         if launch.in_launched_job() or launch.adopt_slurm_environment():
             validate(config, int(os.environ["WORLD_SIZE"]))
-            _worker(config.to_dict())
+            from megatrain.training import StopSignal, train
+
+            stop = StopSignal()
+            train(config, stop)
+            if stop.signum:  # saved and stopped: say so to the launcher or scheduler
+                sys.exit(128 + stop.signum)
             return
         if node_rank >= nnodes:
             raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
@@ -145,7 +166,14 @@ def run_command(
             master_addr=master_addr,
             master_port=master_port,
             max_restarts=max_restarts,
+            rdzv_timeout=rdzv_timeout,
         )
+    except launch.Interrupted as e:
+        click.echo(f"megatrain run: {e.describe(config.checkpoint.save)}", err=True)
+        import gc
+
+        gc.freeze()  # exit now, without collecting torch's objects first (seconds on a busy CPU)
+        sys.exit(e.exit_code)
     except launch.LaunchError as e:
         click.echo(f"megatrain run: {e}", err=True)
         sys.exit(1)

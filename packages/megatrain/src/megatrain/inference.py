@@ -14,14 +14,7 @@ from pathlib import Path
 import torch
 
 from megacore import parallel_state as ps
-from megatrain.checkpointing import (
-    CheckpointError,
-    _load_into,
-    _tp_mesh,
-    find_checkpoint,
-    named_params,
-    read_meta,
-)
+from megatrain.checkpointing import CheckpointError, find_checkpoint, load_weights, read_meta
 from megatrain.config import Config
 from megatrain.models import build_model_chunks
 from megatrain.models.transformer import TransformerConfig
@@ -112,11 +105,7 @@ def load_model(
     # parameter); loading casts the saved tensors to `dtype`, rounding them as `.to(dtype)`
     # would.
     chunks = build_model_chunks(model_kind(meta), cfg, device=device, dtype=dtype, initialize=False)
-    params = named_params(chunks, loading=True)
-    with torch.no_grad():
-        _load_into(
-            {n: (p.data, p) for n, p in params.items()}, "", directory / "model", _tp_mesh(device)
-        )
+    load_weights(chunks, directory, device)
     for c in chunks:
         c.eval()
     return LoadedModel(

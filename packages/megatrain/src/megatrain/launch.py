@@ -7,19 +7,96 @@
   MASTER_ADDR must name the first node (see scripts/slurm/).
 - Otherwise `megatrain run` is the launcher: torch's elastic agent starts
   `nproc_per_node` workers here, and with --nnodes > 1 it meets the agents of
-  the other nodes at --master-addr:--master-port (static rendezvous by --node-rank).
+  the other nodes at --master-addr:--master-port (by --node-rank, within
+  --rdzv-timeout seconds; the run id every node derives alike: `run_id`).
+
+Signals.  torch's agent answers SIGINT/SIGTERM by raising SignalException and
+closing the workers; but workers started as functions (`spawn`) wait after
+returning until the agent has read their results, which it no longer does, so
+the agent waited its 30 s shutdown timeout, killed them and exited 1 with a
+traceback.  The launcher handles both signals itself instead (`_Signals`): the
+first is passed on to the workers (which finish their iteration, agree through
+an all-reduce, save and return) while the agent keeps collecting them normally,
+and `launch` then raises `Interrupted`; a second (or a first before any worker
+is up) kills the workers at once (checkpoints are complete before `latest` names
+them, so the last one stands).  Under torchrun or Slurm the workers stop alike and
+exit 130 (SIGINT) or 143 (SIGTERM) after saving (`megatrain run`).
 """
 
+import contextlib
+import dataclasses
+import gc
+import multiprocessing
 import os
+import signal
+import threading
+import time
 import uuid
 from collections.abc import Callable
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DEFAULT_RDZV_TIMEOUT = 600  # seconds a node waits for the others at --master-addr:--master-port
 
 
 class LaunchError(RuntimeError):
     """The workers failed; the message holds the first failure's error."""
+
+
+class Interrupted(LaunchError):
+    """SIGINT or SIGTERM stopped the launch.
+
+    `results`: the workers' {rank: result} when they saved and stopped at the first
+    signal; None when a second signal killed them (`killed`), or they had not started or
+    failed.
+    """
+
+    def __init__(self, signum: int, results: dict | None = None, killed: bool = False):
+        self.signum, self.results, self.killed = signum, results, killed
+        self.name = signal.Signals(signum).name
+        super().__init__(
+            f"{self.name} again: workers killed" if killed else f"stopped by {self.name}"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by a signal: 130 for SIGINT, 143 SIGTERM."""
+        return 128 + self.signum
+
+    def describe(self, save_dir: str | None) -> str:
+        """One line: the signal, the iteration and the checkpoint the run can resume from."""
+        from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
+
+        first = (self.results or {}).get(0)
+        stopped_at = first.get("stopped_at") if isinstance(first, dict) else None
+        saved = iteration = None
+        if save_dir:
+            with contextlib.suppress(CheckpointError):
+                saved = find_checkpoint(save_dir)
+                iteration = read_meta(saved)["iteration"]
+        if self.killed:
+            head = f"workers killed at the second {self.name}"
+        elif self.results is None:
+            head = f"stopped by {self.name} before the workers could save"
+        else:
+            stopped_at = stopped_at if stopped_at is not None else iteration
+            head = f"stopped by {self.name} at iteration {stopped_at}"
+            if saved is not None and iteration == stopped_at:
+                return f"{head}; checkpoint saved in {save_dir}"
+        if saved is None:
+            return f"{head}; " + (
+                f"no checkpoint in {save_dir}" if save_dir else "nothing saved (no --save)"
+            )
+        return f"{head}; the last complete checkpoint is {saved} (iteration {iteration})"
+
+
+class RendezvousTimeout(LaunchError):
+    """The other nodes did not all arrive at --master-addr:--master-port in time."""
 
 
 def in_launched_job() -> bool:
@@ -45,6 +122,197 @@ def adopt_slurm_environment() -> bool:
     return True
 
 
+def run_id(master_addr: str, master_port: int) -> str:
+    """The run id, the same on every node without being passed around: MEGATRAIN_RUN_ID if
+    set, else the Slurm job's id, else the rendezvous address."""
+    env = os.environ
+    if env.get("MEGATRAIN_RUN_ID"):
+        return env["MEGATRAIN_RUN_ID"]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}"
+    return f"{master_addr}:{master_port}"
+
+
+class NodeRendezvous(StaticTCPRendezvous):
+    """torch's static rendezvous (node ranks given, node 0 serves the store), waiting for the
+    other nodes itself: within `timeout`, interruptible, and saying who came when they did not.
+
+    Each node counts itself in and records its run id under its node rank; all wait until
+    `world_size` nodes have, then check that the run ids (torch's keys live under it) agree.
+    """
+
+    BACKEND = "megatrain-static"
+    POLL = 0.5  # seconds between looks at the count
+
+    def get_backend(self) -> str:
+        return self.BACKEND
+
+    def next_rendezvous(self):
+        if self._store is None:
+            self._store = self._meet()
+        return super().next_rendezvous()
+
+    @property
+    def address(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+    def _meet(self) -> TCPStore:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if self.rank == 0:
+            try:
+                store = TCPStore(
+                    self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                    wait_for_workers=False, multi_tenant=True,
+                )  # fmt: skip
+            except RuntimeError as e:
+                raise LaunchError(
+                    f"node 0 cannot serve the rendezvous on port {self.master_port} ({e}); "
+                    "is another job using it? Choose another --master-port"
+                ) from e
+        else:
+            store = self._connect(deadline)
+        key = "megatrain/rdzv"
+        if store.add(f"{key}/claimed/{self.rank}", 1) > 1:
+            raise LaunchError(
+                f"two nodes were started with --node-rank {self.rank} at {self.address}"
+            )
+        store.set(f"{key}/run_id/{self.rank}", self.run_id)
+        arrived = store.add(f"{key}/count", 1)
+        while arrived < self.world_size:
+            if time.monotonic() > deadline:
+                seen = [r for r in range(self.world_size) if store.check([f"{key}/run_id/{r}"])]
+                raise RendezvousTimeout(
+                    f"waited {self.timeout.total_seconds():.0f} s at {self.address} for "
+                    f"{self.world_size} nodes; {len(seen)} arrived (node ranks seen: "
+                    f"{', '.join(map(str, seen))}). Start the other nodes with --master-addr "
+                    f"{self.master_addr} --master-port {self.master_port}, or raise --rdzv-timeout"
+                )
+            time.sleep(self.POLL)
+            arrived = store.add(f"{key}/count", 0)
+        for r in range(self.world_size):
+            other = store.get(f"{key}/run_id/{r}").decode()
+            if other != self.run_id:
+                raise LaunchError(
+                    f"node {r} has run id {other!r}, node {self.rank} {self.run_id!r}: set the "
+                    "same MEGATRAIN_RUN_ID on every node, or none"
+                )
+        return store
+
+    def _connect(self, deadline: float) -> TCPStore:
+        """A client of node 0's store, once its port answers (probed from Python, so that a
+        signal is heard and no C++ connection errors are printed while node 0 is not up)."""
+        import socket
+
+        while True:
+            try:
+                socket.create_connection((self.master_addr, self.master_port), timeout=2).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeout(
+                        f"waited {self.timeout.total_seconds():.0f} s at {self.address} for "
+                        f"{self.world_size} nodes; node 0 never answered there ({e}). Start "
+                        f"node 0 with --node-rank 0 --master-addr {self.master_addr} "
+                        f"--master-port {self.master_port}, or raise --rdzv-timeout"
+                    ) from e
+                time.sleep(self.POLL)
+        return TCPStore(self.master_addr, self.master_port, self.world_size, False, self.timeout)
+
+
+def _node_rendezvous(params: RendezvousParameters) -> NodeRendezvous:
+    host, port = params.endpoint.rsplit(":", 1)
+    return NodeRendezvous(
+        host, int(port), int(params.config["rank"]), params.max_nodes, params.run_id,
+        int(params.config["timeout"]),
+    )  # fmt: skip
+
+
+class _Signals:
+    """SIGINT/SIGTERM while the agent runs: the first goes on to the workers (and is kept in
+    `signum`), a second, or a first before any worker is up, kills them and raises `_Abort`
+    into the agent, which then closes down."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.killed = False
+
+    def __enter__(self):
+        # Only the main thread may set handlers; elsewhere (torch's agent sets none there
+        # either) the process's own handling stays.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        else:
+            self._previous = {}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        # The workers are this process's children (the agent runs here, in the main thread).
+        workers = multiprocessing.active_children()
+        if self.signum is None:
+            self.signum = signum
+            if workers:
+                _send(workers, signum)
+                return
+        self.killed = bool(workers)
+        _send(workers, signal.SIGKILL)
+        for worker in workers:  # reaped here, the agent finds them gone and closes at once
+            worker.join(5)
+        raise _Abort
+
+
+class _Abort(Exception):
+    """Raised by `_Signals` to end the agent's run."""
+
+
+def _send(workers: list, signum: int) -> None:
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signum)
+
+
+@contextlib.contextmanager
+def _signals_left_to(watch: _Signals, options: dict):
+    """Keep torch's agent from answering SIGINT/SIGTERM itself (it would raise SignalException
+    in the middle of collecting the workers' results)."""
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # torch >= 2.9
+        options["signals_to_handle"] = "SIGHUP,SIGQUIT"
+        previous = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # which torch sets from it
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+            else:
+                os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = previous
+        return
+    # Older torch installs its handler for every signal as the workers start: make it ours.
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api._terminate_process_handler
+
+    def handler(signum, frame):
+        (watch.handle if signum in STOP_SIGNALS else original)(signum, frame)
+
+    api._terminate_process_handler = handler
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = original
+
+
+def _worker_entry(entrypoint: Callable, *args):
+    """One worker: `entrypoint(*args)`; then its objects are frozen, which spares the exit
+    of the process the collections over all of torch's objects (seconds on a busy CPU, which
+    the launcher would wait)."""
+    result = entrypoint(*args)
+    gc.freeze()
+    return result
+
+
 def launch(
     entrypoint: Callable,
     args: tuple,
@@ -55,34 +323,53 @@ def launch(
     master_addr: str = "127.0.0.1",
     master_port: int = 29500,
     max_restarts: int = 0,
+    rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT,
 ) -> dict:
-    """Run `entrypoint(*args)` in nproc_per_node workers on this node; {global rank: result}."""
+    """Run `entrypoint(*args)` in nproc_per_node workers on this node; {global rank: result}.
+
+    Raises `Interrupted` after SIGINT/SIGTERM (see the module's docstring), `RendezvousTimeout`
+    when the other nodes did not all arrive within `rdzv_timeout` seconds, `LaunchError` when
+    a worker failed."""
     if nnodes == 1:  # as `torchrun --standalone`: a rendezvous on a free local port
         rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0", "rdzv_configs": {}}
+        rid = os.environ.get("MEGATRAIN_RUN_ID") or str(uuid.uuid4())
     else:
+        rendezvous_handler_registry.register(NodeRendezvous.BACKEND, _node_rendezvous)
         rdzv = {
-            "rdzv_backend": "static",
+            "rdzv_backend": NodeRendezvous.BACKEND,
             "rdzv_endpoint": f"{master_addr}:{master_port}",
-            "rdzv_configs": {"rank": node_rank, "timeout": 900},
+            "rdzv_configs": {"rank": node_rank, "timeout": rdzv_timeout},
         }
-    config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        run_id=os.environ.get("MEGATRAIN_RUN_ID", str(uuid.uuid4())),
-        max_restarts=max_restarts,
-        monitor_interval=0.5,
-        start_method="spawn",
-        **rdzv,
-    )
-    try:
-        return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", message)
-        raise LaunchError(f"worker rank {rank} failed: {message}") from e
+        rid = run_id(master_addr, master_port)
+    watch = _Signals()
+    options = {}
+    with watch, _signals_left_to(watch, options):
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nproc_per_node,
+            run_id=rid,
+            max_restarts=max_restarts,
+            monitor_interval=0.5,
+            start_method="spawn",
+            **rdzv,
+            **options,
+        )
+        try:
+            results = elastic_launch(config, _worker_entry)(entrypoint, *args)
+        except _Abort:
+            raise Interrupted(watch.signum, killed=watch.killed) from None
+        except ChildFailedError as e:
+            if watch.signum is not None:  # a worker did not get as far as its signal handler
+                raise Interrupted(watch.signum) from None
+            rank, failure = e.get_first_failure()
+            message = failure.message
+            if isinstance(message, dict):
+                message = message.get("message", message)
+            raise LaunchError(f"worker rank {rank} failed: {message}") from e
+    if watch.signum is not None:
+        raise Interrupted(watch.signum, results)
+    return results
 
 
 def run_workers(entrypoint: Callable, args: tuple, nproc: int) -> dict:

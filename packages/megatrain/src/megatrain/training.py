@@ -152,23 +152,13 @@ def _batches(config: Config, corpus: "data_lib.Corpus", dp: int):
     return data_lib.GPTBatches(corpus, **common)
 
 
-def build_run(config: Config, device: torch.device) -> Run:
-    """Parallel groups, model chunks wrapped in DDP, optimizer and data for this rank."""
-    dp = validate(config, dist.get_world_size())
+def prepare_training(
+    config: Config, chunks: list, dtype: torch.dtype
+) -> tuple[list, MegatronOptimizer]:
+    """Model chunks ready to train as `config` says: compiled if asked, wrapped in megacore's
+    DDP (or the distributed optimizer's buffers), the tensor-parallel dropout seeds set, and
+    the optimizer over them.  Shared by pretraining and fine-tuning (megaeval)."""
     p, t, o = config.parallel, config.training, config.optimizer
-    vpp = p.virtual_pipeline_model_parallel_size
-    ps.initialize_model_parallel(
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        vpp if vpp and vpp > 1 else None,
-    )
-    train_corpus = open_corpus(config, "train")
-    valid_corpus = open_corpus(config, "valid")
-    transformer = model_config(config, train_corpus.vocab_size)
-    dtype = PRECISION_DTYPES[t.precision]
-    # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
-    # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
-    chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
     if t.compile:
         chunks = [compile_layers(c) for c in chunks]
     chunks = [
@@ -203,6 +193,27 @@ def build_run(config: Config, device: torch.device) -> Run:
         ),
         chunks,
     )
+    return chunks, optimizer
+
+
+def build_run(config: Config, device: torch.device) -> Run:
+    """Parallel groups, model chunks wrapped in DDP, optimizer and data for this rank."""
+    dp = validate(config, dist.get_world_size())
+    p, t = config.parallel, config.training
+    vpp = p.virtual_pipeline_model_parallel_size
+    ps.initialize_model_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        vpp if vpp and vpp > 1 else None,
+    )
+    train_corpus = open_corpus(config, "train")
+    valid_corpus = open_corpus(config, "valid")
+    transformer = model_config(config, train_corpus.vocab_size)
+    dtype = PRECISION_DTYPES[t.precision]
+    # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
+    # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
+    chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
+    chunks, optimizer = prepare_training(config, chunks, dtype)
     train_data = _batches(config, train_corpus, dp)
     return Run(config, transformer, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)
 
@@ -240,14 +251,21 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -> dict:
+def forward_backward(
+    run: Run,
+    microbatches: list,
+    forward_only: bool = False,
+    forward_step=None,
+    names: tuple[str, ...] | None = None,
+) -> dict:
     """Run one global batch through the pipeline; return its mean loss and the model's other
     statistics ({"loss": ..., BERT: "mlm_loss", "sop_loss", "sop_accuracy"}), as floats on
-    every rank."""
+    every rank.  `forward_step` and the statistics' `names` default to the model kind's
+    (a fine-tuning task brings its own)."""
     t = run.config.training
     interleaved = len(run.chunks) > 1
     infos = pipe.get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step or _forward_step,
         data_iterator=[iter(microbatches) for _ in run.chunks]
         if interleaved
         else iter(microbatches),
@@ -263,7 +281,7 @@ def forward_backward(run: Run, microbatches: list, forward_only: bool = False) -
         finalize_model_grads_func=None if forward_only else pipe.finalize_model_grads,
     )
     # The last stage holds the losses: average over DP, then share over the pipeline.
-    names = STATISTICS[run.kind]
+    names = names or STATISTICS[run.kind]
     total = torch.zeros(len(names), device=run.device)
     if infos:
         total += torch.stack([torch.stack([i[n].float() for n in names]) for i in infos]).mean(0)
@@ -323,35 +341,47 @@ def train_step(run: Run) -> dict:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT set a flag; the loop finishes its iteration, saves and returns."""
+    """SIGTERM/SIGINT set a flag; the loop finishes its iteration, saves and returns.
+
+    `agreed` shares the signal, so that afterwards every rank holds it: `signum` (the highest
+    any rank got) and `received` (its name, or what else stopped the run, "exit_interval N").
+    """
 
     def __init__(self):
         self.received = None
+        self.signum = None
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        self.signum = max(self.signum or 0, signum)
+        self.received = signal.Signals(self.signum).name
 
     def agreed(self, device) -> bool:
         """Whether any rank got a signal (a collective, so every rank stops at the same step)."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        flag = torch.tensor([float(self.signum or 0)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = int(flag.item())
+        if signum and signum != self.signum:
+            self.signum, self.received = signum, signal.Signals(signum).name
+        return bool(signum)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
-def train(config: Config) -> dict | None:
-    """Train as configured; every rank of the job calls it.  Returns the history on rank 0."""
+def train(config: Config, stop: StopSignal | None = None) -> dict | None:
+    """Train as configured; every rank of the job calls it.  Returns the history on rank 0.
+
+    `stop` (made here if None) hears SIGINT/SIGTERM; its `signum` tells the caller afterwards
+    whether a signal ended the run."""
     device, created = init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    stop = StopSignal()
+    stop = stop or StopSignal()
     try:
         run = build_run(config, device)
         resume(run)

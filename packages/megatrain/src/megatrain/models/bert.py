@@ -72,7 +72,13 @@ class BertModel(LanguageModel):
     predicted tokens), "sop_loss", "sop_accuracy" and "loss" (their sum); without labels,
     (masked-LM logits [s, b, v/tp] of every position, SOP logits [b, 2]).  Pass `loss_mask`
     on the CPU to spare a host sync: the positions it selects are found there.
+
+    `encode` gives the encoder's output alone (a fine-tuning head's input); a subclass with
+    `PRETRAINING_HEADS = False` builds the pooler but not the MLM and SOP heads, whose
+    weights a pretraining checkpoint then simply does not load.
     """
+
+    PRETRAINING_HEADS = True
 
     def __init__(
         self,
@@ -101,6 +107,9 @@ class BertModel(LanguageModel):
         if not post_process:
             return
         h = cfg.hidden_size
+        self.pooler = _replicated_linear(cfg, h, h, seed - 4, device, dtype, initialize)
+        if not self.PRETRAINING_HEADS:
+            return
         self.lm_dense = _replicated_linear(cfg, h, h, seed - 3, device, dtype, initialize)
         self.lm_layernorm = _layer_norm(cfg, device, dtype)
         for p in self.lm_layernorm.parameters():
@@ -116,7 +125,6 @@ class BertModel(LanguageModel):
         rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
         self.lm_bias = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype))
         tp.set_tensor_model_parallel_attributes(self.lm_bias, True, 0)
-        self.pooler = _replicated_linear(cfg, h, h, seed - 4, device, dtype, initialize)
         self.sop_head = _replicated_linear(cfg, 2, h, seed - 5, device, dtype, initialize)
 
     def _mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -124,6 +132,21 @@ class BertModel(LanguageModel):
         x = F.gelu(self.lm_dense(hidden), approximate=GELUS[self.config.gelu])
         logits, _ = self.lm_output(self.lm_layernorm(x), weight=self.tied_output_weight())
         return self.mask_padding(logits + self.lm_bias)
+
+    def encode(self, tokens: torch.Tensor, token_types: torch.Tensor, padding_mask: torch.Tensor):
+        """The encoder: a stage before the last returns its activations [s, b, h]; the last
+        returns (the final hidden states [s, b, h] of the whole sequence, the pooled [CLS]
+        [b, h]), the same on every TP rank."""
+        device = tokens.device if self.pre_process else self.input_tensor.device
+        # Keys to attend, broadcast over heads and queries: [b, 1, 1, s].
+        mask = padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        x = self.embed(tokens, token_types=token_types) if self.pre_process else self.input_tensor
+        x = self.run_layers(x, mask)
+        if not self.post_process:
+            return x
+        if self.config.sequence_parallel:
+            x = tp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        return x, torch.tanh(self.pooler(x[0]))  # [CLS] is position 0
 
     def forward(
         self,
@@ -134,16 +157,10 @@ class BertModel(LanguageModel):
         loss_mask: torch.Tensor | None = None,
         sop_labels: torch.Tensor | None = None,
     ):
-        device = tokens.device if self.pre_process else self.input_tensor.device
-        # Keys to attend, broadcast over heads and queries: [b, 1, 1, s].
-        mask = padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-        x = self.embed(tokens, token_types=token_types) if self.pre_process else self.input_tensor
-        x = self.run_layers(x, mask)
+        out = self.encode(tokens, token_types, padding_mask)
         if not self.post_process:
-            return x
-        if self.config.sequence_parallel:
-            x = tp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
-        pooled = torch.tanh(self.pooler(x[0]))  # [CLS] is position 0
+            return out
+        x, pooled = out
         sop_logits = self.sop_head(pooled)
         if mlm_labels is None:
             return self._mlm_logits(x), sop_logits
