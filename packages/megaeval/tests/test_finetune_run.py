@@ -141,6 +141,10 @@ def _pretrain_and_finetune(root):
     mnli = Settings(**{**SETTINGS, "epochs": 4, "lr": 1e-2})
     out["mnli"] = finetune("mnli", bert, root + "/mnli", root + "/out-mnli", mnli)
     out["mnli-1"] = finetune("mnli", bert, root + "/mnli", root + "/out-mnli-1", MNLI_LAYOUT)
+    # Stopped after 8 of the 12 steps (a save), then resumed from OUT/ckpt: the same 12 steps.
+    stop = Settings(**{**MNLI_LAYOUT.__dict__, "exit_interval": 8})
+    out["first"] = finetune("mnli", bert, root + "/mnli", root + "/out-resume", stop)
+    out["second"] = finetune("mnli", bert, root + "/mnli", root + "/out-resume", MNLI_LAYOUT)
     out["eval-only"] = finetune(
         "mnli", root + "/out-mnli/ckpt", root + "/mnli", root + "/out-eval",
         Settings(**{**SETTINGS, "eval_only": True}),
@@ -208,3 +212,10 @@ def test_mnli_layouts_take_the_steps_of_one_process(inputs, one_process):
         assert len(run["losses"]) == len(reference["losses"]), name
         for a, b in zip(run["losses"], reference["losses"], strict=True):
             assert abs(a - b) < TOL, (name, run["losses"], reference["losses"])
+
+
+def test_a_stopped_finetune_resumes_exactly(one_process):
+    first, second, full = one_process["first"], one_process["second"], one_process["mnli-1"]
+    assert len(first["losses"]) == 8 and first["metrics"] is None
+    assert first["losses"] + second["losses"] == full["losses"]  # bitwise
+    assert second["metrics"] == full["metrics"]

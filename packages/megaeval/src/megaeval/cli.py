@@ -310,6 +310,9 @@ FINETUNE_DATA = {  # what --data must hold, per task
 @click.option("--max-train-examples", type=click.IntRange(min=1), default=None,
               help="Train on the first N examples only (a quick look).")  # fmt: skip
 @click.option("--max-eval-examples", type=click.IntRange(min=1), default=None)
+@click.option("--exit-interval", type=click.IntRange(min=1), default=None,
+              help="Save and stop at the first iteration that is a multiple of it; the same "
+              "command resumes from OUT/ckpt.")  # fmt: skip
 def finetune_command(task, ckpt, data, out, dp, **settings):
     """Fine-tune a BERT checkpoint on TASK (mnli, qqp, squad1, squad2, race) as the paper
     did (Table 6's batch size, learning rate and epochs for the nearest model size; warm-up

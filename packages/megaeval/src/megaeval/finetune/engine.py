@@ -57,6 +57,7 @@ class Settings:
     eval_only: bool = False
     log_interval: int = 10
     max_train_examples: int | None = None  # the first N (a quick look)
+    exit_interval: int | None = None  # save and stop at a multiple of it (a job's time slice)
     max_eval_examples: int | None = None
 
 
@@ -346,10 +347,16 @@ def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -
                 f"accuracy {stats['accuracy']:.3f} | lr {lr:.3e} | elapsed {elapsed:.0f} s | "
                 f"ETA {eta:.0f} s"
             )
-        if run.iteration % steps_per_epoch == 0 or run.iteration == t.train_iters:
-            epoch = math.ceil(run.iteration / steps_per_epoch)
+        epoch_end = run.iteration % steps_per_epoch == 0 or run.iteration == t.train_iters
+        stopping = bool(settings.exit_interval) and run.iteration % settings.exit_interval == 0
+        if epoch_end or stopping:
             checkpointing.save_checkpoint(run, out / "ckpt", keep=1)
+        if epoch_end:
+            epoch = math.ceil(run.iteration / steps_per_epoch)
             results = evaluate(run, task, evals, settings, out, epoch)
+        if stopping and run.iteration < t.train_iters:
+            _say(f"megaeval finetune: stopped at iteration {run.iteration} (exit_interval)")
+            return {"metrics": results, "losses": losses} if _is_main() else None
     if results is None:  # resumed after the last iteration: score what was saved
         results = evaluate(run, task, evals, settings, out, rows[2])
     if _is_main():
