@@ -9,6 +9,7 @@ process compares with transformers and checks the bad inputs.
 
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -212,6 +213,10 @@ def test_export_loads_in_transformers_with_our_logits(steps, corpus):
     assert ours.shape == theirs.shape == (2, 16, vocab)
     assert (ours - theirs).abs().max() < 1e-4
     assert ours.std() > 0.1  # trained logits, not a flat distribution
+    # Readable as the user's other files (safetensors alone writes 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_export_tokenizer_encodes_as_the_checkpoint(steps, corpus):

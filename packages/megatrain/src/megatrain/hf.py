@@ -23,6 +23,7 @@ fine-tunes from.  transformers (the `hf` extra) is imported by export only.
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -169,13 +170,24 @@ def _hf_tokenizer(tokenizer_file: Path, eod: str, max_length: int, out: Path) ->
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def save_weights(weights: dict, dtype: torch.dtype, path: Path) -> None:
+    """model.safetensors in `dtype`, readable as the user's other files are: safetensors
+    writes 0600 whatever the umask, which keeps a shared model from its group."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.to(dtype) for n, t in weights.items()}, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True):
     """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`: a GPT-2, or
     for a BERT (model.kind "bert") what `hf_bert.export_bert` writes."""
     torch_dtype = dtype_of(dtype)
     try:
+        import safetensors  # noqa: F401  (save_weights uses it; refuse early without it)
         import transformers
-        from safetensors.torch import save_file
     except ImportError as e:
         raise ImportError(
             f"megatrain export-hf needs transformers ({e}); pip install 'megatrain[hf]'"
@@ -231,11 +243,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
-    save_file(
-        {n: t.to(torch_dtype) for n, t in weights.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    save_weights(weights, torch_dtype, out / "model.safetensors")
     _hf_tokenizer(tokenizer_file, eod, m["max_position_embeddings"], out)
     transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(
         str(out)

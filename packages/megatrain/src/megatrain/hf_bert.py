@@ -51,6 +51,7 @@ from megatrain.hf import (
     qkv_from_hf,
     qkv_to_hf,
     read_hf_weights,
+    save_weights,
     write_imported,
 )
 
@@ -264,7 +265,6 @@ def export_bert(
     Hugging Face directory `out` that `MegatronBertForPreTraining` (block_order "pre_ln") or
     `BertForPreTraining` ("post_ln") and `AutoTokenizer` load."""
     import transformers
-    from safetensors.torch import save_file
 
     torch_dtype = dtype_of(dtype)
     tokenizer_file = Path(tokenizer_file)
@@ -301,11 +301,7 @@ def export_bert(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config_class(**fields).save_pretrained(str(out))
-    save_file(
-        {n: t.to(torch_dtype) for n, t in weights.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    save_weights(weights, torch_dtype, out / "model.safetensors")
     tok = transformers.BertTokenizerFast(
         tokenizer_file=str(tokenizer_file),
         model_max_length=m["max_position_embeddings"],
