@@ -137,8 +137,10 @@ def _pretrain_and_finetune(root):
     )
     bert = root + "/bert"
     out = {}
-    # Measured: 4 epochs at lr 1e-2 take the loss from 1.11 to 0.54 (2e-3 stays at ln 3).
-    mnli = Settings(**{**SETTINGS, "epochs": 4, "lr": 1e-2})
+    # The corpus and model are the same every run (write_bert_text_corpus numbers its vocabulary
+    # deterministically).  Measured: 8 epochs at lr 1e-2 take the mean loss of the first 12
+    # steps, 1.12, to 0.23 over the last 12, dev accuracy 1.0 (lr 5e-3: 0.47-0.49).
+    mnli = Settings(**{**SETTINGS, "epochs": 8, "lr": 1e-2})
     out["mnli"] = finetune("mnli", bert, root + "/mnli", root + "/out-mnli", mnli)
     out["mnli-1"] = finetune("mnli", bert, root + "/mnli", root + "/out-mnli-1", MNLI_LAYOUT)
     # Stopped after 8 of the 12 steps (a save), then resumed from OUT/ckpt: the same 12 steps.
@@ -162,8 +164,8 @@ def one_process(inputs):
 
 def test_mnli_learns_and_eval_only_rescores(inputs, one_process):
     losses = one_process["mnli"]["losses"]
-    assert len(losses) == 4 * 96 // 8
-    assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6 - 0.2, losses  # it learns
+    assert len(losses) == 8 * 96 // 8
+    assert sum(losses[-12:]) / 12 < sum(losses[:12]) / 12 - 0.5, losses  # it learns
     metrics = one_process["mnli"]["metrics"]
     assert set(metrics) == {"dev_matched", "dev_mismatched"}
     assert one_process["eval-only"]["metrics"] == metrics  # the saved head is read back
@@ -171,7 +173,7 @@ def test_mnli_learns_and_eval_only_rescores(inputs, one_process):
     assert len(predictions) == 24
     assert set(predictions.values()) <= {"entailment", "contradiction", "neutral"}
     saved = json.loads((inputs / "out-mnli" / "metrics.json").read_text())
-    assert saved["epoch"] == 4 and saved["dev_matched"] == metrics["dev_matched"]
+    assert saved["epoch"] == 8 and saved["dev_matched"] == metrics["dev_matched"]
 
 
 def test_race_and_squad2_score_as_the_official_scripts(inputs, one_process):

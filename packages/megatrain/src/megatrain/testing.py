@@ -186,6 +186,11 @@ def write_bert_text_corpus(
         vocab_size=vocab_size, special_tokens=BERT_SPECIALS, show_progress=False
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    # The trainer numbers tokens of equal counts in a different order from run to run: ids by
+    # sorted token (specials first), so a test's corpus and model are the same every run.
+    learned = tok.get_vocab()
+    order = [*BERT_SPECIALS, *sorted(t for t in learned if t not in BERT_SPECIALS)]
+    tok.model = models.WordPiece({t: i for i, t in enumerate(order)}, unk_token="[UNK]")
     sep = tok.token_to_id("[SEP]")
     segmenter = pysbd.Segmenter(language="en", clean=False)
     docs, ends, sentences = [], [], []
