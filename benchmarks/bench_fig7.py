@@ -16,12 +16,12 @@ tuned to make (b) win.
 import argparse
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_gpt_train import free_port
 
 from megatrain.config import load_config
 from megatrain.training import train
@@ -45,12 +45,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     return parser.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def overrides(args, order: str, layers: int, out: Path) -> list[str]:

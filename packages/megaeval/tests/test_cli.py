@@ -160,3 +160,20 @@ def test_ckpt_hands_the_evaluate_arguments_to_the_checkpoint_scorer(
     assert calls == [(command, str(ckpt), tp, pp, {"data_path": str(data), **expected_kwargs})]
     assert json.loads(out.read_text()) == fake_results[command]
     assert ("15.500" if command == "wikitext103" else "66.67%") in result.output
+
+
+def test_finetune_refuses_missing_task_files_and_a_non_bert_checkpoint(tmp_path):
+    data, ckpt = tmp_path / "mnli", tmp_path / "ckpt"
+    data.mkdir()
+    ckpt.mkdir()
+    result = CliRunner().invoke(
+        main, ["finetune", "mnli", "--ckpt", str(ckpt), "--data", str(data)]
+    )
+    assert result.exit_code == 2, result.output
+    assert "no train.tsv, dev_matched.tsv, dev_mismatched.tsv" in result.output
+    for name in ("train.tsv", "dev_matched.tsv", "dev_mismatched.tsv"):
+        (data / name).write_text("index\n")
+    result = CliRunner().invoke(
+        main, ["finetune", "mnli", "--ckpt", str(ckpt), "--data", str(data)]
+    )
+    assert result.exit_code == 2 and "--ckpt:" in result.output and "latest" in result.output

@@ -324,7 +324,7 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
     from megaeval.finetune.engine import Settings, finetune
     from megatrain import launch
     from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
-    from megatrain.inference import require_kind
+    from megatrain.inference import load_tokenizer, require_kind
 
     missing = [f for f in FINETUNE_DATA[task] if not (Path(data) / f).exists()]
     if settings["eval_only"]:
@@ -333,7 +333,9 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
         raise click.UsageError(f"--data {data}: no {', '.join(missing)} (the {task} files)")
     try:
         directory = find_checkpoint(ckpt)
-        require_kind(read_meta(directory), "bert", f"megaeval finetune {task}", directory)
+        meta = read_meta(directory)
+        require_kind(meta, "bert", f"megaeval finetune {task}", directory)
+        load_tokenizer(directory, meta)
     except CheckpointError as e:
         raise click.UsageError(f"--ckpt: {e}") from None
     out = out or f"runs/finetune-{task}"

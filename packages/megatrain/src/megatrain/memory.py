@@ -36,7 +36,7 @@ upper bound there and the choice it leads to a safe one.
 
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models.bert import MASKED_LM_PROB
-from megatrain.models.transformer import TransformerConfig as GPTConfig
+from megatrain.models.transformer import TransformerConfig
 from megatrain.training import model_config
 
 GIB = 2**30
@@ -57,7 +57,7 @@ def _bytes_per_parameter(precision: str, distributed_optimizer: bool, dp: int) -
     return replicated + (shardable / dp if distributed_optimizer else shardable)
 
 
-def _layer_parameters_per_rank(cfg: GPTConfig, tp: int) -> int:
+def _layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
     """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
     row-parallel biases and the LayerNorms whole (as `num_parameters` counts them, at tp 1)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
@@ -66,7 +66,7 @@ def _layer_parameters_per_rank(cfg: GPTConfig, tp: int) -> int:
     return split // tp + replicated
 
 
-def parameters_per_gpu(cfg: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+def parameters_per_gpu(cfg: TransformerConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
     """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
     embeddings included).  At tp = pp = 1 this is the model's `parameter_count`.  A
     bidirectional config is BERT: token types, and its heads on the last stage."""

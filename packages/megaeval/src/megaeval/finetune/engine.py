@@ -30,6 +30,7 @@ from megaeval.finetune.model import build_task_chunks
 from megatrain import checkpointing, training
 from megatrain.config import Config
 from megatrain.data import SampleBatches
+from megatrain.inference import load_tokenizer
 from megatrain.lr_schedule import learning_rate
 from megatrain.models import parameter_count
 
@@ -243,8 +244,6 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
     """Fine-tune (or with `settings.eval_only` score) as the module docstring says; rank 0
     returns {"metrics": the last evaluation's, "losses": the training loss of each
     iteration this call ran}."""
-    from tokenizers import Tokenizer
-
     device, _ = training.init_distributed()
     task = tasks_lib.TASKS[task_name]
     out = Path(out)
@@ -252,7 +251,7 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
         out.mkdir(parents=True, exist_ok=True)
     directory = checkpointing.find_checkpoint(ckpt)
     meta = checkpointing.read_meta(directory)
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer = load_tokenizer(directory, meta)  # the one it was trained with, checked
     vocab = int(meta["vocab_size"])
     splits = ([] if settings.eval_only else [task.train_split]) + list(task.eval_splits)
     feats = {}
@@ -269,8 +268,7 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
         )
         _say(f"megaeval finetune: {split}: {len(examples)} examples, {len(feats[split])} inputs")
     train_feats = feats.pop(task.train_split, None)
-    ps_config = Config.from_dict(meta["config"])
-    model = training.model_config(ps_config, vocab)
+    model = training.model_config(Config.from_dict(meta["config"]), vocab)
     size, rows = tasks_lib.table6_row(task.name, parameter_count("bert", model))
     rows = (
         settings.batch_size or rows[0],
