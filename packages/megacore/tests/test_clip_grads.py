@@ -3,7 +3,7 @@
 import math
 
 import torch
-from tiny_transformer import TinyConfig, TinyGPT, build_chunks, full_tensor
+from tiny_stack import TinyConfig, TinyStack, build_chunks, full_tensor
 
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
@@ -42,7 +42,7 @@ def _clip_at_each_layout():
     cfg = TinyConfig(layers=4, sequence_parallel=False)
     ps.initialize_model_parallel(1, 1)
     tp.model_parallel_manual_seed(0)
-    reference = TinyGPT(cfg)
+    reference = TinyStack(cfg)
     _backward(cfg, [reference])
     ref_inf = max(p.grad.abs().max().item() for p in reference.parameters())
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])

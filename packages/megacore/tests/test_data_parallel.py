@@ -2,7 +2,7 @@
 
 import torch
 import torch.distributed as dist
-from tiny_transformer import TinyConfig, TinyGPT, full_tensor
+from tiny_stack import TinyConfig, TinyStack, full_tensor
 
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
@@ -25,7 +25,7 @@ def _train(cfg, tp_size, dp, overlap=None):
     """STEPS SGD steps; overlap=None is one process over the whole global batch."""
     ps.initialize_model_parallel(tp_size)
     tp.model_parallel_manual_seed(0)
-    model = TinyGPT(cfg)
+    model = TinyStack(cfg)
     ddp = None
     if overlap is not None:
         ddp = DistributedDataParallel(model, overlap_grad_reduce=overlap, bucket_size=3000)

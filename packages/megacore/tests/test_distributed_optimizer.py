@@ -1,6 +1,6 @@
 """The optimizer (fp32 masters, loss scaling, clipping, ZeRO-1 sharding) under real gloo groups.
 
-Every run trains the same tiny GPT for a few Adam steps on the same global
+Every run trains the same tiny stack (tiny_stack.py) for a few Adam steps on the same global
 batches; one process over the whole batch is the reference.
 """
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_transformer import TinyConfig, build_chunks, full_tensor
+from tiny_stack import TinyConfig, build_chunks, full_tensor
 
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
@@ -20,7 +20,7 @@ from megacore.optimizer import MegatronOptimizer, OptimizerConfig
 from megacore.testing import run_distributed
 
 SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, STEPS = 8, 2, 8, 5
-CFG = TinyConfig(vocab_size=64, hidden=32, heads=4, ffn=64, layers=4)
+CFG = TinyConfig(vocab_size=64, hidden=32, ffn=64, layers=4)
 LR = 0.01
 # Parallel fp32 runs against one process: losses and gradient norms within FP32_TOL
 # (relative for norms), weights within lr / 20: Adam's first step is about lr * g / |g|, so

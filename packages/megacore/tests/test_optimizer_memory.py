@@ -11,7 +11,7 @@ buffers and the optimizer hold (each storage once), for d = 1, 2, 4.
 
 import torch
 import torch.distributed as dist
-from tiny_transformer import TinyConfig, TinyGPT
+from tiny_stack import TinyConfig, TinyStack
 
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
@@ -20,7 +20,7 @@ from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, OptimizerConfig
 from megacore.testing import run_distributed
 
-CFG = TinyConfig(vocab_size=256, hidden=128, heads=4, ffn=512, layers=2)
+CFG = TinyConfig(vocab_size=256, hidden=128, ffn=512, layers=2)
 CASES = {  # (param dtype, fp32 grads): (plain bytes, (sharded constant, sharded per 1/d))
     (torch.float16, False): (20, (4, 16)),
     (torch.float16, True): (18, (6, 12)),
@@ -64,7 +64,7 @@ def _measure():
         for d, group in groups.items():
             for sharded in (False, True):
                 tp.model_parallel_manual_seed(0)
-                model = TinyGPT(CFG).to(dtype)
+                model = TinyStack(CFG).to(dtype)
                 ddp = DistributedDataParallel(
                     model,
                     grad_reduce_in_fp32=fp32_grads,

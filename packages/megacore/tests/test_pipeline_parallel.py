@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_transformer import TinyConfig, TinyGPT, build_chunks, full_tensor
+from tiny_stack import TinyConfig, TinyStack, build_chunks, full_tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from megacore import parallel_state as ps
@@ -383,7 +383,7 @@ def _no_pipelining_with_ddp():
     ps.initialize_model_parallel(1, 1)
     tp.model_parallel_manual_seed(0)
     cfg = TinyConfig(layers=2)
-    model = TinyGPT(cfg)
+    model = TinyStack(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, process_group=ps.get_data_parallel_group()
     )
@@ -418,7 +418,7 @@ def _evaluate_forward_only():
     data = _microbatches(cfg, 4, 9)
     ps.initialize_model_parallel(1, 1)
     tp.model_parallel_manual_seed(0)
-    reference = sum(TinyGPT(cfg)(t, y).item() for t, y in data) / 4
+    reference = sum(TinyStack(cfg)(t, y).item() for t, y in data) / 4
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 4)
     tp.model_parallel_manual_seed(0)

@@ -1,15 +1,14 @@
-"""Tensor parallelism equals one process: a tiny transformer at TP=1, 2, 4 on real gloo groups."""
+"""Tensor parallelism equals one process: megacore's tiny stack at TP=1, 2, 4 on gloo."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tiny_transformer import Block, TinyConfig, TinyGPT, full_tensor
+from tiny_stack import Block, TinyConfig, TinyStack, full_tensor
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
-from megacore.tensor_parallel import mappings
-from megacore.testing import run_distributed
+from megacore.testing import count_tp_collectives, run_distributed
 
 SEQ, BATCH = 8, 2
 
@@ -21,9 +20,9 @@ def _batch(cfg):
 
 
 def _run_model(cfg):
-    """Loss, full logits, full weights and full gradients of TinyGPT at the current TP size."""
+    """Loss, full logits, full weights and full gradients of TinyStack at the current TP size."""
     tp.model_parallel_manual_seed(1234)
-    model = TinyGPT(cfg)
+    model = TinyStack(cfg)
     tokens, targets = _batch(cfg)
     loss = model(tokens, targets)
     loss.backward()
@@ -89,25 +88,8 @@ def _count_block_collectives(cfg):
     if cfg.sequence_parallel:
         x = tp.scatter_to_sequence_parallel_region(x)
     x.requires_grad_(True)
-    counts = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "wrong_group": 0}
-    tp_group = ps.get_tensor_model_parallel_group()
-
-    def counting(kind, real):
-        def call(*args, group=None, **kwargs):
-            counts[kind] += 1
-            counts["wrong_group"] += group is not tp_group
-            return real(*args, group=group, **kwargs)
-
-        return call
-
-    saved = dist.all_reduce, mappings._all_gather_flat, mappings._reduce_scatter_flat
-    dist.all_reduce = counting("all_reduce", saved[0])
-    mappings._all_gather_flat = counting("all_gather", saved[1])
-    mappings._reduce_scatter_flat = counting("reduce_scatter", saved[2])
-    try:
+    with count_tp_collectives() as counts:
         blocks(x).sum().backward()
-    finally:
-        dist.all_reduce, mappings._all_gather_flat, mappings._reduce_scatter_flat = saved
     return counts
 
 
@@ -127,7 +109,7 @@ def _error_of(fn, *args, **kwargs):
     return None
 
 
-def _transformer_at_each_tp():
+def _stack_at_each_tp():
     out = {}
     for sp in (False, True):
         cfg = TinyConfig(sequence_parallel=sp)
@@ -142,7 +124,7 @@ def _transformer_at_each_tp():
                     "column": _error_of(tp.ColumnParallelLinear, 32, 30),
                     "row": _error_of(tp.RowParallelLinear, 30, 32),
                     "vocab": _error_of(tp.VocabParallelEmbedding, 62, 8),
-                    "heads": _error_of(Block, TinyConfig(heads=6, hidden=36)),
+                    "heads": _error_of(tp.divide_by_tp, 6, "num_attention_heads"),
                     "ffn": _error_of(Block, TinyConfig(ffn=66)),
                     "sequence": _error_of(
                         tp.scatter_to_sequence_parallel_region, torch.zeros(6, 1, 4)
@@ -169,8 +151,8 @@ def _transformer_at_each_tp():
     return out
 
 
-def test_transformer_equal_at_tp_1_2_4_with_and_without_sequence_parallel():
-    results = run_distributed(_transformer_at_each_tp, world_size=4, timeout=300)
+def test_tiny_stack_equal_at_tp_1_2_4_with_and_without_sequence_parallel():
+    results = run_distributed(_stack_at_each_tp, world_size=4, timeout=300)
     for rank, out in enumerate(results):
         for sp in (False, True):
             # Loss ~ log(64) and non-trivial gradients: the comparison is not between zeros.
@@ -186,11 +168,11 @@ def test_transformer_equal_at_tp_1_2_4_with_and_without_sequence_parallel():
                 assert out[("mlp", sp, size)] < 1e-5, where
                 assert out[("mlp_bias", sp, size)], where
         layers = TinyConfig().layers
-        # Paper Fig. 4: two all-reduces in forward and two in backward per layer.
+        # Paper Fig. 4: f and g, one all-reduce forward and one backward per column/row pair.
         assert out[("counts", False, 1)] == dict.fromkeys(out[("counts", False, 1)], 0)
         for size in (2, 4):
             assert out[("counts", False, size)] == {
-                "all_reduce": 4 * layers,
+                "all_reduce": 2 * layers,
                 "all_gather": 0,
                 "reduce_scatter": 0,
                 "wrong_group": 0,
@@ -198,8 +180,8 @@ def test_transformer_equal_at_tp_1_2_4_with_and_without_sequence_parallel():
             # Sequence parallelism trades each all-reduce for an all-gather + reduce-scatter.
             assert out[("counts", True, size)] == {
                 "all_reduce": 0,
-                "all_gather": 4 * layers,
-                "reduce_scatter": 4 * layers,
+                "all_gather": 2 * layers,
+                "reduce_scatter": 2 * layers,
                 "wrong_group": 0,
             }
         errors = out["errors"]
@@ -306,7 +288,7 @@ def _checkpoint_bitwise_at_tp2():
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     cfg = TinyConfig(dropout=0.2, layers=3)
     tp.model_parallel_manual_seed(1)
-    model = TinyGPT(cfg)
+    model = TinyStack(cfg)
     tokens, targets = _batch(cfg)
 
     def run(recompute, distribute, seed=2024):

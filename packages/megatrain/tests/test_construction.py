@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
-from megacore.testing import nccl_semantics, run_distributed
+from megacore.testing import count_tp_collectives, nccl_semantics, run_distributed
 from megatrain.models.gpt import GPTConfig, build_gpt_chunks
 
 SEED = 1234
+FIG4_SEQ, FIG4_BATCH = 8, 2
 CFG = dict(
     num_layers=4,
     hidden_size=16,
@@ -120,9 +121,34 @@ def _build_in_place() -> dict:
     }
 
 
+def _count_layer_collectives(sequence_parallel: bool) -> dict:
+    """Collectives the model's transformer layers issue in one forward + backward at tp 2."""
+    ps.initialize_model_parallel(2)
+    cfg = GPTConfig(**CFG, sequence_parallel=sequence_parallel)
+    (chunk,) = build_gpt_chunks(cfg, SEED)
+    x = torch.randn(
+        FIG4_SEQ, FIG4_BATCH, cfg.hidden_size, generator=torch.Generator().manual_seed(3)
+    )
+    if sequence_parallel:
+        x = tp.scatter_to_sequence_parallel_region(x)
+    x.requires_grad_(True)
+    with count_tp_collectives() as counts:
+        for layer in chunk.layers.values():
+            x = layer(x)
+        x.sum().backward()
+    ps.destroy_model_parallel()
+    return counts
+
+
+def _build_and_count() -> dict:
+    out = _build_in_place()
+    out["counts"] = {sp: _count_layer_collectives(sp) for sp in (False, True)}
+    return out
+
+
 def test_build_gpt_chunks_in_place_leaves_rng_and_keeps_the_numbers():
     # NCCL's rules only around the build, for the build's device: the checks gather on the CPU.
-    results = run_distributed(_build_in_place, world_size=4, timeout=180, nccl_rules=False)
+    results = run_distributed(_build_and_count, world_size=4, timeout=180, nccl_rules=False)
     seen = set()
     for rank, out in enumerate(results):
         assert out["rng_unchanged"], f"rank {rank}: building the model changed a generator"
@@ -133,3 +159,14 @@ def test_build_gpt_chunks_in_place_leaves_rng_and_keeps_the_numbers():
     assert {f"layers.{i}.attention.qkv.weight" for i in range(4)} <= seen
     assert {"embedding.weight", "position_embedding.weight", "output_weight"} <= seen
     assert "final_layernorm.weight" in seen
+    # Paper Fig. 4: two all-reduces forward and two backward per layer (attention and MLP);
+    # sequence parallelism trades each for an all-gather and a reduce-scatter.
+    layers = CFG["num_layers"]
+    for out in results:
+        assert out["counts"][False] == {
+            "all_reduce": 4 * layers, "all_gather": 0, "reduce_scatter": 0, "wrong_group": 0
+        }  # fmt: skip
+        assert out["counts"][True] == {
+            "all_reduce": 0, "all_gather": 4 * layers, "reduce_scatter": 4 * layers,
+            "wrong_group": 0,
+        }  # fmt: skip

@@ -6,9 +6,18 @@
   batched sends/receives complete only against the peer's matching batch, and
   every tensor handed to a collective is on the rank's device and contiguous.
   `run_distributed` turns it on for every rank unless told not to.
+- `count_tp_collectives` (collectives.py): count the tensor-parallel collectives a
+  forward and backward issue, by kind.
 """
 
+from megacore.testing.collectives import count_tp_collectives
 from megacore.testing.nccl import NCCLSemanticsError, nccl_semantics
 from megacore.testing.processes import DistributedTestError, run_distributed
 
-__all__ = ["DistributedTestError", "NCCLSemanticsError", "nccl_semantics", "run_distributed"]
+__all__ = [
+    "DistributedTestError",
+    "NCCLSemanticsError",
+    "count_tp_collectives",
+    "nccl_semantics",
+    "run_distributed",
+]

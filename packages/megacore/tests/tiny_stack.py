@@ -1,9 +1,13 @@
-"""A small GPT-like model built from megacore's tensor-parallel pieces, for the runtime's tests.
+"""The smallest model that exercises every piece of megacore, for the runtime's tests.
 
-Heads are split over TP (QKV column-parallel, laid out per head so a contiguous
-slice is a set of whole heads), the MLP is column- then row-parallel, the output
-layer is tied to the vocabulary-parallel embedding, and the loss is
-`vocab_parallel_cross_entropy`.  Activations are [sequence, batch, hidden].
+Not a transformer: megatrain owns the model (its layer, attention and heads are tested
+there at every layout).  This stack holds just what megacore provides and must get right
+under every layout: a vocabulary-parallel embedding, blocks of LayerNorm -> column-parallel
+-> GeLU -> row-parallel with a residual (Fig. 4's f and g: one all-reduce forward and one
+backward per block; sequence parallelism's all-gather and reduce-scatter), dropout on the
+tensor-parallel hidden units under the RNG tracker and on the residual, recompute, an
+output layer tied to the embedding across pipeline stages, and the vocabulary-parallel
+cross entropy.  Activations are [sequence, batch, hidden].
 """
 
 from dataclasses import dataclass
@@ -25,7 +29,6 @@ from megacore.parallel_state import (
 class TinyConfig:
     vocab_size: int = 64
     hidden: int = 32
-    heads: int = 4
     ffn: int = 128
     layers: int = 2
     dropout: float = 0.0
@@ -40,55 +43,41 @@ def _mark_sequence_parallel(module: nn.Module, on: bool) -> None:
 
 
 class Block(nn.Module):
-    """Weights drawn in order (qkv, proj, fc1, fc2) from the CPU `generator`, or from the
-    default CPU generator when None (tests that build blocks directly seed that one)."""
+    """x + dropout(fc2(dropout(gelu(fc1(ln(x)))))), fc1 column- and fc2 row-parallel.
+
+    Weights drawn in order (fc1, fc2) from the CPU `generator`, or from the default CPU
+    generator when None (tests that build blocks directly seed that one)."""
 
     def __init__(self, cfg: TinyConfig, generator: torch.Generator | None = None):
         super().__init__()
         h, sp = cfg.hidden, cfg.sequence_parallel
         self.cfg = cfg
-        self.heads_local = tp.divide_by_tp(cfg.heads, "num_attention_heads")
         tp.divide_by_tp(cfg.ffn, "ffn_hidden_size")
-        self.head_dim = tp.divide(h, cfg.heads, "hidden_size", "num_attention_heads")
-        out_init = tp.scaled_init_method_normal(0.02, cfg.layers)
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        _mark_sequence_parallel(self.ln1, sp)
-        _mark_sequence_parallel(self.ln2, sp)
-        g = generator
-        self.qkv = tp.ColumnParallelLinear(h, 3 * h, sequence_parallel=sp, generator=g)
-        self.proj = tp.RowParallelLinear(
-            h, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init, generator=g
-        )
-        self.fc1 = tp.ColumnParallelLinear(h, cfg.ffn, sequence_parallel=sp, generator=g)
+        self.ln = nn.LayerNorm(h)
+        _mark_sequence_parallel(self.ln, sp)
+        self.fc1 = tp.ColumnParallelLinear(h, cfg.ffn, sequence_parallel=sp, generator=generator)
         self.fc2 = tp.RowParallelLinear(
-            cfg.ffn, h, input_is_parallel=True, sequence_parallel=sp, init_method=out_init,
-            generator=g,
+            cfg.ffn, h, input_is_parallel=True, sequence_parallel=sp,
+            init_method=tp.scaled_init_method_normal(0.02, cfg.layers), generator=generator,
         )  # fmt: skip
 
-    def _residual_dropout(self, x):
-        if not (self.training and self.cfg.dropout):
-            return x
-        if self.cfg.sequence_parallel:  # each rank holds other tokens: draw its own mask
-            with tp.get_rng_tracker().fork():
-                return F.dropout(x, self.cfg.dropout)
-        return F.dropout(x, self.cfg.dropout)  # same mask on every TP rank
-
     def forward(self, x):
-        qkv, _ = self.qkv(self.ln1(x))
-        s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
-        p = self.cfg.dropout if self.training else 0.0
-        with tp.get_rng_tracker().fork():  # local heads: a different mask on each TP rank
-            attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        attn = attn.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        out, _ = self.proj(attn)
-        x = x + self._residual_dropout(out)
-        hidden, _ = self.fc1(self.ln2(x))
-        out, _ = self.fc2(F.gelu(hidden))
-        return x + self._residual_dropout(out)
+        hidden, _ = self.fc1(self.ln(x))
+        hidden = F.gelu(hidden)
+        if self.training and self.cfg.dropout:
+            with tp.get_rng_tracker().fork():  # each TP rank holds other units: its own mask
+                hidden = F.dropout(hidden, self.cfg.dropout)
+        out, _ = self.fc2(hidden)
+        if self.training and self.cfg.dropout:
+            if self.cfg.sequence_parallel:  # each rank holds other tokens: its own mask
+                with tp.get_rng_tracker().fork():
+                    out = F.dropout(out, self.cfg.dropout)
+            else:  # the same mask on every TP rank
+                out = F.dropout(out, self.cfg.dropout)
+        return x + out
 
 
-class TinyGPT(nn.Module):
+class TinyStack(nn.Module):
     """The whole model, or one pipeline chunk of it (`layer_ids`, `pre_process`, `post_process`).
 
     Each piece is drawn from its own CPU generator (seeded seed + 1 + layer id for a
@@ -187,7 +176,7 @@ def build_chunks(cfg, pp, vpp):
         if vpp:
             parallel_state.set_virtual_pipeline_model_parallel_rank(v)
         chunks.append(
-            TinyGPT(
+            TinyStack(
                 cfg,
                 layer_ids,
                 pre_process=parallel_state.is_pipeline_first_stage(),
