@@ -288,3 +288,68 @@ def test_a_node_left_alone_gives_up_after_rdzv_timeout(corpus, tmp_path, procs):
     assert line.startswith(
         f"megatrain run: waited 5 s at 127.0.0.1:{ports[1]} for 2 nodes; node 0 never answered"
     ), line
+
+
+def _last_losses(out: Path) -> dict[int, float]:
+    """Loss per iteration as logged; an iteration redone after a restart counts as its last."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
+
+
+def _workers(proc: Proc) -> list[int]:
+    """The launcher's worker processes (not multiprocessing's resource tracker), in the order
+    they started, which is rank order."""
+    found = subprocess.run(["pgrep", "-P", str(proc.popen.pid)], capture_output=True, text=True)
+    pids = sorted(int(pid) for pid in found.stdout.split())
+    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(corpus, tmp_path, procs):
+    """--max-restarts: a worker SIGKILLed mid-run is restarted with the others by the elastic
+    agent, all resume from the last checkpoint, and every loss equals an uninterrupted run's,
+    bitwise."""
+    ckpt = tmp_path / "ckpt"
+    steps = ("training.train_iters=40", "checkpoint.save_interval=4", "--nproc-per-node", "2")
+    run = procs(_run(corpus, tmp_path / "run", *steps, "--max-restarts", "1", "--save", str(ckpt)))
+    run.wait_for(r"^megatrain: saved .*iter_0000004$")
+    run.wait_for(r"^iteration 6/")
+    workers = _workers(run)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    assert run.finish(300)[0] == 0, run.output[-4000:]
+    resumed = re.search(r"megatrain: restart 1 after a failed worker: resumed from \S+ at "
+                        r"iteration (\d+)$", run.output, re.MULTILINE)  # fmt: skip
+    assert resumed and int(resumed.group(1)) >= 4, run.output[-4000:]
+    reference = procs(_run(corpus, tmp_path / "reference", *steps))
+    assert reference.finish(300)[0] == 0, reference.output[-4000:]
+    got, want = _last_losses(tmp_path / "run"), _last_losses(tmp_path / "reference")
+    assert len(want) == 40 and got == want
+
+
+def test_a_hung_rank_ends_the_job_within_the_collective_timeout(corpus, tmp_path, procs):
+    """A rank that stops answering (SIGSTOP) leaves the other waiting in a collective: after
+    parallel.collective_timeout the job ends, in one line naming the waiting rank, the
+    operation and the rank that never arrived."""
+    run = procs(_run(corpus, tmp_path / "run", *LONG, "--nproc-per-node", "2",
+                     "parallel.collective_timeout=4"))  # fmt: skip
+    run.wait_for(r"^iteration 2/")
+    workers = _workers(run)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGSTOP)  # rank 1: the workers start in rank order
+    stopped = time.monotonic()
+    returncode, ended = run.finish(120)
+    assert returncode == 1, run.output[-4000:]
+    assert 4 <= ended - stopped < 4 + EXIT_AFTER_SAVE_S + 5, f"ended after {ended - stopped:.1f} s"
+    assert "megatrain: worker local rank 0 (pid" in run.output  # and no torch traceback
+    line = _one_launcher_line(run)
+    assert re.match(
+        r"megatrain run: worker rank 0 failed: CollectiveFailure: rank 0 waited 4 s in .+ "
+        r"\(megacore/\S+\.py:\d+\) at iteration \d+, and rank\(s\) 1 never arrived: stuck or dead",
+        line,
+    ), line
+
+
+def test_max_restarts_needs_somewhere_to_resume_from(corpus, tmp_path):
+    result = CliRunner().invoke(main, _run(corpus, tmp_path / "out", "--max-restarts", "2")[3:])
+    assert result.exit_code == 2
+    assert "--max-restarts needs --save (or checkpoint.save)" in result.output

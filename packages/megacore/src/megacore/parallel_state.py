@@ -18,6 +18,7 @@ of leaving some ranks waiting in a collective.  Getters called before it raise
 an error naming the getter.
 """
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -91,11 +92,13 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> None:
     """Create the TP, PP, DP, model-parallel and embedding groups on the default process group.
 
     Every rank must call it with the same sizes; data-parallel size is what is left:
-    world_size // (tp * pp).
+    world_size // (tp * pp).  `timeout`: how long a collective on these groups waits for
+    the others (None: torch's default, which is not the default group's own).
     """
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
@@ -123,7 +126,7 @@ def initialize_model_parallel(
     def create(kind: str) -> tuple[dist.ProcessGroup | None, list[int]]:
         mine, my_ranks = None, []
         for ranks in getattr(groups, kind):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine, my_ranks = group, ranks
         return mine, my_ranks

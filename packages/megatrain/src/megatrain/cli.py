@@ -47,6 +47,15 @@ def _check_gpus(nproc: int, gpus: int) -> None:
         )
 
 
+def _check_restartable(config: Config) -> None:
+    """Restarted workers resume from the run's own last checkpoint (training.resume)."""
+    if not config.checkpoint.save:
+        raise ConfigError(
+            "--max-restarts needs --save (or checkpoint.save): restarted workers resume from "
+            "its last checkpoint; also set checkpoint.save_interval"
+        )
+
+
 def _check_inputs(config: Config) -> None:
     """Refuse a missing or mismatched corpus or checkpoint here rather than in every worker."""
     from megatrain import checkpointing
@@ -102,7 +111,9 @@ def _worker(config_dict: dict):
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Times the elastic agent restarts failed workers.",
+    help="Times the elastic agent restarts all workers after one fails (killed, crashed, or "
+    "timed out in a collective); they resume from the last checkpoint of --save, so set "
+    "checkpoint.save_interval.",
 )
 @click.option(
     "--rdzv-timeout",
@@ -112,9 +123,15 @@ def _worker(config_dict: dict):
     help="Seconds a node waits at --master-addr:--master-port for the other nodes (--nnodes > "
     "1) before giving up.",
 )
+@click.option(
+    "--no-plan-check",
+    is_flag=True,
+    help="Do not warn when `megatrain plan`'s memory estimate of the layout exceeds 90% of "
+    "this node's GPU memory (the check runs only where CUDA is).",
+)
 def run_command(
     config_path, overrides, nproc_per_node, load, save, nnodes, node_rank, master_addr,
-    master_port, max_restarts, rdzv_timeout,
+    master_port, max_restarts, rdzv_timeout, no_plan_check,
 ):  # fmt: skip
     """Train the model of --config on its corpus.
 
@@ -147,11 +164,15 @@ def run_command(
             return
         if node_rank >= nnodes:
             raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+        if max_restarts:
+            _check_restartable(config)
         nproc = nproc_per_node or _default_nproc(config, nnodes)
         validate(config, nproc * nnodes)
         import torch
 
         _check_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if not no_plan_check:
+            _plan_check(config, nproc * nnodes)
         _check_inputs(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         click.echo(f"megatrain run: {e}", err=True)
@@ -334,6 +355,138 @@ def convert_command(ckpt, out, dtype, weights_only, tp, pp):
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"megatrain convert: wrote {path}")
+
+
+def _plan_check(config: Config, world_size: int) -> None:
+    """Warn (not refuse: the estimate leaves out what it cannot know) when the planner's
+    memory estimate of this layout exceeds 90% of this node's GPU; nothing without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from megatrain.plan.search import memory_warning
+    from megatrain.training import open_corpus
+
+    vocab = config.model.vocab_size or open_corpus(config, "train").vocab_size
+    dp = world_size // config.model_parallel_size
+    warning = memory_warning(config, dp, vocab, torch.cuda.get_device_properties(0).total_memory)
+    if warning:
+        click.echo(
+            f"megatrain run: warning: {warning}; it may run out of memory (`megatrain plan "
+            f"--config ...` ranks the layouts that fit; --no-plan-check drops this warning)",
+            err=True,
+        )
+
+
+def _plan_error(message: str) -> None:
+    click.echo(f"megatrain plan: {message}", err=True)
+    sys.exit(2)
+
+
+@main.command("plan", short_help="Rank the layouts of a config on a cluster before running it.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="A model config.")
+@click.argument("overrides", nargs=-1)
+@click.option("--gpus", type=click.IntRange(min=1), help="GPUs of the job.")
+@click.option(
+    "--gpu",
+    "gpu_key",
+    help="The GPU, a key of the GPU table (megatrain/plan/gpus.toml: v100-32gb, a100-80gb, "
+    "h100-80gb, ...) or of --gpu-file [default: the --profile's measured device].",
+)
+@click.option("--gpu-file", type=click.Path(dir_okay=False), help="More [gpu.<key>] tables.")
+@click.option("--nodes-of", type=click.IntRange(min=1), help="GPUs per node [the table's].")
+@click.option("--global-batch", type=click.IntRange(min=1), help="[the config's]")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False),
+    help="The time model's constants measured by --calibrate [default: the built-in ones, "
+    "fitted to the paper's V100 runs].",
+)
+@click.option("--calibrate", is_flag=True, help="Measure this machine's constants and write --out.")
+@click.option("--out", type=click.Path(dir_okay=False), help="--calibrate's file.")
+@click.option("--ranks", type=click.IntRange(min=1), default=2, help="--calibrate, CPU: processes.")
+def plan_command(
+    config_path, overrides, gpus, gpu_key, gpu_file, nodes_of, global_batch, top, as_json,
+    profile_path, calibrate, out, ranks,
+):  # fmt: skip
+    """Rank the layouts of --config on --gpus GPUs by predicted step time.
+
+    Every tp x pp x dp = --gpus with each virtual pipeline size, micro batch, recompute
+    mode, sequence parallelism and distributed optimizer that `megatrain run` accepts;
+    each with its memory per GPU (weights, gradients, optimizer state, activations of the
+    fullest pipeline stage), its step time (compute, TP communication, pipeline bubble and
+    point-to-point, exposed data-parallel communication, optimizer) and MFU; the best
+    --top of those that fit 90% of the GPU's memory, and why the others were refused.
+    OVERRIDES are section.field=value, as for `megatrain run`.  Exit status 1 when no
+    layout fits.
+
+    With --calibrate, measure GEMMs, memory bandwidth, transformer layers and all-reduces
+    (over every GPU of this node, or --ranks processes on a CPU) on this machine and write
+    the time model's constants as a profile to --out, for --profile; without --gpu a plan
+    with a CPU's profile is for that CPU.
+    """
+    import json
+
+    from megatrain.plan import hardware
+
+    try:
+        if calibrate:
+            if not out:
+                _plan_error("--calibrate needs --out FILE, where the profile goes")
+            from megatrain.plan.calibrate import calibrate as measure
+
+            profile = measure(ranks, log=lambda line: click.echo(line, err=True))
+            hardware.save_profile(profile, out)
+            click.echo(f"megatrain plan: wrote {out} ({profile.source})")
+            return
+        if not config_path:
+            _plan_error("--config is required (e.g. pipelines/models/gpt2-8.3b.toml)")
+        if not gpus:
+            _plan_error("--gpus is required: the GPUs of the job")
+        profile = hardware.load_profile(profile_path) if profile_path else None
+        table = hardware.load_gpus(gpu_file)
+        if gpu_key is None:
+            if profile is None or profile.device is None:
+                _plan_error(f"--gpu is required; known: {', '.join(table)}")
+            gpu = profile.device
+        elif gpu_key not in table:
+            _plan_error(
+                f"--gpu {gpu_key!r} is not in the GPU table; known: {', '.join(table)} "
+                "(add one with --gpu-file)"
+            )
+        else:
+            gpu = table[gpu_key]
+        gpu = hardware.with_nodes_of(gpu, nodes_of)
+        if gpus > gpu.gpus_per_node and gpus % gpu.gpus_per_node:
+            _plan_error(
+                f"--gpus {gpus} is not a whole number of nodes of {gpu.gpus_per_node} (--nodes-of)"
+            )
+        config = load_config(config_path, list(overrides))
+        if not config.model.vocab_size:
+            _plan_error(
+                "model.vocab_size is 0 (the corpus's): give the tokenizer's, e.g. "
+                "model.vocab_size=50257"
+            )
+        from megatrain.plan.report import format_plan, plan_dict
+        from megatrain.plan.search import plan
+
+        result = plan(
+            config,
+            gpus,
+            gpu,
+            profile or hardware.builtin_profile(),
+            config.model.vocab_size,
+            global_batch,
+        )
+    except (ConfigError, hardware.HardwareError, ValueError) as e:
+        _plan_error(str(e))
+    text = json.dumps(plan_dict(result, top), indent=2) if as_json else format_plan(result, top)
+    click.echo(text)
+    if not result.ranked:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ class ParallelConfig:
     bucket_size: int = 40_000_000  # elements per DDP gradient bucket
     # Keep activations between layers sharded over TP under full recompute.
     distribute_saved_activations: bool = False
+    # Seconds a rank waits in one collective for the others before the job stops, naming
+    # the rank, the operation and the peers that did not arrive (a hung or lost rank).
+    collective_timeout: int = 600
 
 
 @dataclass

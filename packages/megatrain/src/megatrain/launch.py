@@ -26,9 +26,12 @@ exit 130 (SIGINT) or 143 (SIGTERM) after saving (`megatrain run`).
 import contextlib
 import dataclasses
 import gc
+import logging
 import multiprocessing
 import os
+import re
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -42,6 +45,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEFAULT_RDZV_TIMEOUT = 600  # seconds a node waits for the others at --master-addr:--master-port
+# Seconds the agent gives the workers between SIGTERM and SIGKILL when one failed (torch's
+# default is 30): after a failure the others cannot finish a step, and a hung rank (the
+# reason some fail) does not answer SIGTERM at all.
+SHUTDOWN_TIMEOUT = 5
 
 
 class LaunchError(RuntimeError):
@@ -270,8 +277,12 @@ class _Abort(Exception):
 
 def _send(workers: list, signum: int) -> None:
     for worker in workers:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signum)
+        _send_pid(worker.pid, signum)
+
+
+def _send_pid(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
 
 
 @contextlib.contextmanager
@@ -302,6 +313,49 @@ def _signals_left_to(watch: _Signals, options: dict):
         yield
     finally:
         api._terminate_process_handler = original
+
+
+class _OneLinePerFailedWorker(logging.Filter):
+    """torch's agent logs a failed worker as a traceback of its own internals: say which
+    worker ended and how, in one line.  It then stops the others with SIGTERM and waits 30 s
+    before SIGKILL; a hung rank (why the others failed, often) does not answer SIGTERM, so
+    each one it stops is killed after SHUTDOWN_TIMEOUT seconds instead."""
+
+    FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+    TERMINATING = re.compile(r"Terminating process (\d+) via signal SIGTERM")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if found := self.FAILED.search(message):
+            code, local_rank, pid = map(int, found.groups())
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            print(f"megatrain: worker local rank {local_rank} (pid {pid}) ended: {how}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        elif found := self.TERMINATING.search(message):
+            timer = threading.Timer(SHUTDOWN_TIMEOUT, _kill_if_still_ours, (int(found[1]),))
+            timer.daemon = True
+            timer.start()
+        return False
+
+
+def _kill_if_still_ours(pid: int) -> None:
+    if any(worker.pid == pid for worker in multiprocessing.active_children()):
+        _send_pid(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _worker_failures_in_one_line():
+    loggers = [logging.getLogger(n) for n in (
+        "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"
+    )]  # fmt: skip
+    one_line = _OneLinePerFailedWorker()
+    for logger in loggers:
+        logger.addFilter(one_line)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(one_line)
 
 
 def _worker_entry(entrypoint: Callable, *args):
@@ -343,7 +397,9 @@ def launch(
         rid = run_id(master_addr, master_port)
     watch = _Signals()
     options = {}
-    with watch, _signals_left_to(watch, options):
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # newer torch
+        options["shutdown_timeout"] = SHUTDOWN_TIMEOUT
+    with watch, _signals_left_to(watch, options), _worker_failures_in_one_line():
         config = LaunchConfig(
             min_nodes=nnodes,
             max_nodes=nnodes,

@@ -37,24 +37,28 @@ upper bound there and the choice it leads to a safe one.
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models.bert import MASKED_LM_PROB
 from megatrain.models.transformer import TransformerConfig
+from megatrain.plan.hardware import GIB as GIB  # re-exported: sizes in GiB
+from megatrain.plan.hardware import load_gpus
 from megatrain.training import model_config
 
-GIB = 2**30
-# Memory of the GPUs configs are sized for (what the device reports, not the marketing GB).
-GPU_MEMORY = {
-    "v100-16gb": 16 * GIB,
-    "v100-32gb": 32 * GIB,  # the paper's DGX-2H
-    "a100-40gb": 40 * GIB,
-    "a100-80gb": 80 * GIB,
-    "h100-80gb": 80 * GIB,
-}
+# Memory of the GPUs configs are sized for: the GPU table of `megatrain plan` (plan/gpus.toml).
+GPU_MEMORY = {key: gpu.memory_bytes for key, gpu in load_gpus().items()}
 HEADROOM = 0.1
 
 
-def _bytes_per_parameter(precision: str, distributed_optimizer: bool, dp: int) -> float:
-    """megacore's optimizer table: (replicated bytes, bytes sharded over dp when distributed)."""
-    replicated, shardable = (8, 8) if precision == "fp32" else (6, 12)
-    return replicated + (shardable / dp if distributed_optimizer else shardable)
+def state_bytes_per_parameter(
+    precision: str, distributed_optimizer: bool, dp: int
+) -> dict[str, float]:
+    """megacore's optimizer table split by what holds the bytes: the model's weights (2 in
+    16 bits, 4 in fp32), the fp32 gradient buffer (4), and the optimizer's state (fp32 master
+    weights when the model is 16-bit, Adam's two moments: 12 or 8), sharded over dp by the
+    distributed optimizer."""
+    optimizer = 8 if precision == "fp32" else 12
+    return {
+        "weights": 4 if precision == "fp32" else 2,
+        "gradients": 4,
+        "optimizer_state": optimizer / dp if distributed_optimizer else optimizer,
+    }
 
 
 def _layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
@@ -87,7 +91,7 @@ def parameters_per_gpu(cfg: TransformerConfig, tp: int = 1, pp: int = 1, stage: 
     return count
 
 
-def _activations_per_layer(config: Config, recompute: str) -> float:
+def activations_per_layer(config: Config, recompute: str) -> float:
     """Bytes one layer keeps for one microbatch (16-bit; module docstring)."""
     m, p, t = config.model, config.parallel, config.training
     s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
@@ -109,10 +113,11 @@ def memory_breakdown(
     data_parallel_size: int | None = None,
     stage: int = 0,
 ) -> dict[str, float]:
-    """Bytes per GPU of pipeline stage `stage`: parameters (count), weights_and_optimizer,
-    activations, total.  `recompute` defaults to the config's; `vocab_size` (the tokenizer's,
-    before padding) to `model.vocab_size`; the data-parallel size (which only the distributed
-    optimizer's sharding depends on) to `parallel.data_parallel_size` or 1."""
+    """Bytes per GPU of pipeline stage `stage`: parameters (count), weights, gradients,
+    optimizer_state, their sum weights_and_optimizer, activations, total.  `recompute`
+    defaults to the config's; `vocab_size` (the tokenizer's, before padding) to
+    `model.vocab_size`; the data-parallel size (which only the distributed optimizer's
+    sharding depends on) to `parallel.data_parallel_size` or 1."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
     if recompute not in RECOMPUTE_CHOICES:
@@ -127,19 +132,23 @@ def memory_breakdown(
     dp = data_parallel_size or p.data_parallel_size or 1
     cfg = model_config(config, vocab_size)
     params = parameters_per_gpu(cfg, tp, pp, stage)
-    state = params * _bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp)
+    held = state_bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp)
+    held = {name: params * per_parameter for name, per_parameter in held.items()}
+    state = sum(held.values())
 
     s, b, h, v = t.seq_length, t.micro_batch_size, m.hidden_size, cfg.vocab_size
     sp = p.sequence_parallel and tp > 1
-    per_microbatch = cfg.num_layers // pp * _activations_per_layer(config, recompute)
+    per_microbatch = cfg.num_layers // pp * activations_per_layer(config, recompute)
     if stage == 0:
         per_microbatch += s * b * h / (tp if sp else 1)  # embedding dropout mask
     in_flight = 1.0
     if pp > 1 and stage == 0:  # 1F1B's warm-up; the interleaved one runs further ahead
         in_flight = pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else pp
+        # ... but never more microbatches than the iteration has
+        in_flight = min(in_flight, t.global_batch_size // (b * dp) or 1)
     activations = in_flight * per_microbatch
     if recompute == "full":  # the layer being recomputed holds all of its activations
-        activations += _activations_per_layer(config, "none")
+        activations += activations_per_layer(config, "none")
     if stage == pp - 1:  # one microbatch reaches the loss at a time
         # BERT's masked LM takes the logits of the predicted tokens only.
         predicted = 1.0 if cfg.causal else MASKED_LM_PROB
@@ -148,6 +157,7 @@ def memory_breakdown(
         activations *= 2
     return {
         "parameters": params,
+        **held,
         "weights_and_optimizer": state,
         "activations": activations,
         "total": state + activations,

@@ -15,6 +15,7 @@ predicted tokens), identical to one process over the whole batch.
 """
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from megacore import pipeline_parallel as pipe
 from megacore import tensor_parallel as tp
 from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, NonFiniteLossGuard, OptimizerConfig
-from megatrain import checkpointing
+from megatrain import checkpointing, collective_failures
 from megatrain import data as data_lib
 from megatrain.config import Config, validate
 from megatrain.lr_schedule import learning_rate
@@ -43,11 +44,11 @@ from megatrain.models.transformer import TransformerConfig, compile_layers
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def init_distributed() -> tuple[torch.device, bool]:
+def init_distributed(timeout: float | None = None) -> tuple[torch.device, bool]:
     """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
     Returns (this rank's device, whether this call created the process group).
-    NCCL on GPUs, gloo on CPUs.
+    NCCL on GPUs, gloo on CPUs; `timeout`: seconds a collective waits (None: torch's).
     """
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,9 +57,33 @@ def init_distributed() -> tuple[torch.device, bool]:
         torch.cuda.set_device(device)
     created = False
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device)
+        wait = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", device_id=device, **_attempt_store(wait), **wait
+        )
         created = True
     return device or torch.device("cpu"), created
+
+
+def _attempt_store(wait: dict) -> dict:
+    """The store this attempt's process group meets in, when torch's elastic agent restarted
+    the workers: the agent's store outlives an attempt, and the keys the last attempt's
+    ranks left there (their addresses) would send this one's connections to dead ports
+    (torch issue 135712).  Each attempt gets its own key prefix; first attempts and other
+    launchers use torch's own env:// store."""
+    env = os.environ
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not attempt or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+        **wait,
+    )  # fmt: skip
+    return {
+        "store": dist.PrefixStore(f"megatrain/attempt-{attempt}", store),
+        "rank": int(env["RANK"]),
+        "world_size": int(env["WORLD_SIZE"]),
+    }
 
 
 def model_config(config: Config, vocab_size: int) -> TransformerConfig:
@@ -205,6 +230,7 @@ def build_run(config: Config, device: torch.device) -> Run:
         p.tensor_model_parallel_size,
         p.pipeline_model_parallel_size,
         vpp if vpp and vpp > 1 else None,
+        timeout=datetime.timedelta(seconds=p.collective_timeout),
     )
     train_corpus = open_corpus(config, "train")
     valid_corpus = open_corpus(config, "valid")
@@ -376,16 +402,24 @@ def train(config: Config, stop: StopSignal | None = None) -> dict | None:
     """Train as configured; every rank of the job calls it.  Returns the history on rank 0.
 
     `stop` (made here if None) hears SIGINT/SIGTERM; its `signum` tells the caller afterwards
-    whether a signal ended the run."""
-    device, created = init_distributed()
+    whether a signal ended the run.  A collective that times out or loses a peer raises
+    `CollectiveFailure`, naming this rank, the operation and the peers."""
+    timeout = config.parallel.collective_timeout
+    device, created = init_distributed(timeout)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     stop = stop or StopSignal()
+    run = None
     try:
         run = build_run(config, device)
         resume(run)
         return _loop(run, stop)
+    except RuntimeError as e:
+        message = collective_failures.explain(e, timeout, run.iteration if run else None)
+        if message is None:
+            raise
+        raise collective_failures.CollectiveFailure(message) from e
     finally:
         stop.restore()
         if ps.model_parallel_is_initialized():
@@ -395,18 +429,29 @@ def train(config: Config, stop: StopSignal | None = None) -> dict | None:
 
 
 def resume(run: Run) -> None:
-    """Load `checkpoint.load` if set (a `save` directory without a checkpoint yet starts fresh)."""
+    """Load `checkpoint.load` if set (a `save` directory without a checkpoint yet starts fresh).
+
+    Workers that torch's elastic agent restarted after a failure (--max-restarts) go on from
+    the run's own last save instead, when there is one."""
     c = run.config.checkpoint
-    if not c.load:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    load = c.load
+    if restart and c.save and os.path.exists(os.path.join(c.save, checkpointing.LATEST)):
+        load = c.save
+    rank0 = dist.get_rank() == 0
+    after = f"restart {restart} after a failed worker: " if restart else ""
+    if not load or (
+        load == c.save and not os.path.exists(os.path.join(load, checkpointing.LATEST))
+    ):
+        if rank0 and (load or restart):
+            where = f" in {load}" if load else ""
+            print(
+                f"megatrain: {after}no checkpoint{where} yet; starting at iteration 0", flush=True
+            )
         return
-    latest = os.path.join(c.load, checkpointing.LATEST)
-    if c.load == c.save and not os.path.exists(latest):
-        if dist.get_rank() == 0:
-            print(f"megatrain: no checkpoint in {c.load} yet; starting at iteration 0", flush=True)
-        return
-    meta = checkpointing.load_checkpoint(run, c.load)
-    if dist.get_rank() == 0:
-        print(f"megatrain: resumed from {c.load} at iteration {meta['iteration']}", flush=True)
+    meta = checkpointing.load_checkpoint(run, load)
+    if rank0:
+        print(f"megatrain: {after}resumed from {load} at iteration {meta['iteration']}", flush=True)
 
 
 def _save(run: Run, log: RunLog) -> None:

@@ -1,0 +1,431 @@
+"""Memory per GPU and step time of one layout of a training config on one kind of GPU.
+
+Memory is megatrain.memory's estimate of the fullest pipeline stage (weights, fp32
+gradients and optimizer state by megacore's bytes-per-parameter table, with and without
+the distributed optimizer; Korthikanti et al.'s activations with sequence parallelism and
+selective/full recompute; the microbatches 1F1B and interleaved 1F1B keep in flight).
+
+Time of one iteration, built from the data sheet (`Gpu`) and five constants (`Profile`),
+for one TP rank of each pipeline stage and one microbatch of b sequences of s tokens:
+
+- **GEMMs**: each takes max(FLOPs / (peak e), bytes / HBM) + tau: compute-bound at e of
+  peak (`gemm_efficiency`), memory-bound when its operands are thin (the attention's
+  per-head products at a small head size: why more heads scale worse, the paper's Table
+  7), plus a fixed time tau per GEMM (`gemm_overhead_us`), equivalently an efficiency
+  e W / (W + W_half) that falls with the per-GPU size W of the GEMM, W_half = tau e peak:
+  why splitting a small model over more GPUs gains less (Table 8).  Per layer: QKV, the
+  projection, the two MLP GEMMs (each / tp), the two attention products per head; the
+  backward runs two GEMMs per forward one (the input's and the weight's gradients).
+- **Non-GEMM ops** (LayerNorm, GeLU, softmax, dropout, residual adds) are memory-bound:
+  `elementwise_passes` x the bytes of activations the layer stores
+  (`memory.activations_per_layer`, recompute "none") / HBM bandwidth, twice that in the
+  backward.  Without sequence parallelism the LayerNorms and dropouts run whole on every
+  TP rank, as the formula's replicated 10 s b h says.
+- **Recompute**: full reruns each layer's forward (GEMMs, ops and its all-reduces) in the
+  backward; selective reruns the attention core (its two GEMMs and its softmax/dropout).
+- **TP communication** (on the critical path, never overlapped): per layer 2 all-reduces
+  of s b h in the forward and 2 in the backward (Fig. 4), or with sequence parallelism an
+  all-gather and a reduce-scatter for each (the same bytes, twice the latency), plus the
+  embedding's and the output layer's.  A collective over n GPUs moving N bytes takes
+  latency + f N / (bandwidth x `collective_efficiency`) with the ring's f = 2 (n-1)/n for
+  an all-reduce, (n-1)/n for an all-gather or reduce-scatter; the bandwidth is NVLink's
+  inside a node, the network's share of the GPUs of a group between nodes.
+- **Pipeline**: with T_r the time of stage r for one microbatch (layers, embedding on the
+  first, the output layer and loss on the last, the point-to-point sends of the
+  activation and its gradient, per model chunk), an iteration of m microbatches takes
+  m max T_r + (sum T_r - max T_r) / vpp: the slowest stage paces the steady state, the
+  fill and drain cross every other stage once, vpp times faster when interleaved
+  ((p - 1) / (m vpp) of the steady state when the stages are equal).  `schedule_seconds`
+  runs megacore's own schedule tables with these times: the tests hold the two equal when
+  the stages are equal or the last one (output layer and loss) is the slowest, and the
+  formula at most 6% above the tables when the first one is 10% slower.
+- **Data parallelism**: the fp32 gradients' all-reduce over dp (reduce-scatter, and an
+  all-gather of the 16-bit weights, under the distributed optimizer); with
+  `overlap_grad_reduce` it runs behind the last microbatch's backward and only what is
+  left over (at least the last bucket) is exposed.  With pp > 1 the tied embedding's
+  gradients are all-reduced between the first and last stage.
+- **Optimizer step**: memory-bound, the bytes Adam reads and writes per parameter / HBM.
+
+MFU is the model FLOPs of an iteration (megatrain.models.flops_per_iteration) over the time
+and the peak of every GPU.
+"""
+
+from dataclasses import dataclass, field, replace
+
+from megacore.pipeline_parallel import compute_steps, schedule_1f1b, schedule_interleaved
+from megatrain.config import Config
+from megatrain.memory import HEADROOM, activations_per_layer, memory_breakdown
+from megatrain.models import flops_per_iteration
+from megatrain.models.bert import MASKED_LM_PROB
+from megatrain.plan.hardware import Gpu, Profile
+from megatrain.training import model_config
+
+# Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32
+# gradient, master weight and two moments and writes the last three (28); the gradient
+# norm reads the gradient (4); the 16-bit model copies its weights from the masters (6);
+# zeroing the gradient buffer writes it (4).  Sharded by the distributed optimizer but the
+# last: the whole buffer is zeroed.
+ADAM_BYTES = {"sharded": 28 + 4, "copy_16bit": 6, "zero_grads": 4}
+TIME_PARTS = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer")
+MEMORY_PARTS = ("weights", "gradients", "optimizer_state", "activations")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}", f"pp {self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp {self.vpp}")
+        parts += [f"dp {self.dp}", f"mb {self.micro_batch}", f"recompute {self.recompute}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.distributed_optimizer:
+            parts.append("distopt")
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The `section.field=value` overrides that give a config this layout."""
+        return [
+            f"parallel.tensor_model_parallel_size={self.tp}",
+            f"parallel.pipeline_model_parallel_size={self.pp}",
+            f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
+            f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+            f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
+            f"training.micro_batch_size={self.micro_batch}",
+            f"model.recompute={self.recompute}",
+        ]
+
+
+def layout_of(config: Config, dp: int) -> Layout:
+    """The layout a config runs at on tp x pp x dp GPUs."""
+    p = config.parallel
+    return Layout(
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        dp=dp,
+        vpp=p.virtual_pipeline_model_parallel_size or 1,
+        micro_batch=config.training.micro_batch_size,
+        recompute=config.model.recompute,
+        sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+        distributed_optimizer=p.use_distributed_optimizer,
+    )
+
+
+def apply_layout(config: Config, layout: Layout, global_batch: int | None = None) -> Config:
+    """A copy of `config` at `layout` (and `global_batch`); the rest of the config kept."""
+    p, t = config.parallel, config.training
+    return replace(
+        config,
+        model=replace(config.model, recompute=layout.recompute),
+        parallel=replace(
+            p,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+            data_parallel_size=layout.dp,
+            sequence_parallel=layout.sequence_parallel,
+            use_distributed_optimizer=layout.distributed_optimizer,
+            overlap_param_gather=p.overlap_param_gather and layout.distributed_optimizer,
+            distribute_saved_activations=p.distribute_saved_activations
+            and not layout.sequence_parallel,
+        ),
+        training=replace(
+            t,
+            micro_batch_size=layout.micro_batch,
+            global_batch_size=global_batch or t.global_batch_size,
+        ),
+    )
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict  # bytes per GPU of the fullest stage: MEMORY_PARTS, total, stage
+    time: dict  # seconds per iteration: TIME_PARTS, total
+    mfu: float
+    tflops_per_gpu: float  # hardware FLOPs (recompute included) per second per GPU
+    fits: bool
+    notes: dict = field(default_factory=dict)
+
+
+class Costs:
+    """Times of GEMMs, memory-bound ops and collectives on one GPU of a profile."""
+
+    def __init__(self, gpu: Gpu, profile: Profile, precision: str):
+        self.gpu, self.profile = gpu, profile
+        self.flops = gpu.peak_flops(precision) * profile.gemm_efficiency
+        self.hbm = gpu.hbm_gbps * 1e9
+        self.element = 4 if precision == "fp32" else 2
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
+        """[m, k] x [k, n], `batch` times (a batched GEMM is one kernel)."""
+        work = 2 * m * n * k * batch / self.flops
+        traffic = self.element * batch * (m * k + k * n + m * n) / self.hbm
+        return max(work, traffic) + self.profile.gemm_overhead_s
+
+    def gemm_fwd_bwd(self, m: float, n: float, k: float, batch: float = 1) -> tuple[float, float]:
+        """A GEMM's forward and its backward: the input's gradient [m, n] x [n, k] and the
+        weight's (or other operand's) [k, m] x [m, n]."""
+        return self.gemm(m, n, k, batch), self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
+
+    def elementwise(self, stored_bytes: float) -> float:
+        return self.profile.elementwise_passes * stored_bytes / self.hbm
+
+    def memory_bound(self, nbytes: float) -> float:
+        return nbytes / self.hbm
+
+    def collective(self, kind: str, nbytes: float, ranks: int, bandwidth: float) -> float:
+        if ranks <= 1:
+            return 0.0
+        factor = {"all_reduce": 2 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind, (ranks - 1) / ranks)
+        rate = bandwidth * self.profile.collective_efficiency
+        return self.profile.collective_latency_s + factor * nbytes / rate
+
+
+def group_bandwidth(gpu: Gpu, members: int, stride: int) -> float:
+    """Bytes/s of a group of `members` GPUs `stride` ranks apart (TP: stride 1; DP: tp): the
+    NVLink bandwidth when the group fits in a node, else the network's, of which each node
+    gives the group its adapters' share for the group's GPUs on it."""
+    per_node = max(1, min(members, gpu.gpus_per_node // stride))
+    if per_node >= members:
+        return gpu.intra_node_gbps * 1e9
+    return gpu.inter_node_gbps * 1e9 * per_node
+
+
+def layer_seconds(config: Config, layout: Layout, costs: Costs, bandwidth: float) -> dict:
+    """Seconds one layer takes for one microbatch on one TP rank, by part."""
+    m, t = config.model, config.training
+    s, b, tp = t.seq_length, layout.micro_batch, layout.tp
+    h, a, f = m.hidden_size, m.num_attention_heads, config.ffn_hidden_size
+    tokens, head = s * b, h // a
+    dense = [
+        costs.gemm_fwd_bwd(tokens, 3 * h / tp, h),  # QKV
+        costs.gemm_fwd_bwd(tokens, h, h / tp),  # projection
+        costs.gemm_fwd_bwd(tokens, f / tp, h),  # MLP up
+        costs.gemm_fwd_bwd(tokens, h, f / tp),  # MLP down
+    ]
+    heads = b * a / tp
+    core = [costs.gemm_fwd_bwd(s, s, head, heads), costs.gemm_fwd_bwd(s, head, s, heads)]
+    scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
+    ops = costs.elementwise(scale * activations_per_layer(config, "none"))
+    core_ops = costs.elementwise(scale * 5 * a * s * s * b / tp)  # softmax, its dropout
+    activation = costs.element * s * b * h
+    if layout.sequence_parallel:  # an all-gather and a reduce-scatter for each all-reduce
+        one_way = 4 * costs.collective("all_gather", activation, tp, bandwidth)
+    else:
+        one_way = 2 * costs.collective("all_reduce", activation, tp, bandwidth)
+    forward = sum(g[0] for g in dense) + sum(g[0] for g in core) + ops
+    backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + 2 * ops
+    recompute = {
+        "none": 0.0,
+        "selective": sum(g[0] for g in core) + core_ops,
+        "full": forward,
+    }[layout.recompute]
+    comm = one_way * (3 if layout.recompute == "full" else 2)
+    # "backward": what runs in the backward pass (for overlapping the gradients' reduction)
+    return {
+        "compute": forward + backward + recompute,
+        "tp_comm": comm,
+        "backward": backward + recompute,
+    }
+
+
+def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: float):
+    """(first stage's embedding, last stage's output layer and loss): seconds per microbatch."""
+    t, h, tp = config.training, config.model.hidden_size, layout.tp
+    s, b = t.seq_length, layout.micro_batch
+    activation = costs.element * s * b * h
+    kind = "all_gather" if layout.sequence_parallel else "all_reduce"
+    embed = {
+        "compute": 3 * costs.elementwise(costs.element * s * b * h),
+        "tp_comm": costs.collective(kind, activation, tp, bandwidth),
+    }
+    predicted = s * b * (MASKED_LM_PROB if config.model.kind == "bert" else 1.0)
+    gemms = [costs.gemm_fwd_bwd(predicted, vocab / tp, h)]
+    if config.model.kind == "bert":  # the LM head's dense layer before the logits
+        gemms.append(costs.gemm_fwd_bwd(predicted, h, h))
+    logits = 4 * predicted * vocab / tp  # fp32, as memory.py counts them
+    head = {
+        "compute": sum(f + bw for f, bw in gemms) + 3 * costs.elementwise(logits),
+        # the output layer's input (all-gather or the backward's all-reduce) and the
+        # vocab-parallel cross entropy's three small all-reduces (max, sum, target logit)
+        "tp_comm": costs.collective(kind, activation, tp, bandwidth)
+        + 3 * costs.collective("all_reduce", 4 * predicted, tp, bandwidth),
+    }
+    return embed, head
+
+
+def pipeline_seconds(stage_seconds: list[float], microbatches: int, vpp: int = 1) -> float:
+    """One iteration of 1F1B (vpp 1) or interleaved 1F1B, stage r taking stage_seconds[r]
+    per microbatch (all its chunks, forward and backward): m max + (sum - max) / vpp."""
+    slowest = max(stage_seconds)
+    return microbatches * slowest + (sum(stage_seconds) - slowest) / vpp
+
+
+def schedule_seconds(
+    microbatches: int, forward: list[float], backward: list[float], vpp: int = 1
+) -> float:
+    """One iteration run by megacore's schedule tables (1F1B, or interleaved at vpp > 1):
+    rank r spends forward[r] / vpp on the forward of one chunk of a microbatch and
+    backward[r] / vpp on its backward, and starts a step once its input has been produced
+    (communication free).  For checking `pipeline_seconds`."""
+    pp = len(forward)
+    tables = [
+        compute_steps(
+            schedule_interleaved(microbatches, pp, r, vpp)
+            if vpp > 1
+            else schedule_1f1b(microbatches, pp, r)
+        )
+        for r in range(pp)
+    ]
+    finished: dict = {}
+
+    def needs(rank: int, step) -> tuple | None:
+        mb, chunk = step.microbatch, step.chunk
+        if step.kind == "F":
+            if rank > 0:
+                return ("F", mb, chunk, rank - 1)
+            return ("F", mb, chunk - 1, pp - 1) if chunk > 0 else None
+        if rank < pp - 1:
+            return ("B", mb, chunk, rank + 1)
+        return ("B", mb, chunk + 1, 0) if chunk < vpp - 1 else ("F", mb, chunk, rank)
+
+    clock, position = [0.0] * pp, [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while position[r] < len(tables[r]):
+                step = tables[r][position[r]]
+                dependency = needs(r, step)
+                if dependency is not None and dependency not in finished:
+                    break
+                ready = finished[dependency] if dependency is not None else 0.0
+                took = (forward[r] if step.kind == "F" else backward[r]) / vpp
+                clock[r] = max(clock[r], ready) + took
+                finished[(step.kind, step.microbatch, step.chunk, r)] = clock[r]
+                position[r] += 1
+                progress = True
+    if any(position[r] < len(tables[r]) for r in range(pp)):
+        raise RuntimeError("schedule_seconds: the tables wait on each other")
+    return max(clock)
+
+
+def memory_per_gpu(config: Config, vocab: int, dp: int) -> dict:
+    """Bytes per GPU of the fullest pipeline stage (megatrain.memory), by part."""
+    pp = config.parallel.pipeline_model_parallel_size
+    stages = {
+        stage: memory_breakdown(config, vocab_size=vocab, data_parallel_size=dp, stage=stage)
+        for stage in sorted({0, pp - 1})
+    }
+    stage = max(stages, key=lambda s: stages[s]["total"])
+    fullest = stages[stage]
+    return {
+        **{part: fullest[part] for part in MEMORY_PARTS},
+        "total": fullest["total"],
+        "parameters": max(b["parameters"] for b in stages.values()),
+        "stage": stage,
+    }
+
+
+def estimate(
+    config: Config,
+    layout: Layout,
+    gpu: Gpu,
+    profile: Profile,
+    vocab_size: int,
+    global_batch: int | None = None,
+) -> Estimate:
+    """Memory and step time of `config` at `layout` on GPUs `gpu` (`vocab_size`: the
+    tokenizer's, padded here for tp)."""
+    config = apply_layout(config, layout, global_batch)
+    t, p = config.training, config.parallel
+    tp, pp, dp, vpp = layout.tp, layout.pp, layout.dp, layout.vpp
+    microbatches = t.global_batch_size // (layout.micro_batch * dp)
+    cfg = model_config(config, vocab_size)
+    costs = Costs(gpu, profile, t.precision)
+    memory = memory_per_gpu(config, vocab_size, dp)
+
+    tp_bandwidth = group_bandwidth(gpu, tp, 1)
+    layer = layer_seconds(config, layout, costs, tp_bandwidth)
+    embed, head = _ends(config, layout, costs, cfg.vocab_size, tp_bandwidth)
+    # Point-to-point: each chunk of each microbatch sends its output on and its input's
+    # gradient back (split over TP under sequence parallelism); over the network as soon
+    # as one stage boundary crosses nodes (the slowest boundary paces the pipeline).
+    p2p = 0.0
+    if pp > 1:
+        sent = costs.element * t.seq_length * layout.micro_batch * cfg.hidden_size
+        sent /= tp if layout.sequence_parallel else 1
+        within = tp * dp * pp <= gpu.gpus_per_node
+        link = gpu.intra_node_gbps if within else gpu.inter_node_gbps
+        p2p = 2 * vpp * costs.collective("p2p", sent, 2, link * 1e9)
+    layers = cfg.num_layers // pp
+    stages = []
+    for stage in range(pp):
+        parts = {k: layers * layer[k] for k in ("compute", "tp_comm")}
+        for end, here in ((embed, stage == 0), (head, stage == pp - 1)):
+            if here:
+                parts = {k: parts[k] + end[k] for k in parts}
+        stages.append({**parts, "pp_p2p": p2p})
+    totals = [sum(s.values()) for s in stages]
+    slowest = stages[totals.index(max(totals))]
+    time = {k: microbatches * slowest[k] for k in ("compute", "tp_comm", "pp_p2p")}
+    time["pp_bubble"] = pipeline_seconds(totals, microbatches, vpp) - microbatches * max(totals)
+
+    # Data parallelism and the optimizer, for the stage holding the most parameters.
+    params = memory["parameters"]
+    dp_bandwidth = group_bandwidth(gpu, dp, tp)
+    grads = 4 * params  # megacore reduces the fp32 gradient buffer
+    bucket = costs.collective("all_reduce", 4 * min(p.bucket_size, params), dp, dp_bandwidth)
+    gather = 0.0
+    if layout.distributed_optimizer:
+        reduce = costs.collective("reduce_scatter", grads, dp, dp_bandwidth)
+        gather = costs.collective("all_gather", costs.element * params, dp, dp_bandwidth)
+        if p.overlap_param_gather:  # behind the next forward but for its first bucket
+            gather = costs.collective("all_gather", costs.element * p.bucket_size, dp, dp_bandwidth)
+    else:
+        reduce = costs.collective("all_reduce", grads, dp, dp_bandwidth)
+    if p.overlap_grad_reduce and dp > 1:
+        # buckets go out as the last microbatch's backward produces their gradients
+        reduce = max(min(bucket, reduce), reduce - layers * layer["backward"])
+    embedding = 0.0
+    if pp > 1:  # the tied word embeddings' gradients, first and last stage
+        crosses = tp * dp * pp > gpu.gpus_per_node
+        link = (gpu.inter_node_gbps if crosses else gpu.intra_node_gbps) * 1e9
+        embedding = costs.collective(
+            "all_reduce", 4 * cfg.vocab_size * cfg.hidden_size / tp, 2, link
+        )
+    time["dp_comm"] = reduce + gather + embedding
+    shard = params / dp if layout.distributed_optimizer else params
+    moved = shard * ADAM_BYTES["sharded"] + params * ADAM_BYTES["zero_grads"]
+    if t.precision != "fp32":
+        moved += params * ADAM_BYTES["copy_16bit"]
+    time["optimizer"] = costs.memory_bound(moved)
+    time["total"] = sum(time[k] for k in TIME_PARTS)
+
+    model_flops, hardware_flops = flops_per_iteration(
+        config.model.kind, cfg, t.global_batch_size, t.seq_length
+    )
+    gpus = layout.gpus
+    return Estimate(
+        layout=layout,
+        memory=memory,
+        time=time,
+        mfu=model_flops / (time["total"] * gpus * gpu.peak_flops(t.precision)),
+        tflops_per_gpu=hardware_flops / (time["total"] * gpus) / 1e12,
+        fits=memory["total"] <= (1 - HEADROOM) * gpu.memory_bytes,
+        notes={"microbatches": microbatches},
+    )

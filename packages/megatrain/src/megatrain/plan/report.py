@@ -1,0 +1,131 @@
+"""A plan as a table for people (`format_plan`) or as JSON for tools (`plan_dict`)."""
+
+from dataclasses import asdict
+
+from megatrain.memory import HEADROOM
+from megatrain.plan.cost_model import MEMORY_PARTS, TIME_PARTS, Estimate
+from megatrain.plan.hardware import CONSTANTS, GIB, Profile
+from megatrain.plan.search import Plan
+
+
+def describe_profile(profile: Profile) -> str:
+    return (
+        f"{profile.source}: GEMMs at {profile.gemm_efficiency:.0%} of peak + "
+        f"{profile.gemm_overhead_us:g} us each; non-GEMM ops move "
+        f"{profile.elementwise_passes:g} x the activation bytes; collectives at "
+        f"{profile.collective_efficiency:.0%} of link bandwidth + "
+        f"{profile.collective_latency_us:g} us"
+    )
+
+
+def _estimate_dict(rank: int, e: Estimate) -> dict:
+    return {
+        "rank": rank,
+        "layout": asdict(e.layout),
+        "overrides": e.layout.overrides(),
+        "microbatches": e.notes["microbatches"],
+        "memory_gib": {k: e.memory[k] / GIB for k in (*MEMORY_PARTS, "total")},
+        "memory_stage": e.memory["stage"],
+        "time_s": {k: e.time[k] for k in (*TIME_PARTS, "total")},
+        "mfu": e.mfu,
+        "tflops_per_gpu": e.tflops_per_gpu,
+    }
+
+
+def plan_dict(plan: Plan, top: int) -> dict:
+    m, t = plan.config.model, plan.config.training
+    return {
+        "config": plan.config.name,
+        "model": {
+            "kind": m.kind,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads,
+            "seq_length": t.seq_length,
+            "precision": t.precision,
+        },
+        "global_batch": plan.global_batch,
+        "gpus": plan.gpus,
+        "gpu": asdict(plan.gpu),
+        "usable_memory_gib": (1 - HEADROOM) * plan.gpu.memory_gib,
+        "profile": {
+            "source": plan.profile.source,
+            **{k: getattr(plan.profile, k) for k in CONSTANTS},
+        },
+        "enumerated": plan.enumerated,
+        "fit": len(plan.ranked),
+        "layouts": [_estimate_dict(i + 1, e) for i, e in enumerate(plan.ranked[:top])],
+        "rejected": [
+            {"reason": reason, **entry}
+            for reason, entry in sorted(plan.rejected.items(), key=lambda kv: -kv[1]["count"])
+        ],
+    }
+
+
+_LAYOUT = (
+    f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4} {'mb':>3} {'m':>4} {'recompute':<9} "
+    f"{'sp':<3} {'dopt':<4}"
+)
+_MEMORY = f"{'weight':>6} {'grad':>5} {'optim':>5} {'activ':>5} {'total':>5}"
+_TIME = f"{'compute':>7} {'tp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6} {'optim':>6} {'step':>7}"
+_HEADER = f"{_LAYOUT} | {_MEMORY} | {_TIME} | {'MFU':>5}"
+_GROUPS = (
+    f"{'layout':<{len(_LAYOUT)}} | {'memory per GPU, GiB':<{len(_MEMORY)}} | "
+    f"{'step time, s':<{len(_TIME)}} |"
+)
+
+
+def _row(rank: int, e: Estimate) -> str:
+    layout, mem, time = e.layout, e.memory, e.time
+    flag = {True: "yes", False: "no"}
+    return (
+        f"{rank:>3} {layout.tp:>3} {layout.pp:>3} {layout.vpp if layout.vpp > 1 else '-':>3} "
+        f"{layout.dp:>4} {layout.micro_batch:>3} {e.notes['microbatches']:>4} "
+        f"{layout.recompute:<9} {flag[layout.sequence_parallel]:<3} "
+        f"{flag[layout.distributed_optimizer]:<4} | "
+        + " ".join(
+            f"{mem[k] / GIB:>{w}.1f}"
+            for k, w in zip((*MEMORY_PARTS, "total"), (6, 5, 5, 5, 5), strict=True)
+        )
+        + " | "
+        + " ".join(
+            f"{time[k]:>{w}.3f}"
+            for k, w in zip((*TIME_PARTS, "total"), (7, 6, 6, 6, 6, 6, 7), strict=True)
+        )
+        + f" | {e.mfu:>5.1%}"
+    )
+
+
+def format_plan(plan: Plan, top: int) -> str:
+    m, t = plan.config.model, plan.config.training
+    gpu = plan.gpu
+    lines = [
+        f"megatrain plan: {plan.config.name} ({m.kind}, {m.num_layers} layers, hidden "
+        f"{m.hidden_size}, {m.num_attention_heads} heads, seq {t.seq_length}, {t.precision}), "
+        f"global batch {plan.global_batch}, on {plan.gpus} x {gpu.key} in nodes of "
+        f"{gpu.gpus_per_node}",
+        f"time model: {describe_profile(plan.profile)}",
+        f"{plan.enumerated} layouts: {len(plan.ranked)} fit in "
+        f"{(1 - HEADROOM) * gpu.memory_gib:.1f} GiB ({1 - HEADROOM:.0%} of {gpu.memory_gib:g}), "
+        f"{plan.enumerated - len(plan.ranked)} refused",
+        "",
+    ]
+    if plan.ranked:
+        lines += [
+            _GROUPS,
+            _HEADER,
+            *(_row(i + 1, e) for i, e in enumerate(plan.ranked[:top])),
+            "",
+            "m: microbatches per iteration; memory: the fullest pipeline stage",
+            "to run #1: megatrain run --config <config> "
+            + " ".join(plan.ranked[0].layout.overrides()),
+        ]
+    else:
+        lines.append("no layout fits.")
+    if plan.rejected:
+        lines += ["", "refused:"]
+        for reason, entry in sorted(plan.rejected.items(), key=lambda kv: -kv[1]["count"]):
+            lines.append(f"  {entry['count']:>5}  {reason}")
+            if entry["example"]:
+                lines.append(f"         e.g. {entry['example']}")
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Every layout of a config on a number of GPUs, ranked by predicted step time.
+
+A layout is tp x pp x dp = the GPUs, a virtual pipeline size (interleaving), a micro batch
+size, a recompute mode, sequence parallelism (tp > 1) and the distributed optimizer
+(dp > 1).  Each candidate goes through megatrain.config.validate, the check `megatrain run`
+makes before starting workers, so the plan refuses exactly what a run would; the ones that
+pass are estimated (cost_model.py) and kept if the fullest stage leaves memory.HEADROOM of
+the GPU free.  What is refused is summed up by reason, with an example of each.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
+from megatrain.memory import HEADROOM
+from megatrain.plan.cost_model import Estimate, Layout, apply_layout, estimate, memory_per_gpu
+from megatrain.plan.hardware import GIB, Gpu, Profile
+
+MAX_VPP = 8  # virtual stages per GPU tried (Megatron's own examples stop at a few)
+MAX_MICRO_BATCH = 64
+OUT_OF_MEMORY = "does not fit in memory"
+
+
+@dataclass
+class Plan:
+    config: Config
+    gpu: Gpu
+    profile: Profile
+    gpus: int
+    global_batch: int
+    vocab_size: int
+    ranked: list[Estimate]  # the layouts that fit, fastest first
+    rejected: dict = field(default_factory=dict)  # reason -> {"count", "example"}
+    enumerated: int = 0
+
+    def position(self, layout: Layout) -> int | None:
+        """0-based rank of `layout` among those that fit; None if it does not."""
+        for i, e in enumerate(self.ranked):
+            if e.layout == layout:
+                return i
+        return None
+
+
+def _divisors(n: int, up_to: int | None = None) -> list[int]:
+    return [d for d in range(1, (up_to or n) + 1) if n % d == 0]
+
+
+def _reason(error: ConfigError) -> str:
+    """A validation message with its numbers taken out, so equal reasons add up."""
+    return re.sub(r"\d+", "N", str(error))
+
+
+def candidates(config: Config, gpus: int, global_batch: int):
+    """(layout, None) for each layout to estimate, or (layout, ConfigError) for the
+    refused; a (tp, pp) the model cannot be split into is refused once, for micro batch 1."""
+    m = config.model
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            base = Layout(tp=tp, pp=pp, dp=dp)
+            try:
+                validate(apply_layout(config, base, global_batch), gpus)
+            except ConfigError as e:
+                yield base, e
+                continue
+            per_replica = global_batch // dp
+            for mb in _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH)):
+                vpps = [1]
+                if pp > 1:
+                    vpps += [v for v in _divisors(m.num_layers // pp, MAX_VPP) if v > 1]
+                for vpp in vpps:
+                    for recompute in RECOMPUTE_CHOICES:
+                        for sp in (False, True) if tp > 1 else (False,):
+                            for distopt in (False, True) if dp > 1 else (False,):
+                                layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, distopt)
+                                try:
+                                    validate(apply_layout(config, layout, global_batch), gpus)
+                                except ConfigError as e:
+                                    yield layout, e
+                                    continue
+                                yield layout, None
+
+
+def plan(
+    config: Config,
+    gpus: int,
+    gpu: Gpu,
+    profile: Profile,
+    vocab_size: int,
+    global_batch: int | None = None,
+) -> Plan:
+    """Every layout of `config` on `gpus` GPUs of kind `gpu`, the fitting ones ranked."""
+    global_batch = global_batch or config.training.global_batch_size
+    gpu.peak_flops(config.training.precision)  # a precision the GPU lacks: refused here
+    result = Plan(config, gpu, profile, gpus, global_batch, vocab_size, ranked=[])
+    usable = (1 - HEADROOM) * gpu.memory_bytes
+    nearest: dict = {}
+    for layout, error in candidates(config, gpus, global_batch):
+        result.enumerated += 1
+        if error is None:
+            e = estimate(config, layout, gpu, profile, vocab_size, global_batch)
+            if e.fits:
+                result.ranked.append(e)
+                continue
+            reason = OUT_OF_MEMORY
+            if reason not in nearest or e.memory["total"] < nearest[reason].memory["total"]:
+                nearest[reason] = e
+        else:
+            reason = _reason(error)
+        entry = result.rejected.setdefault(reason, {"count": 0, "example": ""})
+        entry["count"] += 1
+        if error is not None and not entry["example"]:
+            entry["example"] = f"{layout.describe()}: {error}"
+    if OUT_OF_MEMORY in nearest:
+        e = nearest[OUT_OF_MEMORY]
+        result.rejected[OUT_OF_MEMORY]["example"] = (
+            f"the nearest, {e.layout.describe()}, needs {e.memory['total'] / GIB:.1f} GiB on "
+            f"stage {e.memory['stage']}; {usable / GIB:.1f} GiB usable "
+            f"({1 - HEADROOM:.0%} of {gpu.memory_gib:g})"
+        )
+    result.ranked.sort(key=lambda e: e.time["total"])
+    return result
+
+
+def memory_warning(config: Config, dp: int, vocab_size: int, gpu_memory_bytes: float) -> str | None:
+    """Why `config`'s layout will not fit a GPU of `gpu_memory_bytes`, or None if it does."""
+    memory = memory_per_gpu(config, vocab_size, dp)
+    usable = (1 - HEADROOM) * gpu_memory_bytes
+    if memory["total"] <= usable:
+        return None
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {memory[name] / GIB:.1f}"
+        for name in ("weights", "gradients", "optimizer_state", "activations")
+    )
+    return (
+        f"the planner predicts {memory['total'] / GIB:.1f} GiB per GPU on pipeline stage "
+        f"{memory['stage']} ({parts} GiB), above {1 - HEADROOM:.0%} of this GPU's "
+        f"{gpu_memory_bytes / GIB:.1f} GiB"
+    )

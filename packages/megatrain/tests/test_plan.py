@@ -1,0 +1,351 @@
+"""`megatrain plan`: the paper's scaling results reproduced by the time model, the memory
+terms equal to what megacore allocates, the pipeline formula equal to megacore's schedule
+tables, the GPU table, calibration, the CLI and `megatrain run`'s memory warning."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from megacore import parallel_state as ps
+from megacore.testing import run_distributed
+from megatrain import launch
+from megatrain.cli import main
+from megatrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
+from megatrain.memory import GPU_MEMORY, memory_breakdown
+from megatrain.plan import calibrate, hardware
+from megatrain.plan.cost_model import (
+    Costs,
+    Layout,
+    apply_layout,
+    estimate,
+    group_bandwidth,
+    layout_of,
+    pipeline_seconds,
+    schedule_seconds,
+)
+from megatrain.plan.search import candidates, memory_warning, plan
+from megatrain.plan.validation import PAPER, fit_builtin_profile, paper_config, predictions
+
+MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
+V100 = hardware.load_gpus()["v100-32gb"]
+
+
+def test_the_paper_scaling_results_within_10_percent():
+    """The V100 DGX-2H runs: the 1.2B baseline (39 TFLOP/s), Table 8's strong scaling,
+    Table 7's heads, and the weak-scaling efficiencies at 8 and 512 GPUs."""
+    got = predictions()
+    for name, paper in PAPER.items():
+        assert got[name] == pytest.approx(paper, rel=0.10), (name, got[name], paper)
+    # the shapes the paper describes, not only the numbers
+    assert got["speedup_tp2"] < got["speedup_tp4"] < got["speedup_tp8"] < 4
+    assert got["heads_16"] > got["heads_24"] > got["heads_32"]
+    assert 1 > got["weak_tp2"] > got["weak_tp4"] > got["weak_tp8"] > got["weak_tp8_dp64"]
+
+
+def test_builtin_constants_are_the_fit():
+    """gpus.toml's two fitted constants are the least-squares optimum (to their rounding):
+    re-fitting from them moves neither by more than the rounding."""
+    stored = hardware.builtin_profile()
+    fitted, error = fit_builtin_profile(stored, rounds=2)
+    assert abs(fitted.gemm_overhead_us - stored.gemm_overhead_us) <= 10
+    assert abs(fitted.elementwise_passes - stored.elementwise_passes) <= 0.2
+    assert error < 0.01  # every ratio within a few percent
+
+
+def test_layer_terms_by_hand():
+    """One layer of the 1.2B at tp 8: 4 all-reduces of s b h per microbatch (Fig. 4), 6 with
+    full recompute; GEMMs at 80% of peak plus the fixed time."""
+    config = paper_config(1)
+    profile = hardware.builtin_profile()
+    costs = Costs(V100, profile, "fp16")
+    s, b, h = 1024, 8, 1536
+    one = costs.collective("all_reduce", 2 * s * b * h, 8, 150e9)
+    assert one == pytest.approx(20e-6 + 2 * 7 / 8 * 2 * s * b * h / (0.8 * 150e9))
+    qkv = costs.gemm(s * b, 3 * h / 8, h)
+    assert qkv == pytest.approx(2 * s * b * 3 * h / 8 * h / (0.8 * 125e12) + 320e-6)
+    layouts = {r: Layout(tp=8, pp=1, dp=1, micro_batch=8, recompute=r) for r in ("none", "full")}
+    runs = {r: estimate(config, lay, V100, profile, 50257, 8) for r, lay in layouts.items()}
+    ends = runs["none"].time["tp_comm"] - 40 * 4 * one  # embedding and output layer
+    assert 0 < ends < 3 * one
+    assert runs["full"].time["tp_comm"] == pytest.approx(40 * 6 * one + ends)
+    assert runs["full"].time["compute"] > runs["none"].time["compute"]
+
+
+def test_pipeline_formula_is_megacores_schedule_tables():
+    """m max T + (sum T - max T) / vpp equals running the 1F1B and interleaved tables when the
+    stages are equal or the last is the heaviest (the output layer and loss), and at most 6%
+    pessimistic when the first is 10% heavier (its fill overlaps the others' in the tables)."""
+    for pp, vpp, m in [(2, 1, 1), (2, 1, 4), (4, 1, 8), (4, 2, 8), (4, 3, 4), (8, 2, 16)]:
+        for heavy, factor, exact in ((None, 1, True), (pp - 1, 1.5, True), (0, 1.1, False)):
+            fwd, bwd = [1.0] * pp, [2.0] * pp
+            if heavy is not None:
+                fwd[heavy], bwd[heavy] = factor, 2 * factor
+            table = schedule_seconds(m, fwd, bwd, vpp)
+            formula = pipeline_seconds([f + b for f, b in zip(fwd, bwd, strict=True)], m, vpp)
+            if exact:
+                assert formula == pytest.approx(table), (pp, vpp, m, heavy)
+            else:
+                assert table * (1 - 1e-9) <= formula <= 1.06 * table, (pp, vpp, m, heavy)
+
+
+def _tiny(kind: str = "gpt", precision: str = "fp32") -> Config:
+    return Config(
+        model=ModelConfig(
+            kind=kind, num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000,
+            max_position_embeddings=32,
+        ),
+        training=TrainingConfig(
+            seq_length=32, micro_batch_size=2, global_batch_size=4, precision=precision
+        ),
+    )  # fmt: skip
+
+
+# (kind, precision, tp, pp, vpp, dp, distributed optimizer): layouts of 2 ranks
+STATE_LAYOUTS = [
+    ("gpt", "bf16", 2, 1, 1, 1, False),
+    ("gpt", "fp32", 1, 2, 1, 1, False),
+    ("gpt", "bf16", 1, 2, 2, 1, False),
+    ("gpt", "bf16", 1, 1, 1, 2, True),
+    ("gpt", "fp32", 1, 1, 1, 2, True),
+    ("bert", "fp32", 2, 1, 1, 1, False),
+]
+
+
+def _storage_bytes(tensors, exclude=()) -> int:
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _measure_state_bytes() -> list:
+    """Each layout built as training builds it (chunks, DDP, optimizer, one step): this
+    rank's bytes of weights, gradient buffers and optimizer state, and its stage."""
+    from megatrain.models import build_model_chunks
+    from megatrain.training import PRECISION_DTYPES, model_config, prepare_training
+
+    out = []
+    for kind, precision, tp, pp, vpp, dp, distopt in STATE_LAYOUTS:
+        layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=2, distributed_optimizer=distopt)
+        config = apply_layout(_tiny(kind, precision), layout)
+        ps.initialize_model_parallel(tp, pp, vpp if vpp > 1 else None)
+        dtype = PRECISION_DTYPES[precision]
+        cfg = model_config(config, 1000)
+        chunks = build_model_chunks(kind, cfg, 1, dtype=dtype)
+        chunks, optimizer = prepare_training(config, chunks, dtype)
+        for chunk in chunks:
+            for buffer in chunk.buffers:
+                buffer.grad_data.zero_()
+        optimizer.step()  # Adam's moments exist from the first step
+        params = [p for c in chunks for p in c.parameters()]
+        weights = {p.untyped_storage().data_ptr() for p in params}
+        grads = [b.grad_data for c in chunks for b in c.buffers]
+        inner = optimizer.optimizer
+        masters = [p for g in inner.param_groups for p in g["params"]]
+        state = [v for s in inner.state.values() for v in s.values() if v.dim() > 0]
+        out.append(
+            {
+                "stage": ps.get_pipeline_model_parallel_rank(),
+                "weights": _storage_bytes(params),
+                "gradients": _storage_bytes(grads),
+                "optimizer_state": _storage_bytes([*masters, *state], exclude=weights),
+            }
+        )
+        ps.destroy_model_parallel()
+    return out
+
+
+def test_predicted_state_bytes_equal_what_megacore_allocates():
+    """Weights, gradient buffers and optimizer state of each rank, measured from the storages
+    after a real optimizer step, equal megatrain.memory's terms the plan reports, exactly."""
+    per_rank = run_distributed(_measure_state_bytes, world_size=2, timeout=240)
+    for rank, measured in enumerate(per_rank):
+        for case, got in zip(STATE_LAYOUTS, measured, strict=True):
+            kind, precision, tp, pp, vpp, dp, distopt = case
+            layout = Layout(tp, pp, dp, vpp, 2, "none", False, distopt)
+            config = apply_layout(_tiny(kind, precision), layout)
+            want = memory_breakdown(
+                config, vocab_size=1000, data_parallel_size=dp, stage=got["stage"]
+            )
+            for part in ("weights", "gradients", "optimizer_state"):
+                assert got[part] == want[part], (rank, case, part, got[part], want[part])
+
+
+def test_plan_ranks_fitting_layouts_and_says_why_others_do_not():
+    config = load_config(MODELS / "gpt2-8.3b.toml")
+    result = plan(config, 512, V100, hardware.builtin_profile(), 50257, 512)
+    assert result.ranked and result.enumerated == len(result.ranked) + sum(
+        r["count"] for r in result.rejected.values()
+    )
+    times = [e.time["total"] for e in result.ranked]
+    assert times == sorted(times)
+    best = result.ranked[0]
+    assert best.fits and best.layout.gpus == 512
+    assert sum(best.time[k] for k in best.time if k != "total") == pytest.approx(best.time["total"])
+    assert 0.1 < best.mfu < 0.5
+    assert "does not fit in memory" in result.rejected
+    assert any("num_attention_heads" in reason for reason in result.rejected)
+    # the paper's layout fits, and is slower than the best (full recompute, no sp)
+    paper = layout_of(config, 64)
+    assert result.position(paper) is not None and result.position(paper) > 0
+    # sequence parallelism and the distributed optimizer each save memory
+    base = estimate(config, replace(paper, recompute="selective"), V100, result.profile, 50257)
+    sp = estimate(config, replace(base.layout, sequence_parallel=True), V100, result.profile, 50257)
+    dopt = replace(base.layout, distributed_optimizer=True)
+    sharded = estimate(config, dopt, V100, result.profile, 50257)
+    assert sp.memory["activations"] < base.memory["activations"]
+    assert sharded.memory["optimizer_state"] == pytest.approx(base.memory["optimizer_state"] / 64)
+
+
+def test_bandwidth_inside_and_between_nodes():
+    assert group_bandwidth(V100, 8, 1) == 150e9  # tp 8 in a node of 16
+    assert group_bandwidth(V100, 32, 1) == 6.25e9 * 16  # over two nodes: all 16 adapters
+    assert group_bandwidth(V100, 64, 8) == 6.25e9 * 2  # dp 64 at tp 8: 2 members per node
+    # interleaving shrinks the bubble; data parallelism over nodes costs more than within
+    config = paper_config(8, global_batch=64)
+    profile = hardware.builtin_profile()
+    one = Layout(tp=8, pp=2, dp=1, micro_batch=8, recompute="full")
+    flat = estimate(config, one, V100, profile, 50257)
+    interleaved = estimate(config, replace(one, vpp=4), V100, profile, 50257)
+    assert interleaved.time["pp_bubble"] < flat.time["pp_bubble"]
+
+
+def test_gpu_table_is_memory_py_s_and_takes_more_gpus(tmp_path):
+    table = hardware.load_gpus()
+    assert {"v100-32gb", "a100-80gb", "h100-80gb", "h200-141gb", "b200-180gb"} <= set(table)
+    assert {k: g.memory_bytes for k, g in table.items()} == GPU_MEMORY
+    extra = tmp_path / "gpus.toml"
+    extra.write_text(
+        "[gpu.mi300x]\nname = 'AMD MI300X'\nmemory_gib = 192\n"
+        "peak_tflops = { bf16 = 1307.4, fp16 = 1307.4 }\nhbm_gbps = 5300\n"
+        "intra_node_gbps = 64\ninter_node_gbps = 50\ngpus_per_node = 8\n"
+    )
+    assert hardware.load_gpus(extra)["mi300x"].peak_flops("bf16") == 1307.4e12
+    extra.write_text("[gpu.bad]\nname = 'no numbers'\n")
+    with pytest.raises(hardware.HardwareError, match="misses memory_gib"):
+        hardware.load_gpus(extra)
+    with pytest.raises(ValueError, match="no bf16 peak"):
+        V100.peak_flops("bf16")
+
+
+def test_calibration_fits_and_profile_round_trip(tmp_path, monkeypatch):
+    """The fits recover known constants; a CPU calibration (small GEMMs, no collectives)
+    writes a profile that plans for its own device and says so."""
+    gemms = [(n, n, n, 2 * n**3 / 50e9 + 30e-6) for n in (64, 128, 256, 512)]
+    rate, overhead = calibrate.fit_gemms(gemms)
+    assert rate == pytest.approx(50e9) and overhead == pytest.approx(30e-6)
+    reduces = [(n, 40e-6 + n / 2e9) for n in (1 << 14, 1 << 18, 1 << 22)]  # 2 ranks: f = 1
+    assert calibrate.fit_collectives(reduces, 2) == pytest.approx((2e9, 40e-6))
+
+    monkeypatch.setattr(calibrate, "GEMM_SIZES_CPU", (32, 64, 128))
+    monkeypatch.setattr(calibrate, "COPY_BYTES", {"cpu": 4 << 20})
+    monkeypatch.setattr(calibrate, "LAYERS_CPU", ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)))
+    out = tmp_path / "cpu.json"
+    result = CliRunner().invoke(
+        main, ["plan", "--calibrate", "--out", str(out), "--ranks", "1"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    profile = hardware.load_profile(out)
+    assert profile.device.key == "cpu" and profile.gemm_efficiency == pytest.approx(1.0)
+    assert profile.collective_latency_us == hardware.builtin_profile().collective_latency_us
+    args = ["plan", "--config", str(MODELS / "gpt2-tiny.toml"), "model.vocab_size=1000"]
+    result = CliRunner().invoke(main, [*args, "--gpus", "1", "--profile", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["profile"]["source"].startswith(str(out)) and data["gpu"]["key"] == "cpu"
+    assert data["layouts"][0]["layout"]["tp"] == 1
+
+
+def test_cli_plan_text_json_and_bad_input():
+    config = str(MODELS / "gpt2-8.3b.toml")
+    args = ["plan", "--config", config, "--gpus", "512", "--gpu", "v100-32gb", "--nodes-of", "16"]
+    result = CliRunner().invoke(main, [*args, "--global-batch", "512", "--top", "3"])
+    assert result.exit_code == 0, result.output
+    assert "built-in" in result.output and "refused:" in result.output
+    assert "does not fit in memory" in result.output
+    data = json.loads(CliRunner().invoke(main, [*args, "--json", "--top", "2"]).output)
+    assert len(data["layouts"]) == 2 and data["gpus"] == 512
+    assert set(data["layouts"][0]["time_s"]) >= {"compute", "tp_comm", "pp_bubble", "dp_comm"}
+    bert = [
+        "plan",
+        "--config",
+        str(MODELS / "bert-3.9b.toml"),
+        "--gpus",
+        "64",
+        "--gpu",
+        "a100-80gb",
+    ]
+    assert CliRunner().invoke(main, bert).exit_code == 0
+    for bad, flag in [
+        (["--gpus", "100"], "--gpus 100 is not a whole number of nodes of 16 (--nodes-of)"),
+        (["--gpus", "0"], "--gpus"),
+        (["--gpus", "8", "--gpu", "tpu-v9"], "--gpu 'tpu-v9' is not in the GPU table"),
+        (["--gpus", "8", "--gpu", "v100-32gb", "training.precision=bf16"], "no bf16 peak"),
+    ]:
+        extra = [] if "--gpu" in bad else ["--gpu", "v100-32gb", "--nodes-of", "16"]
+        result = CliRunner().invoke(main, ["plan", "--config", config, *bad, *extra])
+        assert result.exit_code == 2 and flag in result.output, (bad, result.output)
+    result = CliRunner().invoke(main, ["plan", "--config", config, "--gpus", "8"])
+    assert result.exit_code == 2 and "--gpu is required" in result.output
+
+
+def test_run_warns_when_the_plan_does_not_fit_the_gpu(monkeypatch):
+    """On a (pretended) 8 GiB GPU the 1.2B config's layout does not fit: `megatrain run` warns
+    before starting workers, unless --no-plan-check; then refuses the missing corpus."""
+
+    class Props:
+        total_memory = 8 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(launch, "launch", None)  # never reached
+    args = ["run", "--config", str(MODELS / "gpt2-1.2b.toml"), "--nproc-per-node", "1"]
+    args.append("data.corpus=/nonexistent/corpus")
+    warned = CliRunner().invoke(main, args)
+    assert "warning: the planner predicts" in warned.output and "8.0 GiB" in warned.output
+    quiet = CliRunner().invoke(main, [*args, "--no-plan-check"])
+    assert "warning" not in quiet.output
+    assert warned.exit_code == quiet.exit_code == 2  # the corpus
+
+
+def test_memory_warning_names_the_parts():
+    config = load_config(MODELS / "gpt2-8.3b.toml")
+    assert memory_warning(config, 64, 50257, 32 * 2**30) is None  # sized for a 32 GB V100
+    small = replace(config, parallel=ParallelConfig(tensor_model_parallel_size=8))
+    message = memory_warning(small, 1, 50257, 16 * 2**30)
+    assert "optimizer state" in message and "activations" in message
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in MODELS.glob("*.toml") if not p.stem.endswith("tiny"))
+)
+def test_shipped_layouts_are_the_plans_choice_at_the_papers_tp(name):
+    """Each paper config's `# layout:` comment: the plan it names ranks the config's micro
+    batch and recompute first among the layouts at its tp, pp 1, without sequence
+    parallelism or the distributed optimizer."""
+    path = MODELS / f"{name}.toml"
+    command = next(line for line in path.read_text().splitlines() if "megatrain plan" in line)
+    gpus = int(command.split("--gpus ")[1].split()[0])
+    assert f"--config pipelines/models/{name}.toml" in command and "--gpu v100-32gb" in command
+    config = load_config(path)
+    tp, vocab = config.parallel.tensor_model_parallel_size, config.model.vocab_size
+    batch = config.training.global_batch_size
+    profile = hardware.builtin_profile()
+    paper_like = [
+        estimate(config, layout, V100, profile, vocab)
+        for layout, error in candidates(config, gpus, batch)
+        if error is None
+        and layout.tp == tp
+        and layout.pp == 1
+        and not (layout.sequence_parallel or layout.distributed_optimizer)
+    ]
+    best = min((e for e in paper_like if e.fits), key=lambda e: e.time["total"])
+    shipped = layout_of(config, gpus // tp)
+    assert best.layout == shipped
