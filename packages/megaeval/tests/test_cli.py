@@ -177,3 +177,55 @@ def test_finetune_refuses_missing_task_files_and_a_non_bert_checkpoint(tmp_path)
         main, ["finetune", "mnli", "--ckpt", str(ckpt), "--data", str(data)]
     )
     assert result.exit_code == 2 and "--ckpt:" in result.output and "latest" in result.output
+
+
+def _fake_checkpoint(ckpt, iteration: int) -> None:
+    """A directory `find_checkpoint` accepts: `latest` naming an iteration with its meta.json."""
+    directory = ckpt / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"format_version": 1, "iteration": iteration, "files": {}}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "latest").write_text(directory.name)
+
+
+def test_a_ckpt_evaluation_is_reused_until_checkpoint_data_or_settings_change(
+    tmp_path, monkeypatch
+):
+    calls = []
+    result = dict(examples=3, strict=True, accuracy=2 / 3, correct=2, target_tokens=3,
+                  target_ppl=4.25, target_loss=1.45)  # fmt: skip
+
+    def evaluate_checkpoint(task, ckpt, **kwargs):
+        calls.append(task)
+        return result
+
+    fake_module = types.ModuleType("megaeval.checkpoint_scorer")
+    fake_module.evaluate_checkpoint = evaluate_checkpoint
+    monkeypatch.setitem(sys.modules, "megaeval.checkpoint_scorer", fake_module)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "lambada.json"
+    _fake_checkpoint(ckpt, 10)
+    data = write_lambada(tmp_path / "data.jsonl")
+
+    def run(*flags):
+        args = ["lambada", "--ckpt", str(ckpt), "--data", str(data), "--json", str(out), *flags]
+        outcome = CliRunner().invoke(main, args)
+        assert outcome.exit_code == 0, outcome.output
+        assert "66.67%" in outcome.output  # the table, evaluated or reused
+        return outcome.output
+
+    run()
+    assert len(calls) == 1 and json.loads(out.read_text())["cache_key"]["iteration"] == 10
+    second = run()
+    assert len(calls) == 1 and "megaeval lambada: reused" in second and "iteration 10" in second
+    run("--force")
+    assert len(calls) == 2
+    run("--no-strict")  # other settings: evaluated, and cached under them
+    assert len(calls) == 3
+    _fake_checkpoint(ckpt, 20)  # trained on
+    run("--no-strict")
+    assert len(calls) == 4
+    write_lambada(data, ["another passage ending in a word"])  # the file changed
+    run("--no-strict")
+    assert len(calls) == 5
+    run("--no-strict")
+    assert len(calls) == 5

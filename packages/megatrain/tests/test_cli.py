@@ -121,6 +121,9 @@ def test_more_ranks_than_gpus_is_refused_before_workers_start(corpus, monkeypatc
 
 
 def test_slurm_environment_is_adopted(monkeypatch):
+    # adopt_slurm_environment writes RANK, WORLD_SIZE, ... into os.environ: a copy here, so
+    # that no later test in this process finds itself "in a launched job".
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "9")
@@ -158,8 +161,9 @@ def _check_outputs(stdout, out, ranks):
     lines = [line for line in stdout.splitlines() if line.startswith("iteration ")]
     assert [line.split(" |")[0] for line in lines] == [f"iteration {i}/6" for i in (2, 3, 4, 6)]
     for field in ("loss ", "lr ", "grad norm ", "loss scale ", "skipped ", "tokens/s",
-                  "TFLOP/s/device", "MFU "):  # fmt: skip
+                  "TFLOP/s/device", "MFU ", "elapsed ", "ETA "):  # fmt: skip
         assert field in lines[0], lines[0]
+    assert "elapsed " in lines[-1] and "ETA" not in lines[-1]  # done: no time left to show
     assert "valid loss" in lines[1] and f"{ranks} ranks" in stdout
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [2, 3, 4, 6]
@@ -176,6 +180,15 @@ def test_run_starts_its_own_workers(corpus, tmp_path):
                "parallel.tensor_model_parallel_size=2", "--save", str(out / "ckpt")]  # fmt: skip
     _check_outputs(_run(command, out), out, ranks=2)
     assert (out / "ckpt" / "latest").read_text().strip() == "iter_0000006"
+    # Again, resuming from its own checkpoint: finished, known before any worker starts.
+    events = sorted((out / "tensorboard").iterdir())
+    again = _run([*command, "--load", str(out / "ckpt")], out)
+    assert again.strip() == (
+        f"megatrain run: nothing to do: {out / 'ckpt'} already holds iteration 6 of "
+        "training.train_iters=6 (raise training.train_iters to train on, or --save/--load "
+        "elsewhere to start over)"
+    )
+    assert sorted((out / "tensorboard").iterdir()) == events  # no empty event file
 
 
 def test_run_joins_torchrun(corpus, tmp_path):

@@ -314,7 +314,7 @@ def test_convert_writes_dtype_layout_and_drops_rng(steps, tmp_path):
     again = CliRunner().invoke(
         main, ["convert", "--ckpt", str(out / "ckpt"), "--out", str(tmp_path / "tp4")]
     )
-    assert again.exit_code == 1 and "iter_0000003 already exists" in again.output
+    assert again.exit_code == 2 and "iter_0000003 already exists" in again.output
 
 
 def test_import_reads_vocab_merges_and_pytorch_bin(random_hf, corpus, tmp_path):
@@ -357,7 +357,7 @@ def test_bad_input_is_refused_with_the_path(steps, random_hf, tmp_path):
     )
     (tmp_path / "empty").mkdir()
     result = _invoke("export-hf", "--ckpt", str(tmp_path / "empty"), "--out", str(tmp_path / "x"))
-    assert result.exit_code == 1 and "empty/latest does not exist" in result.output
+    assert result.exit_code == 2 and "empty/latest does not exist" in result.output
     no_tokenizer = tmp_path / "no-tokenizer"
     shutil.copytree(out / "ckpt", no_tokenizer)
     directory = find_checkpoint(no_tokenizer)  # as saved from a corpus without tokenizer.json
@@ -366,7 +366,7 @@ def test_bad_input_is_refused_with_the_path(steps, random_hf, tmp_path):
     del meta["files"]["tokenizer.json"]
     (directory / "meta.json").write_text(json.dumps(meta))
     result = _invoke("export-hf", "--ckpt", str(no_tokenizer), "--out", str(tmp_path / "x"))
-    assert result.exit_code == 1 and "tokenizer.json does not exist" in result.output
+    assert result.exit_code == 2 and "tokenizer.json does not exist" in result.output
 
     for field, value, message in (
         ("model_type", "llama", "model_type is 'llama', expected 'gpt2'"),
@@ -381,15 +381,15 @@ def test_bad_input_is_refused_with_the_path(steps, random_hf, tmp_path):
         config = json.loads((bad / "config.json").read_text())
         (bad / "config.json").write_text(json.dumps({**config, field: value}))
         result = _invoke("import-hf", str(bad), "--out", str(tmp_path / "y"))
-        assert result.exit_code == 1 and message in result.output, (field, result.output)
+        assert result.exit_code == 2 and message in result.output, (field, result.output)
         assert "config.json" in result.output
     no_tok = tmp_path / "hf-no-tokenizer"
     shutil.copytree(random_hf, no_tok)
     (no_tok / "vocab.json").unlink()
     result = _invoke("import-hf", str(no_tok), "--out", str(tmp_path / "y"))
-    assert result.exit_code == 1 and "no tokenizer" in result.output
+    assert result.exit_code == 2 and "no tokenizer" in result.output
     result = _invoke("import-hf", str(tmp_path / "empty"), "--out", str(tmp_path / "y"))
-    assert result.exit_code == 1 and "config.json does not exist" in result.output
+    assert result.exit_code == 2 and "config.json does not exist" in result.output
     assert not (tmp_path / "y").exists()
 
     for flag, message in (
@@ -398,8 +398,8 @@ def test_bad_input_is_refused_with_the_path(steps, random_hf, tmp_path):
     ):
         result = _invoke("convert", "--ckpt", str(out / "ckpt"), "--out", str(tmp_path / "z"),
                          flag, "3")  # fmt: skip
-        assert result.exit_code == 1 and message in result.output, result.output
+        assert result.exit_code == 2 and message in result.output, result.output
         assert f"cannot be split to --tp {3 if flag == '--tp' else 2}" in result.output
     result = _invoke("convert", "--ckpt", str(out / "ckpt"), "--out", str(out / "ckpt"))
-    assert result.exit_code == 1 and "is the input checkpoint" in result.output
+    assert result.exit_code == 2 and "is the input checkpoint" in result.output
     assert not (tmp_path / "z").exists()

@@ -323,7 +323,7 @@ def test_import_reads_an_old_style_pytorch_bin(random_hf, tmp_path):
     old["cls.predictions.decoder.weight"] = old["cls.predictions.decoder.weight"] + 1
     torch.save(old, bin_dir / "pytorch_model.bin")
     result = _invoke("import-hf", str(bin_dir), "--out", str(tmp_path / "untied"))
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "cls.predictions.decoder.weight differs from bert.embeddings" in result.output
 
 
@@ -358,11 +358,11 @@ def test_bad_hf_input_is_refused_with_the_file_and_field(random_hf, corpus, tmp_
     ):
         bad = _variant(hf_dir, tmp_path / f"bad-{field}-{value}", {field: value})
         result = _invoke("import-hf", str(bad), "--out", str(tmp_path / "y"))
-        assert result.exit_code == 1 and message in result.output, (field, result.output)
+        assert result.exit_code == 2 and message in result.output, (field, result.output)
         assert "config.json" in result.output
     bad = _variant(hf_dir, tmp_path / "bad-shape", {"intermediate_size": 64})
     result = _invoke("import-hf", str(bad), "--out", str(tmp_path / "y"))
-    assert result.exit_code == 1 and "intermediate.dense.weight has shape (96, 48)" in result.output
+    assert result.exit_code == 2 and "intermediate.dense.weight has shape (96, 48)" in result.output
 
     # Without the pre-training heads (a BertForMaskedLM: no pooler, no NSP head).
     masked_lm = tmp_path / "masked-lm"
@@ -373,24 +373,24 @@ def test_bad_hf_input_is_refused_with_the_file_and_field(random_hf, corpus, tmp_
     )
     _write_vocab(tok, masked_lm)
     result = _invoke("import-hf", str(masked_lm), "--out", str(tmp_path / "y"))
-    assert result.exit_code == 1 and "missing ['bert.pooler.dense.bias'" in result.output
+    assert result.exit_code == 2 and "missing ['bert.pooler.dense.bias'" in result.output
     assert "needs the pre-training heads" in result.output and mlm_class in result.output
 
     # Tokenizers: none, another size, without BERT's special tokens, not WordPiece.
     result = _invoke("import-hf", str(_variant(hf_dir, tmp_path / "no-tok", drop=["vocab.txt"])),
                      "--out", str(tmp_path / "y"))  # fmt: skip
-    assert result.exit_code == 1 and "no tokenizer; expected vocab.txt" in result.output
+    assert result.exit_code == 2 and "no tokenizer; expected vocab.txt" in result.output
     longer = _variant(hf_dir, tmp_path / "longer", drop=["vocab.txt"])
     (longer / "vocab.txt").write_text((hf_dir / "vocab.txt").read_text() + "extra\n")
     result = _invoke("import-hf", str(longer), "--out", str(tmp_path / "y"))
-    assert result.exit_code == 1 and "but the tokenizer" in result.output
+    assert result.exit_code == 2 and "but the tokenizer" in result.output
     assert "our vocabulary is the tokenizer's" in result.output
     no_mask = _variant(hf_dir, tmp_path / "no-mask", drop=["vocab.txt"])
     (no_mask / "vocab.txt").write_text(
         (hf_dir / "vocab.txt").read_text().replace("[MASK]\n", "[MAZK]\n")
     )
     result = _invoke("import-hf", str(no_mask), "--out", str(tmp_path / "y"))
-    assert result.exit_code == 1 and "vocabulary has no [MASK]" in result.output
+    assert result.exit_code == 2 and "vocabulary has no [MASK]" in result.output
     gpt_tokenizer = tmp_path / "bpe.json"
     from tokenizers import models
 
@@ -398,7 +398,7 @@ def test_bad_hf_input_is_refused_with_the_file_and_field(random_hf, corpus, tmp_
     result = _invoke("import-hf", str(hf_dir), "--out", str(tmp_path / "y"), "--tokenizer",
                      str(gpt_tokenizer))  # fmt: skip
     assert (
-        result.exit_code == 1 and "model.type is 'BPE'; a BERT needs a WordPiece" in result.output
+        result.exit_code == 2 and "model.type is 'BPE'; a BERT needs a WordPiece" in result.output
     )
     assert not (tmp_path / "y").exists()
 
@@ -412,5 +412,5 @@ def test_bad_checkpoint_is_refused_on_export(exported, tmp_path):
     meta["tokenizer"]["kind"] = "gpt2-bpe"
     meta_file.write_text(json.dumps(meta))
     result = _invoke("export-hf", "--ckpt", str(bad), "--out", str(tmp_path / "x"))
-    assert result.exit_code == 1 and "meta.json" in result.output
+    assert result.exit_code == 2 and "meta.json" in result.output
     assert "expected kind 'bert-wordpiece' for a BERT" in result.output

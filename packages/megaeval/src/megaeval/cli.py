@@ -10,6 +10,7 @@ import click
 
 from megaeval import __version__
 from megaeval.errors import EvalDataError, EvalSettingsError
+from megatrain.cli import FAILURE, CommandError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -90,8 +91,65 @@ def run_options(command: Callable) -> Callable:
             help="Also write the results to this JSON file.",
         ),
         click.option("--no-progress", is_flag=True, help="Do not show a progress bar."),
+        click.option(
+            "--force",
+            is_flag=True,
+            help="Evaluate even when --json holds this evaluation's result for the same "
+            "checkpoint iteration, data file and settings (otherwise reused).",
+        ),
     ]
     return apply_options(command, options)
+
+
+def _file_sha256(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_key(task: str, model: dict, data: str, settings: dict) -> dict | None:
+    """What a --ckpt evaluation's result depends on: the checkpoint (the iteration `latest`
+    names, and its meta.json's digest, which changes with any retraining), the data file's
+    digest and the settings that change the numbers.  Read without torch, in milliseconds."""
+    if model["ckpt"] is None:
+        return None
+    from megatrain.checkpoint_files import CheckpointError, find_checkpoint, read_meta
+
+    try:
+        directory = find_checkpoint(model["ckpt"])
+        iteration = read_meta(directory)["iteration"]
+    except CheckpointError:
+        return None  # loading will say what is wrong
+    return {
+        "task": task,
+        "checkpoint": str(directory.resolve()),
+        "iteration": iteration,
+        "meta_sha256": _file_sha256(str(directory / "meta.json")),
+        "data_sha256": _file_sha256(data),
+        "settings": settings,
+    }
+
+
+def reused_result(key: dict | None, json_out: str | None, force: bool) -> dict | None:
+    """The result --json already holds for `key`, unless --force; None: evaluate."""
+    if key is None or not json_out or force or not os.path.isfile(json_out):
+        return None
+    try:
+        with open(json_out) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or result.get("cache_key") != key:
+        return None
+    click.echo(
+        f"megaeval {key['task']}: reused {json_out} (checkpoint iteration {key['iteration']}, "
+        "same data file and settings; --force evaluates again)"
+    )
+    return result
 
 
 def check_data(read: Callable, path: str) -> None:
@@ -99,18 +157,18 @@ def check_data(read: Callable, path: str) -> None:
     try:
         read(path)
     except EvalDataError as e:
-        raise click.BadParameter(str(e), param_hint="--data") from None
+        raise CommandError(f"--data: {e}") from None
 
 
 def check_model_flags(model: dict) -> None:
     """Exactly one model source, and only the flags that apply to it."""
     ckpt, hf = model["ckpt"], model["hf"]
     if (ckpt is None) == (hf is None):
-        raise click.UsageError("give exactly one of --ckpt DIR or --hf DIR")
+        raise CommandError("give exactly one of --ckpt DIR or --hf DIR")
     if hf is not None and (model["tp"], model["pp"]) != (1, 1):
-        raise click.UsageError("--tp/--pp apply to --ckpt only; an --hf model runs in one process")
+        raise CommandError("--tp/--pp apply to --ckpt only; an --hf model runs in one process")
     if ckpt is not None and (model["device"] or model["dtype"]):
-        raise click.UsageError("--device/--dtype apply to --hf only")
+        raise CommandError("--device/--dtype apply to --hf only")
 
 
 def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict:
@@ -128,7 +186,7 @@ def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict
             try:
                 return evaluate_checkpoint(task, ckpt, tp=model["tp"], pp=model["pp"], **kwargs)
             except LaunchError as e:  # a worker failed: its error, without the traceback
-                raise click.ClickException(f"{task}: {e}") from None
+                raise CommandError(str(e), FAILURE) from None
         from megaeval.scoring import HFScorer
 
         device = model["device"]
@@ -139,21 +197,28 @@ def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict
         scorer = HFScorer(hf, device=device, dtype=model["dtype"] or "float32")
         return evaluate(scorer, **kwargs)
     except EvalSettingsError as e:
-        raise click.UsageError(str(e)) from None
+        raise CommandError(str(e)) from None
     except EvalDataError as e:
-        raise click.ClickException(str(e)) from None
+        raise CommandError(str(e)) from None
 
 
-def report(title: str, rows: list[tuple[str, str]], result: dict, json_out: str | None) -> None:
-    """Print a small table of the results and write them to --json."""
+def report(
+    title: str,
+    rows: list[tuple[str, str]],
+    result: dict,
+    json_out: str | None,
+    key: dict | None = None,
+) -> None:
+    """Print a small table of the results and write them to --json (with the `cache_key`
+    that lets the same evaluation reuse them)."""
     click.echo(title)
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         click.echo(f"  {name:<{width}}  {value}")
-    if json_out:
+    if json_out and not (key and result.get("cache_key") == key):  # not reused
         os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
         with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({**result, "cache_key": key} if key else result, f, indent=2)
             f.write("\n")
         click.echo(f"results written to {json_out}")
 
@@ -181,7 +246,7 @@ def report(title: str, rows: list[tuple[str, str]], result: dict, json_out: str 
     help="Tokens between window starts; each later window scores only its last --stride.",
 )
 @run_options
-def wikitext103_command(data, seq_len, stride, batch_size, json_out, no_progress, **model):
+def wikitext103_command(data, seq_len, stride, batch_size, json_out, no_progress, force, **model):
     """WikiText103 perplexity with overlapping windows, and the paper's adjusted
     perplexity (loss normalised by the raw file's word count)."""
     from megaeval.wikitext import check_window_settings, evaluate_wikitext, read_wikitext
@@ -191,8 +256,9 @@ def wikitext103_command(data, seq_len, stride, batch_size, json_out, no_progress
     try:
         check_window_settings(seq_len, stride)
     except EvalSettingsError as e:
-        raise click.UsageError(str(e)) from None
-    result = run_evaluation(
+        raise CommandError(str(e)) from None
+    key = cache_key("wikitext103", model, data, {"seq_len": seq_len, "stride": stride})
+    result = reused_result(key, json_out, force) or run_evaluation(
         "wikitext103",
         evaluate_wikitext,
         model,
@@ -213,7 +279,7 @@ def wikitext103_command(data, seq_len, stride, batch_size, json_out, no_progress
         ("perplexity", f"{result['ppl']:.3f}"),
         ("adjusted perplexity", f"{result['adjusted_ppl']:.3f}"),
     ]
-    report(f"WikiText103  {data}", rows, result, json_out)
+    report(f"WikiText103  {data}", rows, result, json_out, key)
 
 
 @main.command("lambada")
@@ -232,14 +298,15 @@ def wikitext103_command(data, seq_len, stride, batch_size, json_out, no_progress
     "no-strict: only the passage's last token.",
 )
 @run_options
-def lambada_command(data, strict, batch_size, json_out, no_progress, **model):
+def lambada_command(data, strict, batch_size, json_out, no_progress, force, **model):
     """LAMBADA cloze accuracy: the last word of each passage predicted under
     teacher forcing."""
     from megaeval.lambada import evaluate_lambada, read_lambada
 
     check_model_flags(model)
     check_data(read_lambada, data)
-    result = run_evaluation(
+    key = cache_key("lambada", model, data, {"strict": strict})
+    result = reused_result(key, json_out, force) or run_evaluation(
         "lambada",
         evaluate_lambada,
         model,
@@ -255,7 +322,7 @@ def lambada_command(data, strict, batch_size, json_out, no_progress, **model):
         ("target tokens", str(result["target_tokens"])),
         ("target perplexity", f"{result['target_ppl']:.3f}"),
     ]
-    report(f"LAMBADA  {data}", rows, result, json_out)
+    report(f"LAMBADA  {data}", rows, result, json_out, key)
 
 
 FINETUNE_DATA = {  # what --data must hold, per task
@@ -330,21 +397,21 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
     if settings["eval_only"]:
         missing = [f for f in missing if not f.startswith("train")]
     if missing:
-        raise click.UsageError(f"--data {data}: no {', '.join(missing)} (the {task} files)")
+        raise CommandError(f"--data {data}: no {', '.join(missing)} (the {task} files)")
     try:
         directory = find_checkpoint(ckpt)
         meta = read_meta(directory)
         require_kind(meta, "bert", f"megaeval finetune {task}", directory)
         load_tokenizer(directory, meta)
     except CheckpointError as e:
-        raise click.UsageError(f"--ckpt: {e}") from None
+        raise CommandError(f"--ckpt: {e}") from None
     out = out or f"runs/finetune-{task}"
     workers = settings["tp"] * settings["pp"] * dp
     try:
         args = (task, ckpt, data, out, Settings(**settings))
         results = launch.run_workers(finetune, args, workers)
     except (launch.LaunchError, ValueError) as e:
-        raise click.ClickException(f"finetune {task}: {e}") from None
+        raise CommandError(str(e), FAILURE) from None
     result = (results[0] or {}).get("metrics") or {}
     rows = [
         (f"{split} {name}", f"{value:.4f}" if isinstance(value, float) else str(value))

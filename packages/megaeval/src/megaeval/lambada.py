@@ -15,10 +15,10 @@ import os
 import sys
 
 import numpy as np
-from tqdm import tqdm
 
 from megaeval.errors import EvalDataError, EvalSettingsError
 from megaeval.scoring import Scorer
+from megatrain.progress import progress_bar
 
 
 def read_lambada(path: str | os.PathLike) -> list[str]:
@@ -108,12 +108,7 @@ def evaluate_lambada(
     correct = 0
     target_tokens = 0
     total_nll = 0.0  # a Python float: a float64 sum
-    bar = tqdm(
-        total=len(examples),
-        desc="lambada",
-        unit="example",
-        disable=not (progress and scorer.is_main),
-    )
+    bar = progress_bar(len(examples), "lambada", "example", enabled=progress and scorer.is_main)
     for first in range(0, len(examples), batch_size):
         batch = examples[first : first + batch_size]
         results = scorer.score([tokens for tokens, _ in batch])

@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from megaeval.errors import EvalDataError, EvalSettingsError
 from megaeval.scoring import Scorer
+from megatrain.progress import progress_bar
 
 
 def read_wikitext(path: str | os.PathLike) -> str:
@@ -162,12 +162,7 @@ def evaluate_wikitext(
 
     total_nll = 0.0  # a Python float: a float64 sum
     scored = 0
-    bar = tqdm(
-        total=len(plan),
-        desc="wikitext103",
-        unit="window",
-        disable=not (progress and scorer.is_main),
-    )
+    bar = progress_bar(len(plan), "wikitext103", "window", enabled=progress and scorer.is_main)
     for first in range(0, len(plan), batch_size):
         batch = plan[first : first + batch_size]
         results = scorer.score([tokens[w.begin : w.end + 1] for w in batch])

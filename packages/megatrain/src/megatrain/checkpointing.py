@@ -38,7 +38,6 @@ leaves the previous checkpoint and `latest` as they were.  Nothing is
 unpickled: DCP reads tensors, RNG files load with `weights_only=True`.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -56,14 +55,20 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from tqdm.auto import tqdm
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
 from megacore.distributed import DistributedDataParallel
+from megatrain.checkpoint_files import (
+    FORMAT_VERSION,
+    LATEST,
+    CheckpointError,
+    find_checkpoint,
+    iteration_dir,
+    read_meta,
+)
+from megatrain.progress import progress_bar
 
-FORMAT_VERSION = 1
-LATEST = "latest"
 # Fields that make two models different: a checkpoint of another shape is refused with them.
 MODEL_FIELDS = (
     "num_layers",
@@ -73,14 +78,6 @@ MODEL_FIELDS = (
     "max_position_embeddings",
 )
 OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here; the message names the file and what differs."""
-
-
-def iteration_dir(ckpt: Path, iteration: int) -> Path:
-    return Path(ckpt) / f"iter_{iteration:07d}"
 
 
 def _module(chunk):
@@ -378,43 +375,6 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
     return final
 
 
-def find_checkpoint(ckpt: str | Path) -> Path:
-    """The iteration directory `latest` names, checked: exists, complete, no file truncated."""
-    ckpt = Path(ckpt)
-    latest = ckpt / LATEST
-    if not latest.is_file():
-        found = sorted(p.name for p in ckpt.glob("iter_*")) if ckpt.is_dir() else []
-        raise CheckpointError(
-            f"{latest} does not exist: {ckpt} is not a megatrain checkpoint directory or no save "
-            "finished" + (f" (iteration directories there: {', '.join(found)})" if found else "")
-        )
-    name = latest.read_text().strip()
-    directory = ckpt / name
-    meta_file = directory / "meta.json"
-    if not meta_file.is_file() and (ckpt / f".old-{name}" / "meta.json").is_file():
-        # Killed between `publish`'s two renames of a re-saved iteration: the old copy stands.
-        with contextlib.suppress(OSError):  # another rank may have moved it back already
-            os.replace(ckpt / f".old-{name}", directory)
-    if not name.startswith("iter_") or not meta_file.is_file():
-        raise CheckpointError(
-            f"{latest} names {name!r}, but {meta_file} does not exist: the checkpoint was moved "
-            "or deleted; point `latest` at an existing iter_* directory"
-        )
-    meta = read_meta(directory)
-    if not isinstance(meta.get("files"), dict):
-        raise CheckpointError(f"{meta_file} has no file list: not written by megatrain's save")
-    for rel, size in meta["files"].items():
-        f = directory / rel
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing (listed in {meta_file})")
-        if f.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint file {f} has {f.stat().st_size} bytes, {size} when saved: "
-                "truncated or overwritten"
-            )
-    return directory
-
-
 def _load_tensors(path: Path) -> dict:
     """A file of tensors only: anything else is refused, never unpickled."""
     try:
@@ -424,20 +384,6 @@ def _load_tensors(path: Path) -> dict:
             f"{path} is not a file of tensors ({type(e).__name__}); refusing to unpickle "
             "anything else. Was it replaced or written by another program?"
         ) from e
-
-
-def read_meta(directory: Path) -> dict:
-    meta_file = directory / "meta.json"
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta_file} cannot be read as JSON: {e}") from e
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_file}: format_version {meta.get('format_version')}, "
-            f"this megatrain reads {FORMAT_VERSION}"
-        )
-    return meta
 
 
 def has_optimizer_state(meta: dict) -> bool:
@@ -468,7 +414,7 @@ def _read_dcp_dir(path: Path, progress: bool) -> dict[str, torch.Tensor]:
     if group:
         groups.append((group, group_bytes))
     total = sum(size for _, size in groups)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {path}", disable=not progress)
+    bar = progress_bar(total, f"reading {path}", "B", enabled=progress, unit_scale=True)
     with bar, warnings.catch_warnings():
         # DCP warns that it runs without a process group: here that is the point.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

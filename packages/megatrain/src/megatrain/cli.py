@@ -9,6 +9,24 @@ import click
 from megatrain import __version__
 from megatrain.config import Config, ConfigError, load_config, validate
 
+# Exit statuses, the same in megatrain, megaeval and megadata: 2 for a usage or input error
+# (a flag, a config, a file or checkpoint that is not what was expected), 1 for a failure
+# while working; 130/143 after SIGINT/SIGTERM (`megatrain run`).
+USAGE_OR_INPUT, FAILURE = 2, 1
+
+
+class CommandError(click.ClickException):
+    """One line on stderr, `megatrain COMMAND: message`, and the exit status of its kind."""
+
+    def __init__(self, message: str, exit_code: int = USAGE_OR_INPUT):
+        super().__init__(message)
+        self.exit_code = exit_code
+        ctx = click.get_current_context(silent=True)
+        self.where = ctx.command_path if ctx else "megatrain"
+
+    def show(self, file=None) -> None:
+        click.echo(f"{self.where}: {self.format_message()}", err=True)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="megatrain")
@@ -45,6 +63,20 @@ def _check_gpus(nproc: int, gpus: int) -> None:
             f"--nproc-per-node {nproc} exceeds the {gpus} GPU(s) of this node: NCCL needs one "
             f"GPU per rank (use more nodes, or CUDA_VISIBLE_DEVICES= to train on the CPU)"
         )
+
+
+def _finished_iteration(config: Config) -> int | None:
+    """The iteration of --load's checkpoint when it has trained all of training.train_iters
+    (known from its meta.json, before any worker or torch starts), else None."""
+    from megatrain.checkpoint_files import CheckpointError, find_checkpoint, read_meta
+
+    if not config.checkpoint.load:
+        return None
+    try:
+        iteration = read_meta(find_checkpoint(config.checkpoint.load))["iteration"]
+    except CheckpointError:
+        return None  # none yet (or a broken one, which loading will name)
+    return iteration if iteration >= config.training.train_iters else None
 
 
 def _check_restartable(config: Config) -> None:
@@ -166,6 +198,14 @@ def run_command(
             raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
         if max_restarts:
             _check_restartable(config)
+        finished = _finished_iteration(config)
+        if finished is not None:
+            click.echo(
+                f"megatrain run: nothing to do: {config.checkpoint.load} already holds iteration "
+                f"{finished} of training.train_iters={config.training.train_iters} (raise "
+                "training.train_iters to train on, or --save/--load elsewhere to start over)"
+            )
+            return
         nproc = nproc_per_node or _default_nproc(config, nnodes)
         validate(config, nproc * nnodes)
         import torch
@@ -175,8 +215,7 @@ def run_command(
             _plan_check(config, nproc * nnodes)
         _check_inputs(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        click.echo(f"megatrain run: {e}", err=True)
-        sys.exit(2)
+        raise CommandError(str(e)) from None
     try:
         launch.launch(
             _worker,
@@ -196,8 +235,7 @@ def run_command(
         gc.freeze()  # exit now, without collecting torch's objects first (seconds on a busy CPU)
         sys.exit(e.exit_code)
     except launch.LaunchError as e:
-        click.echo(f"megatrain run: {e}", err=True)
-        sys.exit(1)
+        raise CommandError(str(e), FAILURE) from None
 
 
 @main.command("generate")
@@ -249,12 +287,12 @@ def generate_command(
         load_tokenizer(directory, meta)
         check_layout(meta, tp, 1, directory)
     except (CheckpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
+        raise CommandError(str(e)) from None
     args = (str(ckpt), tp, list(prompts), dataclasses.asdict(sampling), not no_kv_cache)
     try:
         results = launch.run_workers(generation_worker, args, tp)[0]
     except (launch.LaunchError, ValueError) as e:  # ValueError: one worker, in this process
-        raise click.ClickException(str(e)) from e
+        raise CommandError(str(e), FAILURE) from None
     for r in results:
         click.echo(f"--- prompt: {r['prompt']}")
         click.echo(r["prompt"] + r["text"])
@@ -283,7 +321,7 @@ def export_hf_command(ckpt, out, dtype):
     try:
         export_hf(ckpt, out, dtype)
     except (ValueError, ImportError) as e:
-        raise click.ClickException(str(e)) from e
+        raise CommandError(str(e)) from None
     click.echo(f"megatrain export-hf: wrote {out}")
 
 
@@ -315,7 +353,7 @@ def import_hf_command(hf_dir, out, tokenizer_file):
     try:
         path = import_hf(hf_dir, out, tokenizer_file)
     except ValueError as e:
-        raise click.ClickException(str(e)) from e
+        raise CommandError(str(e)) from None
     click.echo(f"megatrain import-hf: wrote {path}")
 
 
@@ -353,7 +391,7 @@ def convert_command(ckpt, out, dtype, weights_only, tp, pp):
     try:
         path = convert(ckpt, out, dtype, weights_only, tp, pp)
     except ValueError as e:
-        raise click.ClickException(str(e)) from e
+        raise CommandError(str(e)) from None
     click.echo(f"megatrain convert: wrote {path}")
 
 
@@ -379,8 +417,7 @@ def _plan_check(config: Config, world_size: int) -> None:
 
 
 def _plan_error(message: str) -> None:
-    click.echo(f"megatrain plan: {message}", err=True)
-    sys.exit(2)
+    raise CommandError(message)
 
 
 @main.command("plan", short_help="Rank the layouts of a config on a cluster before running it.")

@@ -13,8 +13,12 @@ arbitrary CPU).  `logging.peak_tflops` overrides both.
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from megatrain.progress import duration
+
+if TYPE_CHECKING:  # imported where used: reading a log (demo_summary) needs no torch
+    import torch
 
 # Dense (not sparse) bf16/fp16 tensor-core peak, TFLOP/s, from the vendors' data sheets.
 # First match wins, so the specific names come before the general ones.
@@ -43,6 +47,8 @@ def measured_matmul_tflops(size: int = 2048, warmup: int = 2, repeats: int = 6) 
     The best of several after a warm-up: a first call is often slow (thread pool, page faults)
     and a shared machine adds noise, both of which would inflate the MFU.
     """
+    import torch
+
     a, b = torch.randn(size, size), torch.randn(size, size)
     for _ in range(warmup):
         a @ b
@@ -54,8 +60,10 @@ def measured_matmul_tflops(size: int = 2048, warmup: int = 2, repeats: int = 6) 
     return 2 * size**3 / best / 1e12
 
 
-def device_peak_tflops(device: torch.device, override: float | None = None) -> tuple[float, str]:
+def device_peak_tflops(device: "torch.device", override: float | None = None) -> tuple[float, str]:
     """(peak TFLOP/s of one device, where the number comes from)."""
+    import torch
+
     if override is not None:
         return override, "logging.peak_tflops"
     if device.type == "cuda":
@@ -66,9 +74,10 @@ def device_peak_tflops(device: torch.device, override: float | None = None) -> t
         raise ValueError(
             f"no peak TFLOP/s known for GPU {name!r}; set logging.peak_tflops=<dense bf16 TFLOP/s>"
         )
+    threads = torch.get_num_threads()
     return (
         measured_matmul_tflops(),
-        f"CPU fp32 matmul measured with {torch.get_num_threads()} threads",
+        f"CPU fp32 matmul measured with {threads} thread{'s' if threads > 1 else ''}",
     )
 
 
@@ -98,6 +107,10 @@ def format_line(record: dict) -> str:
     for key, pattern in fmt.items():
         if record.get(key) is not None:
             parts.append(pattern.format(record[key]))
+    if record.get("elapsed_s") is not None:
+        parts.append(f"elapsed {duration(record['elapsed_s'])}")
+    if record.get("eta_s") is not None and record["iteration"] < record["train_iters"]:
+        parts.append(f"ETA {duration(record['eta_s'])}")
     return " | ".join(parts)
 
 

@@ -483,6 +483,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     )
     guard = NonFiniteLossGuard(t.max_nonfinite_losses)
     interval, interval_start = [], time.perf_counter()
+    loop_start, first_iteration = interval_start, run.iteration
     names = STATISTICS[run.kind]
     while run.iteration < t.train_iters:
         step = train_step(run)
@@ -518,6 +519,11 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             record["valid_ppl"] = math.exp(min(valid.get("mlm_loss", valid["loss"]), 700))
             run.history["valid"].append((run.iteration, record["valid_loss"]))
         if record is not None:
+            # Wall time of this run so far, and the rest at its pace (evaluations included).
+            elapsed = time.perf_counter() - loop_start
+            record["elapsed_s"] = elapsed
+            pace = elapsed / (run.iteration - first_iteration)
+            record["eta_s"] = pace * (t.train_iters - run.iteration)
             log.record(record)
         stopping = stop.agreed(run.device)
         if t.exit_interval and run.iteration % t.exit_interval == 0:

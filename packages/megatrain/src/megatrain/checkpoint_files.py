@@ -1,0 +1,72 @@
+"""A checkpoint directory's files, read without torch: which iteration `latest` names, its
+meta.json, and whether every file it lists is whole.  Tools that only need to know what a
+checkpoint holds (is a run finished? are cached results still valid?) ask here, in a
+fraction of a second, before anything imports torch (`megatrain.checkpointing` writes and
+loads the tensors)."""
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; the message names the file and what differs."""
+
+
+def iteration_dir(ckpt: Path, iteration: int) -> Path:
+    return Path(ckpt) / f"iter_{iteration:07d}"
+
+
+def find_checkpoint(ckpt: str | Path) -> Path:
+    """The iteration directory `latest` names, checked: exists, complete, no file truncated."""
+    ckpt = Path(ckpt)
+    latest = ckpt / LATEST
+    if not latest.is_file():
+        found = sorted(p.name for p in ckpt.glob("iter_*")) if ckpt.is_dir() else []
+        raise CheckpointError(
+            f"{latest} does not exist: {ckpt} is not a megatrain checkpoint directory or no save "
+            "finished" + (f" (iteration directories there: {', '.join(found)})" if found else "")
+        )
+    name = latest.read_text().strip()
+    directory = ckpt / name
+    meta_file = directory / "meta.json"
+    if not meta_file.is_file() and (ckpt / f".old-{name}" / "meta.json").is_file():
+        # Killed between `publish`'s two renames of a re-saved iteration: the old copy stands.
+        with contextlib.suppress(OSError):  # another rank may have moved it back already
+            os.replace(ckpt / f".old-{name}", directory)
+    if not name.startswith("iter_") or not meta_file.is_file():
+        raise CheckpointError(
+            f"{latest} names {name!r}, but {meta_file} does not exist: the checkpoint was moved "
+            "or deleted; point `latest` at an existing iter_* directory"
+        )
+    meta = read_meta(directory)
+    if not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{meta_file} has no file list: not written by megatrain's save")
+    for rel, size in meta["files"].items():
+        f = directory / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing (listed in {meta_file})")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint file {f} has {f.stat().st_size} bytes, {size} when saved: "
+                "truncated or overwritten"
+            )
+    return directory
+
+
+def read_meta(directory: Path) -> dict:
+    meta_file = directory / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_file} cannot be read as JSON: {e}") from e
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_file}: format_version {meta.get('format_version')}, "
+            f"this megatrain reads {FORMAT_VERSION}"
+        )
+    return meta
