@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import sys
 import types
 
@@ -229,3 +230,22 @@ def test_a_ckpt_evaluation_is_reused_until_checkpoint_data_or_settings_change(
     assert len(calls) == 5
     run("--no-strict")
     assert len(calls) == 5
+
+
+def test_an_eval_file_that_vanishes_after_the_check_is_named(tiny_gpt2, tmp_path, monkeypatch):
+    """The file passes the up-front check, then disappears before the model reads it (deleted,
+    an unmounted share): one line naming it, exit status 2, no traceback."""
+    from megaeval import cli
+
+    data = write_lambada(tmp_path / "lambada.jsonl")
+    checked = cli.check_data
+
+    def check_then_vanish(read, path):
+        checked(read, path)
+        os.remove(path)
+
+    monkeypatch.setattr(cli, "check_data", check_then_vanish)
+    args = ["lambada", "--hf", str(tiny_gpt2), "--data", str(data), "--no-progress"]
+    result = CliRunner().invoke(main, args, prog_name="megaeval")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"megaeval lambada: {data}: no such file"  # nothing drawn

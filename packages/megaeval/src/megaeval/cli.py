@@ -194,6 +194,10 @@ def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not kwargs.get("progress", True):  # --no-progress: transformers' bars too
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         scorer = HFScorer(hf, device=device, dtype=model["dtype"] or "float32")
         return evaluate(scorer, **kwargs)
     except EvalSettingsError as e:

@@ -322,57 +322,82 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
     ckpt = Path(ckpt)
     final = iteration_dir(ckpt, run.iteration)
     tmp = ckpt / f".tmp-{final.name}"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    # Under overlap_param_gather the last step's all-gathers may still be filling the weights.
-    run.optimizer.finish_param_sync()
-    mesh = _tp_mesh(run.device)
-    params = named_params(run.chunks)
-    weights = {n: _global(_own_storage(p.detach()), p, mesh) for n, p in params.items()}
-    dcp.save(weights, checkpoint_id=tmp / "model")
-    dcp.save(_optimizer_pieces(run, params, mesh), checkpoint_id=tmp / "optimizer")
-    torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        corpus_tokenizer = Path(run.config.data.corpus) / "tokenizer.json"
-        if corpus_tokenizer.is_file():
-            shutil.copyfile(corpus_tokenizer, tmp / "tokenizer.json")
-        files = file_sizes(tmp)
-        rng_files = [f for f in files if f.startswith("rng/")]
-        if len(rng_files) != dist.get_world_size():
-            raise RuntimeError(
-                f"checkpoint {tmp}: {len(rng_files)} RNG files for {dist.get_world_size()} ranks"
-            )
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "iteration": run.iteration,
-            "model": {k: getattr(run.model_config, k) for k in MODEL_FIELDS},
-            "padded_vocab_size": run.model_config.vocab_size,
-            "vocab_size": run.train_data.corpus.vocab_size,
-            "tokenizer": run.train_data.corpus.manifest.get("tokenizer"),
-            "layout": layout_of(run),
-            "config": run.config.to_dict(),
-            "data": run.train_data.state_dict(),
-            "optimizer": {
-                "adam_step": run.optimizer.adam_step(),
-                "grad_scaler": (
-                    {k: float(v) for k, v in run.optimizer.grad_scaler.state_dict().items()}
-                    if run.optimizer.grad_scaler
-                    else None
-                ),
-                "num_skipped_steps": run.optimizer.num_skipped_steps,
-            },
-            "files": files,
-        }
-        publish(tmp, final, meta)
-        if keep > 0:
-            for old in sorted(ckpt.glob("iter_*"))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+    try:
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier()
+        # Under overlap_param_gather the last step's all-gathers may still be filling the weights.
+        run.optimizer.finish_param_sync()
+        mesh = _tp_mesh(run.device)
+        params = named_params(run.chunks)
+        weights = {n: _global(_own_storage(p.detach()), p, mesh) for n, p in params.items()}
+        dcp.save(weights, checkpoint_id=tmp / "model")
+        dcp.save(_optimizer_pieces(run, params, mesh), checkpoint_id=tmp / "optimizer")
+        torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
+        dist.barrier()
+        if rank == 0:
+            corpus_tokenizer = Path(run.config.data.corpus) / "tokenizer.json"
+            if corpus_tokenizer.is_file():
+                shutil.copyfile(corpus_tokenizer, tmp / "tokenizer.json")
+            files = file_sizes(tmp)
+            rng_files = [f for f in files if f.startswith("rng/")]
+            if len(rng_files) != dist.get_world_size():
+                raise RuntimeError(
+                    f"checkpoint {tmp}: {len(rng_files)} RNG files for "
+                    f"{dist.get_world_size()} ranks"
+                )
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "iteration": run.iteration,
+                "model": {k: getattr(run.model_config, k) for k in MODEL_FIELDS},
+                "padded_vocab_size": run.model_config.vocab_size,
+                "vocab_size": run.train_data.corpus.vocab_size,
+                "tokenizer": run.train_data.corpus.manifest.get("tokenizer"),
+                "layout": layout_of(run),
+                "config": run.config.to_dict(),
+                "data": run.train_data.state_dict(),
+                "optimizer": {
+                    "adam_step": run.optimizer.adam_step(),
+                    "grad_scaler": (
+                        {k: float(v) for k, v in run.optimizer.grad_scaler.state_dict().items()}
+                        if run.optimizer.grad_scaler
+                        else None
+                    ),
+                    "num_skipped_steps": run.optimizer.num_skipped_steps,
+                },
+                "files": files,
+            }
+            publish(tmp, final, meta)
+            if keep > 0:
+                for old in sorted(ckpt.glob("iter_*"))[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    except (OSError, dcp.api.CheckpointException) as e:
+        # A full disk, a quota, a read-only or vanished directory: `latest` still names the
+        # last complete checkpoint (it moves only in `publish`, after every file is written).
+        raise CheckpointError(
+            f"saving iteration {run.iteration} to {tmp} failed: {_root_cause(e)}; the last "
+            f"complete checkpoint in {ckpt} is untouched (free space or fix the directory, "
+            "then resume from it)"
+        ) from e
     dist.barrier()
     return final
+
+
+def _root_cause(e: BaseException) -> str:
+    """The OS error under torch.distributed.checkpoint's wrapping, else the error itself."""
+    failures = getattr(e, "failures", None) or {}
+    for failure in failures.values():  # rank -> (exception, its stack)
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            e = inner
+            break
+    while e.__cause__ is not None and not isinstance(e, OSError):
+        e = e.__cause__
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+    return str(e).splitlines()[0]
 
 
 def _load_tensors(path: Path) -> dict:

@@ -98,6 +98,22 @@ def _check_inputs(config: Config) -> None:
     load, save = config.checkpoint.load, config.checkpoint.save
     if load and not (load == save and not os.path.exists(os.path.join(load, "latest"))):
         checkpointing.find_checkpoint(load)
+    if save:
+        _check_writable(save, "checkpoint.save (--save)")
+    _check_writable(config.training.output_dir, "training.output_dir")
+
+
+def _check_writable(directory: str, what: str) -> None:
+    """Write (and remove) a file there now, rather than lose the first interval's work at the
+    first save: a read-only filesystem, a full disk or missing permissions show here."""
+    import tempfile
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {directory}: cannot write there ({e.strerror or e})") from None
 
 
 def _worker(config_dict: dict):
@@ -214,6 +230,7 @@ def run_command(
         if not no_plan_check:
             _plan_check(config, nproc * nnodes)
         _check_inputs(config)
+        config.data.verify_sha256 = False  # the shards were verified just now, for every worker
     except (ConfigError, ValueError, FileNotFoundError) as e:
         raise CommandError(str(e)) from None
     try:

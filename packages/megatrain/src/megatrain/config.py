@@ -119,7 +119,10 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     corpus: str = "data/corpus/default"
-    verify_sha256: bool = False
+    # Check every shard against its manifest sha256 before training (once per run: in
+    # `megatrain run` before the workers start, or on each node's local rank 0 under
+    # torchrun/Slurm), so a corrupted or half-copied shard stops the run at the start.
+    verify_sha256: bool = True
     # Pin the tokenizer: the corpus manifest's tokenizer sha256 must equal it.
     tokenizer_sha256: str | None = None
     # BERT samples: the fraction of tokens predicted, the longest whole-word n-gram masked,

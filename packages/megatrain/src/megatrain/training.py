@@ -115,15 +115,16 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
 TOKENIZER_KINDS = {"gpt": "gpt2-bpe", "bert": "bert-wordpiece"}
 
 
-def open_corpus(config: Config, split: str) -> "data_lib.Corpus":
-    """The corpus split of a run, refused when its tokenizer or vocabulary is not the model's."""
+def open_corpus(config: Config, split: str, verify: bool | None = None) -> "data_lib.Corpus":
+    """The corpus split of a run, refused when its tokenizer or vocabulary is not the model's
+    (and, when `verify` (default: data.verify_sha256), a shard whose sha256 differs)."""
     return data_lib.open_corpus(
         config.data.corpus,
         split,
         vocab_size=config.model.vocab_size or None,
         tokenizer_kind=TOKENIZER_KINDS[config.model.kind],
         tokenizer_sha256=config.data.tokenizer_sha256,
-        verify_sha256=config.data.verify_sha256,
+        verify_sha256=config.data.verify_sha256 if verify is None else verify,
     )
 
 
@@ -232,8 +233,11 @@ def build_run(config: Config, device: torch.device) -> Run:
         vpp if vpp and vpp > 1 else None,
         timeout=datetime.timedelta(seconds=p.collective_timeout),
     )
-    train_corpus = open_corpus(config, "train")
-    valid_corpus = open_corpus(config, "valid")
+    # Shards verified once per node (`megatrain run` itself verifies before its workers start
+    # and hands them a config that says so).
+    verify = config.data.verify_sha256 and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    train_corpus = open_corpus(config, "train", verify)
+    valid_corpus = open_corpus(config, "valid", verify)
     transformer = model_config(config, train_corpus.vocab_size)
     dtype = PRECISION_DTYPES[t.precision]
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
