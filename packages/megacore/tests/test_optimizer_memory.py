@@ -1,4 +1,4 @@
-"""Bytes of parameters, gradients and optimizer state per model parameter: seed 002's table.
+"""Bytes of parameters, gradients and optimizer state per model parameter, by the table:
 
 | model params, grads  | plain optimizer | distributed optimizer |
 | fp16, fp16           | 20              | 4 + 16/d              |
@@ -94,7 +94,7 @@ def _measure():
     return out
 
 
-def test_bytes_per_parameter_match_seed_002_table():
+def test_bytes_per_parameter_match_the_optimizer_table():
     for rank, out in enumerate(run_distributed(_measure, world_size=4, timeout=300)):
         for (dtype, fp32_grads), (plain, (const, per_d)) in CASES.items():
             for d in (1, 2, 4):

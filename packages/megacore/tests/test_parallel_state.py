@@ -1,4 +1,4 @@
-"""Process-group layout: seed 004's 16-rank example group for group, every other layout by rule."""
+"""Process-group layout: Megatron-LM's 16-rank example group for group, others by rule."""
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ import torch.distributed as dist
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
 
-# Seed 004 (tp 2, pp 4, 16 ranks), as the walkthrough prints it.
-SEED_004 = {
+# Megatron-LM's example layout (tp 2, pp 4, 16 ranks), group for group.
+EXAMPLE_16_RANKS = {
     "tensor": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
     "pipeline": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
     "data": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
@@ -17,9 +17,9 @@ SEED_004 = {
 }
 
 
-def test_seed_004_layout():
+def test_megatron_16_rank_example_layout():
     groups = ps.parallel_groups(16, 2, 4)
-    for kind, expected in SEED_004.items():
+    for kind, expected in EXAMPLE_16_RANKS.items():
         assert getattr(groups, kind) == expected, kind
 
 
@@ -149,7 +149,7 @@ def _check_groups_on_16_ranks():
 
 
 def _group_of(kind, rank):
-    return next(g for g in SEED_004[kind] if rank in g)
+    return next(g for g in EXAMPLE_16_RANKS[kind] if rank in g)
 
 
 def test_groups_on_16_gloo_ranks():

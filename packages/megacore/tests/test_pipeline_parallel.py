@@ -321,7 +321,7 @@ def test_schedule_tables_meet_nccl_rules(forward_only):
 
 
 def test_layer_assignment():
-    # Seed 003: 16 layers, pp 4, vpp 2: rank 0 holds layers 1-2 and 9-10 (from one).
+    # Megatron-LM's interleaving example: 16 layers, pp 4, vpp 2: rank 0 holds 1-2 and 9-10.
     table = [[pipe.layers_for(16, r, 4, 2, c) for c in range(2)] for r in range(4)]
     assert table[0] == [[0, 1], [8, 9]]
     assert table == [[[2 * r, 2 * r + 1], [8 + 2 * r, 9 + 2 * r]] for r in range(4)]

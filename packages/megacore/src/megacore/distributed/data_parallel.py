@@ -11,7 +11,7 @@ reduced over the data-parallel group as soon as all its gradients are in
 (`overlap_grad_reduce=True`), or all buckets at `finish_grad_sync()`.
 Gradients are averaged: each rank scales by 1/dp before the sum.
 
-With `use_distributed_optimizer=True` (seed 002, ZeRO-1) every bucket is padded
+With `use_distributed_optimizer=True` (ZeRO-1) every bucket is padded
 to a multiple of dp and split into dp equal contiguous shards; the reduction
 is a reduce-scatter, after which rank r holds the summed gradients of its shard
 only.  The parameters then live in a param buffer laid out like the gradients,
@@ -69,7 +69,7 @@ class GradBuffer:
 
 @dataclass(frozen=True, eq=False)
 class ShardRange:
-    """Where a piece of a parameter sits in this data-parallel rank's shard (seed 002's ranges).
+    """Where a piece of a parameter sits in this data-parallel rank's shard (its ranges).
 
     `world`: [start, end) in the buffer; `local`: in this rank's shard of the bucket;
     `param`: in the flattened parameter.

@@ -25,7 +25,7 @@ per tensor and per reduction); `overlap_param_gather` on the
 `DistributedDataParallel` chunks leaves the all-gather running after `step()`
 until the next forward needs each bucket.
 
-So memory per parameter is seed 002's table: fp16 params and grads 20 bytes
+So memory per parameter is the optimizer's bytes-per-parameter table: fp16 params and grads 20 bytes
 (4 + 16/d sharded), fp16 params with fp32 grads 18 (6 + 12/d), fp32 16 (8 + 8/d).
 """
 

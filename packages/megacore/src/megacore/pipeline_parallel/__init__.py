@@ -1,4 +1,4 @@
-"""Pipeline-model parallelism (seed 003): p2p, schedules, layer assignment, tied embeddings."""
+"""Pipeline-model parallelism: p2p, schedules, layer assignment, tied embeddings."""
 
 from megacore.pipeline_parallel.layer_assignment import layers_for, stage_layer_counts
 from megacore.pipeline_parallel.schedules import (

@@ -1,4 +1,4 @@
-"""Which transformer layers each pipeline stage and virtual chunk builds (seed 003).
+"""Which transformer layers each pipeline stage and virtual chunk builds.
 
 Layers go to virtual stages in order; virtual stage c * pp + r is chunk c of
 pipeline rank r.  With 16 layers, pp=4 and vpp=2 each chunk has 2 layers and

@@ -1,4 +1,4 @@
-"""Pipeline schedules behind one entry point, `get_forward_backward_func()` (seed 003).
+"""Pipeline schedules behind one entry point, `get_forward_backward_func()`.
 
 Each schedule is a table per rank, made by a plain function
 (`schedule_no_pipelining`, `schedule_1f1b`, `schedule_interleaved`) and run by
