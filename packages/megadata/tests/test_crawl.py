@@ -594,4 +594,4 @@ def test_cli_bad_input_is_named(tmp_path):
     result = runner.invoke(
         main, ["crawl", str(empty), "--out", out, "--blacklist-extensions", str(bad)]
     )
-    assert result.exit_code == 1 and "ext.txt:1: expected a file extension" in result.output
+    assert result.exit_code == 2 and "ext.txt:1: expected a file extension" in result.output

@@ -57,7 +57,8 @@ def reference(tmp_path_factory, inputs):
 
 
 def corpus_files(corpus: Path) -> dict[str, str]:
-    """sha256 of every file of the corpus directory (manifest.json less its timings)."""
+    """sha256 of every file of the corpus directory (manifest.json less its timings and
+    memory)."""
     files = {}
     for path in sorted(corpus.rglob("*")):
         rel = path.relative_to(corpus)
@@ -65,9 +66,11 @@ def corpus_files(corpus: Path) -> dict[str, str]:
             continue
         if rel == Path("manifest.json"):
             manifest = json.loads(path.read_text())
+            manifest.pop("cluster_start")  # measurements, like the stages' below
             for stage in manifest["stages"]:
                 stage.pop("seconds")
                 stage.pop("cpu_seconds")
+                stage.pop("peak_rss_mb")
             files[str(rel)] = manifest
         else:
             files[str(rel)] = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -272,7 +275,9 @@ def test_unreachable_scheduler_is_named_quickly(tmp_path, monkeypatch, inputs):
     assert time.perf_counter() - start < 5
     recipe = write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus")
     args = ["run", "--recipe", str(recipe), "--no-progress", "--scheduler", address]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 1
-    assert f"Error: --scheduler {address}: no Dask scheduler answered within 1 s" in result.output
+    result = CliRunner().invoke(main, args, prog_name="megadata")
+    assert result.exit_code == 2
+    assert f"megadata run: --scheduler {address}: no Dask scheduler answered within 1 s" in (
+        result.output
+    )
     assert "Traceback" not in result.output

@@ -215,7 +215,9 @@ def _write_recipe(root: Path, inputs: dict, documents: list[dict], output: Path)
     (root / "eval" / "unrelated.txt").write_text("\n\n".join(unrelated[1:]))
     (root / "eval" / "empty.jsonl").write_text("")
     path = write_recipe(root / "r.toml", inputs, output, holdout={"every": 3, "sources": ["notes"]})
-    path.write_text(path.read_text() + _decontaminate_section(EVAL_SETS))
+    # The reusable training filter too, in 3 shards built by their own tasks.
+    section = _decontaminate_section(EVAL_SETS, train_bloom=True, bloom_shards=3)
+    path.write_text(path.read_text() + section)
     return path
 
 
@@ -286,14 +288,19 @@ def test_overlap_of_copied_unrelated_empty_and_heldout_sets(built):
     # other (doctest.testfile shares half its text with testmod): low, not zero.
     for name in ("heldout-wiki", "heldout-lambada"):
         assert sets[name]["ngrams"] > 100 and sets[name]["overlap_percent"] < 25.0, sets[name]
-    bloom = BloomFilter.load(recipe.output / "reports" / "train_8grams.bloom")
-    assert bloom.added == report["train"]["added"] and bloom.meta == {"ngram": 8}
-    # Every count is the exact one, give or take the filter's false positives (rate 1e-3).
+    bloom_dir = recipe.output / "reports" / "train_8grams"
+    shards = [BloomFilter.load(p) for p in sorted(bloom_dir.glob("*.bloom"))]
+    assert [(b.meta["shard"], b.meta["shards"], b.meta["ngram"]) for b in shards] == [
+        (k, 3, 8) for k in range(3)
+    ]
+    assert report["train"]["shards"] == 3 and report["train"]["bloom"] == "train_8grams/"
+    assert sum(b.added for b in shards) == report["train"]["added"]
+    # The exact counts are the exact ones; the filter's exceed them by its false positives.
     train = set()
     for part in (recipe.work / "decontaminate").glob("*.arrow"):
         for doc in read_docs(part):
             train |= word_ngrams(doc["text"])
-    assert bloom.added >= len(train) > 1000  # per-document distinct 8-grams, summed
+    assert report["train"]["added"] >= len(train) > 1000  # per-document distinct, summed
     for s in report["eval_sets"]:
         if s["overlap_percent"] is None:
             continue
@@ -301,7 +308,67 @@ def test_overlap_of_copied_unrelated_empty_and_heldout_sets(built):
         units, _ = read_eval_set(s["kind"], path if s["path"][0] == "@" else root / s["path"])
         grams = {g for u in units for g in word_ngrams(u["text"])}
         exact = len(grams & train)
-        assert len(grams) == s["ngrams"] and exact <= s["found"] <= exact + 3, s
+        assert len(grams) == s["ngrams"] and s["found"] == exact, s
+        assert exact <= s["bloom_found"] <= exact + 3, s
+
+
+def test_exact_overlap_and_the_bloom_filter_agree_within_its_rate(tmp_path, documents):
+    """The per-partition exact path against a Bloom filter of the same training text, on
+    evaluation sets that share from none to all of their 8-grams with it."""
+    from megadata.documents import write_docs
+    from megadata.stages import decontaminate
+
+    texts = [d["text"] for d in documents]
+    train, rest = texts[: len(texts) // 2], texts[len(texts) // 2 :]
+    for i in range(4):
+        write_docs(tmp_path / f"p{i}.arrow", [
+            {"doc_id": f"{i}/{j}", "title": "", "text": t} for j, t in enumerate(train[i::4])
+        ])  # fmt: skip
+    (tmp_path / "half.txt").write_text("\n\n".join(train[::2] + rest[::2]))
+    (tmp_path / "none.txt").write_text("\n\n".join(rest[1::2]))
+    sets = [
+        {"name": n, "kind": "text", "path": str(tmp_path / f"{n}.txt"), "as_given": n}
+        for n in ("half", "none")
+    ]
+    cfg = decontaminate.settings({"bloom_shards": 2, "train_bloom": True, "fpr": 0.01})
+    prep = tmp_path / "prep"
+    decontaminate.prepare_eval_sets(sets, str(prep), cfg)
+    removal, found, digests = {"docs_in": 0, "docs_out": 0, "bytes_in": 0, "bytes_out": 0}, [], []
+    for i in range(4):
+        counts = decontaminate.remove_partition(
+            str(tmp_path / f"p{i}.arrow"), str(tmp_path / f"out{i}.arrow"), str(prep), cfg,
+            str(tmp_path / f"found{i}.arrow"), str(tmp_path / f"digests{i}.arrow"),
+        )  # fmt: skip
+        for key in removal:
+            removal[key] += counts[key]
+        found.append(str(tmp_path / f"found{i}.arrow"))
+        digests.append(str(tmp_path / f"digests{i}.arrow"))
+    removal["extra"] = {"train_ngrams": 0}
+    bloom_dir = tmp_path / "reports" / "train_8grams"
+    for k in range(2):
+        decontaminate.build_bloom_shard(digests, k, str(bloom_dir), cfg)
+    parts = [str(tmp_path / f"out{i}.arrow") for i in range(4)]
+    decontaminate.write_report(
+        parts, str(prep), str(tmp_path / "reports"), cfg, removal, found, str(bloom_dir)
+    )
+    report = json.loads((tmp_path / "reports" / "decontamination.json").read_text())
+    grams = set().union(*(word_ngrams(t) for t in train))
+    one = BloomFilter(sum(len(word_ngrams(t)) for t in train), fpr=0.01)
+    one.add_many(g for t in train for g in word_ngrams(t))
+    rows = {r["name"]: r for r in report["eval_sets"]}
+    for name in ("half", "none"):
+        units = [{"text": (tmp_path / f"{name}.txt").read_text()}]  # a text set: one unit
+        exact = len(word_ngrams(units[0]["text"]) & grams)
+        single = set_overlap(one, units, 8)
+        row = rows[name]
+        assert row["found"] == exact and row["ngrams"] == single["ngrams"]
+        slack = 3 * 0.01 * (row["ngrams"] - exact) + 3  # the filters' false positives
+        assert (
+            exact <= row["bloom_found"] <= exact + slack
+            and exact <= single["found"] <= exact + slack
+        )
+    # Docstrings of one module repeat each other: "none" shares a little, "half" a lot.
+    assert rows["half"]["overlap_percent"] > 30 > 3 * rows["none"]["overlap_percent"]
 
 
 def test_held_out_docs_left_the_shards_and_the_eval_files_have_the_format(built):
@@ -338,7 +405,8 @@ def test_held_out_docs_left_the_shards_and_the_eval_files_have_the_format(built)
 
 
 def _bytes(corpus: Path) -> dict[str, str]:
-    files = [*corpus.glob("*/shard-*.arrow"), *corpus.glob("eval/*"), *corpus.glob("reports/*")]
+    files = [*corpus.glob("*/shard-*.arrow"), *corpus.glob("eval/*"), *corpus.glob("reports/**/*")]
+    files = [p for p in files if p.is_file()]
     return {
         str(p.relative_to(corpus)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(files)
@@ -352,12 +420,20 @@ def test_a_rerun_with_two_workers_gives_the_same_bytes(tmp_path, built, inputs, 
     other = load_recipe(path.rename(root / "r2.toml"))
     run_recipe(other, workers=2, progress=False)
     assert _bytes(other.output) == _bytes(recipe.output)
+    # The cluster's start-up is a row of its own in the manifest (no cluster for one worker).
+    start = json.loads((other.output / "manifest.json").read_text())["cluster_start"]
+    assert (
+        start["stage"] == "cluster start"
+        and start["seconds"] > 0
+        and start["extra"]["workers"] == 2
+    )
+    assert json.loads((recipe.output / "manifest.json").read_text())["cluster_start"] is None
     assert "reports/decontamination.json" in _bytes(recipe.output)
 
 
 def test_overlap_command_measures_a_file_against_the_saved_filter(tmp_path, built):
     recipe, _ = built
-    root, bloom = recipe.path.parent, recipe.output / "reports" / "train_8grams.bloom"
+    root, bloom = recipe.path.parent, recipe.output / "reports" / "train_8grams"
     out = tmp_path / "overlap.json"
     result = CliRunner().invoke(
         main,
@@ -369,13 +445,20 @@ def test_overlap_command_measures_a_file_against_the_saved_filter(tmp_path, buil
     rows = json.loads(out.read_text())["eval_sets"]
     report = json.loads((recipe.output / "reports" / "decontamination.json").read_text())
     copied = next(s for s in report["eval_sets"] if s["name"] == "copied")
-    assert (rows[0]["ngrams"], rows[0]["found"]) == (copied["ngrams"], copied["found"])
+    assert (rows[0]["ngrams"], rows[0]["found"]) == (copied["ngrams"], copied["bloom_found"])
     bad = CliRunner().invoke(main, ["overlap", "--bloom", str(bloom), "--eval", "wiki:x"])
     assert bad.exit_code == 2 and "expected KIND:PATH" in bad.output
     short = tmp_path / "short.bloom"
-    short.write_bytes(bloom.read_bytes()[:-1])
+    short.write_bytes(next(bloom.glob("*.bloom")).read_bytes()[:-1])
     bad = CliRunner().invoke(main, ["overlap", "--bloom", str(short), "--eval", "text:x"])
-    assert bad.exit_code == 1 and "short.bloom: truncated" in bad.output
+    assert bad.exit_code == 2 and "short.bloom: truncated" in bad.output
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in sorted(bloom.glob("*.bloom"))[:2]:
+        (partial / f.name).write_bytes(f.read_bytes())
+    text = root / "eval" / "copied.txt"
+    bad = CliRunner().invoke(main, ["overlap", "--bloom", str(partial), "--eval", f"text:{text}"])
+    assert bad.exit_code == 2 and "lacks ['shard-00002-of-00003.bloom']" in bad.output
 
 
 def test_a_missing_eval_file_names_the_recipe_field(tmp_path, inputs):

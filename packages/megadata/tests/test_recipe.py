@@ -153,13 +153,13 @@ def test_output_of_another_recipe_is_refused(tmp_path, built, inputs):
     with pytest.raises(RecipeError, match=r"holds a corpus of another recipe \('test'"):
         run_recipe(load_recipe(other), workers=1, progress=False)
     result = CliRunner().invoke(main, ["run", "--recipe", str(other), "--no-progress"])
-    assert result.exit_code == 1 and "holds a corpus of another recipe" in result.output
+    assert result.exit_code == 2 and "holds a corpus of another recipe" in result.output
 
 
 def test_stage_needs_its_input_stage(tmp_path, inputs):
     recipe = write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus")
     result = CliRunner().invoke(main, ["dedup", "--recipe", str(recipe), "--no-progress"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "stage 'filter' of" in result.output and "run `megadata filter` first" in result.output
     result = CliRunner().invoke(main, ["ingest", "--recipe", str(recipe), "--no-progress"])
     assert result.exit_code == 0 and "ingest" in result.output
@@ -176,7 +176,7 @@ def test_tokenizer_that_does_not_match_the_recipe(tmp_path, built, inputs):
     result = CliRunner().invoke(
         main, ["run", "--recipe", str(bad), "--no-progress", "--workers", "1"]
     )
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "tokens but the recipe says tokenizer.vocab_size = 50257" in result.output
 
 

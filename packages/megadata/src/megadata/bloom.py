@@ -66,11 +66,14 @@ class BloomFilter:
         self._key = int(seed).to_bytes(8, "little")
         self._steps = np.arange(self.k, dtype=np.uint64)
 
-    def _positions(self, items: list[bytes]) -> np.ndarray:
-        """(len(items), k) bit positions."""
+    def digests(self, items: list[bytes]) -> np.ndarray:
+        """(len(items), 2) uint64: h1, h2 of each item's keyed blake2b digest."""
         key = self._key
-        digests = b"".join(hashlib.blake2b(x, digest_size=16, key=key).digest() for x in items)
-        h = np.frombuffer(digests, dtype="<u8").reshape(-1, 2)
+        data = b"".join(hashlib.blake2b(x, digest_size=16, key=key).digest() for x in items)
+        return np.frombuffer(data, dtype="<u8").reshape(-1, 2).astype(np.uint64)
+
+    def _positions(self, h: np.ndarray) -> np.ndarray:
+        """(len(h), k) bit positions of items whose digests are `h`."""
         h1, h2 = h[:, :1], h[:, 1:] | np.uint64(1)  # odd h2: the k positions never coincide
         return (h1 + self._steps * h2) % np.uint64(self.m)  # uint64 wraps like the spec says
 
@@ -79,29 +82,37 @@ class BloomFilter:
         for item in items:
             batch.append(_as_bytes(item))
             if len(batch) == _BATCH:
-                yield batch
+                yield self.digests(batch)
                 batch = []
         if batch:
-            yield batch
+            yield self.digests(batch)
 
     def add_many(self, items: Iterable[str | bytes]) -> None:
-        for batch in self._batches(items):
-            pos = self._positions(batch).ravel()
+        for h in self._batches(items):
+            self.add_digests(h)
+
+    def add_digests(self, h: np.ndarray) -> None:
+        """Add the items whose `digests` are `h` (computed elsewhere, by the same seed)."""
+        for start in range(0, len(h), _BATCH):
+            pos = self._positions(h[start : start + _BATCH]).ravel()
             masks = np.left_shift(np.uint8(1), (pos & np.uint64(7)).astype(np.uint8))
             np.bitwise_or.at(self.bits, pos >> np.uint64(3), masks)
-            self.added += len(batch)
+        self.added += len(h)
 
     def add(self, item: str | bytes) -> None:
         self.add_many([item])
 
     def contains_many(self, items: Iterable[str | bytes]) -> np.ndarray:
         """A bool per item: False means certainly absent, True present or a false positive."""
-        found = [np.zeros(0, dtype=bool)]
-        for batch in self._batches(items):
-            pos = self._positions(batch)
-            bit = (self.bits[pos >> np.uint64(3)] >> (pos & np.uint64(7)).astype(np.uint8)) & 1
-            found.append(bit.all(axis=1))
+        found = [np.zeros(0, dtype=bool)] + [self.contains_digests(h) for h in self._batches(items)]
         return np.concatenate(found)
+
+    def contains_digests(self, h: np.ndarray) -> np.ndarray:
+        if not len(h):
+            return np.zeros(0, dtype=bool)
+        pos = self._positions(h)
+        bit = (self.bits[pos >> np.uint64(3)] >> (pos & np.uint64(7)).astype(np.uint8)) & 1
+        return bit.all(axis=1)
 
     def __contains__(self, item: str | bytes) -> bool:
         return bool(self.contains_many([item])[0])
@@ -158,3 +169,63 @@ class BloomFilter:
         bloom.bits = np.frombuffer(data, dtype=np.uint8)  # writable: it is a bytearray
         bloom.added = head["added"]
         return bloom
+
+
+# ---------------------------------------------------------------- sharded filters
+#
+# A filter too large for one process is kept as `shards` filters, one file each: an item
+# belongs to shard ((h1 >> 32) * shards) >> 32 of its digest, so each shard is built from
+# its own items alone (by its own task) and sized for them, and a query loads one shard
+# at a time.  The shard is chosen by h1's top 32 bits; the positions inside a shard come
+# from h1 and h2 mod m, so items of one shard are still spread over all of its bits.  A
+# single filter file is the case shards = 1.
+
+SHARD_FILE = "shard-{shard:05d}-of-{shards:05d}.bloom"
+
+
+def shard_of(h: np.ndarray, shards: int) -> np.ndarray:
+    return ((h[:, 0] >> np.uint64(32)) * np.uint64(shards)) >> np.uint64(32)
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The files of a filter: `path` itself, or the shard files of the directory `path`
+    (all of them, or an error naming what is missing)."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    files = sorted(path.glob("shard-*-of-*.bloom"))
+    if not files:
+        raise BloomFileError(f"{path}: no Bloom filter shard files (shard-*-of-*.bloom) in it")
+    shards = int(files[0].stem.rsplit("-of-", 1)[1])
+    want = [path / SHARD_FILE.format(shard=k, shards=shards) for k in range(shards)]
+    missing = [p.name for p in want if not p.exists()]
+    if missing or len(files) != shards:
+        raise BloomFileError(f"{path}: a sharded Bloom filter of {shards} shards lacks {missing}")
+    return want
+
+
+def contains_sharded(path: str | Path, items: list[str | bytes]) -> tuple[np.ndarray, dict]:
+    """(a bool per item, the filter's totals) for a filter file or a directory of shards,
+    holding one shard in memory at a time."""
+    found = np.zeros(len(items), dtype=bool)
+    totals = {"shards": 0, "m": 0, "capacity": 0, "added": 0}
+    h, seed, meta = None, None, None
+    files = shard_files(path)
+    for k, file in enumerate(files):
+        bloom = BloomFilter.load(file)
+        shards = int(bloom.meta.get("shards", 1))
+        if shards != len(files) or int(bloom.meta.get("shard", 0)) != k:
+            raise BloomFileError(f"{file}: shard {bloom.meta.get('shard')} of {shards}, not {k}")
+        if h is None:
+            seed, meta = bloom.seed, {x: v for x, v in bloom.meta.items() if "shard" not in x}
+            h = bloom.digests([_as_bytes(x) for x in items])
+            route = shard_of(h, shards) if len(h) else np.zeros(0, dtype=np.uint64)
+        elif bloom.seed != seed:
+            raise BloomFileError(f"{file}: seed {bloom.seed}, the other shards {seed}")
+        mine = np.flatnonzero(route == k)
+        found[mine] = bloom.contains_digests(h[mine])
+        for key in ("m", "capacity", "added"):
+            totals[key] += getattr(bloom, key)
+        totals["shards"] += 1
+        totals.update(fpr=bloom.fpr, seed=bloom.seed, k=bloom.k)
+    return found, {**totals, "meta": meta}

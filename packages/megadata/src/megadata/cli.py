@@ -6,8 +6,19 @@ import sys
 import click
 
 from megadata import __version__
+from megadata.command_error import CommandError
 from megadata.crawl import crawl_command
-from megadata.recipe import STAGES, RecipeError, claim_output, load_recipe, run_recipe, run_stage
+from megadata.recipe import (
+    STAGES,
+    RecipeError,
+    claim_output,
+    cluster_start,
+    finished_run,
+    load_recipe,
+    record_start,
+    run_recipe,
+    run_stage,
+)
 from megadata.runner import Runner, format_table
 from megadata.stages.decontaminate import overlap_command
 
@@ -45,7 +56,7 @@ def main() -> None:
 
 
 def _fail(e: Exception):
-    raise click.ClickException(str(e)) from e
+    raise CommandError(str(e)) from None
 
 
 @main.command()
@@ -58,10 +69,20 @@ def run(recipe_path, output, workers, scheduler, no_progress):
     """Run every stage of a recipe (each resumes where it stopped) and print a table."""
     try:
         recipe = load_recipe(recipe_path, output)
-        results = run_recipe(recipe, workers=workers, progress=not no_progress, scheduler=scheduler)
+        results = finished_run(recipe)
+        if results is not None:
+            click.echo(
+                f"megadata run: {recipe.output} is complete; nothing to do (the table is the run "
+                "that built it; delete the directory or change --output to build again)"
+            )
+        else:
+            results = run_recipe(
+                recipe, workers=workers, progress=not no_progress, scheduler=scheduler
+            )
     except (RecipeError, ValueError, FileNotFoundError) as e:
         _fail(e)
-    click.echo(format_table(results))
+    start = cluster_start(recipe)
+    click.echo(format_table(([start] if start else []) + results))
     click.echo(
         f"corpus: {recipe.output}  (manifest.json, tokenizer.json, train/, valid/, reports/)"
     )
@@ -78,10 +99,12 @@ def _stage_command(stage: str, help_text: str):
             recipe = load_recipe(recipe_path, output)
             claim_output(recipe)
             with Runner(workers, not no_progress, scheduler) as runner:
+                start = runner.start()
+                record_start(recipe, start)
                 stats = run_stage(recipe, stage, runner)
         except (RecipeError, ValueError, FileNotFoundError) as e:
             _fail(e)
-        click.echo(format_table([stats]))
+        click.echo(format_table(([start] if start else []) + [stats]))
 
     command.__doc__ = help_text
     main.command(name=stage)(command)
@@ -91,12 +114,12 @@ for _stage, _help in zip(
     STAGES,
     (
         "Read the recipe's sources (txt, jsonl, HTML, Wikipedia XML) into partitions.",
-        "Fix unicode (ftfy), keep English (langdetect), join broken lines per source.",
+        "Fix unicode (ftfy), keep English (clean.detector), join broken lines per source.",
         "Load the recipe's tokenizer files, or train one on the cleaned text.",
         "Drop documents shorter than filter.min_tokens tokens (default 128).",
         "Remove near-duplicates: MinHash LSH, verified Jaccard > dedup.threshold.",
         "Hold out 1 in holdout.every documents; write eval/wiki.test.tokens, lambada.jsonl.",
-        "Remove test articles from training; report 8-gram overlap (Bloom filter).",
+        "Remove test articles from training; report each eval set's 8-gram overlap.",
         "Token ids per document, end-of-document id appended.",
         "Write train/ and valid/ Arrow shards (29:1 by document) and manifest.json.",
     ),

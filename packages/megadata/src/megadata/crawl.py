@@ -28,8 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
+from megadata.command_error import CommandError
 from megadata.crawl_fetch import (
     AddressCheck,
     CrawlSettings,
@@ -42,6 +42,7 @@ from megadata.crawl_fetch import (
 )
 from megadata.crawl_filters import Blacklist, load_blacklist, read_url_lists, url_host
 from megadata.documents import atomic_write_json
+from megadata.progress import progress_bar
 
 log = logging.getLogger("megadata.crawl")
 
@@ -139,7 +140,7 @@ def fetch_all(
         return
     hosts = HostScheduler(settings.per_host, settings.host_delay, window=64 * settings.concurrency)
     fetcher = Fetcher(settings, blacklist, hosts, check, resolve)
-    bar = tqdm(total=len(urls), unit="url", desc="crawl", disable=not progress)
+    bar = progress_bar(len(urls), "crawl", "url", enabled=progress)
     bar_lock, failures = threading.Lock(), []
 
     def work() -> None:
@@ -365,6 +366,6 @@ def crawl_command(url_files, out_dir, no_progress, **options):
     try:
         summary = crawl(url_files, out_dir, CrawlSettings(**options), progress=not no_progress)
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from e
+        raise CommandError(str(e)) from None
     click.echo(format_summary(summary))
     click.echo(f"output: {out_dir / PAGES}, {out_dir / ERRORS}, {out_dir / SUMMARY}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megadata import __version__
 from megadata.documents import atomic_write_bytes, atomic_write_json, read_docs
+from megadata.encode import DEFAULT_SPLITTER, check_splitter
 from megadata.runner import Runner, StageStats, Task
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
 from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
@@ -36,6 +37,7 @@ STAGES = (
     "shard",
 )
 SOURCE_KINDS = ("text", "jsonl", "html", "wikipedia")
+CLUSTER_START = "cluster-start"  # its row in _work/_stats/
 
 
 class RecipeError(ValueError):
@@ -56,6 +58,7 @@ class Recipe:
     decontaminate: dict = field(default_factory=dict)
     shard: dict = field(default_factory=dict)
     partition_docs: int = 500
+    sentence_splitter: str = DEFAULT_SPLITTER  # megadata.encode: BERT's sentence ends, LAMBADA
     raw: dict = field(default_factory=dict)
 
     @property
@@ -111,6 +114,11 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
             raise RecipeError(
                 f"recipe {path}: sources[{i}].kind is {s['kind']!r}; expected one of {SOURCE_KINDS}"
             )
+    try:  # a misspelt choice is refused before any stage runs
+        clean.check_detector(raw.get("clean", {}).get("detector", clean.DEFAULT_DETECTOR))
+        check_splitter(raw.get("sentence_splitter", DEFAULT_SPLITTER))
+    except ValueError as e:
+        raise RecipeError(f"recipe {path}: {e}") from None
     if output is not None:  # from the command line: relative to the working directory
         out = Path(output).absolute()  # absolute: tasks may run on other machines
     else:  # from the recipe: relative to the recipe file
@@ -128,6 +136,7 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
         decontaminate=raw.get("decontaminate", {}),
         shard=raw.get("shard", {}),
         partition_docs=int(raw.get("partition_docs", 500)),
+        sentence_splitter=raw.get("sentence_splitter", DEFAULT_SPLITTER),
         raw=raw,
     )
 
@@ -174,6 +183,11 @@ def _need(recipe: Recipe, stage: str) -> Path:
     return d
 
 
+def _partition_tasks(src: Path, arguments) -> list[Task]:
+    """A task per partition `p` of the stage directory `src`, with `arguments(p)`."""
+    return [Task(p.stem, arguments(p)) for p in _parts(src)]
+
+
 def _map(runner, recipe, stage, in_stage, fn, *extra) -> StageStats:
     src = _need(recipe, in_stage)
     out = recipe.work / stage
@@ -191,6 +205,11 @@ def run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
 
 def _stats_file(recipe: Recipe, stage: str) -> Path:
     return recipe.work / "_stats" / f"{stage}.json"
+
+
+def _cluster_start_row(recipe: Recipe) -> dict | None:
+    start = cluster_start(recipe)
+    return None if start is None else asdict(start)
 
 
 def _stage_summary(recipe: Recipe, stage: str) -> dict:
@@ -232,9 +251,14 @@ def _run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
     if stage == "filter":
         _need(recipe, "tokenizer")
         min_tokens = int(recipe.filter.get("min_tokens", 128))
-        return _map(
-            runner, recipe, "filter", "clean", filter.filter_partition, tokenizer_path, min_tokens
+        sentences, splitter = _sentence_settings(recipe)
+        src, out, kept = _need(recipe, "clean"), work / "filter", work / "filter_tokens"
+        head = (tokenizer_path, min_tokens)
+        tasks = _partition_tasks(
+            src,
+            lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), sentences, splitter),
         )
+        return runner.run("filter", out, tasks, filter.filter_partition)
     if stage == "dedup":
         return _dedup(recipe, runner)
     if stage == "holdout":
@@ -246,30 +270,51 @@ def _run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
         from tokenizers import Tokenizer
 
         eod = eod_id(Tokenizer.from_file(tokenizer_path), kind)
-        sentences = bool(recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece"))
-        return _map(
-            runner,
-            recipe,
-            "tokenize",
-            "decontaminate",
-            tokenize.tokenize_partition,
-            tokenizer_path,
-            eod,
-            sentences,
+        sentences, splitter = _sentence_settings(recipe)
+        src, out = _need(recipe, "decontaminate"), work / "tokenize"
+        kept, head = work / "filter_tokens", (tokenizer_path, eod, sentences)
+        tasks = _partition_tasks(
+            src,
+            lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), splitter),
         )
+        return runner.run("tokenize", out, tasks, tokenize.tokenize_partition)
     if stage == "shard":
         return _shard(recipe, runner)
     raise RecipeError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
 
 
+def _sentence_settings(recipe: Recipe) -> tuple[bool, str]:
+    """(keep sentence ends?, the sentence splitter)."""
+    kind = recipe.tokenizer.get("kind", "gpt2-bpe")
+    sentences = bool(recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece"))
+    return sentences, recipe.sentence_splitter
+
+
 def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
     src = _need(recipe, "clean")
 
+    limit = recipe.tokenizer.get("train_mb")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float)
+                              or limit <= 0):  # fmt: skip
+        raise RecipeError(f"recipe {recipe.path}: [tokenizer] train_mb must be > 0, got {limit!r}")
+    used = {"bytes": 0}
+
+    def texts():
+        """The cleaned documents in partition order, up to `train_mb` MB of text: a
+        vocabulary is learnt from a sample (the whole corpus would cost the stage time in
+        proportion to the corpus, in one process)."""
+        for p in _parts(src):
+            for d in read_docs(p):
+                if limit is not None and used["bytes"] >= limit * 1e6:
+                    return
+                used["bytes"] += len(d["text"].encode())
+                yield d["text"]
+
     def build(_):
-        texts = (d["text"] for p in _parts(src) for d in read_docs(p))
-        tok = build_tokenizer(recipe.tokenizer, texts, recipe.path.parent)
+        tok = build_tokenizer(recipe.tokenizer, texts(), recipe.path.parent)
         atomic_write_bytes(recipe.output / "tokenizer.json", tok.to_str().encode())
-        return {"extra": {"vocab_size": tok.get_vocab_size(with_added_tokens=True)}}
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        return {"bytes_in": used["bytes"], "extra": {"vocab_size": vocab}}
 
     return Runner(workers=1, progress=runner.progress).run(
         "tokenizer", recipe.work / "tokenizer", [Task("tokenizer", (None,))], build
@@ -307,6 +352,7 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     stats.extra.update(groups["extra"])
     stats.seconds += signatures.seconds + groups["seconds"]
     stats.cpu_seconds += signatures.cpu_seconds + groups["cpu_seconds"]
+    stats.peak_rss_mb = max(stats.peak_rss_mb, signatures.peak_rss_mb, groups["peak_rss_mb"])
     return stats
 
 
@@ -338,12 +384,13 @@ def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
     # The stage's _DONE.json lands in holdout/ last, when the evaluation files are written.
     split = runner.run("holdout", work / "holdout_split", tasks, holdout.split_partition)
     held = [str(work / "holdout_docs" / p.name) for p in _parts(src)]
-    eval_files = (held, str(recipe.output / "eval"), cfg, asdict(split))
+    eval_files = (held, str(recipe.output / "eval"), cfg, asdict(split), recipe.sentence_splitter)
     stats = Runner(workers=1, progress=runner.progress).run(
         "holdout", work / "holdout", [Task("eval-files", eval_files)], holdout.write_eval_files
     )
     stats.seconds += split.seconds
     stats.cpu_seconds += split.cpu_seconds
+    stats.peak_rss_mb = max(stats.peak_rss_mb, split.peak_rss_mb)
     return stats
 
 
@@ -366,23 +413,51 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
         [Task("eval-sets", (eval_sets, prep_dir, cfg))],
         decontaminate.prepare_eval_sets,
     )
-    out = work / "decontaminate"
-    tasks = [Task(p.stem, (str(p), str(out / p.name), prep_dir, cfg)) for p in _parts(src)]
+    out, found_dir, digest_dir = (
+        work / "decontaminate",
+        work / "decontaminate_found",
+        work / "decontaminate_digests",
+    )
+
+    def side(p: Path) -> tuple:
+        digests = str(digest_dir / p.name) if cfg["train_bloom"] else None
+        return str(found_dir / p.name), digests
+
+    tasks = _partition_tasks(
+        src,
+        lambda p: (str(p), str(out / p.name), prep_dir, cfg, *side(p)),
+    )
     # The stage's _DONE.json lands in decontaminate/ last, when the report is written.
     removal = runner.run(
         "decontaminate", work / "decontaminate_remove", tasks, decontaminate.remove_partition
     )
+    steps = [removal, prepared]
+    bloom_dir = None
+    if cfg["train_bloom"]:  # the reusable filter: one task and one file per shard
+        bloom_dir = recipe.output / "reports" / "train_8grams"
+        digests = [str(digest_dir / p.name) for p in _parts(src)]
+        shard_tasks = [
+            Task(f"{k:05d}", (digests, k, str(bloom_dir), cfg)) for k in range(cfg["bloom_shards"])
+        ]
+        steps.append(
+            runner.run(
+                "train bloom", work / "decontaminate_bloom", shard_tasks,
+                decontaminate.build_bloom_shard,
+            )
+        )  # fmt: skip
     report = (
         [str(out / p.name) for p in _parts(src)],
         prep_dir,
         str(recipe.output / "reports"),
         cfg,
         asdict(removal),
-        runner.progress,
+        [str(found_dir / p.name) for p in _parts(src)],
+        None if bloom_dir is None else str(bloom_dir),
     )
     stats = single.run("decontaminate", out, [Task("report", report)], decontaminate.write_report)
-    stats.seconds += removal.seconds + prepared.seconds
-    stats.cpu_seconds += removal.cpu_seconds + prepared.cpu_seconds
+    stats.seconds += sum(step.seconds for step in steps)
+    stats.cpu_seconds += sum(step.cpu_seconds for step in steps)
+    stats.peak_rss_mb = max(step.peak_rss_mb for step in [stats, *steps])
     return stats
 
 
@@ -422,6 +497,7 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
                     for s in ("train", "valid")
                 },
                 "stages": stages,
+                "cluster_start": _cluster_start_row(recipe),
             },
         )
         c = result["counts"]
@@ -447,6 +523,33 @@ def run_recipe(
     claim_output(recipe)
     results = []
     with Runner(workers, progress, scheduler) as runner:
+        record_start(recipe, runner.start())
         for stage in stages:
             results.append(run_stage(recipe, stage, runner))
     return results
+
+
+def finished_run(recipe: Recipe, stages=STAGES) -> list[StageStats] | None:
+    """The recorded rows of a corpus every stage of which is done (its manifest written, by
+    this recipe), known without starting a cluster; None when there is work left."""
+    claim_output(recipe)
+    files = [_stats_file(recipe, stage) for stage in stages]
+    if not (recipe.output / "manifest.json").is_file() or not all(f.is_file() for f in files):
+        return None
+    return [StageStats(**json.loads(f.read_text())) for f in files]
+
+
+def record_start(recipe: Recipe, start: StageStats | None) -> None:
+    """Keep the cluster's start-up (a row of its own, not charged to the first stage) for
+    the table and the manifest; a run in one process has none."""
+    path = _stats_file(recipe, CLUSTER_START)
+    if start is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write_json(path, asdict(start))
+
+
+def cluster_start(recipe: Recipe) -> StageStats | None:
+    """The start-up of the cluster of the latest run, or None."""
+    path = _stats_file(recipe, CLUSTER_START)
+    return StageStats(**json.loads(path.read_text())) if path.exists() else None

@@ -34,9 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from megadata.documents import atomic_write_json
+from megadata.progress import progress_bar
 
 CONNECT_TIMEOUT_S = 10.0  # how long to wait for a --scheduler before giving up
 RETRIES = 2  # re-runs of a task that raised (a flaky shared filesystem, say)
@@ -54,12 +53,14 @@ class StageStats:
     tokens: int = 0
     seconds: float = 0.0  # wall time of the stage (of this run's tasks, on a resumed one)
     cpu_seconds: float = 0.0  # CPU time of its tasks, wherever they ran (resumed ones too)
+    peak_rss_mb: float = 0.0  # the largest resident memory of a process that ran its tasks
     extra: dict = field(default_factory=dict)
 
     def add(self, counts: dict) -> None:
         for key in COUNTS:
             setattr(self, key, getattr(self, key) + int(counts.get(key, 0)))
         self.cpu_seconds += float(counts.get("cpu_seconds", 0.0))
+        self.peak_rss_mb = max(self.peak_rss_mb, float(counts.get("peak_rss_mb", 0.0)))
         for key, value in counts.get("extra", {}).items():
             self.extra[key] = self.extra.get(key, 0) + value
 
@@ -112,7 +113,21 @@ def _timed(fn: Callable, *args) -> dict:
     start = time.process_time()
     counts = dict(fn(*args) or {})
     counts["cpu_seconds"] = time.process_time() - start
+    counts["peak_rss_mb"] = _peak_rss_mb()
     return counts
+
+
+def _peak_rss_mb() -> float:
+    """The peak resident memory of this process so far (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
+
+
+def _worker_cpu_seconds() -> float:
+    return time.process_time()
 
 
 def _call(fn: Callable, *args) -> dict:
@@ -146,6 +161,22 @@ class Runner:
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None
+
+    def start(self) -> StageStats | None:
+        """Start the cluster (or connect to it) now, once for the whole run, and return its
+        cost as a row of its own (None when the tasks run in this process): the wall time,
+        and the CPU time of this process and of the workers while they started."""
+        if self.inline:
+            return None
+        wall, cpu = time.perf_counter(), time.process_time()
+        client = self._dask()
+        workers_cpu = sum(client.run(_worker_cpu_seconds).values()) if self._cluster else 0.0
+        return StageStats(
+            "cluster start",
+            seconds=time.perf_counter() - wall,
+            cpu_seconds=time.process_time() - cpu + workers_cpu,
+            extra={"workers": len(client.scheduler_info()["workers"])},
+        )
 
     @property
     def inline(self) -> bool:
@@ -202,14 +233,10 @@ class Runner:
             else:
                 todo.append(t)
         start = time.perf_counter()
-        bar = tqdm(
-            total=len(tasks),
-            initial=len(tasks) - len(todo),
-            desc=f"{stage:>9}",
-            unit="part",
-            disable=not self.progress,
-            leave=False,
-        )
+        bar = progress_bar(
+            len(tasks), f"{stage:>9}", "part", enabled=self.progress,
+            initial=len(tasks) - len(todo), leave=False,
+        )  # fmt: skip
         with bar:
             for task, counts in self._results(stage, fn, todo):
                 atomic_write_json(markers / f"{task.id}.json", counts)
@@ -253,12 +280,13 @@ def format_table(rows: Sequence[StageStats]) -> str:
     """The per-stage table `megadata run` prints."""
     head = (
         f"{'stage':<14}{'docs in':>10}{'docs out':>10}{'MB in':>9}{'MB out':>9}"
-        f"{'tokens':>12}{'sec':>8}{'cpu sec':>9}"
+        f"{'tokens':>12}{'sec':>8}{'cpu sec':>9}{'peak MB':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.stage:<14}{r.docs_in:>10}{r.docs_out:>10}{r.bytes_in / 1e6:>9.2f}"
             f"{r.bytes_out / 1e6:>9.2f}{r.tokens:>12}{r.seconds:>8.1f}{r.cpu_seconds:>9.1f}"
+            f"{r.peak_rss_mb:>9.0f}"
         )
     return "\n".join(lines)

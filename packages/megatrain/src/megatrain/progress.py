@@ -18,7 +18,7 @@ def progress_bar(total: float, desc: str, unit: str, enabled: bool = True, **bar
         return tqdm(total=total, disable=True)
     if sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit=unit, **bar_options)
-    return PlainProgress(total, desc, unit)
+    return PlainProgress(total, desc, unit, initial=bar_options.get("initial", 0))
 
 
 def duration(seconds: float) -> str:
@@ -34,9 +34,11 @@ def duration(seconds: float) -> str:
 class PlainProgress:
     """The part of tqdm's interface our loops use, as periodic lines on stderr."""
 
-    def __init__(self, total: float, desc: str, unit: str, every_s: float = LINE_EVERY_S):
+    def __init__(
+        self, total: float, desc: str, unit: str, every_s: float = LINE_EVERY_S, initial: float = 0
+    ):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
-        self.n = 0
+        self.n = self.initial = initial
         self.start = self.last = time.monotonic()
         self.closed = False
 
@@ -55,8 +57,8 @@ class PlainProgress:
         if self.total:
             done += f" ({self.n / self.total:.0%})"
         eta = ""
-        if 0 < self.n < self.total:
-            eta = f", ETA {duration(elapsed * (self.total - self.n) / self.n)}"
+        if self.initial < self.n < self.total:  # at this run's pace (resumed parts excluded)
+            eta = f", ETA {duration(elapsed * (self.total - self.n) / (self.n - self.initial))}"
         print(f"{self.desc}: {done}, elapsed {duration(elapsed)}{eta}", file=sys.stderr, flush=True)
 
     def close(self) -> None:

@@ -3,10 +3,13 @@
 What the paper did: WikiText-103 test articles were removed from the training data, and the
 overlap of each test set with the training corpus was measured as the fraction of its
 8-grams found in a Bloom filter of the training set's 8-grams at a false-positive rate of
-1e-3.  An n-gram here is 8 lower-cased words, a word being a run of letters and digits (`\\w+`
-without the underscore, which Moses splits off: `add_argument` is `add _ argument` in
-WikiText).  `word_ngrams` is the one helper for training and evaluation text, so the WikiText
-marks `@-@`, `@,@`, `@.@` and its spaced punctuation vanish exactly as they do in plain text.
+1e-3.  Here the overlap is counted exactly (the filter's numbers exceed it by the filter's
+false positives, tested) and the filter is built only when asked for.  An n-gram here is
+8 lower-cased words, a word being a run of letters and digits (`\\w+` without the
+underscore, which Moses splits off: `add_argument` is `add _ argument` in WikiText).
+`word_ngrams` (and its hashed twin `ngrams.ngram_hashes`) is the one helper for training and
+evaluation text, so the WikiText marks `@-@`, `@,@`, `@.@` and its spaced punctuation vanish
+exactly as they do in plain text.
 Percentages count distinct 8-grams.
 
 The evaluation sets are the recipe's `eval_sets = [{name, kind, path}, ...]`, kind one of
@@ -17,23 +20,29 @@ A path is relative to the recipe file; `@holdout/NAME` names a file the holdout 
 under `<corpus>/eval/` (`@holdout/wiki.test.tokens`, `@holdout/lambada.jsonl`).
 
 1. `prepare_eval_sets` (one process) reads the sets into `eval_sets.json` (an empty file, or
-   one with no text, is counted and reported with overlap n/a, never fatal) and, when
-   `max_doc_overlap` is set, a Bloom filter of their 8-grams.
+   one with no text, is counted and reported with overlap n/a, never fatal) and indexes
+   their distinct n-grams (megadata.ngrams: 64-bit hashes, each set's share of them and the
+   WikiText articles'), a size set by the evaluation sets alone.
 2. `remove_partition` (per partition, in workers) removes a training document when
    - its normalised title (its lower-cased words) equals a WikiText article's and more than
      `article_overlap` (0.5) of that article's 8-grams are in it ("title+content"), or
    - more than `copy_overlap` (0.8) of some article's 8-grams are in it, whatever its title
      ("content"), or
    - `max_doc_overlap` is set and more than that fraction of its own 8-grams are in the
-     evaluation sets' Bloom filter ("doc_overlap").
-   The reasons ride in each output partition's metadata.
-3. `write_report` (one process), after the removal: the Bloom filter of the remaining
-   training documents' 8-grams (`reports/train_8grams.bloom`, sized for the sum of the
-   documents' distinct 8-gram counts, so the false-positive rate is at most the target),
-   each set's overlap with it, and `reports/decontamination.json`.  Because removal comes
-   first, the reported overlap is that of the final training corpus.
+     evaluation sets ("doc_overlap").
+   The reasons ride in each output partition's metadata.  The same task writes which of
+   the evaluation n-grams the documents it kept hold (`found`), and, with `train_bloom`, the
+   digests of their n-grams, grouped by the shard of the training filter that holds them.
+3. With `train_bloom`: `build_bloom_shard` (one task per shard, in workers) builds shard k
+   of the training Bloom filter from its digests alone, sized for them (so the
+   false-positive rate is at most the target), as `reports/train_8grams/shard-K-of-S.bloom`:
+   no process holds more than one shard.
+4. `write_report` (one process) merges the partitions' `found` into one array the size of
+   the evaluation sets: each set's exact overlap (distinct n-grams found over its distinct
+   n-grams), and by the filter too when there is one; `reports/decontamination.json`.
+   Because removal comes first, the reported overlap is that of the final training corpus.
 
-`megadata overlap --bloom FILE --eval KIND:PATH` measures any file against a saved filter.
+`megadata overlap --bloom DIR|FILE --eval KIND:PATH` measures any file against a saved filter.
 """
 
 import functools
@@ -44,10 +53,22 @@ from collections import Counter
 from pathlib import Path
 
 import click
-from tqdm import tqdm
+import numpy as np
+import pyarrow as pa
 
-from megadata.bloom import BloomFilter
-from megadata.documents import atomic_write_json, read_docs, read_meta, text_bytes, write_docs
+from megadata.bloom import SHARD_FILE, BloomFilter, contains_sharded, shard_files, shard_of
+from megadata.command_error import CommandError
+from megadata.documents import (
+    atomic_write_json,
+    read_docs,
+    read_meta,
+    read_table,
+    text_bytes,
+    write_docs,
+    write_table,
+)
+from megadata.ngrams import EvalIndex, build_index, ngram_hashes
+from megadata.shuffle import read_shuffled, write_shuffled
 from megadata.wikitext_format import split_articles
 
 log = logging.getLogger("megadata.decontaminate")
@@ -62,6 +83,8 @@ DEFAULTS = {
     "article_overlap": 0.5,
     "copy_overlap": 0.8,
     "max_doc_overlap": None,
+    "train_bloom": False,  # also build the reusable Bloom filter of the training 8-grams
+    "bloom_shards": 8,  # its shards, one file and one task each
 }
 _WORD = re.compile(r"[^\W_]+")  # \w+ less "_": Moses splits add_argument as add _ argument
 
@@ -92,6 +115,15 @@ def settings(section: dict) -> dict:
         value = cfg[key]
         if value is not None and not (isinstance(value, int | float) and 0 <= value <= 1):
             raise EvalSetError(f"[decontaminate] {key} must be a fraction in [0, 1], got {value!r}")
+    if not isinstance(cfg["train_bloom"], bool):
+        raise EvalSetError(
+            f"[decontaminate] train_bloom must be true or false, got {cfg['train_bloom']!r}"
+        )
+    shards = cfg["bloom_shards"]
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise EvalSetError(
+            f"[decontaminate] bloom_shards must be a positive integer, got {cfg['bloom_shards']!r}"
+        )
     if not isinstance(cfg["ngram"], int) or cfg["ngram"] < 1:
         raise EvalSetError(
             f"[decontaminate] ngram must be a positive integer, got {cfg['ngram']!r}"
@@ -158,7 +190,8 @@ def read_eval_set(kind: str, path: Path) -> tuple[list[dict], dict]:
 
 
 def prepare_eval_sets(eval_sets: list[dict], out_dir: str, cfg: dict) -> dict:
-    """Read every evaluation set once into `eval_sets.json` (+ their Bloom filter if needed)."""
+    """Read every evaluation set once into `eval_sets.json` and index its n-grams
+    (`eval_index.npz`, `eval_articles.json`: megadata.ngrams)."""
     out_dir = Path(out_dir)
     prepared, empty = [], 0
     for spec in eval_sets:
@@ -171,60 +204,50 @@ def prepare_eval_sets(eval_sets: list[dict], out_dir: str, cfg: dict) -> dict:
                 spec["path"],
             )
         prepared.append({**spec, "units": units, "problems": problems})
-    if cfg["max_doc_overlap"] is not None:
-        grams = {
-            g for s in prepared for u in s["units"] for g in word_ngrams(u["text"], cfg["ngram"])
-        }
-        bloom = BloomFilter(max(1, len(grams)), cfg["fpr"], cfg["seed"], {"ngram": cfg["ngram"]})
-        bloom.add_many(sorted(grams))
-        bloom.save(out_dir / "eval_8grams.bloom")
+    index, articles = build_index(prepared, cfg["ngram"])
+    index.save(out_dir / "eval_index.npz")
+    atomic_write_json(out_dir / "eval_articles.json", articles)
     atomic_write_json(out_dir / "eval_sets.json", prepared)
     return {"extra": {"eval_sets": len(prepared), "empty_eval_sets": empty}}
 
 
-def _article_index(prep_dir: str, n: int):
-    path = Path(prep_dir) / "eval_sets.json"
-    return _cached_article_index(str(path), path.stat().st_mtime_ns, n)
+def _eval_index(prep_dir: str):
+    path = Path(prep_dir) / "eval_index.npz"
+    return _cached_eval_index(str(path), path.stat().st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_article_index(path: str, _mtime_ns: int, n: int):
-    """WikiText articles of the evaluation sets: their 8-grams, a reverse index, their titles.
+def _cached_eval_index(path: str, _mtime_ns: int):
+    """The evaluation sets' n-gram index, their WikiText articles and those by title.
 
-    Built once per worker process (the cache key holds the file's mtime, so a changed file
-    is read again) and used for every partition it removes documents from.
-    """
-    sets = json.loads(Path(path).read_text())
-    articles, by_gram, by_title = [], {}, {}
-    for s in sets:
-        if s["kind"] != "wikitext":
-            continue
-        for unit in s["units"]:
-            grams = word_ngrams(unit["text"], n)
-            if not grams:
-                continue
-            a = len(articles)
-            articles.append({"set": s["name"], "title": unit["title"], "grams": len(grams)})
-            for g in grams:
-                by_gram.setdefault(g, []).append(a)
-            by_title.setdefault(normalise_title(unit["title"]), []).append(a)
-    bloom_path = Path(path).with_name("eval_8grams.bloom")
-    bloom = BloomFilter.load(bloom_path) if bloom_path.exists() else None
-    return articles, by_gram, by_title, bloom
+    Loaded once per worker process (the cache key holds the file's mtime, so a changed file
+    is read again) and used for every partition it removes documents from."""
+    index = EvalIndex.load(Path(path))
+    articles = json.loads(Path(path).with_name("eval_articles.json").read_text())
+    by_title: dict[str, list[int]] = {}
+    for a, article in enumerate(articles):
+        by_title.setdefault(normalise_title(article["title"]), []).append(a)
+    return index, articles, by_title
 
 
-def contamination(doc: dict, grams: set[str], prep_dir: str, cfg: dict) -> dict | None:
-    """Why `doc` (whose n-grams are `grams`) must leave the training set, or None.
+def contamination(
+    doc: dict, hashes: np.ndarray, prep_dir: str, cfg: dict, in_eval: np.ndarray | None = None
+) -> dict | None:
+    """Why `doc` (whose distinct n-gram hashes are `hashes`) must leave the training set,
+    or None.
 
     The answer is {reason, set, article, overlap}: overlap is the fraction of the article's
     n-grams found in the document ("title+content", "content"), or of the document's n-grams
     found in the evaluation sets ("doc_overlap").
     """
-    articles, by_gram, by_title, eval_bloom = _article_index(prep_dir, cfg["ngram"])
-    hits = Counter(a for g in grams for a in by_gram.get(g, ()))
+    index, articles, by_title = _eval_index(prep_dir)
+    in_eval = index.found(hashes) if in_eval is None else in_eval  # positions in the index
+    if not len(in_eval):  # no n-gram of any evaluation set: no rule can apply
+        return None
+    hits = index.article_hits(index.hashes[in_eval], len(articles))
 
     def share(a: int) -> float:
-        return hits[a] / articles[a]["grams"]
+        return int(hits[a]) / articles[a]["grams"]
 
     def found(reason: str, a: int) -> dict:
         article = articles[a]
@@ -239,34 +262,53 @@ def contamination(doc: dict, grams: set[str], prep_dir: str, cfg: dict) -> dict 
     for a in by_title.get(title, []) if title else []:
         if share(a) > cfg["article_overlap"]:
             return found("title+content", a)
-    if hits:
-        best = max(hits, key=lambda a: (share(a), -a))
+    if hits.any():
+        shares = hits / np.array([a["grams"] for a in articles])
+        best = int(np.argmax(shares))  # the first of the highest, as before
         if share(best) > cfg["copy_overlap"]:
             return found("content", best)
-    if cfg["max_doc_overlap"] is not None and grams and eval_bloom is not None:
-        in_eval = float(eval_bloom.contains_many(grams).mean())
-        if in_eval > cfg["max_doc_overlap"]:
+    if cfg["max_doc_overlap"] is not None and len(hashes):
+        share_in_eval = len(in_eval) / len(hashes)
+        if share_in_eval > cfg["max_doc_overlap"]:
             return {
                 "reason": "doc_overlap",
                 "set": None,
                 "article": None,
-                "overlap": round(in_eval, 4),
+                "overlap": round(share_in_eval, 4),
             }
     return None
 
 
-def remove_partition(in_path: str, out_path: str, prep_dir: str, cfg: dict) -> dict:
+def remove_partition(
+    in_path: str,
+    out_path: str,
+    prep_dir: str,
+    cfg: dict,
+    found_path: str | None = None,
+    digests_path: str | None = None,
+) -> dict:
+    """Remove the contaminated documents of a partition; write to `found_path` which of the
+    evaluation n-grams (positions in the index) the documents kept hold, and, to build the
+    training Bloom filter, the digests of their n-grams routed to its shards."""
     docs = list(read_docs(Path(in_path)))
-    kept, removed, train_ngrams = [], [], 0
+    index = _eval_index(prep_dir)[0]
+    kept, removed, found, train_ngrams = [], [], [], 0
     for doc in docs:
-        grams = word_ngrams(doc["text"], cfg["ngram"])
-        why = contamination(doc, grams, prep_dir, cfg)
+        hashes = ngram_hashes(doc["text"], cfg["ngram"])
+        in_eval = index.found(hashes)
+        why = contamination(doc, hashes, prep_dir, cfg, in_eval)
         if why is None:
             kept.append(doc)
-            train_ngrams += len(grams)
+            train_ngrams += len(hashes)
+            found.append(in_eval)
         else:
             removed.append({"doc_id": doc["doc_id"], "title": doc["title"], **why})
     write_docs(Path(out_path), kept, meta={"removed": removed})
+    if found_path is not None:
+        rows = np.unique(np.concatenate([np.zeros(0, np.int64), *found]))
+        write_table(Path(found_path), pa.table({"row": pa.array(rows, pa.int64())}))
+    if digests_path is not None:
+        _write_digests(kept, digests_path, cfg)
     reasons = Counter(r["reason"] for r in removed)
     return {
         "docs_in": len(docs),
@@ -276,53 +318,104 @@ def remove_partition(in_path: str, out_path: str, prep_dir: str, cfg: dict) -> d
         "extra": {
             "removed": len(removed),
             **{f"removed_{k.replace('+', '_and_')}": v for k, v in reasons.items()},
-            "train_ngrams": train_ngrams,  # the train Bloom filter's capacity (an upper bound)
+            "train_ngrams": train_ngrams,  # per-document distinct n-grams, summed
         },
     }
 
 
-def set_overlap(bloom: BloomFilter, units: list[dict], n: int) -> dict:
-    """Distinct n-grams of the units and how many of them the filter holds (percent or None)."""
+def _train_bloom(cfg: dict) -> BloomFilter:
+    """A filter that only hashes: every shard's filter uses the same seed, so the same
+    digests."""
+    return BloomFilter(1, cfg["fpr"], cfg["seed"])
+
+
+def _write_digests(docs: list[dict], path: str, cfg: dict) -> None:
+    """The map side of the sharded training filter: each document's distinct n-grams as
+    digests, grouped by the shard that holds them."""
+    grams = [g.encode() for d in docs for g in word_ngrams(d["text"], cfg["ngram"])]
+    h = _train_bloom(cfg).digests(grams) if grams else np.zeros((0, 2), np.uint64)
+    shards = cfg["bloom_shards"]
+    columns = {"h1": pa.array(h[:, 0], pa.uint64()), "h2": pa.array(h[:, 1], pa.uint64())}
+    write_shuffled(path, columns, shard_of(h, shards).astype(np.int64), shards)
+
+
+def build_bloom_shard(digest_paths: list[str], shard: int, out_dir: str, cfg: dict) -> dict:
+    """The reduce side: shard `shard` of the training filter from its digests alone, sized
+    for them, saved as one file."""
+    shards = cfg["bloom_shards"]
+    table = read_shuffled(digest_paths, shard, shards)
+    h = np.column_stack(
+        [table.column(c).to_numpy().astype(np.uint64) for c in ("h1", "h2")]
+    ).reshape(-1, 2)
+    meta = {"ngram": cfg["ngram"], "shard": shard, "shards": shards}
+    bloom = BloomFilter(max(1, len(h)), cfg["fpr"], cfg["seed"], meta)
+    bloom.add_digests(h)
+    bloom.save(Path(out_dir) / SHARD_FILE.format(shard=shard, shards=shards))
+    return {"extra": {"added": len(h)}}
+
+
+def set_overlap(bloom: BloomFilter | str | Path, units: list[dict], n: int) -> dict:
+    """Distinct n-grams of the units and how many of them the filter holds (percent or None).
+    `bloom` is a filter, or the path of a filter file or of a directory of its shards."""
     grams = sorted({g for u in units for g in word_ngrams(u["text"], n)})
-    found = int(bloom.contains_many(grams).sum()) if grams else 0
+    if isinstance(bloom, BloomFilter):
+        hits = bloom.contains_many(grams) if grams else np.zeros(0, dtype=bool)
+    else:
+        hits = contains_sharded(bloom, grams)[0]
+    found = int(hits.sum())
     percent = round(100 * found / len(grams), 2) if grams else None
     return {"units": len(units), "ngrams": len(grams), "found": found, "overlap_percent": percent}
 
 
-def build_train_bloom(parts: list[str], capacity: int, cfg: dict, progress: bool) -> BloomFilter:
-    bloom = BloomFilter(max(1, capacity), cfg["fpr"], cfg["seed"], {"ngram": cfg["ngram"]})
-    for part in tqdm(parts, desc="    bloom", unit="part", disable=not progress, leave=False):
-        for doc in read_docs(Path(part)):
-            bloom.add_many(word_ngrams(doc["text"], cfg["ngram"]))
-    return bloom
-
-
 def write_report(
-    parts: list[str], prep_dir: str, reports: str, cfg: dict, removal: dict, progress: bool
+    parts: list[str],
+    prep_dir: str,
+    reports: str,
+    cfg: dict,
+    removal: dict,
+    found_paths: list[str],
+    bloom_dir: str | None = None,
 ) -> dict:
+    """Each evaluation set's overlap with the training corpus left after removal: exact,
+    from the per-partition found n-grams (merged here into one array the size of the
+    evaluation sets), and, when the training filter was built, by that filter too."""
     reports = Path(reports)
-    bloom = build_train_bloom(parts, removal["extra"].get("train_ngrams", 0), cfg, progress)
-    bloom.save(reports / "train_8grams.bloom")
+    index = _eval_index(prep_dir)[0]
+    seen = np.zeros(len(index.hashes), dtype=bool)
+    for path in found_paths:
+        seen[read_table(Path(path)).column("row").to_numpy()] = True
     sets = json.loads((Path(prep_dir) / "eval_sets.json").read_text())
     measured = []
     for s in sets:
+        rows = index.set_rows[s["name"]]
+        found = int(seen[rows].sum())
         row = {"name": s["name"], "kind": s["kind"], "path": s["as_given"], **s["problems"]}
-        row.update(set_overlap(bloom, s["units"], cfg["ngram"]))
+        row.update(units=len(s["units"]), ngrams=len(rows), found=found)
+        row["overlap_percent"] = round(100 * found / len(rows), 2) if len(rows) else None
+        if bloom_dir is not None:
+            by_bloom = set_overlap(bloom_dir, s["units"], cfg["ngram"])
+            row["bloom_found"] = by_bloom["found"]
+            row["bloom_overlap_percent"] = by_bloom["overlap_percent"]
         if row["overlap_percent"] is None:
             row["note"] = "no text (empty file or no 'text' fields): overlap n/a"
         measured.append(row)
+    train = {"docs": removal["docs_out"], "ngrams": removal["extra"].get("train_ngrams", 0)}
+    if bloom_dir is not None:
+        _, totals = contains_sharded(bloom_dir, [])
+        name = Path(bloom_dir).relative_to(reports).as_posix() + "/"
+        train.update(bloom=name, **{k: totals[k] for k in ("shards", "m", "capacity", "added")})
+        train["fpr"] = cfg["fpr"]
     removed = [r for p in parts for r in read_meta(Path(p)).get("removed", [])]
     atomic_write_json(
         reports / "decontamination.json",
         {
             "ngram": cfg["ngram"],
             "order": "documents removed first; overlap measured on the remaining training corpus",
+            "method": "exact: distinct n-grams of each evaluation set found in the training "
+            "documents (64-bit n-gram hashes)"
+            + ("; bloom_*: the same by the training Bloom filter" if bloom_dir else ""),
             "settings": {k: v for k, v in cfg.items() if k != "eval_sets"},
-            "train": {
-                "docs": removal["docs_out"],
-                "bloom": "train_8grams.bloom",
-                **{k: bloom.header()[k] for k in ("m", "k", "capacity", "fpr", "added")},
-            },
+            "train": train,
             "eval_sets": measured,
             "counts": {
                 "docs_in": removal["docs_in"],
@@ -335,7 +428,7 @@ def write_report(
     )
     return {
         **{k: removal[k] for k in ("docs_in", "docs_out", "bytes_in", "bytes_out")},
-        "extra": {"removed": len(removed), "train_ngrams": bloom.added},
+        "extra": {"removed": len(removed), "train_ngrams": train["ngrams"]},
     }
 
 
@@ -356,8 +449,9 @@ def format_overlap_table(rows: list[dict]) -> str:
     "--bloom",
     "bloom_path",
     required=True,
-    type=click.Path(dir_okay=False),
-    help="A Bloom filter saved by the decontaminate stage (reports/train_8grams.bloom).",
+    type=click.Path(),
+    help="A training Bloom filter saved by the decontaminate stage: the directory of its "
+    "shards (reports/train_8grams/) or one filter file.",
 )
 @click.option(
     "--eval",
@@ -373,10 +467,11 @@ def format_overlap_table(rows: list[dict]) -> str:
 def overlap_command(bloom_path, evals, json_out):
     """Percent of each evaluation file's 8-grams found in a saved training Bloom filter."""
     try:
-        bloom = BloomFilter.load(bloom_path)
+        first = BloomFilter.load(shard_files(bloom_path)[0])
     except ValueError as e:
-        raise click.ClickException(str(e)) from e
-    n = int(bloom.meta.get("ngram", 8))
+        raise CommandError(str(e)) from None
+    n = int(first.meta.get("ngram", 8))
+    del first
     rows = []
     for spec in evals:
         kind, sep, path = spec.partition(":")
@@ -388,7 +483,10 @@ def overlap_command(bloom_path, evals, json_out):
             raise click.BadParameter(f"{path} does not exist", param_hint="--eval")
         units, problems = read_eval_set(kind, Path(path))
         row = {"name": Path(path).name, "kind": kind, "path": path, **problems}
-        row.update(set_overlap(bloom, units, n))
+        try:
+            row.update(set_overlap(bloom_path, units, n))
+        except ValueError as e:
+            raise CommandError(str(e)) from None
         if row["overlap_percent"] is None:
             log.warning("%s has no text: overlap n/a", path)
         rows.append(row)

@@ -21,8 +21,8 @@ a cluster), resumable like every stage.  Tasks exchange data through Arrow files
 dedup work directory, never through the scheduler.  A document is known by its node number,
 `partition << 32 | row`, which `_take` turns back into its text, doc_id, length or source.
 
-1. minhash (`signature_partition`, per partition): datasketch MinHash of the document's
-   set of word n-grams.
+1. minhash (`signature_partition`, per partition): datasketch's MinHash of the document's
+   set of word n-grams, computed for the whole partition at once (megadata.minhash).
 2. bands (`band_partition`, per signature partition): each signature is cut into the
    b bands of r rows of `choose_bands`; the row (band, band's values, node) goes to bucket
    hash(band, values) % S.  One Arrow file of S record batches, batch k = bucket k: the
@@ -78,7 +78,10 @@ from megadata.documents import (
     write_docs,
     write_table,
 )
+from megadata.minhash import scheme, signatures
 from megadata.runner import Runner, Task
+from megadata.shuffle import read_shuffled as _read_shuffled
+from megadata.shuffle import write_shuffled as _write_shuffled
 
 # S, the number of buckets, pair shards, node shards and component shards, grows with the
 # documents rather than the partitions: a shard's task costs a file read per partition plus
@@ -97,6 +100,16 @@ def shingles(text: str, n: int = 2) -> set[str]:
     if n == 2:  # the usual case, a third faster this way
         return {f"{a} {b}" for a, b in itertools.pairwise(words)}
     return set(map(" ".join, zip(*(words[i:] for i in range(n)), strict=False)))
+
+
+def shingle_bytes(text: str, n: int = 2) -> list[bytes]:
+    """`shingles(text, n)` as UTF-8 bytes, repeats kept (a MinHash ignores them): built by
+    C-level joins over the encoded words, 3x faster than encoding each shingle."""
+    words = _WORD.findall(text.lower())
+    if len(words) < n:
+        return [" ".join(words).encode()] if words else []
+    encoded = " ".join(words).encode().split(b" ")  # a word holds no space
+    return list(map(b" ".join, zip(*(encoded[i:] for i in range(n)), strict=False)))
 
 
 def jaccard(a: set, b: set) -> float:
@@ -124,13 +137,13 @@ def minhash(text: str, num_perm: int, n: int, seed: int) -> MinHash:
 
 
 def signature_partition(in_path: str, out_path: str, num_perm: int, n: int, seed: int) -> dict:
-    ids, lengths, sigs = [], [], []
-    scheme = MinHash(num_perm=num_perm, seed=seed).scheme
+    ids, lengths, sets = [], [], []
     for doc in read_docs(Path(in_path)):
         ids.append(doc["doc_id"])
         lengths.append(len(doc["text"]))
-        sigs.append(minhash(doc["text"], num_perm, n, seed).hashvalues.astype(np.uint64))
-    flat = np.concatenate(sigs) if sigs else np.zeros(0, dtype=np.uint64)
+        sets.append(shingle_bytes(doc["text"], n))
+    # The whole partition at once, the permutations shared: datasketch's values, faster.
+    flat = signatures(sets, num_perm, seed).astype(np.uint64).ravel()
     table = pa.table(
         {
             "doc_id": pa.array(ids, pa.string()),
@@ -138,7 +151,7 @@ def signature_partition(in_path: str, out_path: str, num_perm: int, n: int, seed
             "signature": pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint64()), num_perm),
         }
     )
-    write_table(Path(out_path), table, {"scheme": scheme})
+    write_table(Path(out_path), table, {"scheme": scheme(num_perm, seed)})
     return {"docs_in": len(ids), "docs_out": len(ids)}
 
 
@@ -253,6 +266,7 @@ def find_duplicates(
         "extra": report.extra,
         "seconds": report.seconds + sum(s.seconds for s in stats),
         "cpu_seconds": report.cpu_seconds + sum(s.cpu_seconds for s in stats),
+        "peak_rss_mb": max(s.peak_rss_mb for s in [report, *stats]),
     }
 
 
@@ -616,37 +630,6 @@ def _mix(*columns: np.ndarray) -> np.ndarray:
 def _unique_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Distinct (a, b) rows, sorted: an (m, 2) int64 array."""
     return np.unique(np.stack([a, b], axis=1).astype(np.int64).reshape(-1, 2), axis=0)
-
-
-def _write_shuffled(path, columns: dict, target: np.ndarray, shards: int) -> None:
-    """The map side of a shuffle: the rows as an Arrow file of `shards` record batches,
-    batch k holding the rows whose target is k (in their order)."""
-    target = np.asarray(target).astype(np.int64)
-    batch = pa.record_batch(columns)
-    order = np.argsort(target, kind="stable")
-    batch = batch.take(pa.array(order))
-    ends = np.cumsum(np.bincount(target, minlength=shards))
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, batch.schema) as writer:
-        start = 0
-        for end in ends.tolist():
-            writer.write_batch(batch.slice(start, end - start))
-            start = end
-    atomic_write_bytes(Path(path), sink.getvalue().to_pybytes())
-
-
-def _read_shuffled(paths: list[str], shard: int, shards: int) -> pa.Table:
-    """The reduce side: the rows that each file of `paths` routed to `shard`."""
-    batches = []
-    for path in paths:
-        reader = pa.ipc.open_file(pa.memory_map(str(path)))
-        if reader.num_record_batches != shards:
-            raise ValueError(
-                f"{path}: written for {reader.num_record_batches} shards, not {shards} "
-                "(by a run with other settings); delete the dedup work directory"
-            )
-        batches.append(reader.get_batch(shard))
-    return pa.Table.from_batches(batches)
 
 
 def _u64_matrix(column, width: int) -> np.ndarray:

@@ -19,7 +19,6 @@
 the partitions are hard-linked (copied where links cannot be made) unchanged.
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from megadata.documents import atomic_write_bytes, read_docs, read_table, text_bytes, write_docs
+from megadata.encode import DEFAULT_SPLITTER, split_sentences
 from megadata.wikitext_format import format_article, paragraphs, title_from_text
 
 DEFAULTS = {
@@ -112,22 +112,15 @@ def pass_through(in_path: str, out_path: str) -> dict:
     return {"docs_in": rows, "docs_out": rows, "bytes_in": nbytes, "bytes_out": nbytes}
 
 
-@functools.cache
-def _segmenter():
-    import pysbd
-
-    return pysbd.Segmenter(language="en", clean=False)
-
-
-def lambada_passages(text: str, min_words: int, max_words: int, limit: int) -> list[str]:
-    """Passages of whole sentences, min_words..max_words words, ending in an alphabetic word."""
+def lambada_passages(
+    text: str, min_words: int, max_words: int, limit: int, splitter: str = DEFAULT_SPLITTER
+) -> list[str]:
+    """Passages of whole sentences, min_words..max_words words, ending in an alphabetic word
+    (sentences by the recipe's `sentence_splitter`: megadata.encode)."""
     sentences = [
-        s.strip()
-        for kind, line in paragraphs(text)
-        if kind == "paragraph"
-        for s in _segmenter().segment(line)
-        if s.strip()
-    ]
+        s for kind, line in paragraphs(text) if kind == "paragraph"
+        for s in split_sentences(line, splitter)
+    ]  # fmt: skip
     passages: list[str] = []
     window: list[str] = []
     for sentence in sentences:
@@ -147,7 +140,9 @@ def lambada_passages(text: str, min_words: int, max_words: int, limit: int) -> l
     return passages
 
 
-def write_eval_files(held_parts: list[str], eval_dir: str, cfg: dict, split: dict) -> dict:
+def write_eval_files(
+    held_parts: list[str], eval_dir: str, cfg: dict, split: dict, splitter: str = DEFAULT_SPLITTER
+) -> dict:
     """wiki.test.tokens, lambada.jsonl and holdout.json from the held-out partitions."""
     eval_dir = Path(eval_dir)
     docs = [d for p in held_parts for d in read_docs(Path(p))]
@@ -156,7 +151,11 @@ def write_eval_files(held_parts: list[str], eval_dir: str, cfg: dict, split: dic
         title = doc["title"].strip() or title_from_text(doc["text"])
         article = format_article(title, doc["text"])
         passages = lambada_passages(
-            doc["text"], cfg["lambada_min_words"], cfg["lambada_max_words"], cfg["lambada_per_doc"]
+            doc["text"],
+            cfg["lambada_min_words"],
+            cfg["lambada_max_words"],
+            cfg["lambada_per_doc"],
+            splitter,
         )
         articles.append(article)
         lambada += passages

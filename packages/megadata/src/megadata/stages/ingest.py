@@ -9,7 +9,8 @@ Formats (`kind` of a source in the recipe):
   0, no redirects), wiki markup stripped with mwparserfromhell: templates, tables,
   references, file/image links with their captions, category and interlanguage
   links, headings of sections left empty and the parentheses they leave empty
-  (`Paris (; born ...)`) are removed.
+  (`Paris (; born ...)`) are removed (most of them by a scan before the parser:
+  megadata.wiki_prestrip).
 
 Bad input never stops the run and never lands in the corpus mangled. What is
 skipped (a line or file that is not UTF-8, a line that is not JSON, is nested too
@@ -35,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megadata.documents import atomic_write_bytes, text_bytes, write_docs
+from megadata.wiki_prestrip import prestrip
 
 log = logging.getLogger("megadata.ingest")
 
@@ -329,7 +331,9 @@ _PAREN_LEAD = re.compile(r"\((?:\s*[,;:])+\s*")  # "(; born" -> "(born"
 _PAREN_TAIL = re.compile(r"(?:\s*[,;:])+\s*\)")  # "(born 1900; )" -> "(born 1900)"
 _PAREN_EMPTY = re.compile(r"(?:^|[ \t\xa0]+)\(\s*\)", re.M)  # "Paris ()" -> "Paris"; f() stays
 _SPACES = re.compile(r"[ \t]{2,}")
-_SPACE_BEFORE_PUNCT = re.compile(r"(?<=\w)[ \t]+(?=[.,;:](?:\s|$))")
+_SPACE_BEFORE_PUNCT = re.compile(r"[ \t]+(?=[.,;:](?:\s|$))")  # after a word character
+_MAY_PAREN_TAIL = re.compile(r"[,;:]\s*\)")  # quick tests: skip a slow pattern when absent
+_MAY_PAREN_EMPTY = re.compile(r"\(\s*\)")
 
 
 def _unwanted(node) -> bool:
@@ -388,12 +392,20 @@ def _drop_empty_sections(code) -> None:
 def _tidy(text: str) -> str:
     text = _MAGIC_WORD.sub("", _STYLE_QUOTES.sub("", text))
     text = _PAREN_LEAD.sub("(", text)
-    text = _PAREN_TAIL.sub(")", text)
-    text = _PAREN_EMPTY.sub("", text)
+    if _MAY_PAREN_TAIL.search(text):
+        text = _PAREN_TAIL.sub(")", text)
+    if _MAY_PAREN_EMPTY.search(text):
+        text = _PAREN_EMPTY.sub("", text)
     text = _SPACES.sub(" ", text)
-    text = _SPACE_BEFORE_PUNCT.sub("", text)
+    text = _SPACE_BEFORE_PUNCT.sub(lambda m: "" if _after_word(text, m.start()) else m[0], text)
     lines = [line.strip() for line in text.splitlines()]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _after_word(text: str, at: int) -> bool:
+    """Whether text[at - 1] is a word character, as a look-behind for a word character would
+    test, but only where a match was found (a look-behind is tried at every position)."""
+    return at > 0 and (text[at - 1].isalnum() or text[at - 1] == "_")
 
 
 def wikitext_to_text(wikitext: str) -> str:
@@ -402,7 +414,7 @@ def wikitext_to_text(wikitext: str) -> str:
 
     # Bold and italic quotes are kept as text (and dropped by _tidy): an unbalanced pair (a
     # caption's bold closed as italics) would make the parser give up its construct as text.
-    code = mwparserfromhell.parse(wikitext, skip_style_tags=True)
+    code = mwparserfromhell.parse(prestrip(wikitext), skip_style_tags=True)
     _prune(code)
     _drop_empty_sections(code)
     return _tidy(code.strip_code(normalize=True, collapse=True))

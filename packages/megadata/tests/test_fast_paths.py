@@ -1,0 +1,162 @@
+"""The faster ways of issue 21 give what the libraries give: ftfy, datasketch's MinHash,
+HF tokenizers' ids, the string 8-grams; and the detector and splitter choices."""
+
+import random
+
+import ftfy
+import numpy as np
+import pytest
+from datasketch import MinHash
+
+from megadata import minhash
+from megadata.documents import read_table, write_docs
+from megadata.encode import Encoder, split_sentences
+from megadata.ngrams import build_index, ngram_hashes
+from megadata.recipe import RecipeError, load_recipe
+from megadata.stages import clean
+from megadata.stages.decontaminate import word_ngrams
+from megadata.stages.dedup import shingles
+from megadata.stages.filter import filter_partition
+from megadata.stages.tokenize import tokenize_partition
+from megadata.tokenizer import build_tokenizer, eod_id
+
+ODD = [
+    "a\x0bb c\x0cd\x85e\u2028f\u2029g\u00a0h\u3000i\x1cj",  # whitespace BERT deletes or keeps
+    "x [SEP] y [sep] <|endoftext|> z [CLS]",  # added tokens inside a text
+    "  lead  and trail  ",
+    "",
+    "\n\n",
+    "tab\tsep\r\nwindows\rmac",
+    "naïve café Ωmega 東京タワー \uff46\uff55\uff4c\uff4c Ä\u0308",
+    "emoji 😀😀 ok",
+    "a" * 300 + " " + "b" * 99,  # longer than WordPiece's 100 characters a word
+    "\u200b zero\u200bwidth\ufeff",
+    "it's 'll 're 've 123,456.78 - -- --- ... !!",
+]
+
+
+def test_fix_text_equals_ftfy_line_by_line():
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(128)] + [
+        "é", "“", "”", "\u2028", "\r", "&amp;", "Ã©", "ﬁ", "\x85", "â€™", "\n", "\n\n", "<",
+        "&lt;", "\uff46", "\x9d",
+    ]  # fmt: skip
+    for _ in range(20000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        assert clean.fix_text(text) == ftfy.fix_text(text), repr(text)
+
+
+def test_minhash_signatures_are_datasketchs(documents, monkeypatch):
+    sets = [{s.encode() for s in shingles(d["text"], 2)} for d in documents]
+    sets += [set(), {b"one"}, sets[0]]  # no shingle, one shingle, a repeat
+    monkeypatch.setattr(minhash, "BATCH_SHINGLES", 5000)  # several batches
+    ours = minhash.signatures(sets, 128, 1)
+    theirs = MinHash.bulk(sets, num_perm=128, seed=1)
+    assert ours.dtype == np.uint32 and ours.shape == (len(sets), 128)
+    for row, m in zip(ours, theirs, strict=True):
+        assert (row == m.hashvalues).all()
+    other = minhash.signatures(sets[:3], 64, 7)
+    for row, s in zip(other, sets[:3], strict=True):
+        m = MinHash(num_perm=64, seed=7)
+        m.update_batch(list(s))
+        assert (row == m.hashvalues).all()
+
+
+@pytest.fixture(scope="module", params=["gpt2-bpe", "bert-wordpiece"])
+def tokenizer_file(request, tmp_path_factory, documents):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok = build_tokenizer(
+        {"kind": request.param, "vocab_size": 800}, [d["text"] for d in documents], path.parent
+    )
+    tok.save(str(path))
+    return request.param, path
+
+
+def test_piecewise_encoding_gives_the_tokenizers_ids(tokenizer_file, documents):
+    _, path = tokenizer_file
+    enc = Encoder(str(path))
+    assert enc.pieces is not None  # the fast way is taken for both corpus tokenizers
+    texts = [d["text"] for d in documents] + ODD
+    expected = [e.ids for e in enc.tok.encode_batch(texts, add_special_tokens=False)]
+    assert enc.encode_many(texts) == expected
+    assert enc.encode_many(texts) == expected  # from the remembered pieces too
+
+
+def test_tokens_from_the_filter_stage_equal_a_fresh_encoding(tmp_path, tokenizer_file, documents):
+    kind, path = tokenizer_file
+    rows = [{"doc_id": str(i), "text": d["text"]} for i, d in enumerate(documents[:30])]
+    rows.append({"doc_id": "short", "text": "Too short to keep."})
+    write_docs(tmp_path / "in.arrow", rows)
+    sentences = kind == "bert-wordpiece"
+    counts = filter_partition(
+        str(tmp_path / "in.arrow"), str(tmp_path / "kept.arrow"), str(path), 16,
+        str(tmp_path / "tokens.arrow"), sentences, "blingfire",
+    )  # fmt: skip
+    assert counts["docs_out"] == 30 and counts["extra"]["too_short"] == 1
+    eod = eod_id(Encoder(str(path)).tok, kind)
+    args = (str(path), eod, sentences)
+    tokenize_partition(str(tmp_path / "kept.arrow"), str(tmp_path / "a.arrow"), *args,
+                       str(tmp_path / "tokens.arrow"), "blingfire")  # fmt: skip
+    tokenize_partition(str(tmp_path / "kept.arrow"), str(tmp_path / "b.arrow"), *args,
+                       None, "blingfire")  # fmt: skip
+    a, b = read_table(tmp_path / "a.arrow"), read_table(tmp_path / "b.arrow")
+    assert a.equals(b)
+    tokens = a.column("tokens").to_pylist()
+    assert sum(len(t) - 1 for t in tokens) == counts["tokens"] and all(t[-1] == eod for t in tokens)
+    if sentences:
+        for t, ends in zip(tokens, a.column("sentence_ends").to_pylist(), strict=True):
+            assert len(ends) > 1 and ends == sorted(set(ends)) and ends[-1] == len(t) - 1
+
+
+@pytest.mark.parametrize("splitter", ["blingfire", "pysbd"])
+def test_sentences_keep_all_the_text(splitter):
+    text = (
+        'Mr. Smith went to Washington, D.C. in 1999. He said: "It was fine." The U.S. economy '
+        "grew 3.5% that year!\n\nHistory\n\nA heading is a sentence of its own. Is it?   Yes."
+    )
+    found = split_sentences(text, splitter)
+    assert "".join("".join(s.split()) for s in found) == "".join(text.split())
+    assert "History" in found and len(found) >= 5
+    assert split_sentences("", splitter) == [] and split_sentences(" \n ", splitter) == []
+
+
+def test_ngram_hashes_count_the_string_ngrams(documents):
+    texts = [d["text"] for d in documents[:40]] + ODD + ["one two three four five six seven"]
+    for text in texts:
+        hashes = ngram_hashes(text)
+        assert (
+            len(hashes) == len(word_ngrams(text)) and (np.diff(hashes.astype(np.float64)) > 0).all()
+        )
+    a, b = documents[0]["text"], documents[1]["text"]
+    common = word_ngrams(a) & word_ngrams(b + " " + a[: len(a) // 2])
+    both = np.intersect1d(ngram_hashes(a), ngram_hashes(b + " " + a[: len(a) // 2]))
+    assert len(both) == len(common) > 10
+    index, articles = build_index(
+        [{"name": "s", "kind": "wikitext", "units": [{"title": "T", "text": a}]}], 8
+    )
+    assert articles == [{"set": "s", "title": "T", "grams": len(word_ngrams(a))}]
+    half = " ".join(a.split()[: len(a.split()) // 2])  # whole words: all its 8-grams are a's
+    hits = index.article_hits(ngram_hashes(half), 1)
+    assert hits[0] == len(word_ngrams(half)) == len(word_ngrams(half) & word_ngrams(a))
+
+
+def test_detector_choice_and_a_clear_error_for_another(tmp_path):
+    english = "The committee met on Tuesday to discuss the budget for the coming year. " * 4
+    german = (
+        "Der Ausschuss traf sich am Dienstag, um den Haushalt für das kommende Jahr zu beraten. "
+        * 4
+    )
+    for detector in clean.DETECTORS:
+        assert clean.english_probability(english, detector=detector) > 0.8
+        assert clean.english_probability(german, detector=detector) < 0.1
+    assert clean.english_probability("  ", detector="fasttext") == 0.0
+    recipe = tmp_path / "r.toml"
+    body = 'name = "x"\n[[sources]]\nname = "a"\nkind = "text"\npaths = ["a.txt"]\n'
+    recipe.write_text(body + '[clean]\ndetector = "cld3"\n')
+    with pytest.raises(
+        RecipeError, match=r"\[clean\] detector must be one of fasttext, langdetect; got 'cld3'"
+    ):
+        load_recipe(recipe)
+    recipe.write_text(body.replace("[[sources]]", 'sentence_splitter = "nltk"\n[[sources]]'))
+    with pytest.raises(RecipeError, match=r"sentence_splitter must be one of blingfire, pysbd"):
+        load_recipe(recipe)
