@@ -128,3 +128,7 @@ for _stage, _help in zip(
     _stage_command(_stage, _help)
 main.add_command(overlap_command)
 main.add_command(crawl_command)
+
+
+if __name__ == "__main__":  # `python -m megadata.cli`: messages still say "megadata COMMAND: ..."
+    main(prog_name="megadata")

@@ -55,9 +55,14 @@ def _hash_words(tokens: list[str]) -> np.ndarray:
     return np.fromiter(map(get, tokens), dtype=np.uint64, count=len(tokens))
 
 
-def ngram_hashes(text: str, n: int = 8) -> np.ndarray:
-    """The sorted distinct hashes of the text's word n-grams (none under n words)."""
-    tokens = words(text)
+def ngram_hashes(
+    text: str, n: int = 8, word: re.Pattern = _WORD, short: bool = False
+) -> np.ndarray:
+    """The sorted distinct hashes of the text's word n-grams (none under n words; with
+    `short`, a text of 1..n-1 words is one n-gram of all its words, as dedup's shingles)."""
+    tokens = word.findall(text.lower())
+    if short and 0 < len(tokens) < n:
+        n = len(tokens)
     if len(tokens) < n:
         return np.zeros(0, dtype=np.uint64)
     w = _hash_words(tokens)

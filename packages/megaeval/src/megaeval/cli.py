@@ -423,3 +423,7 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
         for name, value in metrics.items()
     ]
     report(f"finetune {task}  {ckpt} -> {out}", rows or [("results", "none")], result, None)
+
+
+if __name__ == "__main__":  # `python -m megaeval.cli`: messages still say "megaeval COMMAND: ..."
+    main(prog_name="megaeval")

@@ -543,5 +543,5 @@ def plan_command(
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m megatrain.cli`: messages still say "megatrain run: ..."
+    main(prog_name="megatrain")

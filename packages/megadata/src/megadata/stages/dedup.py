@@ -49,7 +49,9 @@ dedup work directory, never through the scheduler.  A document is known by its n
    where the bulk of a large cluster goes, spread over the node shards.
 8. greedy (`verify_remaining`, per component shard): the members the first did not remove,
    walked in order, each compared with the kept documents it shares a bucket with until
-   one is above the threshold; report lines (a kept document and those it removed).
+   one is above the threshold; report lines (a kept document and those it removed).  The
+   kept documents' shingles are held as sorted 64-bit hashes (megadata.ngrams): its memory
+   grows with the kept members of the largest component.
 9. report (`write_report`, one task): clusters.jsonl in survivor order and removed.json,
    the sorted removed ids that every remove task reads whole.  This step gathers to one
    process: its memory grows with the number of removed documents (not the corpus).
@@ -79,6 +81,7 @@ from megadata.documents import (
     write_table,
 )
 from megadata.minhash import scheme, signatures
+from megadata.ngrams import ngram_hashes
 from megadata.runner import Runner, Task
 from megadata.shuffle import read_shuffled as _read_shuffled
 from megadata.shuffle import write_shuffled as _write_shuffled
@@ -117,6 +120,14 @@ def jaccard(a: set, b: set) -> float:
         return 1.0
     common = len(a & b)
     return common / (len(a) + len(b) - common)  # = len(a & b) / len(a | b)
+
+
+def _sorted_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """`jaccard` of two sets given as sorted arrays of distinct values."""
+    if not (len(a) or len(b)):
+        return 1.0
+    common = len(np.intersect1d(a, b, assume_unique=True))
+    return common / (len(a) + len(b) - common)
 
 
 def choose_bands(threshold: float, num_perm: int, recall: float = 0.995) -> tuple[int, int]:
@@ -557,10 +568,13 @@ def verify_remaining(
                 component, kept, buckets = first[i], {}, defaultdict(list)
             keys = [(b, h) for b, h in enumerate(hubs[i].tolist()) if h >= 0]
             earlier = sorted({k for key in keys for k in buckets.get(key, ())})
-            own = shingles(text, n)
+            # The kept documents' shingles as sorted 64-bit hashes, not sets of strings: a
+            # component of many documents sharing some text holds 10x less memory (the
+            # Jaccard is the same but for a hash collision, about 2^-64 a pair).
+            own = ngram_hashes(text, n, _WORD, short=True)
             for k in earlier:
                 compared += 1
-                j = jaccard(own, kept[k])
+                j = _sorted_jaccard(own, kept[k])
                 if j > threshold:
                     verified += 1
                     removed_by[k].append((doc_id[i], j))
