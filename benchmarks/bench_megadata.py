@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -407,39 +408,45 @@ def _output_digests(corpus: Path) -> dict[str, str]:
 
 
 def scale(gb: float, workers: list[int], work: Path) -> dict:
-    """The default recipe on `gb` GB of replicated text, once per worker count."""
+    """The default recipe on `gb` GB of replicated text, once per worker count; each run's
+    figures and output digests are kept in `work` (run-W.json), and every run found there
+    is compared, so worker counts can be run one invocation at a time."""
     path = bench_recipe("default", gb * 1000, work)
-    runs, digests = [], {}
     for w in workers:
+        shutil.rmtree(work / f"corpus-{w}", ignore_errors=True)  # every stage from scratch
         recipe = load_recipe(path, output=work / f"corpus-{w}")
         start = time.perf_counter()
         results = run_recipe(recipe, workers=w, progress=False)
         wall = time.perf_counter() - start
-        first = cluster_start(recipe)
-        rows = ([first] if first else []) + results
-        print(f"--- {gb} GB, {w} workers: {wall:.0f} s\n{format_table(rows)}", flush=True)
-        text_mb = results[0].bytes_out / 1e6
-        cpu = sum(r.cpu_seconds for r in rows)
-        runs.append(
-            {
-                "workers": w,
-                "text_mb": round(text_mb, 1),
-                "wall_seconds": round(wall, 1),
-                "cpu_seconds": round(cpu, 1),
-                "mb_per_s_per_core_wall": round(text_mb / wall / w, 3),
-                "mb_per_s_per_core_cpu": round(text_mb / cpu, 3),
-                "peak_rss_mb_any_process": round(max(r.peak_rss_mb for r in rows)),
-                "stages": [_stage_row(r, text_mb, w) for r in rows],
-            }
-        )
-        digests[w] = _output_digests(recipe.output)
-    first_digests = digests[workers[0]]
+        run = _scale_run(recipe, w, wall, results)
+        (work / f"run-{w}.json").write_text(json.dumps(run, indent=2) + "\n")
+    runs = [json.loads(p.read_text()) for p in sorted(work.glob("run-*.json"))]
+    digests = [run.pop("digests") for run in runs]
     return {
         "gb": gb,
         "input_mb": round(sum(f.stat().st_size for f in (work / "inputs").iterdir()) / 1e6),
         "runs": runs,
-        "output_files": len(first_digests),
-        "outputs_identical": all(d == first_digests for d in digests.values()),
+        "output_files": len(digests[0]),
+        "outputs_identical": all(d == digests[0] for d in digests),
+    }
+
+
+def _scale_run(recipe, w: int, wall: float, results: list[StageStats]) -> dict:
+    first = cluster_start(recipe)
+    rows = ([first] if first else []) + results
+    print(f"--- {w} workers: {wall:.0f} s\n{format_table(rows)}", flush=True)
+    text_mb = results[0].bytes_out / 1e6
+    cpu = sum(r.cpu_seconds for r in rows)
+    return {
+        "workers": w,
+        "text_mb": round(text_mb, 1),
+        "wall_seconds": round(wall, 1),
+        "cpu_seconds": round(cpu, 1),
+        "mb_per_s_per_core_wall": round(text_mb / wall / w, 3),
+        "mb_per_s_per_core_cpu": round(text_mb / cpu, 3),
+        "peak_rss_mb_any_process": round(max(r.peak_rss_mb for r in rows)),
+        "stages": [_stage_row(r, text_mb, w) for r in rows],
+        "digests": _output_digests(recipe.output),
     }
 
 
@@ -466,13 +473,17 @@ def main() -> None:
     parser.add_argument("--dedup-scaling", action="store_true", help="only 6. above")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000])
     parser.add_argument("--scale-gb", type=float, default=None, help="only 7. above")
+    parser.add_argument("--work", type=Path, help="--scale-gb's work directory (kept)")
     parser.add_argument("--detectors", action="store_true", help="only 3. above")
     parser.add_argument("--splitters", action="store_true", help="only 4. above")
     args = parser.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     if args.scale_gb:
-        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-            report = {"machine": _machine(), **scale(args.scale_gb, workers, Path(tmp))}
+        if args.work:  # kept: its inputs are reused by the next run
+            report = {"machine": _machine(), **scale(args.scale_gb, workers, args.work)}
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                report = {"machine": _machine(), **scale(args.scale_gb, workers, Path(tmp))}
         _write(report, args.out or ROOT / "benchmarks/results/megadata-scale.json")
         return
     if args.dedup_scaling:

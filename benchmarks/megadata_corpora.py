@@ -112,23 +112,28 @@ def bench_recipe(kind: str, target_mb: float, work: Path) -> Path:
     inputs = work / "inputs"
     inputs.mkdir(parents=True, exist_ok=True)
     copies = max(1, round(target_mb / sample_text_mb()))
+    marker = inputs / f"_{kind}-{copies}-copies"  # a complete set made earlier is reused
     base = "default-bert.toml" if kind == "bert" else "default.toml"
     text = (ROOT / "pipelines/corpus" / base).read_text()
     head, rest = text.split("[[sources]]", 1)
     rest = rest[rest.index("[clean]") :]
+    made = marker.exists()
     if kind == "jsonl":
-        write_jsonl_copies(inputs, copies)
+        if not made:
+            write_jsonl_copies(inputs, copies)
         sources = (
             f'[[sources]]\nname = "web"\nkind = "jsonl"\npaths = ["{inputs}/docs-*.jsonl"]\n\n'
         )
     else:
-        write_recipe_copies(inputs, copies)
+        if not made:
+            write_recipe_copies(inputs, copies)
         sources = (
             f'[[sources]]\nname = "enwiki"\nkind = "wikipedia"\n'
             f'paths = ["{inputs}/wiki-*.xml.bz2"]\n\n'
             f'[[sources]]\nname = "lee-news"\nkind = "text"\nsplit = "line"\n'
             f'paths = ["{inputs}/lee-*.cor"]\n\n'
         )
+    marker.touch()
     path = work / f"{kind}.toml"
     path.write_text(head + sources + rest)
     return path

@@ -118,10 +118,19 @@ def _timed(fn: Callable, *args) -> dict:
 
 
 def _peak_rss_mb() -> float:
-    """The peak resident memory of this process so far (Linux reports KiB, macOS bytes)."""
+    """The peak resident memory of this process so far: VmHWM on Linux (ru_maxrss would
+    carry the peak of the process that started a worker over to the worker), else
+    ru_maxrss (bytes on macOS)."""
     import resource
     import sys
 
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 2**10, 1)  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
