@@ -35,7 +35,10 @@
 7. `--scale-gb G --workers 1,2` (alone; writes benchmarks/results/megadata-scale.json): the
    default recipe on G GB of replicated text, once per worker count: wall and CPU time per
    stage, the peak RSS of any process per stage, and whether every output file (shards,
-   eval files, reports) is identical across the worker counts.
+   eval files, reports) is identical across the worker counts.  With `--work DIR` the
+   inputs and each run's figures (DIR/run-W.json) are kept, so the worker counts can be run
+   one invocation at a time and compared; `--resume` goes on with a run that was killed
+   (its wall time is then the sum of its stages').
 """
 
 import argparse
@@ -407,18 +410,23 @@ def _output_digests(corpus: Path) -> dict[str, str]:
     }
 
 
-def scale(gb: float, workers: list[int], work: Path) -> dict:
+def scale(gb: float, workers: list[int], work: Path, resume: bool = False) -> dict:
     """The default recipe on `gb` GB of replicated text, once per worker count; each run's
     figures and output digests are kept in `work` (run-W.json), and every run found there
     is compared, so worker counts can be run one invocation at a time."""
     path = bench_recipe("default", gb * 1000, work)
     for w in workers:
-        shutil.rmtree(work / f"corpus-{w}", ignore_errors=True)  # every stage from scratch
+        if not resume:  # every stage from scratch
+            shutil.rmtree(work / f"corpus-{w}", ignore_errors=True)
         recipe = load_recipe(path, output=work / f"corpus-{w}")
         start = time.perf_counter()
         results = run_recipe(recipe, workers=w, progress=False)
         wall = time.perf_counter() - start
+        if resume:  # the stages' recorded times, those of the earlier invocation included
+            first = cluster_start(recipe)
+            wall = sum(r.seconds for r in results) + (first.seconds if first else 0.0)
         run = _scale_run(recipe, w, wall, results)
+        run["resumed"] = resume
         (work / f"run-{w}.json").write_text(json.dumps(run, indent=2) + "\n")
     runs = [json.loads(p.read_text()) for p in sorted(work.glob("run-*.json"))]
     digests = [run.pop("digests") for run in runs]
@@ -474,13 +482,17 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2000, 20000])
     parser.add_argument("--scale-gb", type=float, default=None, help="only 7. above")
     parser.add_argument("--work", type=Path, help="--scale-gb's work directory (kept)")
+    parser.add_argument(
+        "--resume", action="store_true", help="with --work: go on with a killed --scale-gb run"
+    )
     parser.add_argument("--detectors", action="store_true", help="only 3. above")
     parser.add_argument("--splitters", action="store_true", help="only 4. above")
     args = parser.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     if args.scale_gb:
         if args.work:  # kept: its inputs are reused by the next run
-            report = {"machine": _machine(), **scale(args.scale_gb, workers, args.work)}
+            found = scale(args.scale_gb, workers, args.work, args.resume)
+            report = {"machine": _machine(), **found}
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 report = {"machine": _machine(), **scale(args.scale_gb, workers, Path(tmp))}
