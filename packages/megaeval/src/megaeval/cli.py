@@ -101,16 +101,6 @@ def run_options(command: Callable) -> Callable:
     return apply_options(command, options)
 
 
-def _file_sha256(path: str) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def cache_key(task: str, model: dict, data: str, settings: dict) -> dict | None:
     """What a --ckpt evaluation's result depends on: the checkpoint (the iteration `latest`
     names, and its meta.json's digest, which changes with any retraining), the data file's
@@ -118,6 +108,7 @@ def cache_key(task: str, model: dict, data: str, settings: dict) -> dict | None:
     if model["ckpt"] is None:
         return None
     from megatrain.checkpoint_files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.data import sha256_file
 
     try:
         directory = find_checkpoint(model["ckpt"])
@@ -128,8 +119,8 @@ def cache_key(task: str, model: dict, data: str, settings: dict) -> dict | None:
         "task": task,
         "checkpoint": str(directory.resolve()),
         "iteration": iteration,
-        "meta_sha256": _file_sha256(str(directory / "meta.json")),
-        "data_sha256": _file_sha256(data),
+        "meta_sha256": sha256_file(directory / "meta.json"),
+        "data_sha256": sha256_file(data),
         "settings": settings,
     }
 
