@@ -2,13 +2,14 @@
 HF tokenizers' ids, the string 8-grams; and the detector and splitter choices."""
 
 import random
+import re
 
 import ftfy
 import numpy as np
 import pytest
 from datasketch import MinHash
 
-from megadata import minhash
+from megadata import minhash, ngrams
 from megadata.documents import read_table, write_docs
 from megadata.encode import Encoder, split_sentences
 from megadata.ngrams import build_index, ngram_hashes
@@ -59,6 +60,21 @@ def test_minhash_signatures_are_datasketchs(documents, monkeypatch):
     for row, s in zip(other, sets[:3], strict=True):
         m = MinHash(num_perm=64, seed=7)
         m.update_batch(list(s))
+        assert (row == m.hashvalues).all()
+
+
+def test_minhash_of_hashes_is_datasketchs_with_that_hashfunc(documents):
+    """dedup's way: the shingles as megadata.ngrams' 64-bit hashes (one per distinct word
+    bigram, as many as dedup's string shingles), datasketch's values for them mod 2^32."""
+    texts = [d["text"] for d in documents[:40]] + ["", "one", "two words", "x y x y x y"]
+    hashes = [ngram_hashes(t, 2, underscore=True, short=True) for t in texts]
+    for t, h in zip(texts, hashes, strict=True):
+        assert len(h) == len(shingles(t, 2)), t[:60]
+    ours = minhash.signatures_of_hashes(hashes, 128, 1)
+    assert ours.dtype == np.uint32 and ours.shape == (len(texts), 128)
+    for row, h in zip(ours, hashes, strict=True):
+        m = MinHash(num_perm=128, seed=1, hashfunc=lambda v: v & 0xFFFFFFFF)
+        m.update_batch([int(v) for v in h])
         assert (row == m.hashvalues).all()
 
 
@@ -118,6 +134,23 @@ def test_sentences_keep_all_the_text(splitter):
     assert "".join("".join(s.split()) for s in found) == "".join(text.split())
     assert "History" in found and len(found) >= 5
     assert split_sentences("", splitter) == [] and split_sentences(" \n ", splitter) == []
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 7])
+def test_word_hashes_are_the_regex_words_hashed(documents, monkeypatch, chunk):
+    """The vectorised words are Python's regex words (\\w+, or less "_"), in order, each
+    hashed as `word_hash` does, also for a text cut into pieces (CHUNK_POINTS)."""
+    monkeypatch.setattr(ngrams, "CHUNK_POINTS", chunk)
+    rng = random.Random(1)
+    odd = "éßİ\u0130ﬁΩ東京\u0301٣\u00b2_\u2028\ud800\n\t"  # İ lower-cases to 2 characters
+    alphabet = [chr(c) for c in range(32, 127)] + list(odd)
+    texts = [d["text"] for d in documents[:10]] + ODD + ["", "_", "a_b c__d", "x" * 50]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300))) for _ in range(300)]
+    for underscore, pattern in ((True, r"\w+"), (False, r"[^\W_]+")):
+        for text in texts:
+            expected = [ngrams.word_hash(w) for w in re.findall(pattern, text.lower())]
+            got = ngrams._word_hashes(text, underscore)
+            assert got.dtype == np.uint64 and got.tolist() == expected, repr(text[:80])
 
 
 def test_ngram_hashes_count_the_string_ngrams(documents):

@@ -1,17 +1,28 @@
-"""Word n-grams as 64-bit hashes, and the evaluation sets' n-grams as one exact index.
+r"""Word n-grams as 64-bit hashes, and the evaluation sets' n-grams as one exact index.
 
 Decontamination compares the n-grams of every training document with those of the
-evaluation sets.  Building each n-gram as a string (and hashing it for a Bloom filter)
-costs more than the rest of the stage; here a document's n-grams are hashed with numpy
-instead: each distinct word gets a 64-bit keyed blake2b hash (remembered per process),
-and the n-gram starting at word i is sum_j word[i + j] * C_j mod 2^64 with fixed odd
-constants C_j.  Two different n-grams share a hash with probability about 2^-63, so a
-set of hashes stands for the set of n-grams: at the paper's scale (3 * 10^10 training
-n-grams against 10^6 evaluation n-grams) about 10^-3 false matches are expected in all,
-against the Bloom filter's 1e-3 of every evaluation n-gram.
+evaluation sets, and dedup hashes every document's word bigrams for MinHash and for the
+exact Jaccard that verifies a pair.  Building each n-gram as a string (and hashing it)
+costs more than the rest of those stages; here a document's n-grams are hashed with numpy
+instead, without a Python call per word:
+- words are the maximal runs of word characters of the lower-cased text, as
+  `re.findall(r"\w+")` finds them (or `[^\W_]+`, underscore excluded): the text's code
+  points are classified by one lookup table (`str.isalnum` of every code point, built
+  once per process, as Python's regex engine decides \w);
+- a word's hash is the polynomial sum_k c_k * P^k mod 2^64 of its code points, finished
+  with the splitmix64 mixer (its length folded in): prefix sums over the whole text give
+  every word's sum at once (`word_hash` is the same function, one word at a time);
+- the n-gram starting at word i is sum_j word[i + j] * C_j mod 2^64 with fixed odd
+  constants C_j.
+Two different n-grams share a hash with probability about 2^-63, so a set of hashes
+stands for the set of n-grams: at the paper's scale (3 * 10^10 training n-grams against
+10^6 evaluation n-grams) about 10^-3 false matches are expected in all, against the Bloom
+filter's 1e-3 of every evaluation n-gram.  `NGRAM_HASH` names the function; files that
+hold its values record it, so values of another version are never compared.
 
-The words are those of `word_ngrams` (lower-cased runs of letters and digits), so the
-hashes and the strings describe the same n-grams (a test checks the counts agree).
+The words of decontamination are those of `word_ngrams` (lower-cased runs of letters and
+digits), so the hashes and the strings describe the same n-grams (a test checks the
+counts agree); dedup's are its shingles' (`\w+`).
 
 `EvalIndex` (built once from the evaluation sets, loaded by every worker) holds the sorted
 distinct hashes of all sets, each set's positions among them, and the (hash, article)
@@ -19,8 +30,10 @@ pairs of the WikiText articles for the removal rules.  Its size is that of the e
 sets, whatever the size of the training corpus.
 """
 
+import functools
 import hashlib
 import io
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +43,84 @@ import numpy as np
 from megadata.documents import atomic_write_bytes
 
 _WORD = re.compile(r"[^\W_]+")  # \w+ less "_": Moses splits add_argument as add _ argument
-_WORD_KEY = b"megadata-ngram-v1"
-_CACHE_WORDS = 1 << 21
-_word_hashes: dict[str, int] = {}
+NGRAM_HASH = "megadata-ngram-v2"  # the function below: change it with the function
+_P = 0x100000001B3  # odd: invertible mod 2^64
+_P_INV = pow(_P, -1, 1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+CHUNK_POINTS = 1 << 20  # a longer text is hashed in pieces of about this many characters
+_powers = [np.ones(1, np.uint64), np.ones(1, np.uint64)]  # P^k, P^-k mod 2^64 (grown)
 
 
 def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
+
+
+@functools.cache
+def _word_chars(underscore: bool) -> np.ndarray:
+    r"""A bool per code point: is it a word character (regex \w: str.isalnum, or "_")."""
+    table = np.fromiter((chr(c).isalnum() for c in range(0x110000)), dtype=np.bool_, count=0x110000)
+    table[ord("_")] = underscore
+    return table
+
+
+def _splitmix(x):
+    """splitmix64's finalizer, on a Python int or a uint64 array (mod 2^64)."""
+    if isinstance(x, int):
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        return x ^ (x >> 31)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def word_hash(word: str) -> int:
+    """One word's 64-bit hash, as `ngram_hashes` computes it for all words at once."""
+    h, p = 0, 1
+    for ch in word:
+        h, p = (h + ord(ch) * p) & _M64, (p * _P) & _M64
+    return _splitmix((h + len(word) * _GOLDEN) & _M64)
+
+
+def _power_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
+    if len(_powers[0]) < n:
+        size = max(n, 2 * len(_powers[0]), 1 << 16)
+        for i, base in enumerate((_P, _P_INV)):
+            steps = np.full(size, base, dtype=np.uint64)
+            steps[0] = 1
+            _powers[i] = np.cumprod(steps, dtype=np.uint64)  # wraps: mod 2^64
+    return _powers[0][:n], _powers[1][:n]
+
+
+def _word_hashes(text: str, underscore: bool) -> np.ndarray:
+    """The 64-bit hash of each word of the lower-cased `text`, in order."""
+    points = np.frombuffer(text.lower().encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    is_word = _word_chars(underscore)[points]
+    if len(points) <= CHUNK_POINTS:
+        return _chunk_word_hashes(points, is_word)
+    # A long text goes in pieces cut at non-word characters (no word is cut), so the
+    # temporaries and the power tables stay near CHUNK_POINTS entries.
+    gaps = np.flatnonzero(~is_word)
+    cuts = {0, len(points)}
+    for target in range(CHUNK_POINTS, len(points), CHUNK_POINTS):
+        k = np.searchsorted(gaps, target)
+        cuts.add(int(gaps[k]) if k < len(gaps) else len(points))
+    pieces = itertools.pairwise(sorted(cuts))
+    return np.concatenate([_chunk_word_hashes(points[a:b], is_word[a:b]) for a, b in pieces])
+
+
+def _chunk_word_hashes(points: np.ndarray, is_word: np.ndarray) -> np.ndarray:
+    edges = np.diff(is_word.view(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not len(starts):
+        return np.zeros(0, dtype=np.uint64)
+    up, down = _power_tables(len(points))
+    with np.errstate(over="ignore"):  # the arithmetic is mod 2^64 on purpose
+        prefix = np.zeros(len(points) + 1, dtype=np.uint64)
+        np.cumsum(points * up, out=prefix[1:])
+        poly = (prefix[ends] - prefix[starts]) * down[starts]  # sum_k c_k P^k of each word
+        return _splitmix(poly + (ends - starts).astype(np.uint64) * np.uint64(_GOLDEN))
 
 
 def _constants(n: int) -> np.ndarray:
@@ -44,34 +128,24 @@ def _constants(n: int) -> np.ndarray:
     return np.frombuffer(digest, dtype="<u8").astype(np.uint64) | np.uint64(1)
 
 
-def _hash_words(tokens: list[str]) -> np.ndarray:
-    if len(_word_hashes) > _CACHE_WORDS:
-        _word_hashes.clear()
-    missing = [w for w in set(tokens) if w not in _word_hashes]
-    for w in missing:
-        digest = hashlib.blake2b(w.encode(), digest_size=8, key=_WORD_KEY).digest()
-        _word_hashes[w] = int.from_bytes(digest, "little")
-    get = _word_hashes.__getitem__
-    return np.fromiter(map(get, tokens), dtype=np.uint64, count=len(tokens))
-
-
 def ngram_hashes(
-    text: str, n: int = 8, word: re.Pattern = _WORD, short: bool = False
+    text: str, n: int = 8, underscore: bool = False, short: bool = False
 ) -> np.ndarray:
-    """The sorted distinct hashes of the text's word n-grams (none under n words; with
-    `short`, a text of 1..n-1 words is one n-gram of all its words, as dedup's shingles)."""
-    tokens = word.findall(text.lower())
-    if short and 0 < len(tokens) < n:
-        n = len(tokens)
-    if len(tokens) < n:
+    r"""The sorted distinct hashes of the text's word n-grams (none under n words; with
+    `short`, a text of 1..n-1 words is one n-gram of all its words, as dedup's shingles).
+    Words: runs of letters and digits, with `underscore` of \w (dedup's shingles)."""
+    w = _word_hashes(text, underscore)
+    if short and 0 < len(w) < n:
+        n = len(w)
+    if len(w) < n:
         return np.zeros(0, dtype=np.uint64)
-    w = _hash_words(tokens)
-    count = len(tokens) - n + 1
+    count = len(w) - n + 1
     out = np.zeros(count, dtype=np.uint64)
-    with np.errstate(over="ignore"):  # the arithmetic is mod 2^64 on purpose
+    with np.errstate(over="ignore"):
         for j, c in enumerate(_constants(n)):
             out += w[j : j + count] * c
-    return np.unique(out)
+    out.sort()  # then the distinct values: twice as fast as np.unique's hash table here
+    return out[np.concatenate(([True], out[1:] != out[:-1]))]
 
 
 @dataclass
@@ -85,6 +159,7 @@ class EvalIndex:
         arrays = {"hashes": self.hashes, "article_hash": self.article_hash}
         arrays["article_id"] = self.article_id
         arrays.update({f"set:{name}": rows for name, rows in self.set_rows.items()})
+        arrays["ngram_hash"] = np.array(NGRAM_HASH)
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         atomic_write_bytes(Path(path), buffer.getvalue())
@@ -92,6 +167,12 @@ class EvalIndex:
     @classmethod
     def load(cls, path: Path) -> "EvalIndex":
         with np.load(path) as data:
+            made_by = str(data["ngram_hash"]) if "ngram_hash" in data.files else "an older one"
+            if made_by != NGRAM_HASH:
+                raise ValueError(
+                    f"{path}: evaluation n-grams hashed by {made_by}, not {NGRAM_HASH}; "
+                    f"delete {Path(path).parent} to have it rebuilt"
+                )
             sets = {k[4:]: data[k] for k in data.files if k.startswith("set:")}
             return cls(data["hashes"], sets, data["article_hash"], data["article_id"])
 

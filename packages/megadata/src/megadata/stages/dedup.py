@@ -22,7 +22,8 @@ dedup work directory, never through the scheduler.  A document is known by its n
 `partition << 32 | row`, which `_take` turns back into its text, doc_id, length or source.
 
 1. minhash (`signature_partition`, per partition): datasketch's MinHash of the document's
-   set of word n-grams, computed for the whole partition at once (megadata.minhash).
+   set of word n-grams, each n-gram hashed to 64 bits as verification hashes it
+   (megadata.ngrams) and taken mod 2^32 (megadata.minhash.signatures_of_hashes).
 2. bands (`band_partition`, per signature partition): each signature is cut into the
    b bands of r rows of `choose_bands`; the row (band, band's values, node) goes to bucket
    hash(band, values) % S.  One Arrow file of S record batches, batch k = bucket k: the
@@ -68,7 +69,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasketch import MinHash
 
 from megadata.documents import (
     atomic_write_bytes,
@@ -80,8 +80,8 @@ from megadata.documents import (
     write_docs,
     write_table,
 )
-from megadata.minhash import scheme, signatures
-from megadata.ngrams import ngram_hashes
+from megadata.minhash import scheme, signatures_of_hashes
+from megadata.ngrams import NGRAM_HASH, ngram_hashes
 from megadata.runner import Runner, Task
 from megadata.shuffle import read_shuffled as _read_shuffled
 from megadata.shuffle import write_shuffled as _write_shuffled
@@ -93,6 +93,9 @@ DOCS_PER_SHARD = 2000
 MAX_SHARDS = 1024
 
 _WORD = re.compile(r"\w+")
+# How a signature's shingles were hashed (written beside `scheme`): signatures of
+# different hashes are not comparable, so a mix is refused.
+SHINGLE_HASH = NGRAM_HASH
 
 
 def shingles(text: str, n: int = 2) -> set[str]:
@@ -103,16 +106,6 @@ def shingles(text: str, n: int = 2) -> set[str]:
     if n == 2:  # the usual case, a third faster this way
         return {f"{a} {b}" for a, b in itertools.pairwise(words)}
     return set(map(" ".join, zip(*(words[i:] for i in range(n)), strict=False)))
-
-
-def shingle_bytes(text: str, n: int = 2) -> list[bytes]:
-    """`shingles(text, n)` as UTF-8 bytes, repeats kept (a MinHash ignores them): built by
-    C-level joins over the encoded words, 3x faster than encoding each shingle."""
-    words = _WORD.findall(text.lower())
-    if len(words) < n:
-        return [" ".join(words).encode()] if words else []
-    encoded = " ".join(words).encode().split(b" ")  # a word holds no space
-    return list(map(b" ".join, zip(*(encoded[i:] for i in range(n)), strict=False)))
 
 
 def jaccard(a: set, b: set) -> float:
@@ -141,20 +134,15 @@ def choose_bands(threshold: float, num_perm: int, recall: float = 0.995) -> tupl
     return best
 
 
-def minhash(text: str, num_perm: int, n: int, seed: int) -> MinHash:
-    m = MinHash(num_perm=num_perm, seed=seed)
-    m.update_batch([s.encode("utf-8") for s in shingles(text, n)])
-    return m
-
-
 def signature_partition(in_path: str, out_path: str, num_perm: int, n: int, seed: int) -> dict:
-    ids, lengths, sets = [], [], []
+    ids, lengths, hashes = [], [], []
     for doc in read_docs(Path(in_path)):
         ids.append(doc["doc_id"])
         lengths.append(len(doc["text"]))
-        sets.append(shingle_bytes(doc["text"], n))
-    # The whole partition at once, the permutations shared: datasketch's values, faster.
-    flat = signatures(sets, num_perm, seed).astype(np.uint64).ravel()
+        # The shingles as the 64-bit hashes that verification compares (megadata.ngrams):
+        # each word is hashed once, not each shingle's bytes.
+        hashes.append(ngram_hashes(doc["text"], n, underscore=True, short=True))
+    flat = signatures_of_hashes(hashes, num_perm, seed).astype(np.uint64).ravel()
     table = pa.table(
         {
             "doc_id": pa.array(ids, pa.string()),
@@ -162,7 +150,8 @@ def signature_partition(in_path: str, out_path: str, num_perm: int, n: int, seed
             "signature": pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint64()), num_perm),
         }
     )
-    write_table(Path(out_path), table, {"scheme": scheme(num_perm, seed)})
+    meta = {"scheme": scheme(num_perm, seed), "shingle_hash": SHINGLE_HASH}
+    write_table(Path(out_path), table, meta)
     return {"docs_in": len(ids), "docs_out": len(ids)}
 
 
@@ -286,13 +275,13 @@ def _count_signatures(signature_paths: list[str]) -> int:
     schemes, count = set(), 0
     for path in signature_paths:
         count += read_table(Path(path)).num_rows  # memory-mapped: reads no data
-        scheme = read_meta(Path(path)).get("scheme")
-        if scheme is None:
+        meta = read_meta(Path(path))
+        if meta.get("scheme") is None or meta.get("shingle_hash") is None:
             raise ValueError(
                 f"{path}: MinHash signatures without their hashing scheme (written by an older "
                 "megadata); delete the directory to have them recomputed"
             )
-        schemes.add(scheme)
+        schemes.add((meta["scheme"], meta["shingle_hash"]))
     if len(schemes) > 1:
         raise ValueError(f"dedup: signatures made with different hashing schemes {sorted(schemes)}")
     return count
@@ -571,7 +560,7 @@ def verify_remaining(
             # The kept documents' shingles as sorted 64-bit hashes, not sets of strings: a
             # component of many documents sharing some text holds 10x less memory (the
             # Jaccard is the same but for a hash collision, about 2^-64 a pair).
-            own = ngram_hashes(text, n, _WORD, short=True)
+            own = ngram_hashes(text, n, underscore=True, short=True)
             for k in earlier:
                 compared += 1
                 j = _sorted_jaccard(own, kept[k])
