@@ -14,7 +14,7 @@ from megadata.documents import read_table, write_docs
 from megadata.encode import Encoder, split_sentences
 from megadata.ngrams import build_index, ngram_hashes
 from megadata.recipe import RecipeError, load_recipe
-from megadata.stages import clean
+from megadata.stages import clean, dedup
 from megadata.stages.decontaminate import word_ngrams
 from megadata.stages.dedup import shingles
 from megadata.stages.filter import filter_partition
@@ -193,3 +193,11 @@ def test_detector_choice_and_a_clear_error_for_another(tmp_path):
     recipe.write_text(body.replace("[[sources]]", 'sentence_splitter = "nltk"\n[[sources]]'))
     with pytest.raises(RecipeError, match=r"sentence_splitter must be one of blingfire, pysbd"):
         load_recipe(recipe)
+
+
+def test_sorted_jaccard_is_the_set_jaccard():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        a, b = (np.unique(rng.integers(0, 50, rng.integers(0, 30), dtype=np.uint64)) for _ in "ab")
+        sa, sb = set(a.tolist()), set(b.tolist())
+        assert dedup._sorted_jaccard(a, b) == dedup.jaccard(sa, sb)
