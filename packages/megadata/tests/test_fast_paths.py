@@ -1,6 +1,7 @@
 """The faster ways of issue 21 give what the libraries give: ftfy, datasketch's MinHash,
 HF tokenizers' ids, the string 8-grams; and the detector and splitter choices."""
 
+import itertools
 import random
 import re
 
@@ -96,6 +97,23 @@ def test_piecewise_encoding_gives_the_tokenizers_ids(tokenizer_file, documents):
     expected = [e.ids for e in enc.tok.encode_batch(texts, add_special_tokens=False)]
     assert enc.encode_many(texts) == expected
     assert enc.encode_many(texts) == expected  # from the remembered pieces too
+    assert enc.encode_many([]) == [] and enc.encode_many([""]) == [[]]
+    # Sentences: each text's sentences encoded one after the other, and where each ends.
+    texts = [*texts[:20], "", " \n ", "One. Two two.\n\nThree [SEP] three three."]
+    ids, lengths, ends, count = enc.encode_sentences(texts, "blingfire")
+    assert len(lengths) == len(count) == len(texts)
+    at = sentence = 0
+    for text, n, k in zip(texts, lengths.tolist(), count.tolist(), strict=True):
+        pieces = [
+            enc.tok.encode(x, add_special_tokens=False).ids
+            for x in split_sentences(text, "blingfire")
+        ]
+        assert ids[at : at + n].tolist() == [i for p in pieces for i in p]
+        assert ends[sentence : sentence + k].tolist() == list(
+            itertools.accumulate(map(len, pieces))
+        )
+        at, sentence = at + n, sentence + k
+    assert at == len(ids) and sentence == len(ends)
 
 
 def test_tokens_from_the_filter_stage_equal_a_fresh_encoding(tmp_path, tokenizer_file, documents):

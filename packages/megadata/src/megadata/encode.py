@@ -29,6 +29,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from tokenizers import Tokenizer
 
 SPLITTERS = ("blingfire", "pysbd")
@@ -70,52 +71,97 @@ def _piece_splitter(tok: Tokenizer) -> Callable[[str], list[str]] | None:
 
 
 class Encoder:
-    """`Tokenizer.encode(text, add_special_tokens=False).ids`, for many texts at once."""
+    """`Tokenizer.encode(text, add_special_tokens=False).ids`, for many texts at once.
+
+    The pieces met so far are remembered as slots: `slot[piece]` is a number, whose ids
+    are `pool[start[n] : start[n] + length[n]]`, so a partition's ids are gathered by numpy
+    from its pieces' slot numbers instead of being joined as Python lists."""
 
     def __init__(self, tokenizer_path: str):
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.pieces = _piece_splitter(self.tok)
         added = json.loads(self.tok.to_str()).get("added_tokens", [])
         self.added = [t["content"].lower() for t in added]
-        self.cache: dict[str, list[int]] = {}
+        self._forget()
+
+    def _forget(self) -> None:
+        self.slot: dict[str, int] = {}
+        self.start = np.zeros(0, dtype=np.int64)
+        self.length = np.zeros(0, dtype=np.int64)
+        self.pool = np.zeros(0, dtype=np.int64)
 
     def _whole(self, text: str) -> bool:
         lower = text.lower()
         return self.pieces is None or any(a in lower for a in self.added)
 
+    def _slots(self, split: list) -> np.ndarray:
+        """The slot number of every piece of `split`, the new pieces encoded in one batch."""
+        if len(self.slot) > CACHE_PIECES:
+            self._forget()
+        slot, known = self.slot, len(self.slot)
+        add = slot.setdefault  # a new piece gets the next number
+        flat = (add(p, len(slot)) for pieces in split for p in pieces)
+        slots = np.fromiter(flat, dtype=np.int64, count=sum(map(len, split)))
+        if len(slot) > known:
+            new = list(itertools.islice(slot, known, None))
+            encoded = [e.ids for e in self.tok.encode_batch_fast(new, add_special_tokens=False)]
+            lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+            ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64)
+            self.start = np.concatenate([self.start, len(self.pool) + _starts(lengths)])
+            self.length = np.concatenate([self.length, lengths])
+            self.pool = np.concatenate([self.pool, ids])
+        return slots
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, lengths): the ids of all the texts one after the other, and each text's
+        number of ids."""
+        whole = {i for i, t in enumerate(texts) if self._whole(t)}
+        split = [() if i in whole else self.pieces(t) for i, t in enumerate(texts)]
+        slots = self._slots(split)
+        counts = self.length[slots]
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_starts(counts), counts)
+        ids = self.pool[np.repeat(self.start[slots], counts) + within]
+        piece_ends = np.cumsum(np.fromiter(map(len, split), dtype=np.int64, count=len(split)))
+        token_ends = np.concatenate([[0], np.cumsum(counts)])[piece_ends]
+        lengths = np.diff(token_ends, prepend=0)
+        if not whole:
+            return ids, lengths
+        parts = np.split(ids, np.cumsum(lengths)[:-1]) if len(texts) else []
+        encoded = self.tok.encode_batch_fast(
+            [texts[i] for i in sorted(whole)], add_special_tokens=False
+        )
+        for i, e in zip(sorted(whole), encoded, strict=True):
+            parts[i] = np.asarray(e.ids, dtype=np.int64)
+            lengths[i] = len(e.ids)
+        return np.concatenate(parts), lengths
+
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        whole = [i for i, t in enumerate(texts) if self._whole(t)]
-        skip = set(whole)
-        split = [[] if i in skip else self.pieces(t) for i, t in enumerate(texts)]
-        if len(self.cache) > CACHE_PIECES:
-            self.cache.clear()
-        missing = list({p for pieces in split for p in pieces if p not in self.cache})
-        if missing:
-            encoded = self.tok.encode_batch_fast(missing, add_special_tokens=False)
-            self.cache.update(zip(missing, (e.ids for e in encoded), strict=True))
-        get = self.cache.__getitem__
-        out = [list(itertools.chain.from_iterable(map(get, pieces))) for pieces in split]
-        if whole:
-            encoded = self.tok.encode_batch_fast(
-                [texts[i] for i in whole], add_special_tokens=False
-            )
-            for i, e in zip(whole, encoded, strict=True):
-                out[i] = e.ids
-        return out
+        ids, lengths = self.encode_flat(texts)
+        return [a.tolist() for a in np.split(ids, np.cumsum(lengths)[:-1])] if len(texts) else []
 
     def encode_sentences(
         self, texts: Sequence[str], splitter: str
-    ) -> tuple[list[list[int]], list[list[int]]]:
-        """(ids, ends) of each text: the ids of its sentences one after the other, and the
-        token offset after each sentence (all the sentences encoded in one batch)."""
-        sentences = [split_sentences(t, splitter) for t in texts]
-        encoded = iter(self.encode_many([s for group in sentences for s in group]))
-        ids, ends = [], []
-        for group in sentences:
-            pieces = list(itertools.islice(encoded, len(group)))
-            ids.append(list(itertools.chain.from_iterable(pieces)))
-            ends.append(list(itertools.accumulate(map(len, pieces))))
-        return ids, ends
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, lengths, ends, sentences) of the texts, flat: the ids of each text's
+        sentences one after the other, each text's number of ids, the token offset after
+        each sentence within its text, and each text's number of sentences (all the
+        sentences encoded in one batch)."""
+        groups = [split_sentences(t, splitter) for t in texts]
+        ids, per_sentence = self.encode_flat([s for group in groups for s in group])
+        sentences = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+        ends = np.cumsum(per_sentence)
+        first = _starts(sentences)  # each text's first sentence
+        before = np.concatenate([[0], ends])[first]  # the tokens of the texts before it
+        ends = ends - np.repeat(before, sentences)
+        lengths = np.zeros(len(texts), dtype=np.int64)
+        has = sentences > 0
+        lengths[has] = ends[first[has] + sentences[has] - 1]
+        return ids, lengths, ends, sentences
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of these lengths starts."""
+    return np.cumsum(lengths) - lengths
 
 
 @functools.lru_cache(maxsize=2)

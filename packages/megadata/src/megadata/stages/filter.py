@@ -9,6 +9,7 @@ stages between only remove documents, never change a text).
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from megadata.documents import read_docs, text_bytes, write_docs, write_table
@@ -17,12 +18,25 @@ from megadata.encode import DEFAULT_SPLITTER, encoder
 
 def token_table(
     tokenizer_path: str, docs: list[dict], sentences: bool, splitter: str
-) -> tuple[list[list[int]], list[list[int]] | None]:
-    """(ids, sentence ends or None) of each document, without the end-of-document id."""
+) -> tuple[pa.ListArray, pa.ListArray | None, np.ndarray]:
+    """(ids, sentence ends or None, lengths) of each document, without the end-of-document
+    id: list arrays of the corpus' token type and uint32."""
+    from megadata.stages.tokenize import token_type
+
     enc = encoder(tokenizer_path, os.stat(tokenizer_path).st_mtime_ns)
+    dtype = token_type(enc.tok.get_vocab_size(with_added_tokens=True))
+    texts = [d["text"] for d in docs]
     if not sentences:
-        return enc.encode_many([d["text"] for d in docs]), None
-    return enc.encode_sentences([d["text"] for d in docs], splitter)
+        ids, lengths = enc.encode_flat(texts)
+        return _list_array(ids, lengths, dtype), None, lengths
+    ids, lengths, ends, count = enc.encode_sentences(texts, splitter)
+    return _list_array(ids, lengths, dtype), _list_array(ends, count, pa.uint32()), lengths
+
+
+def _list_array(values: np.ndarray, lengths: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, dtype))
 
 
 def filter_partition(
@@ -34,26 +48,18 @@ def filter_partition(
     sentences: bool = False,
     splitter: str = DEFAULT_SPLITTER,
 ) -> dict:
-    from megadata.stages.tokenize import token_type
-
     docs = list(read_docs(Path(in_path)))
-    ids, ends = token_table(tokenizer_path, docs, sentences, splitter)
-    keep = [len(t) >= min_tokens for t in ids]
-    kept = [d for d, k in zip(docs, keep, strict=True) if k]
+    tokens, ends, lengths = token_table(tokenizer_path, docs, sentences, splitter)
+    keep = lengths >= min_tokens
+    kept = [d for d, k in zip(docs, keep.tolist(), strict=True) if k]
     if tokens_path is not None:
-        vocab = encoder(tokenizer_path, os.stat(tokenizer_path).st_mtime_ns).tok.get_vocab_size(
-            with_added_tokens=True
-        )
+        mask = pa.array(keep, pa.bool_())
         columns = {
             "doc_id": pa.array([d["doc_id"] for d in kept], pa.string()),
-            "tokens": pa.array(
-                [t for t, k in zip(ids, keep, strict=True) if k], pa.list_(token_type(vocab))
-            ),
+            "tokens": tokens.filter(mask),
         }
         if ends is not None:
-            columns["sentence_ends"] = pa.array(
-                [e for e, k in zip(ends, keep, strict=True) if k], pa.list_(pa.uint32())
-            )
+            columns["sentence_ends"] = ends.filter(mask)
         write_table(Path(tokens_path), pa.table(columns), {"sentences": sentences})
     write_docs(Path(out_path), kept)
     return {
@@ -61,6 +67,6 @@ def filter_partition(
         "docs_out": len(kept),
         "bytes_in": text_bytes(docs),
         "bytes_out": text_bytes(kept),
-        "tokens": sum(len(t) for t, k in zip(ids, keep, strict=True) if k),
+        "tokens": int(lengths[keep].sum()),
         "extra": {"too_short": len(docs) - len(kept)},
     }

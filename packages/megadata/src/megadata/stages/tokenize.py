@@ -60,12 +60,10 @@ def tokenize_partition(
     if table is None:
         from megadata.stages.filter import token_table
 
-        tokens, ends = token_table(tokenizer_path, docs, sentences, splitter)
-        table = pa.table(
-            {"doc_id": pa.array(ids, pa.string()), "tokens": pa.array(tokens, pa.list_(dtype))}
-        )
+        tokens, ends, _ = token_table(tokenizer_path, docs, sentences, splitter)
+        table = pa.table({"doc_id": pa.array(ids, pa.string()), "tokens": tokens})
         if sentences:
-            table = table.append_column("sentence_ends", pa.array(ends, pa.list_(pa.uint32())))
+            table = table.append_column("sentence_ends", ends)
     columns = {
         "doc_id": pa.array(ids, pa.string()),
         "tokens": _with_eod(table.column("tokens"), eod_id, dtype),
