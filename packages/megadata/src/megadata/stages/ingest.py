@@ -25,6 +25,7 @@ it is skipped whole, and a line that long is read past in chunks, never held.
 """
 
 import bz2
+import functools
 import gzip
 import json
 import logging
@@ -326,24 +327,45 @@ _DROPPED_TAGS = frozenset(
 _DROPPED_NAMESPACES = frozenset({"file", "image", "media", "category"})
 _LANGUAGE_PREFIX = re.compile(r"[a-z]{2,3}(?:-[a-z0-9]+)*|simple")
 _MAGIC_WORD = re.compile(r"__[A-Z]+__")
-_STYLE_QUOTES = re.compile(r"'{2,}")  # two quotes for italics, three for bold
+# Patterns open with a literal of two characters or more where they can: the regex engine
+# then jumps from one occurrence of it to the next, where a pattern that opens with a
+# character class (or with a repeat of one) is tried at every character of that class.
+_STYLE_QUOTES = re.compile(r"'''*")  # two quotes or more: italics, bold
 _PAREN_LEAD = re.compile(r"\((?:\s*[,;:])+\s*")  # "(; born" -> "(born"
-_PAREN_TAIL = re.compile(r"(?:\s*[,;:])+\s*\)")  # "(born 1900; )" -> "(born 1900)"
-_PAREN_EMPTY = re.compile(r"(?:^|[ \t\xa0]+)\(\s*\)", re.M)  # "Paris ()" -> "Paris"; f() stays
+# The two below run on the text reversed, so that they open with the ")" (a literal) rather
+# than with the spaces before it: reversed, "(born 1900; )" is ") ;0091 nrob(".
+# "(born 1900; )" -> "(born 1900)": the run of spaces and [,;:] before a ")" if it holds one
+# of [,;:] (what r"(?:\s*[,;:])+\s*\)" matches, forwards).
+_PAREN_TAIL_REVERSED = re.compile(r"\)\s*[,;:][\s,;:]*")
+# "Paris ()" -> "Paris": a "()" with the spaces before it, or one that opens a line; f() stays
+# (what r"(?:^|[ \t\xa0]+)\(\s*\)" with re.M matches, forwards).
+_PAREN_EMPTY_REVERSED = re.compile(r"\)\s*\((?:[ \t\xa0]+|$)", re.M)
 _SPACES = re.compile(r"[ \t]{2,}")
-_SPACE_BEFORE_PUNCT = re.compile(r"[ \t]+(?=[.,;:](?:\s|$))")  # after a word character
-_MAY_PAREN_TAIL = re.compile(r"[,;:]\s*\)")  # quick tests: skip a slow pattern when absent
-_MAY_PAREN_EMPTY = re.compile(r"\(\s*\)")
+_SPACES_NO_TAB = re.compile(r"   *")  # the same, where the text has no tab
+# A space (or tab) between a word character and a [.,;:] that ends a word ("born , in"), the
+# word character found by a look-behind once the space is (a look-behind that opened the
+# pattern would be tried at every character).  One character of space is enough: _SPACES
+# has collapsed the runs.
+_SPACE_BEFORE_PUNCT = re.compile(r"[ \t](?<=\w[ \t])[.,;:](?=\s|$)")
+_SPACE_BEFORE_PUNCT_NO_TAB = re.compile(r" (?<=\w )[.,;:](?=\s|$)")  # a literal: faster
+_BLANK_LINES = re.compile("\n\n\n\n*")  # three newlines or more
 
 
-def _unwanted(node) -> bool:
-    from mwparserfromhell.nodes import Comment, Tag, Template, Wikilink
+@functools.cache
+def _mw_nodes():
+    """mwparserfromhell.nodes, imported on first use (as the parser is) and once: an import
+    statement in a function that runs for every node costs more than the test it serves."""
+    from mwparserfromhell import nodes
 
-    if isinstance(node, Template | Comment):
+    return nodes
+
+
+def _unwanted(node, nodes) -> bool:
+    if isinstance(node, nodes.Template | nodes.Comment):
         return True
-    if isinstance(node, Tag):
+    if isinstance(node, nodes.Tag):
         return str(node.tag).strip().lower() in _DROPPED_TAGS
-    if isinstance(node, Wikilink):
+    if isinstance(node, nodes.Wikilink):
         title = str(node.title).strip()
         if title.startswith(":") or ":" not in title:  # [[:Category:X]] is a visible link
             return False
@@ -356,35 +378,43 @@ def _unwanted(node) -> bool:
 
 def _prune(code) -> None:
     """Unwanted nodes out of `code` and of everything inside what stays."""
+    nodes = _mw_nodes()
     kept = []
     for node in code.nodes:
-        if _unwanted(node):
-            continue
-        for child in node.__children__():
-            _prune(child)
+        # Most nodes are plain text: never unwanted, nothing inside.
+        if type(node) is not nodes.Text:
+            if _unwanted(node, nodes):
+                continue
+            for child in node.__children__():
+                _prune(child)
         kept.append(node)
     code.nodes = kept
 
 
 def _drop_empty_sections(code) -> None:
     """Headings whose section (subsections included) has no text left."""
-    from mwparserfromhell.nodes import Heading
     from mwparserfromhell.wikicode import Wikicode
 
+    heading = _mw_nodes().Heading
     nodes = code.nodes
-    heads = [i for i, node in enumerate(nodes) if isinstance(node, Heading)]
+    heads = [i for i, node in enumerate(nodes) if isinstance(node, heading)]
     if not heads:
         return
-    has_text = [
-        not isinstance(node, Heading)
-        and bool(_MAGIC_WORD.sub("", Wikicode([node]).strip_code()).strip())
-        for node in nodes
-    ]
+    has_text: dict[int, bool] = {}  # by node index: found only where a section asks
+
+    def text_at(j: int) -> bool:
+        if j not in has_text:
+            node = nodes[j]
+            has_text[j] = not isinstance(node, heading) and bool(
+                _MAGIC_WORD.sub("", Wikicode([node]).strip_code()).strip()
+            )
+        return has_text[j]
+
     empty = set()
     for h, i in enumerate(heads):
         level = nodes[i].level
         end = next((j for j in heads[h + 1 :] if nodes[j].level <= level), len(nodes))
-        if not any(has_text[i + 1 : end]):
+        if not any(text_at(j) for j in range(i + 1, end)):  # stops at the first text
             empty.add(i)
     code.nodes = [node for i, node in enumerate(nodes) if i not in empty]
 
@@ -392,20 +422,26 @@ def _drop_empty_sections(code) -> None:
 def _tidy(text: str) -> str:
     text = _MAGIC_WORD.sub("", _STYLE_QUOTES.sub("", text))
     text = _PAREN_LEAD.sub("(", text)
-    if _MAY_PAREN_TAIL.search(text):
-        text = _PAREN_TAIL.sub(")", text)
-    if _MAY_PAREN_EMPTY.search(text):
-        text = _PAREN_EMPTY.sub("", text)
-    text = _SPACES.sub(" ", text)
-    text = _SPACE_BEFORE_PUNCT.sub(lambda m: "" if _after_word(text, m.start()) else m[0], text)
-    lines = [line.strip() for line in text.splitlines()]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    reversed_text = _PAREN_TAIL_REVERSED.sub(")", text[::-1])
+    text = _PAREN_EMPTY_REVERSED.sub("", reversed_text)[::-1]
+    tab = "\t" in text
+    text = (_SPACES if tab else _SPACES_NO_TAB).sub(" ", text)
+    before_punct = _SPACE_BEFORE_PUNCT if tab else _SPACE_BEFORE_PUNCT_NO_TAB
+    text = _cut_out(text, [m.start() for m in before_punct.finditer(text)])
+    text = "\n".join([line.strip() for line in text.splitlines()])
+    return _BLANK_LINES.sub("\n\n", text).strip()
 
 
-def _after_word(text: str, at: int) -> bool:
-    """Whether text[at - 1] is a word character, as a look-behind for a word character would
-    test, but only where a match was found (a look-behind is tried at every position)."""
-    return at > 0 and (text[at - 1].isalnum() or text[at - 1] == "_")
+def _cut_out(text: str, positions: list[int]) -> str:
+    """`text` without the characters at `positions` (ascending)."""
+    if not positions:
+        return text
+    pieces, kept_from = [], 0
+    for at in positions:
+        pieces.append(text[kept_from:at])
+        kept_from = at + 1
+    pieces.append(text[kept_from:])
+    return "".join(pieces)
 
 
 def wikitext_to_text(wikitext: str) -> str:
