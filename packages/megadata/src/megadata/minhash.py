@@ -56,9 +56,10 @@ def signatures_of_hashes(hash_arrays: Iterable, num_perm: int, seed: int) -> np.
     from its bytes here, which is most of the cost of the SHA-1 way."""
     a, b, empty = _permutations(num_perm, seed)
     out = []
-    for h in hash_arrays:
-        hv = _fmix(np.asarray(h).astype(np.uint32), 32)  # astype: mod 2^32
-        out.append(_permute_min(hv, a, b) if len(hv) else empty)
+    with np.errstate(over="ignore"):  # mod 2^32, as datasketch computes it
+        for h in hash_arrays:
+            hv = _fmix(np.asarray(h).astype(np.uint32), 32)  # astype: mod 2^32
+            out.append(_permute_min(hv, a, b) if len(hv) else empty)
     return np.stack(out) if out else np.zeros((0, num_perm), dtype=np.uint32)
 
 
@@ -72,9 +73,9 @@ def _permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def _permute_min(hv: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    # One document at a time: its (shingles x num_perm) block stays in the cache.
-    with np.errstate(over="ignore"):  # mod 2^32, as datasketch computes it
-        return (hv[:, None] * a + b).min(axis=0)
+    # One document at a time: its (shingles x num_perm) block stays in the cache.  (Callers
+    # silence numpy's overflow warning: the products are mod 2^32 on purpose.)
+    return (hv[:, None] * a + b).min(axis=0)
 
 
 def _sha1_batch(sets: list, a: np.ndarray, b: np.ndarray, empty: np.ndarray) -> np.ndarray:
@@ -88,8 +89,9 @@ def _sha1_batch(sets: list, a: np.ndarray, b: np.ndarray, empty: np.ndarray) -> 
     hv = _fmix(first.view("<u4").ravel().astype(np.uint32), 32)[rows]
     out = np.tile(empty, (len(sets), 1))
     start = 0
-    for i, s in enumerate(sets):
-        if len(s):
-            out[i] = _permute_min(hv[start : start + len(s)], a, b)
-        start += len(s)
+    with np.errstate(over="ignore"):
+        for i, s in enumerate(sets):
+            if len(s):
+                out[i] = _permute_min(hv[start : start + len(s)], a, b)
+            start += len(s)
     return out
