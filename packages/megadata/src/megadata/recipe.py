@@ -377,14 +377,18 @@ def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
                 str(work / "holdout_docs" / p.name),
                 cfg["every"],
                 cfg["sources"],
+                str(work / "holdout_docs" / f"{p.stem}.eval.json"),
+                cfg,
+                recipe.sentence_splitter,
             ),
         )
         for p in _parts(src)
     ]
     # The stage's _DONE.json lands in holdout/ last, when the evaluation files are written.
     split = runner.run("holdout", work / "holdout_split", tasks, holdout.split_partition)
-    held = [str(work / "holdout_docs" / p.name) for p in _parts(src)]
-    eval_files = (held, str(recipe.output / "eval"), cfg, asdict(split), recipe.sentence_splitter)
+    formatted = [str(work / "holdout_docs" / f"{p.stem}.eval.json") for p in _parts(src)]
+    eval_dir = str(recipe.output / "eval")
+    eval_files = (formatted, eval_dir, cfg, asdict(split), recipe.sentence_splitter)
     stats = Runner(workers=1, progress=runner.progress).run(
         "holdout", work / "holdout", [Task("eval-files", eval_files)], holdout.write_eval_files
     )

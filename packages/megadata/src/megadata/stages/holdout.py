@@ -4,8 +4,9 @@
    "holdout:" + its doc_id falls in 1 of `every` buckets (and, with `sources`, it comes from
    one of them).  The salt keeps the choice independent of the shard stage's train/valid
    split, which hashes the bare id.  Held-out documents leave the partitions passed on, so
-   they reach neither train/ nor valid/.
-2. `write_eval_files` (one process), under `<corpus>/eval/`:
+   they reach neither train/ nor valid/.  The held-out documents are also formatted there
+   (`format_held`: WikiText article, LAMBADA passages), the costly part, in parallel.
+2. `write_eval_files` (one process) joins the formatted pieces under `<corpus>/eval/`:
    - `wiki.test.tokens`: every held-out document as an article in WikiText-103's raw format
      (megadata.wikitext_format), for a perplexity evaluation like the paper's;
    - `lambada.jsonl`: LAMBADA-style passages, `{"text": ...}` a line: runs of whole sentences
@@ -80,8 +81,18 @@ def _counts(docs_in: list[dict], docs_out: list[dict], extra: dict | None = None
 
 
 def split_partition(
-    in_path: str, out_path: str, held_path: str, every: int, sources: list[str]
+    in_path: str,
+    out_path: str,
+    held_path: str,
+    every: int,
+    sources: list[str],
+    formatted_path: str | None = None,
+    cfg: dict | None = None,
+    splitter: str = DEFAULT_SPLITTER,
 ) -> dict:
+    """The partition less its held-out documents, and those documents; with
+    `formatted_path`, also their evaluation-file pieces (`format_held`): formatting is the
+    costly part of the evaluation files, so it runs here, in parallel over the partitions."""
     docs = list(read_docs(Path(in_path)))
     held = [
         d
@@ -90,9 +101,42 @@ def split_partition(
     ]
     held_ids = {d["doc_id"] for d in held}
     kept = [d for d in docs if d["doc_id"] not in held_ids]
+    if formatted_path is not None:
+        rows = format_held(held, cfg, splitter)
+        atomic_write_bytes(Path(formatted_path), json.dumps(rows, ensure_ascii=False).encode())
     write_docs(Path(held_path), held)  # first: the partition passed on marks the task as done
     write_docs(Path(out_path), kept)
     return _counts(docs, kept, {"held_out": len(held)})
+
+
+def format_held(docs: list[dict], cfg: dict, splitter: str = DEFAULT_SPLITTER) -> list[dict]:
+    """Each held-out document as its WikiText article and LAMBADA passages, with the
+    figures holdout.json lists."""
+    rows = []
+    for doc in docs:
+        title = doc["title"].strip() or title_from_text(doc["text"])
+        article = format_article(title, doc["text"])
+        passages = lambada_passages(
+            doc["text"],
+            cfg["lambada_min_words"],
+            cfg["lambada_max_words"],
+            cfg["lambada_per_doc"],
+            splitter,
+        )
+        rows.append(
+            {
+                "article": article,
+                "passages": passages,
+                "listed": {
+                    "doc_id": doc["doc_id"],
+                    "title": title,
+                    "words": len(doc["text"].split()),
+                    "wikitext_tokens": len(article.split()),
+                    "lambada_passages": len(passages),
+                },
+            }
+        )
+    return rows
 
 
 def pass_through(in_path: str, out_path: str) -> dict:
@@ -141,33 +185,23 @@ def lambada_passages(
 
 
 def write_eval_files(
-    held_parts: list[str], eval_dir: str, cfg: dict, split: dict, splitter: str = DEFAULT_SPLITTER
+    formatted_parts: list[str], eval_dir: str, cfg: dict, split: dict, splitter: str
 ) -> dict:
-    """wiki.test.tokens, lambada.jsonl and holdout.json from the held-out partitions."""
+    """wiki.test.tokens, lambada.jsonl and holdout.json from the held-out documents as
+    `split_partition` formatted them (NAME.eval.json beside NAME.arrow), partition after
+    partition; a partition split by an earlier megadata, which formatted nothing, is
+    formatted here."""
     eval_dir = Path(eval_dir)
-    docs = [d for p in held_parts for d in read_docs(Path(p))]
-    articles, lambada, listed = [], [], []
-    for doc in docs:
-        title = doc["title"].strip() or title_from_text(doc["text"])
-        article = format_article(title, doc["text"])
-        passages = lambada_passages(
-            doc["text"],
-            cfg["lambada_min_words"],
-            cfg["lambada_max_words"],
-            cfg["lambada_per_doc"],
-            splitter,
-        )
-        articles.append(article)
-        lambada += passages
-        listed.append(
-            {
-                "doc_id": doc["doc_id"],
-                "title": title,
-                "words": len(doc["text"].split()),
-                "wikitext_tokens": len(article.split()),
-                "lambada_passages": len(passages),
-            }
-        )
+    rows = []
+    for p in map(Path, formatted_parts):
+        if p.exists():
+            rows += json.loads(p.read_text())
+        else:
+            held = p.with_name(p.name.removesuffix(".eval.json") + ".arrow")
+            rows += format_held(list(read_docs(held)), cfg, splitter)
+    articles = [r["article"] for r in rows]
+    lambada = [t for r in rows for t in r["passages"]]
+    listed = [r["listed"] for r in rows]
     wikitext = "".join(articles)
     atomic_write_bytes(eval_dir / "wiki.test.tokens", wikitext.encode("utf-8"))
     atomic_write_bytes(
@@ -180,7 +214,7 @@ def write_eval_files(
         "by": 'sha256("holdout:" + doc_id)',
         "counts": {
             "docs_in": split["docs_in"],
-            "held_out": len(docs),
+            "held_out": len(rows),
             "wikitext_articles": sum(1 for a in articles if a),
             "wikitext_tokens": len(wikitext.split()),
             "lambada_passages": len(lambada),
@@ -197,7 +231,7 @@ def write_eval_files(
         "bytes_in": split["bytes_in"],
         "bytes_out": split["bytes_out"],
         "extra": {
-            "held_out": len(docs),
+            "held_out": len(rows),
             "lambada_passages": len(lambada),
             "wikitext_tokens": len(wikitext.split()),
         },
