@@ -219,3 +219,11 @@ def test_sorted_jaccard_is_the_set_jaccard():
         a, b = (np.unique(rng.integers(0, 50, rng.integers(0, 30), dtype=np.uint64)) for _ in "ab")
         sa, sb = set(a.tolist()), set(b.tolist())
         assert dedup._sorted_jaccard(a, b) == dedup.jaccard(sa, sb)
+
+
+def test_word_character_table_is_pythons_regex():
+    every = [chr(c) for c in range(0x110000)]
+    alnum = np.fromiter((c.isalnum() for c in every), dtype=np.bool_, count=len(every))
+    assert (ngrams._word_chars(False) == alnum).all()
+    alnum[ord("_")] = True
+    assert (ngrams._word_chars(True) == alnum).all()

@@ -58,10 +58,14 @@ def words(text: str) -> list[str]:
 
 @functools.cache
 def _word_chars(underscore: bool) -> np.ndarray:
-    r"""A bool per code point: is it a word character (regex \w: str.isalnum, or "_")."""
-    table = np.fromiter((chr(c).isalnum() for c in range(0x110000)), dtype=np.bool_, count=0x110000)
-    table[ord("_")] = underscore
-    return table
+    r"""A bool per code point: is it a word character, as Python's regex \w decides (and
+    "_" only with `underscore`).  Every code point in one string, each run of non-word ones
+    (lone surrogates included) overwritten with NULs by the regex itself: about 0.1 s."""
+    every = np.arange(0x110000, dtype="<u4").tobytes().decode("utf-32-le", "surrogatepass")
+    non_word = re.compile(r"\W+" if underscore else r"[\W_]+")
+    words_only = non_word.sub(lambda m: "\0" * len(m[0]), every)
+    points = np.frombuffer(words_only.encode("utf-32-le"), dtype=np.uint32)
+    return points != 0
 
 
 def _splitmix(x):

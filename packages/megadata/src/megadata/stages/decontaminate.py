@@ -218,7 +218,8 @@ def _eval_index(prep_dir: str):
 
 @functools.lru_cache(maxsize=2)
 def _cached_eval_index(path: str, _mtime_ns: int):
-    """The evaluation sets' n-gram index, their WikiText articles and those by title.
+    """The evaluation sets' n-gram index, their WikiText articles, those by title, and each
+    article's number of n-grams.
 
     Loaded once per worker process (the cache key holds the file's mtime, so a changed file
     is read again) and used for every partition it removes documents from."""
@@ -227,7 +228,8 @@ def _cached_eval_index(path: str, _mtime_ns: int):
     by_title: dict[str, list[int]] = {}
     for a, article in enumerate(articles):
         by_title.setdefault(normalise_title(article["title"]), []).append(a)
-    return index, articles, by_title
+    grams = np.array([a["grams"] for a in articles], dtype=np.float64)  # each article's n-grams
+    return index, articles, by_title, grams
 
 
 def contamination(
@@ -240,7 +242,7 @@ def contamination(
     n-grams found in the document ("title+content", "content"), or of the document's n-grams
     found in the evaluation sets ("doc_overlap").
     """
-    index, articles, by_title = _eval_index(prep_dir)
+    index, articles, by_title, grams = _eval_index(prep_dir)
     in_eval = index.found(hashes) if in_eval is None else in_eval  # positions in the index
     if not len(in_eval):  # no n-gram of any evaluation set: no rule can apply
         return None
@@ -263,7 +265,7 @@ def contamination(
         if share(a) > cfg["article_overlap"]:
             return found("title+content", a)
     if hits.any():
-        shares = hits / np.array([a["grams"] for a in articles])
+        shares = hits / grams
         best = int(np.argmax(shares))  # the first of the highest, as before
         if share(best) > cfg["copy_overlap"]:
             return found("content", best)
@@ -305,7 +307,9 @@ def remove_partition(
             removed.append({"doc_id": doc["doc_id"], "title": doc["title"], **why})
     write_docs(Path(out_path), kept, meta={"removed": removed})
     if found_path is not None:
-        rows = np.unique(np.concatenate([np.zeros(0, np.int64), *found]))
+        rows = np.concatenate([np.zeros(0, np.int64), *found])
+        rows.sort()  # then the distinct rows (np.unique's hash table is slower on these)
+        rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))] if len(rows) else rows
         write_table(Path(found_path), pa.table({"row": pa.array(rows, pa.int64())}))
     if digests_path is not None:
         _write_digests(kept, digests_path, cfg)
