@@ -61,6 +61,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
 	$(BIN)/python scripts/fetch_sample_data.py --out data/raw
 	$(BIN)/python benchmarks/bench_megadata.py --out bench-results/megadata.json
+	$(BIN)/python benchmarks/bench_megadata.py --dedup-scaling --sizes 2000 20000 --out bench-results/megadata_dedup_scaling.json
 	$(BIN)/python benchmarks/bench_plan.py --out bench-results/plan.json
 
 # One GPU, the paper's 1.2B in bf16; not part of `bench`, which runs on any CPU.
