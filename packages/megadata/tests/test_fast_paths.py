@@ -227,3 +227,17 @@ def test_word_character_table_is_pythons_regex():
     assert (ngrams._word_chars(False) == alnum).all()
     alnum[ord("_")] = True
     assert (ngrams._word_chars(True) == alnum).all()
+
+
+def test_an_eval_index_of_another_hash_version_is_refused(tmp_path, documents):
+    index, _ = build_index(
+        [{"name": "s", "kind": "text", "units": [{"title": "", "text": documents[0]["text"]}]}], 8
+    )
+    path = tmp_path / "prep" / "eval_index.npz"
+    index.save(path)
+    assert (ngrams.EvalIndex.load(path).hashes == index.hashes).all()
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files if k != "ngram_hash"}
+    np.savez(path, **arrays)  # as an index saved before the hash was versioned
+    with pytest.raises(ValueError, match=rf"{path}: evaluation n-grams hashed by an older one"):
+        ngrams.EvalIndex.load(path)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from megadata.documents import write_docs
 from megadata.stages import holdout
 from megadata.wikitext_format import format_article, format_articles, split_articles, tokenize
 
@@ -81,3 +82,26 @@ def test_bad_settings_name_the_field():
         holdout.settings({"every": "often"})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['evry'\]"):
         holdout.settings({"evry": 3})
+
+
+def test_eval_files_from_the_split_equal_those_formatted_at_the_join(tmp_path, documents):
+    """split_partition formats its held-out documents in parallel; a partition split by an
+    earlier megadata (no NAME.eval.json) is formatted by write_eval_files: the same bytes."""
+    cfg = holdout.settings({"every": 2, "lambada_per_doc": 3})
+    rows = [{**d, "doc_id": f"t/{i}"} for i, d in enumerate(documents[:40])]
+    write_docs(tmp_path / "in.arrow", rows)
+    held, formatted = tmp_path / "held" / "p.arrow", tmp_path / "held" / "p.eval.json"
+    split = holdout.split_partition(
+        str(tmp_path / "in.arrow"), str(tmp_path / "out.arrow"), str(held), 2, [],
+        str(formatted), cfg, "blingfire",
+    )  # fmt: skip
+    assert split["extra"]["held_out"] > 0
+    outputs = []
+    for run in ("split", "join"):
+        if run == "join":
+            formatted.unlink()
+        eval_dir = tmp_path / run
+        counts = holdout.write_eval_files([str(formatted)], str(eval_dir), cfg, split, "blingfire")
+        assert counts["extra"]["held_out"] == split["extra"]["held_out"]
+        outputs.append([(eval_dir / f).read_bytes() for f in ("wiki.test.tokens", "lambada.jsonl")])
+    assert outputs[0] == outputs[1] and outputs[0][0] and outputs[0][1]

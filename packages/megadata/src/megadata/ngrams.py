@@ -42,7 +42,6 @@ import numpy as np
 
 from megadata.documents import atomic_write_bytes
 
-_WORD = re.compile(r"[^\W_]+")  # \w+ less "_": Moses splits add_argument as add _ argument
 NGRAM_HASH = "megadata-ngram-v2"  # the function below: change it with the function
 _P = 0x100000001B3  # odd: invertible mod 2^64
 _P_INV = pow(_P, -1, 1 << 64)
@@ -50,10 +49,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 CHUNK_POINTS = 1 << 20  # a longer text is hashed in pieces of about this many characters
 _powers = [np.ones(1, np.uint64), np.ones(1, np.uint64)]  # P^k, P^-k mod 2^64 (grown)
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
 
 
 @functools.cache

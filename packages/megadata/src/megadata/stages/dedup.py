@@ -46,8 +46,9 @@ dedup work directory, never through the scheduler.  A document is known by its n
    (`order-NNNNN.arrow`); its first document is kept by the rule, and each member that is
    its candidate is sent, with it, to the member's node shard.
 7. checked (`verify_against_first`, per node shard): the exact Jaccard of each such member
-   to its component's first document; above the threshold it is removed by it.  This is
-   where the bulk of a large cluster goes, spread over the node shards.
+   to its component's first document, on their shingles as sorted 64-bit hashes (equal to
+   the sets' but for a 2^-64 collision a pair); above the threshold it is removed by it.
+   This is where the bulk of a large cluster goes, spread over the node shards.
 8. greedy (`verify_remaining`, per component shard): the members the first did not remove,
    walked in order, each compared with the kept documents it shares a bucket with until
    one is above the threshold; report lines (a kept document and those it removed).  The
