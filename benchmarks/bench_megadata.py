@@ -68,8 +68,9 @@ from megadata.planted import plant, run_dedup, score
 from megadata.recipe import cluster_start, load_recipe, run_recipe
 from megadata.runner import Runner, StageStats, Task, format_table
 from megadata.stages import dedup
-from megadata.stages.clean import english_probability, fix_text
+from megadata.stages.clean import english_probability
 from megadata.stages.dedup import shingles
+from megadata.unicode_fix import fix_text
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER_CORPUS_MB = 174_000  # the paper's deduplicated corpus: 174 GB of text

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from datasketch import MinHash
 
-from megadata import minhash, ngrams
+from megadata import minhash, ngrams, unicode_fix
 from megadata.documents import read_table, write_docs
 from megadata.encode import Encoder, split_sentences
 from megadata.ngrams import build_index, ngram_hashes
@@ -41,11 +41,20 @@ def test_fix_text_equals_ftfy_line_by_line():
     rng = random.Random(0)
     alphabet = [chr(c) for c in range(128)] + [
         "é", "“", "”", "\u2028", "\r", "&amp;", "Ã©", "ﬁ", "\x85", "â€™", "\n", "\n\n", "<",
-        "&lt;", "\uff46", "\x9d",
+        "&lt;", "\uff46", "\x9d", "\u2013", "\u2014", "…", "\xa0", "\u2019", "ü", "ß",
+        "À", "Ã", "Â", "°", "ƒ", "\xd7", "²", "œ", "e\u0301", "\u0301", "A\u030a", "Å",
+        "\u1100\u1161", "東", "ã\x83\x84", "Ø", "\u200b", "\ufeff", "€", "\u0412",
     ]  # fmt: skip
-    for _ in range(20000):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
-        assert clean.fix_text(text) == ftfy.fix_text(text), repr(text)
+    wide = [chr(c) for c in range(0x80, 0x3100)]
+    for _ in range(12000):
+        pool = alphabet if rng.random() < 0.7 else alphabet[:128] + wide
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 40)))
+        assert unicode_fix.fix_text(text) == ftfy.fix_text(text), repr(text)
+    for c in map(chr, range(0x80, 0x3100)):  # each character in a few neighbourhoods
+        text = f"a{c}b {c}{c}\n{c}é {c}\u2013x\nÃ{c}"
+        assert unicode_fix.fix_text(text) == ftfy.fix_text(text), repr(text)
+    # the common non-ASCII of English text is passed over, not sent to ftfy
+    assert not unicode_fix._may_change().search("café \u2013 naïve … über Straße\xa0")
 
 
 def test_minhash_signatures_are_datasketchs(documents, monkeypatch):

@@ -14,28 +14,24 @@ flatter than langdetect's on short or technical text: at 0.5 it decides as langd
 all of git's messages in 18 other languages, 2 of which langdetect takes for English
 (`benchmarks/bench_megadata.py --detectors`); the shipped recipes pair it with 0.5.
 
-ftfy works line by line and only changes what falls outside plain printable ASCII
-(mojibake, curly quotes, HTML entities, control characters, ...): lines of printable
-ASCII without `&` are passed over, which gives the same text (tested) at a fraction of
-the cost.  The line-break fix (the paper's CC-Stories problem) joins lines inside a
-paragraph for the sources the recipe names; a blank line still ends a paragraph.
+ftfy works line by line; `megadata.unicode_fix.fix_text` hands it only the lines it could
+change, which gives the same text (tested) at a fraction of the cost.  The line-break fix
+(the paper's CC-Stories problem) joins lines inside a paragraph for the sources the
+recipe names; a blank line still ends a paragraph.
 """
 
 import functools
 import re
 from pathlib import Path
 
-import ftfy
-
 from megadata.documents import read_docs, text_bytes, write_docs
+from megadata.unicode_fix import fix_text
 
 DETECTORS = ("fasttext", "langdetect")
 DEFAULT_DETECTOR = "langdetect"
 DETECT_CHARS = 2000  # both detectors read the start of a document: enough to tell English
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _SPACES = re.compile(r"[ \t]+")
-# What ftfy may change: anything but printable ASCII, tab and newline, and `&` (entities).
-_FTFY_MAY_CHANGE = re.compile(r"[^\t\n\x20-\x25\x27-\x7e]")
 
 
 def check_detector(name) -> str:
@@ -47,28 +43,6 @@ def check_detector(name) -> str:
 def join_broken_lines(text: str) -> str:
     paragraphs = _PARAGRAPH.split(text)
     return "\n\n".join(_SPACES.sub(" ", p.replace("\n", " ")).strip() for p in paragraphs)
-
-
-def fix_text(text: str) -> str:
-    """`ftfy.fix_text(text)`, skipping the lines it would leave as they are.
-
-    ftfy fixes a text one line (up to and including its "\\n") at a time, each on its own,
-    except that after the first line holding a "<" it stops unescaping HTML entities (the
-    text may be HTML); handing it only the lines it can change, with that switch carried
-    over, is the same."""
-    if not _FTFY_MAY_CHANGE.search(text):
-        return text
-    lines = text.split("\n")
-    last = len(lines) - 1
-    out, html = [], False
-    for i, line in enumerate(lines):
-        if _FTFY_MAY_CHANGE.search(line):
-            end = "\n" if i < last else ""
-            line = ftfy.fix_text(line + end, **({"unescape_html": False} if html else {}))
-            line = line.removesuffix(end) if end else line
-        html = html or "<" in lines[i]
-        out.append(line)
-    return "\n".join(out)
 
 
 @functools.cache

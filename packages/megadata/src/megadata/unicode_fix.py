@@ -1,0 +1,140 @@
+"""`ftfy.fix_text`, handing ftfy only the lines it could change.
+
+ftfy fixes a text one line (with its "\\n") at a time, each on its own, except that after
+the first line holding a "<" it stops unescaping HTML entities (the text may be HTML).
+One pass of its fixers that changes nothing leaves a line as it is, and that pass needs:
+- "&" to unescape an entity, "\\x1b" for a terminal escape, "\\r" for a line break;
+- for mojibake, a match of ftfy's badness regex: each branch of it needs one character
+  of a fixed set, which is read here from the compiled pattern (for each branch, the
+  characters of one of its required classes, preferring sets without lower-case letters,
+  as "é" is common and rarely mojibake on its own);
+- for the character fixers (C1 controls, ligatures, widths, curly quotes, line breaks,
+  surrogates, control characters), a character one of them changes: they work character
+  by character, so those are found by trying each;
+- for NFC, a line that is not NFC already (`unicodedata.is_normalized`, in C).
+So a line of printable ASCII and "safe" characters (below U+3000, in none of those sets)
+that is NFC is passed over; any other line goes to ftfy as before.  On Wikipedia text
+this sends ftfy 6x fewer lines than passing over printable ASCII alone.  Finding the
+safe set takes about 0.1 s once per process.  An ftfy whose settings differ from those
+this reasoning was checked against (version 6.x's) gets only printable ASCII passed over.
+"""
+
+import functools
+import re
+import unicodedata
+
+import ftfy
+
+# What ftfy may change on a line of printable ASCII, tab and newline: `&` (entities).
+_PRINTABLE = "\t\n\x20-\x25\x27-\x7e"
+_CHAR_FIXERS = (
+    "fix_c1_controls",
+    "fix_latin_ligatures",
+    "fix_character_width",
+    "uncurl_quotes",
+    "fix_line_breaks",
+    "fix_surrogates",
+    "remove_control_chars",
+)
+_FTFY_DEFAULTS = {
+    "unescape_html": "auto",
+    "remove_terminal_escapes": True,
+    "fix_encoding": True,
+    "restore_byte_a0": True,
+    "replace_lossy_sequences": True,
+    "decode_inconsistent_utf8": True,
+    "fix_c1_controls": True,
+    "fix_latin_ligatures": True,
+    "fix_character_width": True,
+    "uncurl_quotes": True,
+    "fix_line_breaks": True,
+    "fix_surrogates": True,
+    "remove_control_chars": True,
+    "normalization": "NFC",
+    "max_decode_length": 1_000_000,
+    "explain": True,
+}
+_SAFE_BELOW = 0x3000
+
+
+def _badness_needs() -> set[str] | None:
+    """Characters one of which every match of ftfy's badness regex contains; None when
+    the pattern is not made as expected (then nothing non-ASCII is passed over)."""
+    from ftfy.badness import BADNESS_RE
+
+    parser = getattr(re, "_parser", None)
+    if parser is None:  # Python 3.10
+        import sre_parse as parser
+    if BADNESS_RE.flags & re.IGNORECASE:
+        return None
+    (op, branch), *rest = parser.parse(BADNESS_RE.pattern, BADNESS_RE.flags).data
+    if rest or op.name != "BRANCH":
+        return None
+    lower = {c for c in map(chr, range(0x80, _SAFE_BELOW)) if unicodedata.category(c) == "Ll"}
+
+    def chars(op, av) -> set[str] | None:  # a single, required character's choices
+        if op.name == "LITERAL":
+            return {chr(av)}
+        if op.name != "IN":
+            return None
+        out = set()
+        for item_op, item in av:
+            if item_op.name == "LITERAL":
+                out.add(chr(item))
+            elif item_op.name == "RANGE":
+                out.update(map(chr, range(item[0], item[1] + 1)))
+            else:  # NEGATE, CATEGORY (\w, \s): not a small set
+                return None
+        return out
+
+    needs = set()
+    for alternative in branch[1]:
+        choices = [s for s in (chars(o, a) for o, a in alternative.data) if s]
+        choices = [s for s in choices if not any(c < "\x80" for c in s)]
+        if not choices:
+            return None
+        needs |= min(choices, key=lambda s: (len(s & lower), len(s)))
+    return needs
+
+
+@functools.cache
+def _may_change() -> re.Pattern:
+    """A character on whose line ftfy may change something."""
+    needs = _badness_needs() if ftfy.TextFixerConfig()._asdict() == _FTFY_DEFAULTS else None
+    if needs is None:
+        return re.compile(f"[^{_PRINTABLE}]")
+    fixers = [ftfy.FIXERS[name] for name in _CHAR_FIXERS]
+    safe = [
+        c
+        for c in range(0xA0, _SAFE_BELOW)
+        if chr(c) not in needs and all(f(chr(c)) == chr(c) for f in fixers)
+    ]
+    ranges, start = [], None
+    for i, c in enumerate(safe):
+        start = c if start is None else start
+        if i + 1 == len(safe) or safe[i + 1] != c + 1:
+            ranges.append(f"{re.escape(chr(start))}-{re.escape(chr(c))}")
+            start = None
+    return re.compile(f"[^{_PRINTABLE}{''.join(ranges)}]")
+
+
+def _unchanged(text: str) -> bool:
+    return not _may_change().search(text) and (
+        text.isascii() or unicodedata.is_normalized("NFC", text)
+    )
+
+
+def fix_text(text: str) -> str:
+    """`ftfy.fix_text(text)`, with the lines it would leave as they are passed over."""
+    if _unchanged(text):
+        return text
+    lines = text.split("\n")
+    last = len(lines) - 1
+    out, html = [], False
+    for i, line in enumerate(lines):
+        segment = line + "\n" if i < last else line  # ftfy may change the "\n" too
+        if not _unchanged(line):
+            segment = ftfy.fix_text(segment, **({"unescape_html": False} if html else {}))
+        html = html or "<" in line
+        out.append(segment)
+    return "".join(out)
