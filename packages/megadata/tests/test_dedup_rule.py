@@ -5,6 +5,8 @@ linear in its size."""
 import json
 import random
 
+import numpy as np
+
 from megadata.documents import write_docs
 from megadata.stages import dedup
 
@@ -101,3 +103,21 @@ def test_a_cluster_of_near_copies_costs_comparisons_linear_in_its_size(tmp_path,
     # All-pairs would have compared ~600^2 / 2 pairs per band; this compared about 600.
     assert extra["bucket_pairs"] > 10 * 600 * 599 // 2
     assert 599 <= extra["candidate_pairs"] <= 650
+
+
+def test_local_roots_are_each_components_smallest_node():
+    rng = np.random.default_rng(0)
+    for count, links in [(1, 0), (50, 20), (500, 400), (2000, 2500)]:
+        a, b = rng.integers(0, count, links), rng.integers(0, count, links)
+        parent = list(range(count))  # union-find, the plain way
+
+        def find(x, parent=parent):
+            while parent[x] != x:
+                x = parent[x]
+            return x
+
+        for x, y in zip(a.tolist(), b.tolist(), strict=True):
+            rx, ry = find(x), find(y)
+            parent[max(rx, ry)] = min(rx, ry)
+        expected = [find(x) for x in range(count)]
+        assert dedup._local_roots(a, b, count).tolist() == expected

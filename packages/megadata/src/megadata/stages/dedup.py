@@ -369,12 +369,15 @@ def bucket_links(
 def label_round(
     edge_paths: list[str], shard: int, previous: str | None, out_dir: str, shards: int
 ) -> dict:
-    """Step 5, one round for the nodes of one shard: take the smallest label received, and
-    send a label that dropped (every label, in round 0) to the neighbours."""
+    """Step 4, one round for the nodes of one shard: take the smallest label received,
+    spread labels over the shard's own links until they settle, and send a label that
+    dropped (every label, in round 0) to the neighbours in other shards.  So a round
+    crosses a shard boundary once, and one shard settles in one round."""
     edges = _read_shuffled(edge_paths, shard, shards)
     node, neighbor = edges.column("node").to_numpy(), edges.column("neighbor").to_numpy()
     nodes = np.unique(node)
     if previous is None:
+        before = nodes
         labels, changed = nodes.copy(), np.ones(len(nodes), dtype=bool)
     else:
         before = read_table(Path(previous) / f"labels-{shard:05d}.arrow").column("label")
@@ -384,9 +387,15 @@ def label_round(
         labels = before.copy()
         to = np.searchsorted(nodes, inbox.column("node").to_numpy())
         np.minimum.at(labels, to, inbox.column("label").to_numpy())
-        changed = labels < before
     source = np.searchsorted(nodes, node)
-    send = changed[source]
+    inside = neighbor % shards == shard
+    root = _local_roots(source[inside], np.searchsorted(nodes, neighbor[inside]), len(nodes))
+    lowest = labels.copy()
+    np.minimum.at(lowest, root, labels)
+    labels = lowest[root]
+    if previous is not None:
+        changed = labels < before
+    send = changed[source] & ~inside
     to, label = neighbor[send], labels[source][send]
     order = np.lexsort((label, to))  # one message per receiver: the smallest label
     to, label = to[order], label[order]
@@ -403,7 +412,26 @@ def label_round(
         to % shards,
         shards,
     )
-    return {"extra": {"messages": len(to), "relabelled": int(changed.sum())}}
+    return {"extra": {"messages": len(to), "relabelled": int((labels < before).sum())}}
+
+
+def _local_roots(a: np.ndarray, b: np.ndarray, count: int) -> np.ndarray:
+    """For each of `count` nodes, the smallest node of its component over the links a-b
+    (hook each tree's root to the smallest root it touches, then shortcut: the number of
+    trees halves at least every pass)."""
+    root = np.arange(count)
+    while True:
+        ra, rb = root[a], root[b]
+        apart = ra != rb
+        if not apart.any():
+            return root
+        low, high = np.minimum(ra[apart], rb[apart]), np.maximum(ra[apart], rb[apart])
+        np.minimum.at(root, high, low)
+        while True:
+            up = root[root]
+            if (up == root).all():
+                break
+            root = up
 
 
 def component_members(
