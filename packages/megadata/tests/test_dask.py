@@ -265,6 +265,14 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+def test_local_workers_keep_glibcs_adaptive_malloc():
+    """Dask's default MALLOC_TRIM_THRESHOLD_ doubles the CPU of numpy-heavy tasks (every
+    large array mapped afresh); the Runner's workers start without it."""
+    with Runner(workers=2, progress=False) as on_cluster:
+        found = on_cluster._dask().run(os.environ.get, "MALLOC_TRIM_THRESHOLD_")
+    assert len(found) == 2 and set(found.values()) == {None}
+
+
 def test_unreachable_scheduler_is_named_quickly(tmp_path, monkeypatch, inputs):
     monkeypatch.setattr(runner_module, "CONNECT_TIMEOUT_S", 1.0)
     address = f"tcp://127.0.0.1:{closed_port()}"

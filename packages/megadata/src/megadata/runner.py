@@ -40,6 +40,14 @@ from megadata.progress import progress_bar
 CONNECT_TIMEOUT_S = 10.0  # how long to wait for a --scheduler before giving up
 RETRIES = 2  # re-runs of a task that raised (a flaky shared filesystem, say)
 ALLOWED_FAILURES = 4  # deaths of a worker running a task before the task is given up
+_LOCAL_CLUSTER_CONFIG = {
+    "distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+    # Dask starts its workers with MALLOC_TRIM_THRESHOLD_=65536, which turns off glibc's
+    # adaptive mmap threshold: every large numpy array is then mapped and unmapped afresh,
+    # page faults and all, and numpy-heavy stages (MinHash, n-gram hashes) take 2x the CPU.
+    # None leaves the variable to the user's environment.
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+}
 COUNTS = ("docs_in", "docs_out", "bytes_in", "bytes_out", "tokens")
 
 
@@ -206,8 +214,9 @@ class Runner:
         if self.scheduler:
             self._client = _connect(self.scheduler)
             return self._client
-        # The scheduler of a LocalCluster lives in this process and reads this setting now.
-        with dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
+        # The scheduler of a LocalCluster lives in this process and reads these settings now;
+        # its nannies hand them to the workers they start.
+        with dask.config.set(_LOCAL_CLUSTER_CONFIG):
             self._cluster = LocalCluster(
                 n_workers=self.workers,
                 threads_per_worker=1,
