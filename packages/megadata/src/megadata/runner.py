@@ -24,10 +24,13 @@ task twice is harmless because its outputs are written atomically and are the sa
 bytes each time.
 """
 
+import ctypes
+import functools
 import importlib.util
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -130,7 +133,6 @@ def _peak_rss_mb() -> float:
     carry the peak of the process that started a worker over to the worker), else
     ru_maxrss (bytes on macOS)."""
     import resource
-    import sys
 
     try:
         with open("/proc/self/status") as f:
@@ -150,7 +152,28 @@ def _worker_cpu_seconds() -> float:
 def _call(fn: Callable, *args) -> dict:
     """A task as a worker runs it."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
+    _keep_large_arrays_on_the_heap()
     return _timed(fn, *args)
+
+
+@functools.cache
+def _keep_large_arrays_on_the_heap() -> bool:
+    """Undo, on a worker that a Dask nanny started with its MALLOC_TRIM_THRESHOLD_ (a real
+    cluster's `dask worker`; the LocalCluster here starts without it), what that setting
+    does to glibc: a fixed 128 kB mmap threshold, so that every numpy array above it is
+    mapped, faulted in and unmapped afresh (MinHash and n-gram hashing then take 2x the
+    CPU).  Arrays up to 32 MB come from the heap again, and up to 64 MB of free heap is
+    kept.  True when glibc took the settings."""
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl): the variable meant nothing
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    return bool(
+        libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 64 << 20)
+    )
 
 
 class Runner:
