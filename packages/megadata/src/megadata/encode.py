@@ -57,15 +57,36 @@ def _bert_pieces(text: str) -> list[str]:
     return text.split()
 
 
+@functools.cache
+def _gpt2_patterns() -> tuple[Callable, Callable]:
+    """(findall for any text, findall for ASCII text): GPT-2's pattern in `regex`, and the
+    same pattern in `re` with each class spelt out as what `regex` matches among the 128
+    ASCII characters, which is the same on ASCII text and 2x faster."""
+    import regex
+
+    def ascii_class(pattern: str) -> str:
+        return "".join(re.escape(chr(c)) for c in range(128) if regex.fullmatch(pattern, chr(c)))
+
+    space, letter, number = (ascii_class(p) for p in (r"\s", r"\p{L}", r"\p{N}"))
+    ascii_pieces = (
+        rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[{letter}]+| ?[{number}]+| ?[^{space}{letter}{number}]+"""
+        rf"""|[{space}]+(?![^{space}])|[{space}]+"""
+    )
+    return regex.compile(_GPT2_PIECES).findall, re.compile(ascii_pieces).findall
+
+
+def _gpt2_pieces(text: str) -> list[str]:
+    unicode_pieces, ascii_pieces = _gpt2_patterns()
+    return ascii_pieces(text) if text.isascii() else unicode_pieces(text)
+
+
 def _piece_splitter(tok: Tokenizer) -> Callable[[str], list[str]] | None:
     """How `tok` may be cut without changing its ids, or None (encode texts whole)."""
     spec = json.loads(tok.to_str())
     pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
     byte_level = pre.get("type") == "ByteLevel" and norm is None
     if byte_level and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
-        import regex
-
-        return regex.compile(_GPT2_PIECES).findall
+        return _gpt2_pieces
     if pre.get("type") == "BertPreTokenizer" and (norm is None or norm["type"] == "BertNormalizer"):
         return _bert_pieces
     return None
