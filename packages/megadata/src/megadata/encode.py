@@ -59,25 +59,32 @@ def _bert_pieces(text: str) -> list[str]:
 
 @functools.cache
 def _gpt2_patterns() -> tuple[Callable, Callable]:
-    """(findall for any text, findall for ASCII text): GPT-2's pattern in `regex`, and the
-    same pattern in `re` with each class spelt out as what `regex` matches among the 128
-    ASCII characters, which is the same on ASCII text and 2x faster."""
+    """(findall for any text, findall for a text of the Basic Multilingual Plane): GPT-2's
+    pattern in `regex`, and the same pattern in `re` with each class spelt out as the BMP
+    characters `regex` puts in it, which is the same on such a text and 2x faster (`re`
+    tests a class of BMP characters in one table lookup)."""
     import regex
 
-    def ascii_class(pattern: str) -> str:
-        return "".join(re.escape(chr(c)) for c in range(128) if regex.fullmatch(pattern, chr(c)))
+    bmp = "".join(map(chr, range(0x10000)))  # lone surrogates included
 
-    space, letter, number = (ascii_class(p) for p in (r"\s", r"\p{L}", r"\p{N}"))
-    ascii_pieces = (
+    def bmp_class(pattern: str) -> str:
+        spans = (m.span() for m in regex.finditer(f"{pattern}+", bmp))
+        return "".join(f"{re.escape(bmp[a])}-{re.escape(bmp[b - 1])}" for a, b in spans)
+
+    space, letter, number = (bmp_class(p) for p in (r"\s", r"\p{L}", r"\p{N}"))
+    bmp_pieces = (
         rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[{letter}]+| ?[{number}]+| ?[^{space}{letter}{number}]+"""
         rf"""|[{space}]+(?![^{space}])|[{space}]+"""
     )
-    return regex.compile(_GPT2_PIECES).findall, re.compile(ascii_pieces).findall
+    return regex.compile(_GPT2_PIECES).findall, re.compile(bmp_pieces).findall
+
+
+_BEYOND_BMP = re.compile("[\U00010000-\U0010ffff]")
 
 
 def _gpt2_pieces(text: str) -> list[str]:
-    unicode_pieces, ascii_pieces = _gpt2_patterns()
-    return ascii_pieces(text) if text.isascii() else unicode_pieces(text)
+    any_pieces, bmp_pieces = _gpt2_patterns()
+    return any_pieces(text) if _BEYOND_BMP.search(text) else bmp_pieces(text)
 
 
 def _piece_splitter(tok: Tokenizer) -> Callable[[str], list[str]] | None:
