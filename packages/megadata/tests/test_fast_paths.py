@@ -168,6 +168,21 @@ def test_sentences_keep_all_the_text(splitter):
     assert split_sentences("", splitter) == [] and split_sentences(" \n ", splitter) == []
 
 
+def test_blingfire_with_one_buffer_is_blingfire(documents):
+    import blingfire
+
+    from megadata.encode import _text_to_sentences
+
+    rng = random.Random(2)
+    pool = [chr(c) for c in range(1, 0x3000, 3) if not 0xD800 <= c < 0xE000]
+    pool += [". ", "? ", "Mr. ", "\0", "e.g. ", " ", "\u2028"] * 40
+    lines = [line for d in documents[:50] for line in d["text"].split("\n") if line.strip()]
+    lines += ["".join(rng.choices(pool, k=rng.randint(1, 80))) for _ in range(3000)]
+    lines += ["x" * 300_000, "One. Two? " * 30_000, "short"]  # the buffer grows, then is reused
+    for line in lines:
+        assert _text_to_sentences(line, blingfire) == blingfire.text_to_sentences(line), line[:80]
+
+
 @pytest.mark.parametrize("chunk", [1 << 20, 7])
 def test_word_hashes_are_the_regex_words_hashed(documents, monkeypatch, chunk):
     """The vectorised words are Python's regex words (\\w+, or less "_"), in order, each

@@ -229,13 +229,36 @@ def split_sentences(text: str, splitter: str) -> list[str]:
     return [s for s in (p.strip() for p in found) if s]
 
 
+_OUTPUT = []  # the output buffer that _text_to_sentences reuses
+
+
+def _text_to_sentences(line: str, blingfire) -> str:
+    """`blingfire.text_to_sentences(line)`, writing into one buffer per process: the
+    library's wrapper allocates and zeroes a fresh one a call, which costs as much as the
+    splitting itself.  The same capacity is offered (2 bytes a byte of input), so the
+    same lines come back empty."""
+    import ctypes
+
+    data = line.encode("utf-8")
+    capacity = 2 * len(data)
+    if not _OUTPUT or len(_OUTPUT[0]) < capacity:
+        _OUTPUT[:] = [ctypes.create_string_buffer(max(capacity, 1 << 16))]
+    out = _OUTPUT[0]
+    written = blingfire.blingfire.TextToSentences(
+        ctypes.c_char_p(data), ctypes.c_int(len(data)), ctypes.byref(out), ctypes.c_int(capacity)
+    )
+    if written == -1 or written > capacity:
+        return ""
+    return ctypes.string_at(out, written).split(b"\0", 1)[0].decode("utf-8")
+
+
 def _sentence_ends(line: str, blingfire) -> list[int]:
     """Where blingfire ends the line's sentences (all but the last), as character offsets:
     each sentence it returns is found in the line after the one before.  (Its own offsets
     come from a Python loop over every byte, 3x slower; they are the fallback should a
     sentence come back altered.)  What lies between two sentences stays with one."""
     ends, at = [], 0
-    for sentence in blingfire.text_to_sentences(line).split("\n")[:-1]:
+    for sentence in _text_to_sentences(line, blingfire).split("\n")[:-1]:
         found = line.find(sentence, at)
         if found < 0:
             _, spans = blingfire.text_to_sentences_and_offsets(line)
