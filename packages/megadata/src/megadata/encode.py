@@ -111,6 +111,12 @@ class Encoder:
         self.pieces = _piece_splitter(self.tok)
         added = json.loads(self.tok.to_str()).get("added_tokens", [])
         self.added = [t["content"].lower() for t in added]
+        # A text holds an added token only if it holds the token's first character, and
+        # lower-casing a text never makes an ASCII character that is not a letter appear:
+        # for such first characters ("[", "<") most texts are told apart without lower().
+        firsts = {a[:1] for a in self.added}
+        plain = all(len(c) == 1 and c.isascii() and not c.isalpha() for c in firsts)
+        self._marks = firsts if plain else None
         self._forget()
 
     def _forget(self) -> None:
@@ -120,8 +126,12 @@ class Encoder:
         self.pool = np.zeros(0, dtype=np.int64)
 
     def _whole(self, text: str) -> bool:
+        if self.pieces is None:
+            return True
+        if self._marks is not None and not any(m in text for m in self._marks):
+            return False
         lower = text.lower()
-        return self.pieces is None or any(a in lower for a in self.added)
+        return any(a in lower for a in self.added)
 
     def _slots(self, split: list) -> np.ndarray:
         """The slot number of every piece of `split`, the new pieces encoded in one batch."""
