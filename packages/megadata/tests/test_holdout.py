@@ -39,6 +39,19 @@ def test_wikitext_tokens_like_the_real_file():
     )
 
 
+def test_moses_with_its_letter_sets_made_once_is_moses(documents):
+    from sacremoses import MosesTokenizer
+
+    from megadata.wikitext_format import _moses
+
+    plain = MosesTokenizer(lang="en")
+    lines = [line for d in documents[:60] for line in d["text"].split("\n") if line.strip()]
+    lines += ["e.g. x. U.S.A. then a.b.c. Mr. Smith. ß. Σ. ÉCOLE. 3. no.", "A. b. Ü. é. 1.2."]
+    for line in lines:
+        args = {"aggressive_dash_splits": True, "escape": False, "return_str": True}
+        assert _moses().tokenize(line, **args) == plain.tokenize(line, **args), line
+
+
 def test_untitled_documents_get_their_first_words_and_split_back():
     text = format_articles(
         [("", "Hundreds of people have been forced to leave, officials said."), ("B", BOULTER)]
