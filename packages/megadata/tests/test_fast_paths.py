@@ -4,6 +4,7 @@ HF tokenizers' ids, the string 8-grams; and the detector and splitter choices.""
 import itertools
 import random
 import re
+import threading
 
 import ftfy
 import numpy as np
@@ -128,6 +129,27 @@ def test_piecewise_encoding_gives_the_tokenizers_ids(tokenizer_file, documents):
         )
         at, sentence = at + n, sentence + k
     assert at == len(ids) and sentence == len(ends)
+
+
+def test_one_encoder_shared_by_threads_gives_each_its_ids(tokenizer_file, documents):
+    """`dask worker` runs a task a core in threads of one process, which share its Encoder:
+    the pieces that one thread adds must not shift the ids that another one reads."""
+    _, path = tokenizer_file
+    texts = [d["text"] for d in documents]
+    chunks = [texts[k::12] for k in range(12)]
+    expected = [Encoder(str(path)).encode_many(c) for c in chunks]
+    shared, got = Encoder(str(path)), [None] * len(chunks)
+
+    def work(first: int) -> None:
+        for k in range(first, len(chunks), 4):
+            got[k] = shared.encode_many(chunks[k])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected
 
 
 def test_tokens_from_the_filter_stage_equal_a_fresh_encoding(tmp_path, tokenizer_file, documents):

@@ -27,6 +27,7 @@ import functools
 import itertools
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -117,6 +118,7 @@ class Encoder:
         firsts = {a[:1] for a in self.added}
         plain = all(len(c) == 1 and c.isascii() and not c.isalpha() for c in firsts)
         self._marks = firsts if plain else None
+        self._lock = threading.Lock()
         self._forget()
 
     def _forget(self) -> None:
@@ -162,10 +164,13 @@ class Encoder:
         number of ids."""
         whole = {i for i, t in enumerate(texts) if self._whole(t)}
         split = [() if i in whole else self.pieces(t) for i, t in enumerate(texts)]
-        slots = self._slots(split)
-        counts = self.length[slots]
+        # The worker's Encoder is shared by its threads (`dask worker` runs one a core):
+        # slot numbers are only good with the tables as they were when they were given.
+        with self._lock:
+            slots = self._slots(split)
+            counts, starts, pool = self.length[slots], self.start[slots], self.pool
         within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_starts(counts), counts)
-        ids = self.pool[np.repeat(self.start[slots], counts) + within]
+        ids = pool[np.repeat(starts, counts) + within]
         piece_ends = np.cumsum(np.fromiter(map(len, split), dtype=np.int64, count=len(split)))
         token_ends = np.concatenate([[0], np.cumsum(counts)])[piece_ends]
         lengths = np.diff(token_ends, prepend=0)
@@ -239,11 +244,11 @@ def split_sentences(text: str, splitter: str) -> list[str]:
     return [s for s in (p.strip() for p in found) if s]
 
 
-_OUTPUT = []  # the output buffer that _text_to_sentences reuses
+_OUTPUT = threading.local()  # the output buffer that _text_to_sentences reuses, a thread
 
 
 def _text_to_sentences(line: str, blingfire) -> str:
-    """`blingfire.text_to_sentences(line)`, writing into one buffer per process: the
+    """`blingfire.text_to_sentences(line)`, writing into one buffer per thread: the
     library's wrapper allocates and zeroes a fresh one a call, which costs as much as the
     splitting itself.  The same capacity is offered (2 bytes a byte of input), so the
     same lines come back empty."""
@@ -251,9 +256,9 @@ def _text_to_sentences(line: str, blingfire) -> str:
 
     data = line.encode("utf-8")
     capacity = 2 * len(data)
-    if not _OUTPUT or len(_OUTPUT[0]) < capacity:
-        _OUTPUT[:] = [ctypes.create_string_buffer(max(capacity, 1 << 16))]
-    out = _OUTPUT[0]
+    out = getattr(_OUTPUT, "buffer", None)
+    if out is None or len(out) < capacity:
+        out = _OUTPUT.buffer = ctypes.create_string_buffer(max(capacity, 1 << 16))
     written = blingfire.blingfire.TextToSentences(
         ctypes.c_char_p(data), ctypes.c_int(len(data)), ctypes.byref(out), ctypes.c_int(capacity)
     )
