@@ -220,11 +220,17 @@ def encoder(tokenizer_path: str, _mtime_ns: int) -> Encoder:
     return Encoder(tokenizer_path)
 
 
-@functools.cache
-def _pysbd():
-    import pysbd
+_PER_THREAD = threading.local()  # what must not be shared by a worker's threads
 
-    return pysbd.Segmenter(language="en", clean=False)
+
+def _pysbd():
+    """A segmenter for this thread: pysbd's keeps the text being split on itself."""
+    segmenter = getattr(_PER_THREAD, "pysbd", None)
+    if segmenter is None:
+        import pysbd
+
+        segmenter = _PER_THREAD.pysbd = pysbd.Segmenter(language="en", clean=False)
+    return segmenter
 
 
 def split_sentences(text: str, splitter: str) -> list[str]:
@@ -244,9 +250,6 @@ def split_sentences(text: str, splitter: str) -> list[str]:
     return [s for s in (p.strip() for p in found) if s]
 
 
-_OUTPUT = threading.local()  # the output buffer that _text_to_sentences reuses, a thread
-
-
 def _text_to_sentences(line: str, blingfire) -> str:
     """`blingfire.text_to_sentences(line)`, writing into one buffer per thread: the
     library's wrapper allocates and zeroes a fresh one a call, which costs as much as the
@@ -256,9 +259,9 @@ def _text_to_sentences(line: str, blingfire) -> str:
 
     data = line.encode("utf-8")
     capacity = 2 * len(data)
-    out = getattr(_OUTPUT, "buffer", None)
+    out = getattr(_PER_THREAD, "blingfire_output", None)
     if out is None or len(out) < capacity:
-        out = _OUTPUT.buffer = ctypes.create_string_buffer(max(capacity, 1 << 16))
+        out = _PER_THREAD.blingfire_output = ctypes.create_string_buffer(max(capacity, 1 << 16))
     written = blingfire.blingfire.TextToSentences(
         ctypes.c_char_p(data), ctypes.c_int(len(data)), ctypes.byref(out), ctypes.c_int(capacity)
     )
