@@ -48,7 +48,7 @@ _P_INV = pow(_P, -1, 1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 CHUNK_POINTS = 1 << 20  # a longer text is hashed in pieces of about this many characters
-_powers = [np.ones(1, np.uint64), np.ones(1, np.uint64)]  # P^k, P^-k mod 2^64 (grown)
+_powers = [(np.ones(1, np.uint64), np.ones(1, np.uint64))]  # P^k, P^-k mod 2^64 (grown)
 
 
 @functools.cache
@@ -83,13 +83,16 @@ def word_hash(word: str) -> int:
 
 
 def _power_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
-    if len(_powers[0]) < n:
-        size = max(n, 2 * len(_powers[0]), 1 << 16)
-        for i, base in enumerate((_P, _P_INV)):
+    up, down = _powers[0]  # one pair, replaced whole: a worker's threads share it
+    if len(up) < n:
+        size = max(n, 2 * len(up), 1 << 16)
+        tables = []
+        for base in (_P, _P_INV):
             steps = np.full(size, base, dtype=np.uint64)
             steps[0] = 1
-            _powers[i] = np.cumprod(steps, dtype=np.uint64)  # wraps: mod 2^64
-    return _powers[0][:n], _powers[1][:n]
+            tables.append(np.cumprod(steps, dtype=np.uint64))  # wraps: mod 2^64
+        up, down = _powers[0] = tuple(tables)
+    return up[:n], down[:n]
 
 
 def _word_hashes(text: str, underscore: bool) -> np.ndarray:
