@@ -270,11 +270,13 @@ def test_workers_keep_large_arrays_on_the_heap(monkeypatch):
     """Dask's default MALLOC_TRIM_THRESHOLD_ doubles the CPU of numpy-heavy tasks (every
     large array mapped afresh): the Runner's own workers start without it, and a task on a
     worker that has it (a real cluster's) sets glibc's thresholds back first."""
+    # A nanny puts the variable into its own process too (the `cluster` fixture's did, in
+    # this one), and workers inherit what their parent has: start from a clean one.
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     with Runner(workers=2, progress=False) as on_cluster:
         found = on_cluster._dask().run(os.environ.get, "MALLOC_TRIM_THRESHOLD_")
     assert len(found) == 2 and set(found.values()) == {None}
     undo = runner_module._keep_large_arrays_on_the_heap.__wrapped__
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     assert undo() is False
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
     assert undo() is (sys.platform == "linux")  # glibc took both settings
