@@ -248,7 +248,7 @@ def test_ngram_hashes_count_the_string_ngrams(documents):
     )
     assert articles == [{"set": "s", "title": "T", "grams": len(word_ngrams(a))}]
     half = " ".join(a.split()[: len(a.split()) // 2])  # whole words: all its 8-grams are a's
-    hits = index.article_hits(ngram_hashes(half), 1)
+    hits = index.article_hits(index.found(ngram_hashes(half)), 1)
     assert hits[0] == len(word_ngrams(half)) == len(word_ngrams(half) & word_ngrams(a))
 
 

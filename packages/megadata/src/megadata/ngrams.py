@@ -35,7 +35,7 @@ import hashlib
 import io
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +156,7 @@ class EvalIndex:
     set_rows: dict[str, np.ndarray]  # each set's positions in `hashes`
     article_hash: np.ndarray  # (hash, article) pairs of the WikiText articles, by hash
     article_id: np.ndarray
+    _article_rows: tuple | None = field(default=None, repr=False, compare=False)
 
     def save(self, path: Path) -> None:
         arrays = {"hashes": self.hashes, "article_hash": self.article_hash}
@@ -185,11 +186,14 @@ class EvalIndex:
         at, hashes = at[inside], hashes[inside]
         return at[self.hashes[at] == hashes]
 
-    def article_hits(self, hashes: np.ndarray, articles: int) -> np.ndarray:
-        """For each article, how many of the given (distinct) hashes are among its n-grams."""
-        left = np.searchsorted(self.article_hash, hashes, side="left")
-        right = np.searchsorted(self.article_hash, hashes, side="right")
-        width = right - left
+    def article_hits(self, at: np.ndarray, articles: int) -> np.ndarray:
+        """For each article, how many of the index's hashes at positions `at` (distinct, as
+        `found` gives them) are among its n-grams."""
+        if self._article_rows is None:  # once: where each hash's (hash, article) pairs are
+            first = np.searchsorted(self.article_hash, self.hashes, side="left")
+            after = np.searchsorted(self.article_hash, self.hashes, side="right")
+            self._article_rows = (first, after - first)
+        left, width = self._article_rows[0][at], self._article_rows[1][at]
         if not width.any():
             return np.zeros(articles, dtype=np.int64)
         rows = np.repeat(left, width) + _ranks(width)

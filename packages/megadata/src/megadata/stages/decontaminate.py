@@ -246,7 +246,7 @@ def contamination(
     in_eval = index.found(hashes) if in_eval is None else in_eval  # positions in the index
     if not len(in_eval):  # no n-gram of any evaluation set: no rule can apply
         return None
-    hits = index.article_hits(index.hashes[in_eval], len(articles))
+    hits = index.article_hits(in_eval, len(articles))
 
     def share(a: int) -> float:
         return int(hits[a]) / articles[a]["grams"]
