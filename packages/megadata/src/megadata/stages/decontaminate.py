@@ -67,7 +67,7 @@ from megadata.documents import (
     write_docs,
     write_table,
 )
-from megadata.ngrams import EvalIndex, build_index, ngram_hashes
+from megadata.ngrams import EvalIndex, build_index, ngram_hashes, sorted_distinct
 from megadata.shuffle import read_shuffled, write_shuffled
 from megadata.wikitext_format import split_articles
 
@@ -307,9 +307,7 @@ def remove_partition(
             removed.append({"doc_id": doc["doc_id"], "title": doc["title"], **why})
     write_docs(Path(out_path), kept, meta={"removed": removed})
     if found_path is not None:
-        rows = np.concatenate([np.zeros(0, np.int64), *found])
-        rows.sort()  # then the distinct rows (np.unique's hash table is slower on these)
-        rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))] if len(rows) else rows
+        rows = sorted_distinct(np.concatenate([np.zeros(0, np.int64), *found]))
         write_table(Path(found_path), pa.table({"row": pa.array(rows, pa.int64())}))
     if digests_path is not None:
         _write_digests(kept, digests_path, cfg)

@@ -53,9 +53,8 @@ dedup work directory, never through the scheduler.  A document is known by its n
    walked in order, each compared with the kept documents it shares a bucket with until
    one is above the threshold (a pair whose sizes alone put it at or below the threshold,
    Jaccard <= smaller / larger, is not computed); report lines (a kept document and those
-   it removed).  The
-   kept documents' shingles are held as sorted 64-bit hashes (megadata.ngrams): its memory
-   grows with the kept members of the largest component.
+   it removed).  The kept documents' shingles are held as sorted 64-bit hashes
+   (megadata.ngrams): its memory grows with the kept members of the largest component.
 9. report (`write_report`, one task): clusters.jsonl in survivor order and removed.json,
    the sorted removed ids that every remove task reads whole.  This step gathers to one
    process: its memory grows with the number of removed documents (not the corpus).
