@@ -2,6 +2,7 @@
 HF tokenizers' ids, the string 8-grams; and the detector and splitter choices."""
 
 import itertools
+import json
 import random
 import re
 import threading
@@ -10,8 +11,9 @@ import ftfy
 import numpy as np
 import pytest
 from datasketch import MinHash
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from megadata import minhash, ngrams, unicode_fix
+from megadata import minhash, ngrams, tokenizer, unicode_fix
 from megadata.documents import read_table, write_docs
 from megadata.encode import Encoder, split_sentences
 from megadata.ngrams import build_index, ngram_hashes
@@ -160,6 +162,63 @@ def test_one_encoder_shared_by_threads_gives_each_its_ids(tokenizer_file, docume
     for t in threads:
         t.join()
     assert got == expected
+
+
+def _hf_trained(kind: str, texts: list[str], vocab_size: int) -> Tokenizer:
+    """HF's own training of the recipe's tokenizers, as megadata trained them before."""
+    if kind == "gpt2-bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=tokenizer.BERT_SPECIALS, show_progress=False
+        )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def test_learning_from_counted_words_is_hfs_training(documents):
+    """GPT-2's BPE learnt from our word counts is the very file HF's trainer writes from
+    the texts; the counts of two halves add up to those of the whole; and WordPiece,
+    which HF learns differently from run to run, is learnt the same every time, and is
+    one of the vocabularies HF's trainer gives (the rest of the file equal)."""
+    texts = [d["text"] for d in documents] + ["odd  \u2028 spaces\x0b\x85 and ﬁ <|endoftext|> 東京"]
+    for kind in ("gpt2-bpe", "bert-wordpiece"):
+        whole = tokenizer.count_words(kind, texts)
+        halves = tokenizer.count_words(kind, texts[::2]) + tokenizer.count_words(kind, texts[1::2])
+        assert whole == halves
+    words = tokenizer.count_words("gpt2-bpe", texts)
+    ours = tokenizer._train("gpt2-bpe", words, 700, True)
+    assert ours.to_str() == _hf_trained("gpt2-bpe", texts, 700).to_str()
+
+    words = tokenizer.count_words("bert-wordpiece", texts)
+    ours = tokenizer._train("bert-wordpiece", words, 600, True)
+    assert ours.to_str() == tokenizer._train("bert-wordpiece", words, 600, True).to_str()
+    spec = json.loads(ours.to_str())
+    vocab = set(spec["model"].pop("vocab"))
+    for _ in range(40):  # HF's vocabulary depends on its hash map's order: try it anew
+        hf = _hf_trained("bert-wordpiece", texts, 600)
+        theirs = json.loads(hf.to_str())
+        if set(theirs["model"].pop("vocab")) == vocab:
+            break
+    else:
+        pytest.fail("no run of HF's WordPiece trainer learnt our vocabulary")
+    assert theirs == spec
+    sample = texts[:10]
+    assert [e.tokens for e in ours.encode_batch(sample)] == [
+        e.tokens for e in hf.encode_batch(sample)
+    ]
 
 
 def test_tokens_from_the_filter_stage_equal_a_fresh_encoding(tmp_path, tokenizer_file, documents):

@@ -52,7 +52,8 @@ def check_splitter(name) -> str:
     return name
 
 
-def _bert_pieces(text: str) -> list[str]:
+def bert_pieces(text: str) -> list[str]:
+    """The text cut where BERT's pre-tokenizer cuts at whitespace (never inside a word)."""
     if _NOT_BERT_SPACE.search(text):
         return [p for p in _BERT_SPACE.split(text) if p]
     return text.split()
@@ -83,7 +84,8 @@ def _gpt2_patterns() -> tuple[Callable, Callable]:
 _BEYOND_BMP = re.compile("[\U00010000-\U0010ffff]")
 
 
-def _gpt2_pieces(text: str) -> list[str]:
+def gpt2_pieces(text: str) -> list[str]:
+    """The pieces GPT-2's regex cuts the text into, as HF's ByteLevel pre-tokenizer does."""
     any_pieces, bmp_pieces = _gpt2_patterns()
     return any_pieces(text) if _BEYOND_BMP.search(text) else bmp_pieces(text)
 
@@ -94,9 +96,9 @@ def _piece_splitter(tok: Tokenizer) -> Callable[[str], list[str]] | None:
     pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
     byte_level = pre.get("type") == "ByteLevel" and norm is None
     if byte_level and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
-        return _gpt2_pieces
+        return gpt2_pieces
     if pre.get("type") == "BertPreTokenizer" and (norm is None or norm["type"] == "BertNormalizer"):
-        return _bert_pieces
+        return bert_pieces
     return None
 
 
