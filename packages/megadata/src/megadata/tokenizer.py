@@ -164,16 +164,16 @@ def _learn_wordpiece(words: Counter, vocab_size: int) -> Tokenizer:
     HF numbers the "##c" symbols in the order a hash map gives the words, which differs
     from run to run (huggingface/tokenizers#1794), and a merge between pairs of equal count
     goes to the lower numbers: the same corpus gave a different vocabulary on each run.
-    Here each character that follows another is spelt as a character of its own (unused
-    private-use code points, given in the characters' order) before the BPE trainer sees
+    Here each character that follows another is spelt as a character of its own (code
+    points the words do not use, given in the characters' order) before the BPE trainer sees
     the words, so every symbol is in the sorted alphabet, and is spelt "##c" afterwards."""
     chars = sorted(set().union(*words))
     later = sorted({c for w in words for c in w[1:]})
     used = set(chars)
-    spare = (
+    spare = (  # low code points first: two bytes of UTF-8 each keep the trainer's input short
         chr(c)
-        for c in itertools.chain(range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
-        if chr(c) not in used
+        for c in itertools.chain(range(0x100, 0xD800), range(0xE000, 0x110000))
+        if chr(c) not in used and not chr(c).isspace()
     )
     marked = dict(zip(later, spare, strict=False))
     if len(marked) < len(later):
