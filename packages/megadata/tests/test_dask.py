@@ -96,6 +96,23 @@ def test_local_cluster_of_two_workers_gives_the_same_bytes(tmp_path, cluster, in
     assert results[-1].docs_out == len(shard_doc_ids(reference))
 
 
+def test_a_bert_corpus_is_the_same_bytes_on_one_process_and_on_the_cluster(
+    tmp_path, cluster, inputs
+):
+    """WordPiece, learnt from the words the workers count, and sentence ends: the same
+    files either way (HF's own WordPiece trainer gave another vocabulary on each run)."""
+    bert = {"tokenizer": {"kind": "bert-wordpiece", "vocab_size": 1500}}
+    corpora = []
+    for where in ("one", "cluster"):
+        out = tmp_path / where
+        out.mkdir()
+        recipe = load_recipe(write_recipe(out / "r.toml", inputs, out / "corpus", **bert))
+        scheduler = cluster.scheduler_address if where == "cluster" else None
+        run_recipe(recipe, workers=1, progress=False, scheduler=scheduler)
+        corpora.append(corpus_files(recipe.output))
+    assert "tokenizer.json" in corpora[0] and corpora[0] == corpora[1]
+
+
 def dying_on_first_call(marker: Path, module, name: str):
     """`module.name` as a worker has it, except that the first call of a run (the one that
     creates `marker`) ends its own worker process on the spot.  A closure: Dask sends its
