@@ -47,6 +47,7 @@ def test_fix_text_equals_ftfy_line_by_line():
         "&lt;", "\uff46", "\x9d", "\u2013", "\u2014", "…", "\xa0", "\u2019", "ü", "ß",
         "À", "Ã", "Â", "°", "ƒ", "\xd7", "²", "œ", "e\u0301", "\u0301", "A\u030a", "Å",
         "\u1100\u1161", "東", "ã\x83\x84", "Ø", "\u200b", "\ufeff", "€", "\u0412",
+        "\uff06amp\uff1b", "\uff06", "\uff1b", "A\u0303", "\u0303", "\x1b[31m", "\ufb01",
     ]  # fmt: skip
     wide = [chr(c) for c in range(0x80, 0x3100)]
     for _ in range(12000):
@@ -58,6 +59,11 @@ def test_fix_text_equals_ftfy_line_by_line():
         assert unicode_fix.fix_text(text) == ftfy.fix_text(text), repr(text)
     # the common non-ASCII of English text is passed over, not sent to ftfy
     assert not unicode_fix._may_change().search("café \u2013 naïve … über Straße\xa0")
+    # curly quotes and ligatures are fixed without ftfy's encoding step, unless a fix
+    # makes an entity or mojibake appear (a fullwidth "&amp;", a decomposed "Ã")
+    assert not unicode_fix._may_be_bad("ﬁne \u2019tis, café") and unicode_fix._may_be_bad("Ã©")
+    for line in ("“ﬁne” \u2019tis\n", "\uff06amp\uff1b “x”", "A\u0303\u00a9 “x”"):
+        assert unicode_fix._fix_line(line, False) == ftfy.fix_text(line)
 
 
 def test_minhash_signatures_are_datasketchs(documents, monkeypatch):
