@@ -31,15 +31,6 @@ import ftfy
 
 # What ftfy may change on a line of printable ASCII, tab and newline: `&` (entities).
 _PRINTABLE = "\t\n\x20-\x25\x27-\x7e"
-_CHAR_FIXERS = (
-    "fix_c1_controls",
-    "fix_latin_ligatures",
-    "fix_character_width",
-    "uncurl_quotes",
-    "fix_line_breaks",
-    "fix_surrogates",
-    "remove_control_chars",
-)
 _FTFY_DEFAULTS = {
     "unescape_html": "auto",
     "remove_terminal_escapes": True,
@@ -71,6 +62,9 @@ _FIX_ORDER = (
     "remove_control_chars",
 )
 _HTML_ENTITY = re.compile(r"&#?[0-9A-Za-z]{1,24};")  # ftfy's HTML_ENTITY_RE
+# The fixers that work character by character ("\x1b" starts a terminal escape sequence,
+# so a line holding one always goes to ftfy).
+_CHAR_FIXERS = tuple(name for name in _FIX_ORDER if name != "remove_terminal_escapes")
 
 
 @functools.cache
