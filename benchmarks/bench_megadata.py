@@ -387,8 +387,11 @@ def dedup_stage(runner: Runner, parts: list[str], work: Path) -> dict:
     grouping = dedup.find_duplicates(
         sigs, parts, str(work / "lsh"), threshold, num_perm, n, runner=runner
     )
-    removed = str(work / "lsh" / "removed.json")
-    tasks = [Task(Path(p).stem, (p, str(out_dir / Path(p).name), removed)) for p in parts]
+    removed = str(work / "lsh" / dedup.REMOVED_NODES)
+    tasks = [
+        Task(Path(p).stem, (p, str(out_dir / Path(p).name), removed, k))
+        for k, p in enumerate(parts)
+    ]
     removal = runner.run("dedup", out_dir, tasks, dedup.remove_partition)
     seconds = time.perf_counter() - start
     return {

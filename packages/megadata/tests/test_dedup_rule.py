@@ -6,6 +6,7 @@ import json
 import random
 
 import numpy as np
+import pyarrow as pa
 
 from megadata.documents import write_docs
 from megadata.stages import dedup
@@ -121,3 +122,31 @@ def test_local_roots_are_each_components_smallest_node():
             parent[max(rx, ry)] = min(rx, ry)
         expected = [find(x) for x in range(count)]
         assert dedup._local_roots(a, b, count).tolist() == expected
+
+
+def test_remove_takes_each_partitions_rows_and_links_an_untouched_one(tmp_path):
+    """Step 10: partition k drops the rows of the nodes k << 32 | row (and no other
+    partition's), keeps the others in order, and is linked when it loses none."""
+    from megadata.documents import read_docs, read_table, write_docs, write_table
+
+    parts = []
+    for k in range(3):
+        docs = [{"doc_id": f"{k}-{r}", "source": "s", "text": "é" * r} for r in range(5)]
+        parts.append(tmp_path / f"p{k}.arrow")
+        write_docs(parts[-1], docs)
+    nodes = np.array(sorted([0 << 32 | 1, 0 << 32 | 4, 2 << 32 | 0]), dtype=np.int64)
+    write_table(tmp_path / dedup.REMOVED_NODES, pa.table({"node": pa.array(nodes)}))
+    kept = {}
+    for k, p in enumerate(parts):
+        out = tmp_path / "out" / p.name
+        counts = dedup.remove_partition(str(p), str(out), str(tmp_path / dedup.REMOVED_NODES), k)
+        kept[k] = [d["doc_id"] for d in read_docs(out)]
+        assert counts["docs_out"] == len(kept[k]) and counts["docs_in"] == 5
+        assert counts["bytes_out"] == sum(2 * int(i.split("-")[1]) for i in kept[k])
+        assert read_table(out).schema == read_table(p).schema
+    assert kept == {
+        0: ["0-0", "0-2", "0-3"],
+        1: [f"1-{r}" for r in range(5)],
+        2: ["2-1", "2-2", "2-3", "2-4"],
+    }
+    assert (tmp_path / "out" / "p1.arrow").stat().st_ino == parts[1].stat().st_ino  # linked

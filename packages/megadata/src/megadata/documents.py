@@ -8,11 +8,14 @@ schema metadata of the same file, so data and counts appear together or not at a
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 DOC_SCHEMA = pa.schema(
     [
@@ -88,3 +91,37 @@ def read_docs(path: Path) -> Iterator[dict]:
     table = read_table(path)
     for batch in table.to_batches(max_chunksize=BATCH_ROWS):
         yield from batch.to_pylist()
+
+
+def _counts(table: pa.Table) -> tuple[int, int]:
+    """(documents, UTF-8 bytes of text) of a partition, from its Arrow columns."""
+    return table.num_rows, pc.sum(pc.binary_length(table.column("text"))).as_py() or 0
+
+
+def link_partition(in_path: str, out_path: str) -> dict:
+    """The partition unchanged (a hard link: no bytes copied), counted from its Arrow columns."""
+    rows, nbytes = _counts(read_table(Path(in_path)))
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(in_path, tmp)
+    except OSError:  # another file system, or one without links
+        shutil.copyfile(in_path, tmp)
+    os.replace(tmp, out)
+    return {"docs_in": rows, "docs_out": rows, "bytes_in": nbytes, "bytes_out": nbytes}
+
+
+def drop_rows(in_path: str, out_path: str, rows: np.ndarray) -> dict:
+    """The partition without the documents at `rows` (a link when there are none): Arrow
+    columns filtered, no document turned into Python objects."""
+    if not len(rows):
+        return link_partition(in_path, out_path)
+    table = read_table(Path(in_path))
+    keep = np.ones(table.num_rows, dtype=bool)
+    keep[rows] = False
+    kept = table.filter(pa.array(keep)).combine_chunks()
+    write_table(Path(out_path), kept)
+    (docs_in, bytes_in), (docs_out, bytes_out) = _counts(table), _counts(kept)
+    return {"docs_in": docs_in, "docs_out": docs_out, "bytes_in": bytes_in, "bytes_out": bytes_out}

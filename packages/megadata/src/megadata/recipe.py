@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from megadata import __version__
-from megadata.documents import atomic_write_bytes, atomic_write_json, read_table
+from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_table
 from megadata.encode import DEFAULT_SPLITTER, check_splitter
 from megadata.runner import Runner, StageStats, Task
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
@@ -383,8 +383,12 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     reports.mkdir(parents=True, exist_ok=True)
     clusters = (recipe.work / "lsh" / "clusters.jsonl").read_bytes()
     atomic_write_bytes(reports / "dedup_clusters.jsonl", clusters)
-    removed = str(recipe.work / "lsh" / "removed.json")
-    stats = _map(runner, recipe, "dedup", "filter", dedup.remove_partition, removed)
+    # Partition k's documents are the nodes k << 32 | row of the grouping (its k-th path).
+    removed, out = str(recipe.work / "lsh" / dedup.REMOVED_NODES), recipe.work / "dedup"
+    tasks = [
+        Task(p.stem, (str(p), str(out / p.name), removed, k)) for k, p in enumerate(_parts(src))
+    ]
+    stats = runner.run("dedup", out, tasks, dedup.remove_partition)
     stats.extra.update(groups["extra"])
     stats.seconds += signatures.seconds + groups["seconds"]
     stats.cpu_seconds += signatures.cpu_seconds + groups["cpu_seconds"]
@@ -395,7 +399,7 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
 def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
     """Held-out documents out of the partitions, then the evaluation files made of them."""
     if not recipe.holdout:
-        return _map(runner, recipe, "holdout", "dedup", holdout.pass_through)
+        return _map(runner, recipe, "holdout", "dedup", link_partition)
     try:
         cfg = holdout.settings(recipe.holdout)
     except ValueError as e:
@@ -437,7 +441,7 @@ def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
 def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
     """Test articles out of the training documents, then the 8-gram overlap report."""
     if not recipe.decontaminate:
-        return _map(runner, recipe, "decontaminate", "holdout", holdout.pass_through)
+        return _map(runner, recipe, "decontaminate", "holdout", link_partition)
     holdout_dir = recipe.output / "eval" if recipe.holdout else None
     try:
         cfg = decontaminate.settings(recipe.decontaminate)

@@ -55,10 +55,12 @@ dedup work directory, never through the scheduler.  A document is known by its n
    Jaccard <= smaller / larger, is not computed); report lines (a kept document and those
    it removed).  The kept documents' shingles are held as sorted 64-bit hashes
    (megadata.ngrams): its memory grows with the kept members of the largest component.
-9. report (`write_report`, one task): clusters.jsonl in survivor order and removed.json,
-   the sorted removed ids that every remove task reads whole.  This step gathers to one
-   process: its memory grows with the number of removed documents (not the corpus).
-10. `remove_partition` (per partition): drops the removed ids.
+9. report (`write_report`, one task): clusters.jsonl in survivor order, removed.json (the
+   sorted removed ids) and removed-nodes.arrow (their nodes, sorted).  This step gathers
+   to one process: its memory grows with the number of removed documents (not the corpus).
+10. `remove_partition` (per partition): drops its rows among the removed nodes, found by
+   binary search in the memory-mapped file (each task reads its own slice, not the whole
+   list), and links a partition that loses none.
 """
 
 import itertools
@@ -75,11 +77,10 @@ import pyarrow.compute as pc
 from megadata.documents import (
     atomic_write_bytes,
     atomic_write_json,
+    drop_rows,
     read_docs,
     read_meta,
     read_table,
-    text_bytes,
-    write_docs,
     write_table,
 )
 from megadata.minhash import scheme, signatures_of_hashes
@@ -88,6 +89,7 @@ from megadata.runner import Runner, Task
 from megadata.shuffle import read_shuffled as _read_shuffled
 from megadata.shuffle import write_shuffled as _write_shuffled
 
+REMOVED_NODES = "removed-nodes.arrow"  # the removed documents' nodes, sorted (step 9)
 # S, the number of buckets, pair shards, node shards and component shards, grows with the
 # documents rather than the partitions: a shard's task costs a file read per partition plus
 # a write, so shards of a few partitions' worth of documents keep that overhead small.
@@ -568,6 +570,7 @@ def verify_remaining(
     start[1:] = label[1:] != label[:-1]
     first = np.maximum.accumulate(np.where(start, np.arange(len(label)), 0))
     removed_by = defaultdict(list)  # position of a kept document -> [(doc_id, jaccard)]
+    gone = []  # the positions of the removed documents
     walk = []
     for i, (v, f) in enumerate(zip(node.tolist(), first.tolist(), strict=True)):
         if i == f:
@@ -575,6 +578,7 @@ def verify_remaining(
         j = similarity.get(v)
         if j is not None and j > threshold:
             removed_by[f].append((doc_id[i], j))
+            gone.append(i)
         else:
             walk.append(i)
     compared = verified = 0
@@ -602,6 +606,7 @@ def verify_remaining(
                 if j > threshold:
                     verified += 1
                     removed_by[k].append((doc_id[i], j))
+                    gone.append(i)
                     break
             else:
                 kept[i] = own
@@ -615,6 +620,8 @@ def verify_remaining(
         for k in removed_by
     ]
     report.sort(key=lambda c: c["survivor"])
+    removed_nodes = pa.table({"node": pa.array(np.sort(node[gone]), pa.int64())})
+    write_table(_removed_nodes_path(out_path), removed_nodes)
     atomic_write_bytes(Path(out_path), _jsonl(report))
     return {
         "extra": {
@@ -633,6 +640,17 @@ def write_report(
     clusters = [json.loads(line) for p in chunk_paths for line in Path(p).read_text().splitlines()]
     clusters.sort(key=lambda c: c["survivor"])
     removed = sorted(m["doc_id"] for c in clusters for m in c["removed"])
+    nodes = [np.zeros(0, np.int64)]
+    for p in chunk_paths:
+        if not _removed_nodes_path(p).exists():  # a shard walked by an earlier megadata
+            raise FileNotFoundError(
+                f"{_removed_nodes_path(p)} is missing: delete {Path(p).parent} to walk again"
+            )
+        nodes.append(read_table(_removed_nodes_path(p)).column("node").to_numpy())
+    nodes = np.sort(np.concatenate(nodes))
+    if len(nodes) != len(removed):
+        raise ValueError(f"dedup: {len(nodes)} removed nodes for {len(removed)} removed ids")
+    write_table(Path(out_dir) / REMOVED_NODES, pa.table({"node": pa.array(nodes, pa.int64())}))
     atomic_write_bytes(Path(out_dir) / "clusters.jsonl", _jsonl(clusters))
     atomic_write_json(Path(out_dir) / "removed.json", removed)
     return {
@@ -710,14 +728,14 @@ def _take(paths: list[str], nodes: np.ndarray, column: str) -> list:
     return values
 
 
-def remove_partition(in_path: str, out_path: str, removed_path: str) -> dict:
-    removed = set(json.loads(Path(removed_path).read_text()))
-    docs = list(read_docs(Path(in_path)))
-    kept = [d for d in docs if d["doc_id"] not in removed]
-    write_docs(Path(out_path), kept)
-    return {
-        "docs_in": len(docs),
-        "docs_out": len(kept),
-        "bytes_in": text_bytes(docs),
-        "bytes_out": text_bytes(kept),
-    }
+def remove_partition(in_path: str, out_path: str, removed_nodes_path: str, part: int) -> dict:
+    """Step 10: partition number `part` without its removed documents: its rows are read
+    from the sorted removed nodes by two binary searches (memory-mapped, whatever their
+    number), and a partition that loses none is linked, not rewritten."""
+    nodes = read_table(Path(removed_nodes_path)).column("node").to_numpy()
+    lo, hi = np.searchsorted(nodes, [part << 32, (part + 1) << 32])
+    return drop_rows(in_path, out_path, nodes[lo:hi] & 0xFFFFFFFF)
+
+
+def _removed_nodes_path(chunk_path: str) -> Path:
+    return Path(chunk_path).with_suffix(".removed.arrow")

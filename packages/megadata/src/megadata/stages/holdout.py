@@ -16,20 +16,17 @@
    - `holdout.json`: the held-out doc ids and the counts.
    Documents go in partition order, so a rerun writes the same bytes.
 
-`pass_through` is what this stage (and decontaminate) does when its recipe section is absent:
-the partitions are hard-linked (copied where links cannot be made) unchanged.
+`documents.link_partition` is what this stage (and decontaminate) does when its recipe
+section is absent: the partitions are hard-linked (copied where links cannot be made)
+unchanged.
 """
 
 import hashlib
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
-import pyarrow.compute as pc
-
-from megadata.documents import atomic_write_bytes, read_docs, read_table, text_bytes, write_docs
+from megadata.documents import atomic_write_bytes, read_docs, text_bytes, write_docs
 from megadata.encode import DEFAULT_SPLITTER, split_sentences
 from megadata.wikitext_format import format_article, paragraphs, title_from_text
 
@@ -137,23 +134,6 @@ def format_held(docs: list[dict], cfg: dict, splitter: str = DEFAULT_SPLITTER) -
             }
         )
     return rows
-
-
-def pass_through(in_path: str, out_path: str) -> dict:
-    """The partition unchanged (a hard link: no bytes copied), counted from its Arrow columns."""
-    table = read_table(Path(in_path))
-    nbytes = pc.sum(pc.binary_length(table.column("text"))).as_py() or 0
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(in_path, tmp)
-    except OSError:  # another file system, or one without links
-        shutil.copyfile(in_path, tmp)
-    os.replace(tmp, out)
-    rows = table.num_rows
-    return {"docs_in": rows, "docs_out": rows, "bytes_in": nbytes, "bytes_out": nbytes}
 
 
 def lambada_passages(
