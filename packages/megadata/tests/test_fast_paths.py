@@ -409,3 +409,20 @@ def test_an_eval_index_of_another_hash_version_is_refused(tmp_path, documents):
     np.savez(path, **arrays)  # as an index saved before the hash was versioned
     with pytest.raises(ValueError, match=rf"{path}: evaluation n-grams hashed by an older one"):
         ngrams.EvalIndex.load(path)
+
+
+def test_kept_rows_written_from_arrow_are_write_docs_bytes(tmp_path):
+    """`write_kept` (Arrow's filter) writes the very file `write_docs` writes of the same
+    documents, over several record batches and with metadata."""
+    from megadata.documents import write_kept
+
+    docs = [
+        {"doc_id": f"d{i}", "source": "s", "url": "" if i % 3 else "http://x", "title": "t",
+         "text": "é\n" * (i % 50)}
+        for i in range(3000)
+    ]  # fmt: skip
+    write_docs(tmp_path / "all.arrow", docs, meta={"earlier": 1})
+    keep = np.random.default_rng(1).random(len(docs)) > 0.5
+    write_docs(tmp_path / "a.arrow", [d for d, k in zip(docs, keep, strict=True) if k], {"x": 1})
+    write_kept(tmp_path / "b.arrow", read_table(tmp_path / "all.arrow"), keep, {"x": 1})
+    assert (tmp_path / "a.arrow").read_bytes() == (tmp_path / "b.arrow").read_bytes()

@@ -60,11 +60,10 @@ from megadata.bloom import SHARD_FILE, BloomFilter, contains_sharded, shard_file
 from megadata.command_error import CommandError
 from megadata.documents import (
     atomic_write_json,
-    read_docs,
     read_meta,
     read_table,
     text_bytes,
-    write_docs,
+    write_kept,
     write_table,
 )
 from megadata.ngrams import EvalIndex, build_index, ngram_hashes, sorted_distinct
@@ -292,7 +291,8 @@ def remove_partition(
     """Remove the contaminated documents of a partition; write to `found_path` which of the
     evaluation n-grams (positions in the index) the documents kept hold, and, to build the
     training Bloom filter, the digests of their n-grams routed to its shards."""
-    docs = list(read_docs(Path(in_path)))
+    table = read_table(Path(in_path))
+    docs = table.to_pylist()
     index = _eval_index(prep_dir)[0]
     kept, removed, found, train_ngrams = [], [], [], 0
     for doc in docs:
@@ -305,7 +305,9 @@ def remove_partition(
             found.append(in_eval)
         else:
             removed.append({"doc_id": doc["doc_id"], "title": doc["title"], **why})
-    write_docs(Path(out_path), kept, meta={"removed": removed})
+    gone = {r["doc_id"] for r in removed}
+    keep = [d["doc_id"] not in gone for d in docs]
+    write_kept(Path(out_path), table, keep, meta={"removed": removed})
     if found_path is not None:
         rows = sorted_distinct(np.concatenate([np.zeros(0, np.int64), *found]))
         write_table(Path(found_path), pa.table({"row": pa.array(rows, pa.int64())}))

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from megadata.documents import read_docs, text_bytes, write_docs, write_table
+from megadata.documents import read_table, text_bytes, write_kept, write_table
 from megadata.encode import DEFAULT_SPLITTER, encoder
 
 
@@ -48,7 +48,8 @@ def filter_partition(
     sentences: bool = False,
     splitter: str = DEFAULT_SPLITTER,
 ) -> dict:
-    docs = list(read_docs(Path(in_path)))
+    table = read_table(Path(in_path))
+    docs = table.to_pylist()
     tokens, ends, lengths = token_table(tokenizer_path, docs, sentences, splitter)
     keep = lengths >= min_tokens
     kept = [d for d, k in zip(docs, keep.tolist(), strict=True) if k]
@@ -61,7 +62,7 @@ def filter_partition(
         if ends is not None:
             columns["sentence_ends"] = ends.filter(mask)
         write_table(Path(tokens_path), pa.table(columns), {"sentences": sentences})
-    write_docs(Path(out_path), kept)
+    write_kept(Path(out_path), table, keep)
     return {
         "docs_in": len(docs),
         "docs_out": len(kept),

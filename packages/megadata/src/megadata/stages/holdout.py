@@ -26,7 +26,9 @@ import json
 import re
 from pathlib import Path
 
-from megadata.documents import atomic_write_bytes, read_docs, text_bytes, write_docs
+import numpy as np
+
+from megadata.documents import atomic_write_bytes, read_docs, read_table, text_bytes, write_kept
 from megadata.encode import DEFAULT_SPLITTER, split_sentences
 from megadata.wikitext_format import format_article, paragraphs, title_from_text
 
@@ -90,19 +92,19 @@ def split_partition(
     """The partition less its held-out documents, and those documents; with
     `formatted_path`, also their evaluation-file pieces (`format_held`): formatting is the
     costly part of the evaluation files, so it runs here, in parallel over the partitions."""
-    docs = list(read_docs(Path(in_path)))
-    held = [
-        d
-        for d in docs
-        if (not sources or d["source"] in sources) and is_held_out(d["doc_id"], every)
-    ]
-    held_ids = {d["doc_id"] for d in held}
-    kept = [d for d in docs if d["doc_id"] not in held_ids]
+    table = read_table(Path(in_path))
+    docs = table.to_pylist()
+    out = np.array(
+        [(not sources or d["source"] in sources) and is_held_out(d["doc_id"], every) for d in docs],
+        dtype=bool,
+    )
+    held = [d for d, o in zip(docs, out.tolist(), strict=True) if o]
+    kept = [d for d, o in zip(docs, out.tolist(), strict=True) if not o]
     if formatted_path is not None:
         rows = format_held(held, cfg, splitter)
         atomic_write_bytes(Path(formatted_path), json.dumps(rows, ensure_ascii=False).encode())
-    write_docs(Path(held_path), held)  # first: the partition passed on marks the task as done
-    write_docs(Path(out_path), kept)
+    write_kept(Path(held_path), table, out)  # first: the partition passed on marks the task as done
+    write_kept(Path(out_path), table, ~out)
     return _counts(docs, kept, {"held_out": len(held)})
 
 
