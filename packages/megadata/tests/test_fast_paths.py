@@ -426,3 +426,8 @@ def test_kept_rows_written_from_arrow_are_write_docs_bytes(tmp_path):
     write_docs(tmp_path / "a.arrow", [d for d, k in zip(docs, keep, strict=True) if k], {"x": 1})
     write_kept(tmp_path / "b.arrow", read_table(tmp_path / "all.arrow"), keep, {"x": 1})
     assert (tmp_path / "a.arrow").read_bytes() == (tmp_path / "b.arrow").read_bytes()
+    kept = [{**d, "text": d["text"].upper()} for d, k in zip(docs, keep, strict=True) if k]
+    write_docs(tmp_path / "c.arrow", kept)  # new texts for the kept rows (the clean stage)
+    texts = [d["text"] for d in kept]
+    write_kept(tmp_path / "d.arrow", read_table(tmp_path / "all.arrow"), keep, texts=texts)
+    assert (tmp_path / "c.arrow").read_bytes() == (tmp_path / "d.arrow").read_bytes()

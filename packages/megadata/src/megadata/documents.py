@@ -67,11 +67,16 @@ def write_docs(path: Path, docs: Iterable[dict], meta: dict | None = None) -> No
     write_table(path, table, meta)
 
 
-def write_kept(path: Path, table: pa.Table, keep, meta: dict | None = None) -> pa.Table:
-    """The rows of a partition's `table` where `keep` is true, written as `write_docs`
-    writes them (the same bytes: tested) without turning documents into Python objects;
-    returns them."""
+def write_kept(
+    path: Path, table: pa.Table, keep, meta: dict | None = None, texts: list[str] | None = None
+) -> pa.Table:
+    """The rows of a partition's `table` where `keep` is true (with `texts`, the kept rows'
+    new texts, in order), written as `write_docs` writes them (the same bytes: tested)
+    without turning documents into Python objects; returns them."""
     kept = table.filter(pa.array(keep, pa.bool_())).combine_chunks()
+    if texts is not None:
+        at = kept.schema.get_field_index("text")
+        kept = kept.set_column(at, kept.schema.field(at), pa.array(texts, pa.string()))
     write_table(path, kept.replace_schema_metadata(None), meta)
     return kept
 

@@ -24,7 +24,7 @@ import functools
 import re
 from pathlib import Path
 
-from megadata.documents import read_docs, text_bytes, write_docs
+from megadata.documents import read_table, write_kept
 from megadata.unicode_fix import fix_text
 
 DETECTORS = ("fasttext", "langdetect")
@@ -99,30 +99,32 @@ def clean_partition(in_path: str, out_path: str, options: dict) -> dict:
     seed = int(options.get("seed", 0))
     detector = check_detector(options.get("detector", DEFAULT_DETECTOR))
     join_sources = set(options.get("join_lines_sources", []))
-    kept, extra, bytes_in = [], {"not_english": 0, "empty": 0}, 0
-    n = 0
-    for doc in read_docs(Path(in_path)):
-        n += 1
+    texts, keep, extra, bytes_in = [], [], {"not_english": 0, "empty": 0}, 0
+    table = read_table(Path(in_path))
+    for doc in table.select(["source", "text"]).to_pylist():
         bytes_in += len(doc["text"].encode())
         text = fix_text(doc["text"])
         if doc["source"] in join_sources:
             text = join_broken_lines(text)
         text = text.strip()
         if not text:
-            extra["empty"] += 1
-            continue
-        if (
+            why = "empty"
+        elif (
             lang_threshold > 0
             and english_probability(text, seed, detector=detector) < lang_threshold
         ):
-            extra["not_english"] += 1
-            continue
-        kept.append({**doc, "text": text})
-    write_docs(Path(out_path), kept)
+            why = "not_english"
+        else:
+            why = None
+            texts.append(text)
+        if why:
+            extra[why] += 1
+        keep.append(why is None)
+    write_kept(Path(out_path), table, keep, texts=texts)
     return {
-        "docs_in": n,
-        "docs_out": len(kept),
+        "docs_in": table.num_rows,
+        "docs_out": len(texts),
         "bytes_in": bytes_in,
-        "bytes_out": text_bytes(kept),
+        "bytes_out": sum(len(t.encode()) for t in texts),
         "extra": extra,
     }
