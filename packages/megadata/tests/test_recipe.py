@@ -229,3 +229,25 @@ def test_the_tokenizer_sample_is_the_documents_that_start_under_the_limit(tmp_pa
     }
     for limit, want in by_limit.items():
         assert [(p.stem, n) for p, n in _training_sample(tmp_path, limit)] == want, limit
+
+
+def _count_call(marker_dir: str, i: int) -> dict:
+    Path(marker_dir, f"ran-{i}").touch()
+    return {"docs_in": i}
+
+
+def test_a_marker_cut_short_by_a_power_cut_runs_its_task_again(tmp_path):
+    """Task markers are not synced to disk: one left empty or cut short means the task is
+    run again, never a failed resume."""
+    from megadata.runner import Runner, Task
+
+    tasks = [Task(f"t{i}", (str(tmp_path), i)) for i in range(4)]
+    stage = tmp_path / "stage"
+    assert Runner(workers=1, progress=False).run("s", stage, tasks, _count_call).docs_in == 6
+    (stage / "_DONE.json").unlink()
+    (stage / "_tasks" / "t2.json").write_text("")  # empty
+    (stage / "_tasks" / "t3.json").write_text('{"docs_in": 3, "cpu')  # cut short
+    for f in tmp_path.glob("ran-*"):
+        f.unlink()
+    assert Runner(workers=1, progress=False).run("s", stage, tasks, _count_call).docs_in == 6
+    assert sorted(f.name for f in tmp_path.glob("ran-*")) == ["ran-2", "ran-3"]

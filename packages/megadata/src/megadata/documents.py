@@ -29,7 +29,9 @@ DOC_SCHEMA = pa.schema(
 BATCH_ROWS = 1024
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """`data` at `path`, complete or not at all; on disk before the call returns unless
+    not `durable` (a file whose loss after a power cut only means redoing some work)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -37,15 +39,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(path, data, durable)
 
 
 def write_table(path: Path, table: pa.Table, meta: dict | None = None) -> None:

@@ -268,9 +268,9 @@ class Runner:
         stats = StageStats(stage)
         todo = []
         for t in tasks:
-            marker = markers / f"{t.id}.json"
-            if marker.exists():
-                stats.add(json.loads(marker.read_text()))
+            counts = _read_marker(markers / f"{t.id}.json")
+            if counts is not None:
+                stats.add(counts)
             else:
                 todo.append(t)
         start = time.perf_counter()
@@ -280,7 +280,9 @@ class Runner:
         )  # fmt: skip
         with bar:
             for task, counts in self._results(stage, fn, todo):
-                atomic_write_json(markers / f"{task.id}.json", counts)
+                # Not synced to disk (a millisecond a task): a marker lost in a power cut
+                # only has its task run again (the outputs it vouches for were synced).
+                atomic_write_json(markers / f"{task.id}.json", counts, durable=False)
                 stats.add(counts)
                 bar.update(1)
                 bar.set_postfix(docs=stats.docs_out, refresh=False)
@@ -321,6 +323,16 @@ class Runner:
         except BaseException:
             client.cancel(list(futures))  # a task failed or we were stopped: stop the others
             raise
+
+
+def _read_marker(path: Path) -> dict | None:
+    """A task's counts from its marker, or None when it has none (or one that a power cut
+    left empty or cut short: the task is run again)."""
+    try:
+        counts = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return counts if isinstance(counts, dict) else None
 
 
 def _stats_from(d: dict) -> StageStats:
