@@ -206,31 +206,6 @@ def test_source_names_unique_and_a_bare_work_dir_is_ours(tmp_path, inputs):
         claim_output(load_recipe(path, output=tmp_path / "other"))
 
 
-def test_the_tokenizer_sample_is_the_documents_that_start_under_the_limit(tmp_path):
-    """`train_mb`: documents in partition order while the text before them is under the
-    limit (the last one may cross it); the sample ends inside a partition or at its end."""
-    from megadata.documents import write_docs
-    from megadata.recipe import _training_sample
-
-    sizes = [[300_000, 200_000, 500_000], [10, 400_000], [1]]
-    for i, part in enumerate(sizes):
-        docs = [
-            {"doc_id": f"{i}-{j}", "source": "s", "text": "é" * (n // 2)}
-            for j, n in enumerate(part)
-        ]
-        write_docs(tmp_path / f"p{i}.arrow", docs)
-    by_limit = {
-        None: [("p0", 3), ("p1", 2), ("p2", 1)],
-        0.3: [("p0", 1)],  # starts at 0 < 0.3 MB; the next starts at 0.3
-        0.3000001: [("p0", 2)],
-        1.0: [("p0", 3)],  # the partition's end is the limit: the next one is out
-        1.000005: [("p0", 3), ("p1", 1)],
-        50: [("p0", 3), ("p1", 2), ("p2", 1)],
-    }
-    for limit, want in by_limit.items():
-        assert [(p.stem, n) for p, n in _training_sample(tmp_path, limit)] == want, limit
-
-
 def _count_call(marker_dir: str, i: int) -> dict:
     Path(marker_dir, f"ran-{i}").touch()
     return {"docs_in": i}

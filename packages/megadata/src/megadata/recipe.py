@@ -13,22 +13,12 @@ from dataclasses import asdict, dataclass, field
 from glob import glob
 from pathlib import Path
 
-import numpy as np
-import pyarrow.compute as pc
-
 from megadata import __version__
-from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_table
+from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_docs
 from megadata.encode import DEFAULT_SPLITTER, check_splitter
 from megadata.runner import Runner, StageStats, Task
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
-from megadata.tokenizer import (
-    build_tokenizer,
-    count_partition,
-    eod_id,
-    needs_training,
-    read_word_counts,
-    sha256_file,
-)
+from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -302,59 +292,33 @@ def _sentence_settings(recipe: Recipe) -> tuple[bool, str]:
 
 def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
     src = _need(recipe, "clean")
-    cfg = recipe.tokenizer
-    limit = cfg.get("train_mb")
+
+    limit = recipe.tokenizer.get("train_mb")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float)
                               or limit <= 0):  # fmt: skip
         raise RecipeError(f"recipe {recipe.path}: [tokenizer] train_mb must be > 0, got {limit!r}")
-    counted = None
-    if needs_training(cfg):
-        # The words of the sample are counted by the workers, a partition each; one
-        # process adds the counts up and learns the vocabulary from them.
-        words_dir = recipe.work / "tokenizer_words"
-        kind, lowercase = cfg.get("kind", "gpt2-bpe"), bool(cfg.get("lowercase", True))
-        tasks = [
-            Task(p.stem, (str(p), str(words_dir / p.name), kind, lowercase, docs))
-            for p, docs in _training_sample(src, limit)
-        ]
-        counted = runner.run("words", words_dir, tasks, count_partition)
+    used = {"bytes": 0}
+
+    def texts():
+        """The cleaned documents in partition order, up to `train_mb` MB of text: a
+        vocabulary is learnt from a sample (the whole corpus would cost the stage time in
+        proportion to the corpus, in one process)."""
+        for p in _parts(src):
+            for d in read_docs(p):
+                if limit is not None and used["bytes"] >= limit * 1e6:
+                    return
+                used["bytes"] += len(d["text"].encode())
+                yield d["text"]
 
     def build(_):
-        words = None
-        if counted is not None:
-            words = read_word_counts(_parts(recipe.work / "tokenizer_words"))
-        tok = build_tokenizer(cfg, [], recipe.path.parent, words=words)
+        tok = build_tokenizer(recipe.tokenizer, texts(), recipe.path.parent)
         atomic_write_bytes(recipe.output / "tokenizer.json", tok.to_str().encode())
         vocab = tok.get_vocab_size(with_added_tokens=True)
-        return {"extra": {"vocab_size": vocab}}
+        return {"bytes_in": used["bytes"], "extra": {"vocab_size": vocab}}
 
-    stats = Runner(workers=1, progress=runner.progress).run(
+    return Runner(workers=1, progress=runner.progress).run(
         "tokenizer", recipe.work / "tokenizer", [Task("tokenizer", (None,))], build
     )
-    if counted is not None:
-        stats.bytes_in += counted.bytes_in
-        stats.seconds += counted.seconds
-        stats.cpu_seconds += counted.cpu_seconds
-        stats.peak_rss_mb = max(stats.peak_rss_mb, counted.peak_rss_mb)
-    return stats
-
-
-def _training_sample(src: Path, limit_mb: float | None) -> list[tuple[Path, int]]:
-    """(partition, documents from its start) of the cleaned documents in partition order
-    up to `limit_mb` MB of text: a vocabulary is learnt from a sample (the whole corpus
-    would cost time in proportion to the corpus).  A document is in if the text before
-    it is under the limit."""
-    sample, before = [], 0
-    for p in _parts(src):
-        if limit_mb is not None and before >= limit_mb * 1e6:
-            break
-        sizes = pc.binary_length(read_table(p).column("text")).to_numpy(zero_copy_only=False)
-        starts = before + np.cumsum(sizes) - sizes
-        docs = len(sizes) if limit_mb is None else int(np.searchsorted(starts, limit_mb * 1e6))
-        before += int(sizes[:docs].sum())
-        if docs:
-            sample.append((p, docs))
-    return sample
 
 
 def _dedup(recipe: Recipe, runner: Runner) -> StageStats:

@@ -12,7 +12,6 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-import pyarrow as pa
 from tokenizers import (
     Tokenizer,
     decoders,
@@ -23,7 +22,6 @@ from tokenizers import (
     trainers,
 )
 
-from megadata.documents import read_table, write_table
 from megadata.encode import bert_pieces, gpt2_pieces
 
 EOD_TOKEN = {"gpt2-bpe": "<|endoftext|>", "bert-wordpiece": "[SEP]"}
@@ -71,30 +69,10 @@ def _train(kind: str, words: Counter, vocab_size: int, lowercase: bool) -> Token
 
 
 def count_words(kind: str, texts: Iterable[str], lowercase: bool = True) -> Counter:
-    """The words the tokenizer of `kind` learns from, counted over `texts`: counts of
-    parts of a corpus add up to the counts of the whole (the recipe counts its partitions
-    in parallel)."""
+    """The words the tokenizer of `kind` learns from, counted over `texts` (counts of parts
+    of a corpus add up to the counts of the whole)."""
     _check_kind(kind)
     return _gpt2_words(texts) if kind == "gpt2-bpe" else _bert_words(texts, lowercase)
-
-
-def count_partition(in_path: str, out_path: str, kind: str, lowercase: bool, docs: int) -> dict:
-    """The words of the first `docs` documents of a partition, counted: an Arrow file of
-    (word, count) rows."""
-    texts = read_table(Path(in_path)).column("text").slice(0, docs).to_pylist()
-    words = count_words(kind, texts, lowercase)
-    table = pa.table({"word": list(words), "count": pa.array(words.values(), pa.int64())})
-    write_table(Path(out_path), table)
-    return {"bytes_in": sum(len(t.encode()) for t in texts)}
-
-
-def read_word_counts(paths: Iterable[Path]) -> Counter:
-    """The counts of `count_partition`'s files, added up."""
-    words = Counter()
-    for path in paths:
-        table = read_table(Path(path))
-        words.update(dict(zip(table["word"].to_pylist(), table["count"].to_pylist(), strict=True)))
-    return words
 
 
 def _byte_alphabet() -> list[str]:
@@ -197,12 +175,6 @@ def _learn_wordpiece(words: Counter, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def needs_training(config: dict) -> bool:
-    """Whether the recipe's [tokenizer] is learnt from the corpus (names no files)."""
-    named = ("vocab", "merges") if config.get("kind", "gpt2-bpe") == "gpt2-bpe" else ("vocab",)
-    return "tokenizer_json" not in config and not any(k in config for k in named)
-
-
 def build_tokenizer(
     config: dict, texts: Iterable[str], base: Path, words: Counter | None = None
 ) -> Tokenizer:
@@ -226,7 +198,6 @@ def build_tokenizer(
     elif kind == "bert-wordpiece" and "vocab" in config:
         tok = _bert_from_vocab(path("vocab"), lowercase)
     else:
-        assert needs_training(config)
         words = count_words(kind, texts, lowercase) if words is None else words
         tok = _train(kind, words, int(config.get("vocab_size", 8192)), lowercase)
         config = {**config, "vocab_size": None}  # a target for training, met or not
