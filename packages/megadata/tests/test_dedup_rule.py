@@ -6,7 +6,6 @@ import json
 import random
 
 import numpy as np
-import pyarrow as pa
 
 from megadata.documents import write_docs
 from megadata.stages import dedup
@@ -127,7 +126,7 @@ def test_local_roots_are_each_components_smallest_node():
 def test_remove_takes_each_partitions_rows_and_links_an_untouched_one(tmp_path):
     """Step 10: partition k drops the rows of the nodes k << 32 | row (and no other
     partition's), keeps the others in order, and is linked when it loses none."""
-    from megadata.documents import read_docs, read_table, write_docs, write_table
+    from megadata.documents import read_docs, read_table, write_docs
 
     parts = []
     for k in range(3):
@@ -135,7 +134,7 @@ def test_remove_takes_each_partitions_rows_and_links_an_untouched_one(tmp_path):
         parts.append(tmp_path / f"p{k}.arrow")
         write_docs(parts[-1], docs)
     nodes = np.array(sorted([0 << 32 | 1, 0 << 32 | 4, 2 << 32 | 0]), dtype=np.int64)
-    write_table(tmp_path / dedup.REMOVED_NODES, pa.table({"node": pa.array(nodes)}))
+    dedup.write_removed_nodes(tmp_path / dedup.REMOVED_NODES, nodes)
     kept = {}
     for k, p in enumerate(parts):
         out = tmp_path / "out" / p.name

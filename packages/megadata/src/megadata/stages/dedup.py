@@ -56,13 +56,14 @@ dedup work directory, never through the scheduler.  A document is known by its n
    it removed).  The kept documents' shingles are held as sorted 64-bit hashes
    (megadata.ngrams): its memory grows with the kept members of the largest component.
 9. report (`write_report`, one task): clusters.jsonl in survivor order, removed.json (the
-   sorted removed ids) and removed-nodes.arrow (their nodes, sorted).  This step gathers
+   sorted removed ids) and removed-nodes.npy (their nodes, sorted).  This step gathers
    to one process: its memory grows with the number of removed documents (not the corpus).
 10. `remove_partition` (per partition): drops its rows among the removed nodes, found by
    binary search in the memory-mapped file (each task reads its own slice, not the whole
    list), and links a partition that loses none.
 """
 
+import io
 import itertools
 import json
 import re
@@ -89,7 +90,7 @@ from megadata.runner import Runner, Task
 from megadata.shuffle import read_shuffled as _read_shuffled
 from megadata.shuffle import write_shuffled as _write_shuffled
 
-REMOVED_NODES = "removed-nodes.arrow"  # the removed documents' nodes, sorted (step 9)
+REMOVED_NODES = "removed-nodes.npy"  # the removed documents' nodes, sorted (step 9)
 # S, the number of buckets, pair shards, node shards and component shards, grows with the
 # documents rather than the partitions: a shard's task costs a file read per partition plus
 # a write, so shards of a few partitions' worth of documents keep that overhead small.
@@ -650,7 +651,7 @@ def write_report(
     nodes = np.sort(np.concatenate(nodes))
     if len(nodes) != len(removed):
         raise ValueError(f"dedup: {len(nodes)} removed nodes for {len(removed)} removed ids")
-    write_table(Path(out_dir) / REMOVED_NODES, pa.table({"node": pa.array(nodes, pa.int64())}))
+    write_removed_nodes(Path(out_dir) / REMOVED_NODES, nodes)
     atomic_write_bytes(Path(out_dir) / "clusters.jsonl", _jsonl(clusters))
     atomic_write_json(Path(out_dir) / "removed.json", removed)
     return {
@@ -732,9 +733,16 @@ def remove_partition(in_path: str, out_path: str, removed_nodes_path: str, part:
     """Step 10: partition number `part` without its removed documents: its rows are read
     from the sorted removed nodes by two binary searches (memory-mapped, whatever their
     number), and a partition that loses none is linked, not rewritten."""
-    nodes = read_table(Path(removed_nodes_path)).column("node").to_numpy()
+    nodes = np.load(removed_nodes_path, mmap_mode="r")  # a binary search reads a few pages
     lo, hi = np.searchsorted(nodes, [part << 32, (part + 1) << 32])
-    return drop_rows(in_path, out_path, nodes[lo:hi] & 0xFFFFFFFF)
+    return drop_rows(in_path, out_path, np.asarray(nodes[lo:hi]) & 0xFFFFFFFF)
+
+
+def write_removed_nodes(path: Path, nodes: np.ndarray) -> None:
+    """The sorted int64 nodes `remove_partition` reads, as one .npy array it can map."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.sort(np.asarray(nodes, dtype=np.int64)))
+    atomic_write_bytes(Path(path), buffer.getvalue())
 
 
 def _removed_nodes_path(chunk_path: str) -> Path:
