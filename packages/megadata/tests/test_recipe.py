@@ -226,3 +226,27 @@ def test_a_marker_cut_short_by_a_power_cut_runs_its_task_again(tmp_path):
         f.unlink()
     assert Runner(workers=1, progress=False).run("s", stage, tasks, _count_call).docs_in == 6
     assert sorted(f.name for f in tmp_path.glob("ran-*")) == ["ran-2", "ran-3"]
+
+
+def test_a_grouping_without_its_removed_nodes_names_the_file_and_the_way_out(tmp_path, built):
+    """An lsh/ grouped by an earlier megadata (removed-nodes.arrow, no .npy) stops the
+    dedup step before any removal task, naming the file; deleting lsh/ as told lets the
+    rerun group again and give the same partitions."""
+    import shutil
+
+    from megadata.stages import dedup
+
+    recipe, _ = built
+    corpus = tmp_path / "corpus"
+    shutil.copytree(recipe.output, corpus)
+    other = load_recipe(recipe.path, output=corpus)
+    lsh = other.work / "lsh"
+    (lsh / dedup.REMOVED_NODES).rename(lsh / "removed-nodes.arrow")
+    shutil.rmtree(other.work / "dedup")
+    with pytest.raises(FileNotFoundError, match=r"removed-nodes\.npy is missing: delete .*lsh"):
+        run_recipe(other, workers=1, progress=False, stages=["dedup"])
+    assert not (other.work / "dedup").exists()
+    shutil.rmtree(lsh)
+    run_recipe(other, workers=1, progress=False, stages=["dedup"])
+    for p in sorted((recipe.work / "dedup").glob("*.arrow")):
+        assert (other.work / "dedup" / p.name).read_bytes() == p.read_bytes()

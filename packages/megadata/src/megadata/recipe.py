@@ -348,7 +348,10 @@ def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     clusters = (recipe.work / "lsh" / "clusters.jsonl").read_bytes()
     atomic_write_bytes(reports / "dedup_clusters.jsonl", clusters)
     # Partition k's documents are the nodes k << 32 | row of the grouping (its k-th path).
-    removed, out = str(recipe.work / "lsh" / dedup.REMOVED_NODES), recipe.work / "dedup"
+    removed, out = recipe.work / "lsh" / dedup.REMOVED_NODES, recipe.work / "dedup"
+    if not removed.exists():  # lsh/ grouped by an earlier megadata (removed-nodes.arrow)
+        raise FileNotFoundError(f"{removed} is missing: delete {removed.parent} to group again")
+    removed = str(removed)
     tasks = [
         Task(p.stem, (str(p), str(out / p.name), removed, k)) for k, p in enumerate(_parts(src))
     ]

@@ -648,7 +648,7 @@ def write_report(
                 f"{_removed_nodes_path(p)} is missing: delete {Path(p).parent} to walk again"
             )
         nodes.append(read_table(_removed_nodes_path(p)).column("node").to_numpy())
-    nodes = np.sort(np.concatenate(nodes))
+    nodes = np.concatenate(nodes)  # write_removed_nodes sorts them
     if len(nodes) != len(removed):
         raise ValueError(f"dedup: {len(nodes)} removed nodes for {len(removed)} removed ids")
     write_removed_nodes(Path(out_dir) / REMOVED_NODES, nodes)
