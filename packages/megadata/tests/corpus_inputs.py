@@ -102,6 +102,7 @@ def write_recipe(path: Path, inputs: dict[str, Path], output: Path, **sections) 
         name = "pydocs"
         kind = "jsonl"
         paths = [{json.dumps(str(inputs["jsonl"]))}]
+        split_mb = 0.008  # pieces of 8 kB, a task each: how a large file is read
 
         [[sources]]
         name = "notes"
@@ -118,6 +119,7 @@ def write_recipe(path: Path, inputs: dict[str, Path], output: Path, **sections) 
         name = "wiki"
         kind = "wikipedia"
         paths = [{json.dumps(str(inputs["wiki"]))}]
+        split_mb = 0.008
         """
     )
     text += "\n".join(toml_table(k, v) for k, v in base.items())

@@ -16,7 +16,8 @@ from pathlib import Path
 from megadata import __version__
 from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_docs
 from megadata.encode import DEFAULT_SPLITTER, check_splitter
-from megadata.runner import Runner, StageStats, Task
+from megadata.file_pieces import count_newlines, how_to_split, pieces, split_bytes
+from megadata.runner import Runner, StageStats, Task, task_counts
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
 from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
 
@@ -224,25 +225,7 @@ def _stage_summary(recipe: Recipe, stage: str) -> dict:
 def _run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
     work = recipe.work
     if stage == "ingest":
-        tasks = []
-        for source in recipe.sources:
-            options = {k: v for k, v in source.items() if k not in ("name", "kind", "paths")}
-            for i, f in enumerate(recipe.source_files(source)):
-                tasks.append(
-                    Task(
-                        f"{source['name']}-{i:05d}",
-                        (
-                            source["name"],
-                            source["kind"],
-                            options,
-                            str(f),
-                            i,
-                            str(work / "ingest"),
-                            recipe.partition_docs,
-                        ),
-                    )
-                )
-        return runner.run("ingest", work / "ingest", tasks, ingest.ingest_file)
+        return _ingest(recipe, runner)
     if stage == "clean":
         return _map(runner, recipe, "clean", "ingest", clean.clean_partition, recipe.clean)
     if stage == "tokenizer":
@@ -288,6 +271,45 @@ def _sentence_settings(recipe: Recipe) -> tuple[bool, str]:
     kind = recipe.tokenizer.get("kind", "gpt2-bpe")
     sentences = bool(recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece"))
     return sentences, recipe.sentence_splitter
+
+
+def _ingest(recipe: Recipe, runner: Runner) -> StageStats:
+    """A task per input file, or per piece of a large one (megadata.file_pieces), whose line
+    numbers come from a first stage that counts the newlines of the pieces."""
+    out, files, counting = recipe.work / "ingest", [], []
+    for source in recipe.sources:
+        options = {k: v for k, v in source.items() if k not in ("name", "kind", "paths")}
+        try:
+            limit = split_bytes(options)
+        except ValueError as e:
+            raise RecipeError(f"recipe {recipe.path}: source {source['name']!r}: {e}") from None
+        for i, f in enumerate(recipe.source_files(source)):
+            how, count = how_to_split(source["kind"], options, f)
+            name = f"{source['name']}-{i:05d}"
+            files.append((source, options, f, i, name, how, count, limit))
+            if how == "lines":
+                for k in range(count - 1):  # the last piece's newlines are before no piece
+                    end = min((k + 1) * limit, f.stat().st_size)
+                    counting.append(Task(f"{name}-p{k:04d}", (str(f), k * limit, end)))
+    lines_dir = out / "_lines"
+    lines = runner.run("lines", lines_dir, counting, count_newlines) if counting else None
+    tasks = []
+    for source, options, f, i, name, how, count, limit in files:
+        args = (source["name"], source["kind"], options, str(f), i, str(out), recipe.partition_docs)
+        if how is None:
+            tasks.append(Task(name, (*args, None)))
+            continue
+        newlines = None
+        if how == "lines":
+            ids = [f"{name}-p{k:04d}" for k in range(count - 1)]
+            newlines = [task_counts(lines_dir, t)["newlines"] for t in ids]
+        for piece in pieces(f, how, count, limit, newlines):
+            tasks.append(Task(f"{name}-p{piece.index:04d}", (*args, piece)))
+    stats = runner.run("ingest", out, tasks, ingest.ingest_file)
+    if lines is not None:
+        stats.seconds += lines.seconds
+        stats.cpu_seconds += lines.cpu_seconds
+    return stats
 
 
 def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:

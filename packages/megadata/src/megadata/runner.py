@@ -325,6 +325,14 @@ class Runner:
             raise
 
 
+def task_counts(stage_dir: Path, task_id: str) -> dict:
+    """What a finished task of a stage returned (its marker)."""
+    counts = _read_marker(Path(stage_dir) / "_tasks" / f"{task_id}.json")
+    if counts is None:
+        raise FileNotFoundError(f"{stage_dir}: task {task_id} has not finished")
+    return counts
+
+
 def _read_marker(path: Path) -> dict | None:
     """A task's counts from its marker, or None when it has none (or one that a power cut
     left empty or cut short: the task is run again)."""

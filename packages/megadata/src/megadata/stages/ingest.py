@@ -12,6 +12,9 @@ Formats (`kind` of a source in the recipe):
   (`Paris (; born ...)`) are removed (most of them by a scan before the parser:
   megadata.wiki_prestrip).
 
+A file over its source's `split_mb` is read as pieces, a task each, where its format allows
+(megadata.file_pieces): the same documents, ids and problems as the file whole.
+
 Bad input never stops the run and never lands in the corpus mangled. What is
 skipped (a line or file that is not UTF-8, a line that is not JSON, is nested too
 deeply or has no text, a document over `max_doc_bytes`, an empty file, a page the
@@ -37,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megadata.documents import atomic_write_bytes, text_bytes, write_docs
+from megadata.file_pieces import Bz2Streams, Piece, WholeFile, XmlRange, open_lines
 from megadata.wiki_prestrip import prestrip
 
 log = logging.getLogger("megadata.ingest")
@@ -52,16 +56,25 @@ _FIELDS = ("text", "url", "title", "source")
 
 class _Notes:
     """Counts a file's problems by kind (into `problems`: the stage's statistics), names
-    each in a warning (the first WARNINGS_PER_FILE) and lists it in `listed` (if given)."""
+    each in a warning (the first WARNINGS_PER_FILE) and lists it in `listed` (if given).
+    With `from_byte`, line numbers count from that byte of the file (a piece of a dump:
+    megadata.file_pieces)."""
 
-    def __init__(self, path: Path, problems: dict, listed: list | None):
+    def __init__(
+        self, path: Path, problems: dict, listed: list | None, from_byte: int | None = None
+    ):
         self.path, self.problems, self.listed, self.warned = path, problems, listed, 0
+        self.from_byte = from_byte
 
     def __call__(self, kind: str, line: int | None, message: str, action: str) -> None:
         self.problems[kind] = self.problems.get(kind, 0) + 1
         where = f"{self.path}:{line}" if line else str(self.path)
+        if self.from_byte is not None:
+            where = f"{self.path}, line {line} after byte {self.from_byte}"
         if self.listed is not None:
             record = {"file": str(self.path), "line": line, "problem": kind}
+            if self.from_byte is not None:
+                record["from_byte"] = self.from_byte
             self.listed.append({**record, "detail": message, "action": action})
         if self.warned < WARNINGS_PER_FILE:
             log.warning("%s: %s; %s", where, message, action)
@@ -89,12 +102,16 @@ def _max_doc_bytes(options: dict) -> int:
     return value
 
 
-def _lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
-    """(line number, bytes, size) per line of a binary file, a UTF-8 byte-order mark dropped;
-    the bytes are None for a line of more than `limit` bytes, read past in chunks, never held."""
-    number = 0
-    while raw := f.readline(limit + 1):
+def _lines(
+    f, limit: int, first: int = 1, stop: int | None = None
+) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, bytes, size) per line of a binary file from line `first` on (while
+    fewer than `stop` bytes are read, if given), a UTF-8 byte-order mark dropped; the bytes
+    are None for a line of more than `limit` bytes, read past in chunks, never held."""
+    number, read = first - 1, 0
+    while (stop is None or read < stop) and (raw := f.readline(limit + 1)):
         number += 1
+        read += len(raw)
         whole = len(raw) <= limit or raw.endswith(b"\n")
         if number == 1:
             raw = raw.removeprefix(_BOM)
@@ -106,6 +123,7 @@ def _lines(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
             size += len(chunk)
             if chunk.endswith(b"\n"):
                 break
+        read += size - len(raw)
         yield number, None, size
 
 
@@ -152,13 +170,39 @@ def read_text(
     *,
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
     listed: list | None = None,
+    piece: Piece | None = None,
 ) -> Iterator[dict]:
     if split not in ("file", "line", "paragraph"):
         raise ValueError(f"source {path}: split must be file, line or paragraph, got {split!r}")
-    return _read_text(path, split, _Notes(path, problems, listed), max_doc_bytes)
+    return _read_text(path, split, _Notes(path, problems, listed), max_doc_bytes, piece)
 
 
-def _read_text(path: Path, split: str, note: _Notes, limit: int) -> Iterator[dict]:
+def _lines_within(
+    path: Path, piece: Piece | None, note: _Notes, limit: int
+) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of the file (or of the piece) of at most `limit`
+    bytes; a longer one is noted and read past."""
+    f, first, stop = (_open_binary(path), 1, None) if piece is None else open_lines(path, piece)
+    with f:
+        for number, raw, size in _lines(f, limit, first, stop):
+            if raw is None:
+                _too_large(note, number, size, limit, "line")
+            else:
+                yield number, raw
+
+
+def _read_text(
+    path: Path, split: str, note: _Notes, limit: int, piece: Piece | None
+) -> Iterator[dict]:
+    if split == "line":
+        for number, raw in _lines_within(path, piece, note, limit):
+            text = _decode(raw, note, number, "line")
+            # Keyed by line (0-based), so that a piece names its documents as the whole
+            # file would: a line cut at a form feed or U+2028 gives line.1, line.2, ...
+            pieces = [p.strip() for p in _without_nul(text or "", note, number).splitlines()]
+            for k, text in enumerate(p for p in pieces if p):
+                yield {"text": text, "_key": f"{number - 1}.{k}" if k else str(number - 1)}
+        return
     with _open_binary(path) as f:
         if split == "file":
             data, size = _read_at_most(f, limit)
@@ -168,16 +212,6 @@ def _read_text(path: Path, split: str, note: _Notes, limit: int) -> Iterator[dic
             text = _decode(data.removeprefix(_BOM), note, None, "file")
             if text is not None and (text := _without_nul(text, note, None).strip()):
                 yield {"text": text}
-            return
-        if split == "line":
-            for number, raw, size in _lines(f, limit):
-                if raw is None:
-                    _too_large(note, number, size, limit, "line")
-                    continue
-                text = _decode(raw, note, number, "line")
-                for piece in _without_nul(text or "", note, number).splitlines():
-                    if piece.strip():
-                        yield {"text": piece.strip()}
             return
         # paragraph: the lines up to an empty one ("\n\n" separates, as it always did); a
         # paragraph with a line that is not UTF-8, or over the size limit, is skipped whole
@@ -215,41 +249,39 @@ def read_jsonl(
     *,
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
     listed: list | None = None,
+    piece: Piece | None = None,
 ) -> Iterator[dict]:
     note = _Notes(path, problems, listed)
-    with _open_binary(path) as f:
-        for number, raw, size in _lines(f, max_doc_bytes):
-            if raw is None:
-                _too_large(note, number, size, max_doc_bytes, "line")
-                continue
-            if b"\x00" in raw:  # NUL bytes are NUL characters in UTF-8, wherever they are
-                note("nul_chars", number, f"{raw.count(0)} NUL bytes", "removed")
-                raw = raw.replace(b"\x00", b"")
-            line = _decode(raw, note, number, "line")
-            if line is None or not (line := line.strip()):
-                continue
-            try:
-                obj = json.loads(line, strict=False)  # control characters inside strings are kept
-            except RecursionError:
-                note("too_deep", number, "JSON nested too deeply", "line skipped")
-                continue
-            except ValueError as e:  # JSONDecodeError, or an integer of over 4300 digits
-                note("bad_json", number, f"not JSON ({getattr(e, 'msg', e)})", "line skipped")
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                note("no_text", number, "no 'text' string field", "line skipped")
-                continue
-            doc = {k: str(obj.get(k) or "") for k in _FIELDS}
-            if any(_SURROGATES.search(v) for v in doc.values()):
-                # Half of a UTF-16 pair (\ud800): no character, and not encodable as UTF-8.
-                found = sum(len(_SURROGATES.findall(v)) for v in doc.values())
-                note("lone_surrogates", number, f"{found} lone surrogate escapes", "removed")
-                doc = {k: _SURROGATES.sub("", v) for k, v in doc.items()}
-            if any("\x00" in v for v in doc.values()):  # from \u0000 escapes
-                found = sum(v.count("\x00") for v in doc.values())
-                note("nul_chars", number, f"{found} NUL characters", "removed")
-                doc = {k: v.replace("\x00", "") for k, v in doc.items()}
-            yield doc
+    for number, raw in _lines_within(path, piece, note, max_doc_bytes):
+        if b"\x00" in raw:  # NUL bytes are NUL characters in UTF-8, wherever they are
+            note("nul_chars", number, f"{raw.count(0)} NUL bytes", "removed")
+            raw = raw.replace(b"\x00", b"")
+        line = _decode(raw, note, number, "line")
+        if line is None or not (line := line.strip()):
+            continue
+        try:
+            obj = json.loads(line, strict=False)  # control characters inside strings are kept
+        except RecursionError:
+            note("too_deep", number, "JSON nested too deeply", "line skipped")
+            continue
+        except ValueError as e:  # JSONDecodeError, or an integer of over 4300 digits
+            note("bad_json", number, f"not JSON ({getattr(e, 'msg', e)})", "line skipped")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            note("no_text", number, "no 'text' string field", "line skipped")
+            continue
+        doc = {k: str(obj.get(k) or "") for k in _FIELDS}
+        if any(_SURROGATES.search(v) for v in doc.values()):
+            # Half of a UTF-16 pair (\ud800): no character, and not encodable as UTF-8.
+            found = sum(len(_SURROGATES.findall(v)) for v in doc.values())
+            note("lone_surrogates", number, f"{found} lone surrogate escapes", "removed")
+            doc = {k: _SURROGATES.sub("", v) for k, v in doc.items()}
+        if any("\x00" in v for v in doc.values()):  # from \u0000 escapes
+            found = sum(v.count("\x00") for v in doc.values())
+            note("nul_chars", number, f"{found} NUL characters", "removed")
+            doc = {k: v.replace("\x00", "") for k, v in doc.items()}
+        doc["_key"] = str(number - 1)  # by line (0-based): the same in a piece of the file
+        yield doc
 
 
 # ---------------------------------------------------------------- html
@@ -464,23 +496,29 @@ _PAGE_START = re.compile(rb"<page[\s>]")
 _PAGE_END = b"</page>"
 
 
-def _xml_pages(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+def _xml_pages(source, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
     """(first line, bytes, size) of each <page>...</page> of a dump, found in the bytes (text
     cannot hold a literal "<page": "<" is &lt;) so that a page the XML parser rejects costs
-    only itself. The bytes are None for a page over `limit` bytes (read past, not held)."""
+    only itself. The bytes are None for a page over `limit` bytes (read past, not held).
+    `source`: `read()` gives the next bytes, and a page that starts at or after its
+    `owned_until` (an offset in those bytes, or None) is not this task's: reading stops."""
     buf = bytearray()
     line = 1  # of buf[0]
+    base = 0  # the offset of buf[0] in what source.read() gave
     inside, start, size, scan, too_large = False, 0, 0, 0, False
-    read = getattr(f, "read1", f.read)  # what is there now: a dump cut short loses least
     while True:
-        chunk = read(_CHUNK)
+        chunk = source.read()
         buf += chunk
         while True:
             if not inside:
                 found = _PAGE_START.search(buf)
                 at = found.start() if found else max(len(buf) - 5, 0)  # "<page" may go on
+                owned = source.owned_until
+                if owned is not None and base + at >= owned:  # the next piece's pages
+                    return
                 line += buf.count(b"\n", 0, at)
                 del buf[:at]
+                base += at
                 if not found:
                     break
                 inside, start, size, scan, too_large = True, line, 0, 0, False
@@ -492,11 +530,13 @@ def _xml_pages(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
                     line += buf.count(b"\n", 0, scan)
                     size += scan
                     del buf[:scan]
+                    base += scan
                     scan = 0
                 break
             end += len(_PAGE_END)
             page = bytes(buf[:end])
             del buf[:end]
+            base += end
             line += page.count(b"\n")
             size += len(page)
             inside = False
@@ -507,16 +547,24 @@ def _xml_pages(f, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
             return
 
 
+def _dump_reader(f, piece: Piece | None):
+    if piece is None:
+        return WholeFile(f)
+    return (Bz2Streams if piece.how == "bz2-streams" else XmlRange)(f, piece.start, piece.end)
+
+
 def read_wikipedia(
     path: Path,
     problems: dict,
     *,
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
     listed: list | None = None,
+    piece: Piece | None = None,
 ) -> Iterator[dict]:
-    note = _Notes(path, problems, listed)
-    with _open_binary(path) as f:
-        for line, raw, size in _xml_pages(f, max_doc_bytes):
+    from_byte = piece.start if piece is not None else None
+    note = _Notes(path, problems, listed, from_byte)
+    with _open_binary(path) if piece is None else open(path, "rb") as f:
+        for line, raw, size in _xml_pages(_dump_reader(f, piece), max_doc_bytes):
             if raw is None:
                 _too_large(note, line, size, max_doc_bytes, "page")
                 continue
@@ -547,7 +595,7 @@ def read_wikipedia(
                 "text": text,
                 "title": title,
                 "url": f"https://en.wikipedia.org/wiki?curid={page_id}",
-                "wiki_id": page_id,
+                "_key": page_id,
             }
 
 
@@ -555,17 +603,24 @@ def read_wikipedia(
 
 
 def read_source_file(
-    kind: str, path: Path, options: dict, problems: dict, listed: list | None = None
+    kind: str,
+    path: Path,
+    options: dict,
+    problems: dict,
+    listed: list | None = None,
+    piece: Piece | None = None,
 ) -> Iterator[dict]:
+    """The documents of a file (of its `piece`: megadata.file_pieces); a document's
+    "_key", when it has one, names it within the file (ingest_file makes it the doc_id)."""
     limits = {"max_doc_bytes": _max_doc_bytes(options), "listed": listed}
     if kind == "text":
-        return read_text(path, options.get("split", "file"), problems, **limits)
+        return read_text(path, options.get("split", "file"), problems, **limits, piece=piece)
     if kind == "jsonl":
-        return read_jsonl(path, problems, **limits)
+        return read_jsonl(path, problems, **limits, piece=piece)
     if kind == "html":
         return read_html(path, problems, **limits)
     if kind == "wikipedia":
-        return read_wikipedia(path, problems, **limits)
+        return read_wikipedia(path, problems, **limits, piece=piece)
     raise ValueError(f"unknown source kind {kind!r}: expected text, jsonl, html or wikipedia")
 
 
@@ -584,28 +639,32 @@ def ingest_file(
     file_index: int,
     out_dir: str,
     partition_docs: int,
+    piece: Piece | None = None,
 ) -> dict:
-    """One input file -> partitions `<source>-<file index>-<part>.arrow`, `partition_docs` each,
-    and its problems listed in `_problems/<source>-<file index>.jsonl` (when it has any)."""
+    """One input file (or a `piece` of it: megadata.file_pieces) -> partitions
+    `<name>-<part>.arrow`, `partition_docs` each, and its problems listed in
+    `_problems/<name>.jsonl` (when it has any); the name is `<source>-<file index>`, and
+    `-p<piece index>` after it for a piece."""
     path, out_dir = Path(path), Path(out_dir)
+    name = f"{source}-{file_index:05d}" + (f"-p{piece.index:04d}" if piece is not None else "")
     problems: dict = {}
     listed: list = []
     note = _Notes(path, problems, listed)
-    docs_in_bytes = path.stat().st_size
-    if docs_in_bytes == 0:
+    docs_in_bytes = path.stat().st_size if piece is None else piece.end - piece.start
+    if docs_in_bytes == 0 and piece is None:
         note("empty_files", None, "empty file", "nothing to ingest")
     batch, part, n, out_bytes = [], 0, 0, 0
 
     def flush():
         nonlocal batch, part, out_bytes
-        write_docs(out_dir / f"{source}-{file_index:05d}-{part:04d}.arrow", batch)
+        write_docs(out_dir / f"{name}-{part:04d}.arrow", batch)
         out_bytes += text_bytes(batch)
         batch, part = [], part + 1
 
-    docs = read_source_file(kind, path, options, problems, listed) if docs_in_bytes else iter(())
+    docs = read_source_file(kind, path, options, problems, listed, piece) if docs_in_bytes else ()
     try:
         for doc in docs:
-            key = doc.pop("wiki_id", None) or str(n)
+            key = doc.pop("_key", None) or (f"{piece.index}.{n}" if piece else str(n))
             doc["doc_id"] = f"{source}/{path.name}#{key}"
             doc["source"] = source
             batch.append(doc)
@@ -618,7 +677,7 @@ def ingest_file(
         note("cut_short", None, f"compressed file cut short or corrupt ({e})", "rest skipped")
     if batch or part == 0:
         flush()
-    report = out_dir / PROBLEMS_DIR / f"{source}-{file_index:05d}.jsonl"
+    report = out_dir / PROBLEMS_DIR / f"{name}.jsonl"
     if listed:
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in listed)
         atomic_write_bytes(report, lines.encode("utf-8", errors="backslashreplace"))
