@@ -1,7 +1,9 @@
 """Each stage on its own: readers, cleaning, tokenizers, near-duplicate detection, the split."""
 
+import hashlib
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from corpus_inputs import wiki_dump
@@ -170,6 +172,63 @@ def test_split_is_by_document_and_about_one_in_thirty():
     valid = [d for d in ids if shard.is_valid_doc(d, 30)]
     assert abs(len(valid) / len(ids) - 1 / 30) < 0.004
     assert valid == [d for d in ids if shard.is_valid_doc(d, 30)]  # deterministic
+
+
+def test_shards_are_the_partitions_one_after_the_other_cut_at_shard_tokens(tmp_path):
+    """Shards written in parallel (a task each, planned from each partition's counts) hold
+    each split's documents in partition order, a shard ending after the partition that
+    brings it to shard_tokens."""
+    import numpy as np
+    import pyarrow as pa
+
+    from megadata.documents import read_table, write_table
+    from megadata.runner import Runner
+
+    rng = np.random.default_rng(0)
+    parts = []
+    for k in range(23):
+        docs = 0 if k in (3, 4) else int(rng.integers(1, 40))  # two empty partitions
+        ids = [f"s/f#{k}.{i}" for i in range(docs)]
+        tokens = [list(range(int(rng.integers(1, 300)))) for _ in ids]
+        table = pa.table({"doc_id": pa.array(ids, pa.string()),
+                          "tokens": pa.array(tokens, pa.list_(pa.uint16()))})  # fmt: skip
+        parts.append(str(tmp_path / f"p{k:03d}.arrow"))
+        write_table(Path(parts[-1]), table)
+    shard_tokens, valid_every = 3000, 7
+    with Runner(workers=1, progress=False) as runner:
+        result = shard.write_shards(
+            parts, str(tmp_path / "corpus"), valid_every, shard_tokens, str(tmp_path / "w"), runner
+        )
+    for split in shard.SPLITS:
+        chunks = []  # each partition's documents of the split: (doc ids, tokens)
+        for p in parts:
+            t = read_table(Path(p)).to_pylist()
+            rows = [
+                r for r in t if shard.is_valid_doc(r["doc_id"], valid_every) == (split == "valid")
+            ]
+            if rows:
+                chunks.append(([r["doc_id"] for r in rows], sum(len(r["tokens"]) for r in rows)))
+        shards = result["shards"][split]
+        assert len(shards) >= (2 if split == "train" else 1)
+        at = 0
+        for i, entry in enumerate(shards):
+            path = tmp_path / "corpus" / entry["file"]
+            table = read_table(path).to_pylist()
+            ids = [r["doc_id"] for r in table]
+            tokens = sum(len(r["tokens"]) for r in table)
+            assert (entry["docs"], entry["tokens"]) == (len(ids), tokens)
+            assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+            taken, held = [], []  # the whole chunks this shard holds, in order; their ids
+            while len(held) < len(ids):
+                taken.append(chunks[at])
+                held += chunks[at][0]
+                at += 1
+            assert held == ids, (split, i)
+            last = i == len(shards) - 1
+            assert last or tokens >= shard_tokens > tokens - taken[-1][1], (split, i)
+        assert at == len(chunks)  # every document of the split, each once
+        assert result["counts"][split] == {"docs": sum(len(c[0]) for c in chunks),
+                                           "tokens": sum(c[1] for c in chunks)}  # fmt: skip
 
 
 def test_bert_corpus_keeps_sentence_boundaries(tmp_path, documents):

@@ -500,12 +500,18 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
     shard_tokens = int(recipe.shard.get("shard_tokens", 1 << 20))
     kind = recipe.tokenizer.get("kind", "gpt2-bpe")
 
+    parts, work = [str(p) for p in _parts(src)], recipe.work / "shard"
+    if (work / "_DONE.json").exists() and not (work / "write").exists():
+        # Sharded by an earlier megadata, in one task: its totals, nothing redone.
+        return Runner(workers=1, progress=False).run("shard", work, [], _shard)
+    # The shards, in parallel; then the manifest, in this process, last.
+    result = shard.write_shards(
+        parts, str(recipe.output), valid_every, shard_tokens, str(work), runner
+    )
+
     def build(_):
         from tokenizers import Tokenizer
 
-        result = shard.write_shards(
-            [str(p) for p in _parts(src)], str(recipe.output), valid_every, shard_tokens
-        )
         tok_path = recipe.output / "tokenizer.json"
         tok = Tokenizer.from_file(str(tok_path))
         stages = [_stage_summary(recipe, s) for s in STAGES[:-1]]
@@ -541,9 +547,13 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
             "extra": {"train_docs": c["train"]["docs"], "valid_docs": c["valid"]["docs"]},
         }
 
-    return Runner(workers=1, progress=runner.progress).run(
-        "shard", recipe.work / "shard", [Task("shard", (None,))], build
+    stats = Runner(workers=1, progress=runner.progress).run(
+        "shard", work, [Task("shard", (None,))], build
     )
+    stats.seconds += result["seconds"]
+    stats.cpu_seconds += result["cpu_seconds"]
+    stats.peak_rss_mb = max(stats.peak_rss_mb, result["peak_rss_mb"])
+    return stats
 
 
 def run_recipe(
