@@ -39,6 +39,11 @@
    inputs and each run's figures (DIR/run-W.json) are kept, so the worker counts can be run
    one invocation at a time and compared; `--resume` goes on with a run that was killed
    (its wall time is then the sum of its stages').
+8. `--ingest-pieces N` (alone; writes benchmarks/results/megadata-ingest-pieces.json): one
+   jsonl file of `--mb` MB (the jsonl corpus' copies one after the other) through the ingest
+   stage on `--workers` workers, read whole (one task) and in N pieces (`split_mb`, a task
+   each, after the round that counts their newlines): wall and CPU seconds of each (the
+   cluster's start-up apart) and whether the documents, ids included, are the same.
 """
 
 import argparse
@@ -58,14 +63,14 @@ from datasketch import MinHash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # megadata_corpora beside this file
 
-from megadata_corpora import bench_recipe, sample_documents
+from megadata_corpora import bench_recipe, sample_documents, sample_text_mb, write_jsonl_copies
 
 from megadata.documents import read_docs, write_docs
 from megadata.encode import split_sentences
 from megadata.minhash import signatures, signatures_of_hashes
 from megadata.ngrams import ngram_hashes
 from megadata.planted import plant, run_dedup, score
-from megadata.recipe import cluster_start, load_recipe, run_recipe
+from megadata.recipe import cluster_start, load_recipe, run_recipe, run_stage
 from megadata.runner import Runner, StageStats, Task, format_table
 from megadata.stages import dedup
 from megadata.stages.clean import english_probability
@@ -511,6 +516,50 @@ def _write(report: dict, out: Path) -> None:
     print(json.dumps(report, indent=2))
 
 
+def ingest_pieces(mb: float, workers: int, pieces: int, work: Path) -> dict:
+    """8. above."""
+    inputs = work / "inputs"
+    inputs.mkdir(parents=True)
+    big = work / "web.jsonl"
+    with open(big, "wb") as out:
+        for copy in write_jsonl_copies(inputs, max(1, round(mb / sample_text_mb()))):
+            out.write(copy.read_bytes())
+            copy.unlink()
+    size = big.stat().st_size
+    runs, digests = {}, {}
+    for name, split_mb in (("whole", 0), ("pieces", -(-size // pieces) / 2**20)):
+        recipe_path = work / f"{name}.toml"
+        recipe_path.write_text(
+            f'name = "ingest-{name}"\noutput = "{work / name}"\n'
+            f'[[sources]]\nname = "web"\nkind = "jsonl"\npaths = ["{big}"]\n'
+            f"split_mb = {split_mb!r}\n"
+        )
+        recipe = load_recipe(recipe_path)
+        with Runner(workers, progress=False) as runner:
+            runner.start()
+            stats = run_stage(recipe, "ingest", runner)
+        parts = sorted((recipe.work / "ingest").glob("*.arrow"))
+        digest = hashlib.sha256()
+        for p in parts:
+            for d in read_docs(p):
+                digest.update(json.dumps(d, sort_keys=True).encode())
+        digests[name] = digest.hexdigest()
+        runs[name] = {
+            "tasks": len({p.name.rsplit("-", 1)[0] for p in parts}),
+            "docs": stats.docs_out,
+            "seconds": round(stats.seconds, 2),
+            "cpu_seconds": round(stats.cpu_seconds, 2),
+        }
+        print(name, runs[name], flush=True)
+    return {
+        "file_mb": round(size / 1e6, 1),
+        "workers": workers,
+        "runs": runs,
+        "speedup": round(runs["whole"]["seconds"] / runs["pieces"]["seconds"], 2),
+        "documents_identical": digests["whole"] == digests["pieces"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -526,6 +575,7 @@ def main() -> None:
     )
     parser.add_argument("--detectors", action="store_true", help="only 3. above")
     parser.add_argument("--splitters", action="store_true", help="only 4. above")
+    parser.add_argument("--ingest-pieces", type=int, default=0, help="only 8. above: N pieces")
     args = parser.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     if args.scale_gb:
@@ -536,6 +586,14 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 report = {"machine": _machine(), **scale(args.scale_gb, workers, Path(tmp))}
         _write(report, args.out or ROOT / "benchmarks/results/megadata-scale.json")
+        return
+    if args.ingest_pieces:
+        with tempfile.TemporaryDirectory() as tmp:
+            found = ingest_pieces(args.mb, workers[0], args.ingest_pieces, Path(tmp))
+        command = f"python benchmarks/bench_megadata.py --ingest-pieces {args.ingest_pieces}"
+        command += f" --mb {args.mb:g} --workers {workers[0]}"
+        report = {"command": command, "machine": _machine(), "mb": args.mb, **found}
+        _write(report, args.out or ROOT / "benchmarks/results/megadata-ingest-pieces.json")
         return
     if args.dedup_scaling:
         with tempfile.TemporaryDirectory() as tmp:
