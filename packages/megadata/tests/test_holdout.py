@@ -97,9 +97,12 @@ def test_bad_settings_name_the_field():
         holdout.settings({"evry": 3})
 
 
-def test_eval_files_from_the_split_equal_those_formatted_at_the_join(tmp_path, documents):
+def test_eval_files_from_the_split_equal_those_formatted_at_the_join(
+    tmp_path, documents, monkeypatch, caplog
+):
     """split_partition formats its held-out documents in parallel; a partition split by an
-    earlier megadata (no NAME.eval.json) is formatted by write_eval_files: the same bytes."""
+    earlier megadata (no NAME.eval.json) is formatted by write_eval_files: the same bytes.
+    Held-out text over LARGE_EVAL_BYTES gets a warning that names [holdout] every."""
     cfg = holdout.settings({"every": 2, "lambada_per_doc": 3})
     rows = [{**d, "doc_id": f"t/{i}"} for i, d in enumerate(documents[:40])]
     write_docs(tmp_path / "in.arrow", rows)
@@ -117,4 +120,10 @@ def test_eval_files_from_the_split_equal_those_formatted_at_the_join(tmp_path, d
         counts = holdout.write_eval_files([str(formatted)], str(eval_dir), cfg, split, "blingfire")
         assert counts["extra"]["held_out"] == split["extra"]["held_out"]
         outputs.append([(eval_dir / f).read_bytes() for f in ("wiki.test.tokens", "lambada.jsonl")])
+        assert counts["extra"]["wikitext_tokens"] == len(outputs[-1][0].split())
+        assert counts["extra"]["lambada_passages"] == len(outputs[-1][1].splitlines())
+        assert "raise [holdout] every" not in caplog.text
     assert outputs[0] == outputs[1] and outputs[0][0] and outputs[0][1]
+    monkeypatch.setattr(holdout, "LARGE_EVAL_BYTES", 100)
+    holdout.write_eval_files([str(formatted)], str(tmp_path / "big"), cfg, split, "blingfire")
+    assert "raise [holdout] every (now 2)" in caplog.text

@@ -23,12 +23,20 @@ unchanged.
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
 import numpy as np
 
-from megadata.documents import atomic_write_bytes, read_docs, read_table, text_bytes, write_kept
+from megadata.documents import (
+    atomic_write_bytes,
+    atomic_writer,
+    read_docs,
+    read_table,
+    text_bytes,
+    write_kept,
+)
 from megadata.encode import DEFAULT_SPLITTER, split_sentences
 from megadata.wikitext_format import format_article, paragraphs, title_from_text
 
@@ -39,6 +47,8 @@ DEFAULTS = {
     "lambada_min_words": 60,
     "lambada_max_words": 120,
 }
+LARGE_EVAL_BYTES = 1 << 30  # held-out text past which a warning says to hold out less
+log = logging.getLogger("megadata.holdout")
 _TARGET = re.compile(r"[A-Za-z]+")
 _TRAILING = re.compile(r"\W+$")
 _LEADING = re.compile(r"^[^\w\"'(]+")  # stray markup before a passage's first sentence
@@ -172,35 +182,45 @@ def write_eval_files(
     """wiki.test.tokens, lambada.jsonl and holdout.json from the held-out documents as
     `split_partition` formatted them (NAME.eval.json beside NAME.arrow), partition after
     partition; a partition split by an earlier megadata, which formatted nothing, is
-    formatted here."""
+    formatted here.  The files are written as the partitions are read: memory holds one
+    partition's pieces (and each held-out document's line of holdout.json)."""
     eval_dir = Path(eval_dir)
-    rows = []
-    for p in map(Path, formatted_parts):
-        if p.exists():
-            rows += json.loads(p.read_text())
-        else:
-            held = p.with_name(p.name.removesuffix(".eval.json") + ".arrow")
-            rows += format_held(list(read_docs(held)), cfg, splitter)
-    articles = [r["article"] for r in rows]
-    lambada = [t for r in rows for t in r["passages"]]
-    listed = [r["listed"] for r in rows]
-    wikitext = "".join(articles)
-    atomic_write_bytes(eval_dir / "wiki.test.tokens", wikitext.encode("utf-8"))
-    atomic_write_bytes(
-        eval_dir / "lambada.jsonl",
-        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in lambada).encode(),
-    )
+    counts = dict.fromkeys(("held_out", "wikitext_articles", "wikitext_tokens"), 0)
+    counts["lambada_passages"] = 0
+    listed, text_bytes_out = [], 0
+    with (
+        atomic_writer(eval_dir / "wiki.test.tokens") as wiki,
+        atomic_writer(eval_dir / "lambada.jsonl") as lambada,
+    ):
+        for p in map(Path, formatted_parts):
+            if p.exists():
+                rows = json.loads(p.read_text())
+            else:
+                held = p.with_name(p.name.removesuffix(".eval.json") + ".arrow")
+                rows = format_held(list(read_docs(held)), cfg, splitter)
+            for r in rows:
+                article = r["article"].encode("utf-8")
+                wiki.write(article)
+                text_bytes_out += len(article)
+                counts["held_out"] += 1
+                counts["wikitext_articles"] += bool(r["article"])
+                counts["wikitext_tokens"] += len(r["article"].split())
+                for t in r["passages"]:
+                    lambada.write((json.dumps({"text": t}, ensure_ascii=False) + "\n").encode())
+                counts["lambada_passages"] += len(r["passages"])
+                listed.append(r["listed"])
+    if text_bytes_out > LARGE_EVAL_BYTES:
+        log.warning(
+            "holdout: %d MB of held-out text in %s; decontamination indexes the evaluation "
+            "sets' 8-grams in every worker's memory (about 25 bytes a word): raise [holdout] "
+            "every (now %d) for a corpus this large",
+            text_bytes_out // 10**6, eval_dir / "wiki.test.tokens", cfg["every"],
+        )  # fmt: skip
     summary = {
         "every": cfg["every"],
         "sources": cfg["sources"],
         "by": 'sha256("holdout:" + doc_id)',
-        "counts": {
-            "docs_in": split["docs_in"],
-            "held_out": len(rows),
-            "wikitext_articles": sum(1 for a in articles if a),
-            "wikitext_tokens": len(wikitext.split()),
-            "lambada_passages": len(lambada),
-        },
+        "counts": {"docs_in": split["docs_in"], **counts},
         "files": ["wiki.test.tokens", "lambada.jsonl"],
         "docs": listed,
     }
@@ -213,8 +233,8 @@ def write_eval_files(
         "bytes_in": split["bytes_in"],
         "bytes_out": split["bytes_out"],
         "extra": {
-            "held_out": len(rows),
-            "lambada_passages": len(lambada),
-            "wikitext_tokens": len(wikitext.split()),
+            "held_out": counts["held_out"],
+            "lambada_passages": counts["lambada_passages"],
+            "wikitext_tokens": counts["wikitext_tokens"],
         },
     }
