@@ -250,3 +250,27 @@ def test_a_grouping_without_its_removed_nodes_names_the_file_and_the_way_out(tmp
     run_recipe(other, workers=1, progress=False, stages=["dedup"])
     for p in sorted((recipe.work / "dedup").glob("*.arrow")):
         assert (other.work / "dedup" / p.name).read_bytes() == p.read_bytes()
+
+
+def test_stages_done_by_an_earlier_megadata_are_not_redone(tmp_path, built):
+    """An ingest done without file pieces (no _lines/) and a shard stage done in one task
+    (no count/ and write/) keep their totals when run again: nothing is counted, read or
+    written anew."""
+    import shutil
+
+    recipe, _ = built
+    corpus = tmp_path / "corpus"
+    shutil.copytree(recipe.output, corpus)
+    other = load_recipe(recipe.path, output=corpus)
+    for gone in ("ingest/_lines", "shard/count", "shard/write"):
+        shutil.rmtree(other.work / gone)
+    shards = sorted(corpus.glob("*/shard-*.arrow"))
+    before = {p: p.stat().st_mtime_ns for p in shards}
+    rows = run_recipe(other, workers=1, progress=False, stages=["ingest", "shard"])
+    assert [r.docs_out for r in rows] == [
+        json.loads((other.work / s / "_DONE.json").read_text())["docs_out"]
+        for s in ("ingest", "shard")
+    ]
+    assert not (other.work / "ingest/_lines").exists()
+    assert not (other.work / "shard/write").exists()
+    assert {p: p.stat().st_mtime_ns for p in shards} == before

@@ -17,7 +17,7 @@ from megadata import __version__
 from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_docs
 from megadata.encode import DEFAULT_SPLITTER, check_splitter
 from megadata.file_pieces import count_newlines, how_to_split, pieces, split_bytes
-from megadata.runner import Runner, StageStats, Task, task_counts
+from megadata.runner import Runner, StageStats, Task, finished_stage, task_counts
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
 from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
 
@@ -277,6 +277,10 @@ def _ingest(recipe: Recipe, runner: Runner) -> StageStats:
     """A task per input file, or per piece of a large one (megadata.file_pieces), whose line
     numbers come from a first stage that counts the newlines of the pieces."""
     out, files, counting = recipe.work / "ingest", [], []
+    lines_dir = out / "_lines"
+    finished = finished_stage(out)
+    if finished is not None and not lines_dir.exists():  # no file was cut in pieces
+        return finished  # (or an earlier megadata ingested them): nothing to count again
     for source in recipe.sources:
         options = {k: v for k, v in source.items() if k not in ("name", "kind", "paths")}
         try:
@@ -291,7 +295,6 @@ def _ingest(recipe: Recipe, runner: Runner) -> StageStats:
                 for k in range(count - 1):  # the last piece's newlines are before no piece
                     end = min((k + 1) * limit, f.stat().st_size)
                     counting.append(Task(f"{name}-p{k:04d}", (str(f), k * limit, end)))
-    lines_dir = out / "_lines"
     lines = runner.run("lines", lines_dir, counting, count_newlines) if counting else None
     tasks = []
     for source, options, f, i, name, how, count, limit in files:
@@ -501,9 +504,9 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
     kind = recipe.tokenizer.get("kind", "gpt2-bpe")
 
     parts, work = [str(p) for p in _parts(src)], recipe.work / "shard"
-    if (work / "_DONE.json").exists() and not (work / "write").exists():
-        # Sharded by an earlier megadata, in one task: its totals, nothing redone.
-        return Runner(workers=1, progress=False).run("shard", work, [], _shard)
+    finished = finished_stage(work)
+    if finished is not None and not (work / "write").exists():
+        return finished  # sharded by an earlier megadata, in one task: nothing redone
     # The shards, in parallel; then the manifest, in this process, last.
     result = shard.write_shards(
         parts, str(recipe.output), valid_every, shard_tokens, str(work), runner

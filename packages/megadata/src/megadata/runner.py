@@ -258,8 +258,8 @@ class Runner:
         """Run `fn(*task.args) -> counts` for every task not already done; return the totals."""
         stage_dir = Path(stage_dir)
         done_file = stage_dir / "_DONE.json"
-        if done_file.exists():
-            return _stats_from(json.loads(done_file.read_text()))
+        if (finished := finished_stage(stage_dir)) is not None:
+            return finished
         ids = [t.id for t in tasks]
         if len(set(ids)) != len(ids):
             raise ValueError(f"stage {stage}: task ids are not unique")
@@ -323,6 +323,14 @@ class Runner:
         except BaseException:
             client.cancel(list(futures))  # a task failed or we were stopped: stop the others
             raise
+
+
+def finished_stage(stage_dir: Path) -> StageStats | None:
+    """The totals of a stage whose tasks are all done (its `_DONE.json`), or None."""
+    done_file = Path(stage_dir) / "_DONE.json"
+    if not done_file.exists():
+        return None
+    return _stats_from(json.loads(done_file.read_text()))
 
 
 def task_counts(stage_dir: Path, task_id: str) -> dict:
