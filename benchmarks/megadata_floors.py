@@ -1,7 +1,7 @@
 """The CPU seconds a megadata recipe spends inside the libraries it calls, beside its whole.
 
-    python benchmarks/megadata_floors.py --mb 50 --rounds 3 \
-        --out benchmarks/results/megadata-floors.json
+    python benchmarks/megadata_floors.py --mb 50 --rounds 3
+    (writes benchmarks/results/megadata-floors.json; --out elsewhere)
 
 Each corpus of bench_megadata.py (the default recipe, its BERT variant, plain jsonl; `--mb`
 MB of replicated text) is built `--rounds` times, the corpora alternated, in this process
@@ -57,7 +57,7 @@ def _cpu(fn) -> float:
     return round(time.process_time() - start, 2)
 
 
-def _texts(stage_dir: Path) -> list[dict]:
+def _docs(stage_dir: Path) -> list[dict]:
     return [d for p in sorted(stage_dir.glob("*.arrow")) for d in read_docs(p)]
 
 
@@ -89,7 +89,7 @@ def floors(kind: str, mb: float, work: Path) -> dict:
 
     from megadata.stages.clean import DETECT_CHARS, _fasttext
 
-    heads = [d["text"][:DETECT_CHARS] for d in _texts(recipe.work / "ingest")]
+    heads = [d["text"][:DETECT_CHARS] for d in _docs(recipe.work / "ingest")]
     detector = _fasttext()
     found["language id (fastText)"] = _cpu(
         lambda: [detector.detect(h, model="lite", k=3) for h in heads if h.strip()]
@@ -97,7 +97,7 @@ def floors(kind: str, mb: float, work: Path) -> dict:
 
     from tokenizers import Tokenizer
 
-    filter_in = [d["text"] for d in _texts(recipe.work / "clean")]
+    filter_in = [d["text"] for d in _docs(recipe.work / "clean")]
     tok = Tokenizer.from_file(str(recipe.output / "tokenizer.json"))
     hf_encode = _cpu(lambda: tok.encode_batch(filter_in))
     splitting = 0.0
@@ -115,7 +115,7 @@ def floors(kind: str, mb: float, work: Path) -> dict:
     )
     from megadata.wikitext_format import tokenize
 
-    held = [d["text"] for d in _texts(recipe.work / "holdout_docs")]
+    held = [d["text"] for d in _docs(recipe.work / "holdout_docs")]
     held_lines = [line for t in held for line in t.split("\n") if line.strip()]
     found["WikiText tokenization of held-out text (sacremoses)"] = _cpu(
         lambda: [tokenize(line) for line in held_lines]
@@ -162,7 +162,8 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=50)
     parser.add_argument("--corpora", nargs="+", default=["default", "bert", "jsonl"])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each corpus (medians)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results/megadata-floors.json")
+    out = ROOT / "benchmarks/results/megadata-floors.json"
+    parser.add_argument("--out", type=Path, default=out)
     args = parser.parse_args()
     report = {"command": "python benchmarks/megadata_floors.py " + " ".join(sys.argv[1:])}
     report["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
