@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bench_gpt_train import free_port
 
 from megatrain.config import load_config
-from megatrain.training import train
+from megatrain.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "pipelines" / "models" / "bert-tiny.toml"

@@ -52,11 +52,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacore import parallel_state as ps
-from megatrain import data as data_lib
 from megatrain.config import load_config
-from megatrain.metrics import measured_matmul_tflops
+from megatrain.data.corpus import open_corpus
+from megatrain.data.samples import GPTBatches
 from megatrain.models.gpt import model_flops_per_iteration, num_parameters
-from megatrain.training import build_run, lr_for, train_step
+from megatrain.run.metrics import measured_matmul_tflops
+from megatrain.run.setup import build_run
+from megatrain.run.step import lr_for, train_step
 
 VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 8192, 6, 384, 6, 256, 8
 EOD = 0
@@ -157,7 +159,7 @@ class HFTrainer:
     def __init__(
         self,
         config,
-        batches: "data_lib.GPTBatches",
+        batches: "GPTBatches",
         seed: int,
         vocab_size: int = VOCAB,
         device: torch.device | None = None,
@@ -232,7 +234,7 @@ class HFTrainer:
 class Recorder:
     """A loader that keeps a digest of every batch it handed out."""
 
-    def __init__(self, batches: "data_lib.GPTBatches"):
+    def __init__(self, batches: "GPTBatches"):
         self.batches, self.digests = batches, []
 
     def __iter__(self) -> "Recorder":
@@ -306,8 +308,8 @@ def profile_step(step, rows: int, cuda: bool = False) -> list[dict]:
 def loader(corpus: Path, vocab_size: int, seq: int, batch: int, seed: int):
     """A GPTBatches of one microbatch per step over the train split: built twice with the same
     seed, it gives the second model the very batches `build_run` gives ours."""
-    return data_lib.GPTBatches(
-        data_lib.open_corpus(corpus, "train", vocab_size=vocab_size),
+    return GPTBatches(
+        open_corpus(corpus, "train", vocab_size=vocab_size),
         seq_len=seq,
         seed=seed,
         global_batch_size=batch,
@@ -352,12 +354,12 @@ def main() -> None:
             f"model.vocab_size={VOCAB}",
             "model.hidden_dropout=0.0",
             "model.attention_dropout=0.0",
-            f"training.seq_length={SEQ}",
-            f"training.micro_batch_size={BATCH}",
-            f"training.global_batch_size={BATCH}",
-            f"training.train_iters={iters}",
+            f"seq_length={SEQ}",
+            f"micro_batch_size={BATCH}",
+            f"global_batch_size={BATCH}",
+            f"train_iters={iters}",
             'training.precision="fp32"',
-            f"training.seed={args.seed}",
+            f"seed={args.seed}",
             f'training.output_dir="{work / "run"}"',
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",

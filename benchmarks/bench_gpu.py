@@ -58,13 +58,14 @@ from bench_gpt_train import (
 from megacore import parallel_state as ps
 from megatrain.config import load_config
 from megatrain.memory import cheapest_recompute
-from megatrain.metrics import device_peak_tflops, measured_matmul_tflops
 from megatrain.models.gpt import (
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     num_parameters,
 )
-from megatrain.training import build_run, train_step
+from megatrain.run.metrics import device_peak_tflops, measured_matmul_tflops
+from megatrain.run.setup import build_run
+from megatrain.run.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "pipelines" / "models" / "gpt2-1.2b.toml"

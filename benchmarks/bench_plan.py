@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from bench_gpt_train import random_docs, write_corpus
 
-from megatrain import launch
 from megatrain.config import Config, ModelConfig, TrainingConfig
 from megatrain.plan.calibrate import calibrate
 from megatrain.plan.cost_model import Layout, apply_layout, estimate
+from megatrain.run import launch
 
 VOCAB = 2048
 LAYOUTS = [  # 2 ranks each
@@ -64,7 +64,9 @@ def _measure(configs: list[dict], rounds: int, warmup: int, iters: int) -> list 
     import torch.distributed as dist
 
     from megacore import parallel_state as ps
-    from megatrain.training import build_run, init_distributed, train_step
+    from megatrain.run.distributed import init_distributed
+    from megatrain.run.setup import build_run
+    from megatrain.run.step import train_step
 
     torch.set_num_threads(1)
     device, _ = init_distributed()

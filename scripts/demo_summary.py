@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from megatrain.metrics import curves_from_log
+from megatrain.run.metrics import curves_from_log
 
 
 def _read(path: Path) -> dict:

@@ -15,9 +15,9 @@ from megaeval.cli import main
 from megaeval.lambada import evaluate_lambada
 from megaeval.wikitext import evaluate_wikitext
 from megatrain.config import load_config
-from megatrain.inference import load_model
+from megatrain.inference.load import load_model
+from megatrain.run.loop import train
 from megatrain.testing import grammar_texts, write_text_corpus
-from megatrain.training import train
 
 LAYOUTS = [(2, 2), (1, 2), (2, 1), (1, 1)]  # (tp, pp) on 4 ranks; the rest is dp
 

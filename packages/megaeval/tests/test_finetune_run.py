@@ -11,8 +11,8 @@ import pytest
 from megacore.testing import run_distributed
 from megaeval.finetune.engine import Settings, finetune
 from megatrain.config import load_config
+from megatrain.run.loop import train
 from megatrain.testing import english_texts, write_bert_text_corpus
-from megatrain.training import train
 
 TOL = 2e-5
 SUBJECTS = ["the cat", "a dog", "the bird", "my friend", "the teacher", "a student"]

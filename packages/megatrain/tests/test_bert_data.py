@@ -1,4 +1,4 @@
-"""megatrain.bert_data: BERT samples (SOP pairs of whole sentences, whole-word n-gram masking)
+"""megatrain.data.bert: BERT samples (SOP pairs of whole sentences, whole-word n-gram masking)
 from a corpus of real English (the standard library's docstrings), determinism and resumption."""
 
 import itertools
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
-from megatrain.bert_data import BertBatches, bert_tokens, build_runs, truncation
-from megatrain.data import GPTBatches, open_corpus
+from megatrain.data.bert import BertBatches, bert_tokens, build_runs, truncation
+from megatrain.data.corpus import open_corpus
+from megatrain.data.samples import GPTBatches
 from megatrain.testing import (
     BERT_SPECIALS,
     EOD,

@@ -15,8 +15,8 @@ import pytest
 
 from megacore.testing import run_distributed
 from megatrain.config import load_config
+from megatrain.run.loop import train
 from megatrain.testing import english_texts, write_bert_text_corpus
-from megatrain.training import train
 
 STEPS = 3
 FP32_TOL = 2e-5  # as the GPT layouts: fp32 summation order only

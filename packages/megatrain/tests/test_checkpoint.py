@@ -15,12 +15,23 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megacore import parallel_state as ps
 from megacore.testing import DistributedTestError, run_distributed
-from megatrain import checkpointing
-from megatrain.checkpointing import CheckpointError, check_model_matches, find_checkpoint, read_meta
+from megatrain.checkpoint.dcp import flat_range_boxes, named_params
+from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+from megatrain.checkpoint.load import (
+    _load_tensors,
+    check_model_matches,
+    load_checkpoint,
+    read_full_state,
+)
+from megatrain.checkpoint.save import save_checkpoint
 from megatrain.config import load_config
+from megatrain.run.distributed import init_distributed
+from megatrain.run.loop import resume, train
+from megatrain.run.setup import build_run
+from megatrain.run.step import evaluate, train_step
 from megatrain.testing import random_documents, write_corpus
-from megatrain.training import train
 
 VOCAB = 200
 BASE = [
@@ -31,12 +42,12 @@ BASE = [
     "model.make_vocab_size_divisible_by=64",
     "model.hidden_dropout=0.1",  # dropout on: the generators must resume too
     "model.attention_dropout=0.1",
-    "training.seq_length=16",
-    "training.micro_batch_size=2",
-    "training.global_batch_size=8",
-    "training.train_iters=6",
-    "training.eval_interval=3",
-    "training.eval_iters=1",
+    "seq_length=16",
+    "micro_batch_size=2",
+    "global_batch_size=8",
+    "train_iters=6",
+    "eval_interval=3",
+    "eval_iters=1",
     "optimizer.lr=0.01",
     "optimizer.lr_warmup_iters=2",
     "logging.log_interval=1",
@@ -60,7 +71,7 @@ def corpus(tmp_path_factory):
 
 def _config(corpus, out, *overrides):
     return load_config(
-        None, [*BASE, f"data.corpus={corpus!r}", f"training.output_dir={out!r}", *overrides]
+        None, [*BASE, f"data.corpus={corpus!r}", f"output_dir={out!r}", *overrides]
     )
 
 
@@ -75,7 +86,7 @@ def _resume_runs(corpus, out):
         ckpt = f"{out}/ckpt-{dist_opt}"
         full = train(_config(corpus, f"{out}/full-{dist_opt}", *layout))
         first = train(
-            _config(corpus, f"{out}/first-{dist_opt}", *layout, "training.exit_interval=3",
+            _config(corpus, f"{out}/first-{dist_opt}", *layout, "exit_interval=3",
                     f"checkpoint.save={ckpt!r}")
         )  # fmt: skip
         second = train(
@@ -99,7 +110,7 @@ RESHARD = {  # the layouts a tp2-pp2-dp2 checkpoint (distributed optimizer) is l
     "tp2-pp2-dp2": ["parallel.tensor_model_parallel_size=2",
                     "parallel.pipeline_model_parallel_size=2",
                     "parallel.use_distributed_optimizer=true"],
-    "tp1-pp1-dp8-micro1": ["training.micro_batch_size=1"],
+    "tp1-pp1-dp8-micro1": ["micro_batch_size=1"],
     "tp4-pp1-dp2-distopt": ["parallel.tensor_model_parallel_size=4",
                             "parallel.use_distributed_optimizer=true"],
     "tp1-pp4-dp2": ["parallel.pipeline_model_parallel_size=4"],
@@ -108,22 +119,21 @@ NO_DROPOUT = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
 
 
 def _valid_loss_at_load(config):
-    from megatrain import training
 
-    device, _ = training.init_distributed()
-    run = training.build_run(config, device)
+    device, _ = init_distributed()
+    run = build_run(config, device)
     try:
-        training.resume(run)
-        return run.iteration, training.evaluate(run)
+        resume(run)
+        return run.iteration, evaluate(run)
     finally:
-        training.ps.destroy_model_parallel()
+        ps.destroy_model_parallel()
 
 
 def _reshard_runs(corpus, out):
     ckpt = f"{out}/ckpt"
     saved = train(
         _config(corpus, f"{out}/save", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT,
-                "training.exit_interval=3", f"checkpoint.save={ckpt!r}")
+                "exit_interval=3", f"checkpoint.save={ckpt!r}")
     )  # fmt: skip
     reference = train(_config(corpus, f"{out}/reference", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT))
     results = {}
@@ -226,7 +236,7 @@ def test_a_malicious_pickle_is_refused(killed_checkpoint, tmp_path):
     marker = tmp_path / "pwned"
     rng_file.write_bytes(pickle.dumps(_Exploit(str(marker)), protocol=2))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
-        checkpointing._load_tensors(rng_file)
+        _load_tensors(rng_file)
     assert not marker.exists()
 
 
@@ -243,9 +253,9 @@ def _sigterm_at_iteration_2(corpus, out):
 
     import torch.distributed as dist
 
-    from megatrain import training
+    from megatrain.run import loop
 
-    real_step = training.train_step
+    real_step = loop.train_step
 
     def step(run):
         result = real_step(run)
@@ -253,7 +263,7 @@ def _sigterm_at_iteration_2(corpus, out):
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
-    training.train_step = step
+    loop.train_step = step
     return train(_config(corpus, out, f"checkpoint.save={out + '/ckpt'!r}"))
 
 
@@ -270,7 +280,7 @@ def test_flat_ranges_are_boxes():
         full = torch.arange(math.prod(shape)).view(shape)
         for start in range(full.numel() + 1):
             for end in range(start + 1, full.numel() + 1):
-                boxes = checkpointing.flat_range_boxes(shape, start, end)
+                boxes = flat_range_boxes(shape, start, end)
                 assert len(boxes) <= 2 * len(shape) - 1
                 at = start
                 for a, b, offsets, sizes in boxes:
@@ -329,26 +339,25 @@ class _NewStorageBytes(TorchDispatchMode):
 
 # A model whose optimizer state dominates (1.6M parameters, 19 MB of fp32 master + moments),
 # at dp 4 under the distributed optimizer, in gradient buckets of ~300k elements.
-MEMORY = ["model.num_layers=2", "model.hidden_size=256", "training.micro_batch_size=1",
-          "training.global_batch_size=4", "parallel.use_distributed_optimizer=true",
+MEMORY = ["model.num_layers=2", "model.hidden_size=256", "micro_batch_size=1",
+          "global_batch_size=4", "parallel.use_distributed_optimizer=true",
           "parallel.bucket_size=300000", *NO_DROPOUT]  # fmt: skip
 
 
 def _save_and_load_memory(corpus, out):
     import torch.distributed as dist
 
-    from megatrain import training
-    from megatrain.convert import write_checkpoint
+    from megatrain.checkpoint.convert import write_checkpoint
 
-    device, _ = training.init_distributed()
+    device, _ = init_distributed()
     ckpt = f"{out}/ckpt"
-    run = training.build_run(_config(corpus, out, *MEMORY), device)
+    run = build_run(_config(corpus, out, *MEMORY), device)
     try:
-        training.train_step(run)  # Adam's moments exist from here on
+        train_step(run)  # Adam's moments exist from here on
         with _NewStorageBytes() as train:
-            training.train_step(run)
+            train_step(run)
         with _NewStorageBytes() as save:
-            checkpointing.save_checkpoint(run, ckpt)
+            save_checkpoint(run, ckpt)
         saved = [{k: v.clone() for k, v in s.items()} for _, s in run.optimizer.shard_state()]
         own = sum(s.end - s.start for s in run.optimizer.shards)
         # As a fresh run: no moments, masters other than the saved ones.
@@ -357,7 +366,7 @@ def _save_and_load_memory(corpus, out):
             for s in run.optimizer.shards:
                 s.master.zero_()
         with _NewStorageBytes() as load:
-            checkpointing.load_checkpoint(run, ckpt)
+            load_checkpoint(run, ckpt)
         exact = all(
             torch.equal(a[k], b[k])
             for a, (_, b) in zip(saved, run.optimizer.shard_state(), strict=True)
@@ -365,7 +374,7 @@ def _save_and_load_memory(corpus, out):
         )
         # A checkpoint whose optimizer state does not fit the model: every rank refuses it.
         if dist.get_rank() == 0:
-            meta, state = checkpointing.read_full_state(ckpt, with_optimizer=True, progress=False)
+            meta, state = read_full_state(ckpt, with_optimizer=True, progress=False)
             key = "layers.0.mlp.fc1.weight/exp_avg"
             state[key] = state[key][:, 1:]
             write_checkpoint(
@@ -374,9 +383,9 @@ def _save_and_load_memory(corpus, out):
             )  # fmt: skip
         dist.barrier()
         try:
-            checkpointing.load_checkpoint(run, f"{out}/bad")
+            load_checkpoint(run, f"{out}/bad")
             refused = None
-        except checkpointing.CheckpointError as e:
+        except CheckpointError as e:
             refused = str(e)
         result = {
             "numel": sum(p.numel() for p in run.chunks[0].parameters()),
@@ -389,13 +398,13 @@ def _save_and_load_memory(corpus, out):
         }
         # Another vocabulary padding (320 rows where 256 were saved): each rank's ranges hold
         # the saved state, zeros past the saved rows.
-        training.ps.destroy_model_parallel()
-        run = training.build_run(
+        ps.destroy_model_parallel()
+        run = build_run(
             _config(corpus, out, *MEMORY, "model.make_vocab_size_divisible_by=320"), device
         )
-        checkpointing.load_checkpoint(run, ckpt)
-        _, full = checkpointing.read_full_state(ckpt, with_optimizer=True, progress=False)
-        names = {p: n for n, p in checkpointing.named_params(run.chunks, loading=True).items()}
+        load_checkpoint(run, ckpt)
+        _, full = read_full_state(ckpt, with_optimizer=True, progress=False)
+        names = {p: n for n, p in named_params(run.chunks, loading=True).items()}
         result["padded_exact"] = []
         for shard, state in run.optimizer.shard_state():
             for k, value in state.items():
@@ -408,7 +417,7 @@ def _save_and_load_memory(corpus, out):
                 )
         return result
     finally:
-        training.ps.destroy_model_parallel()
+        ps.destroy_model_parallel()
 
 
 def test_saving_and_loading_hold_no_more_than_own_shard(corpus, tmp_path):
@@ -435,7 +444,7 @@ def test_saving_and_loading_hold_no_more_than_own_shard(corpus, tmp_path):
 def test_a_kill_between_the_renames_of_a_resave_leaves_the_old_copy(killed_checkpoint, tmp_path):
     """`publish` re-saving iteration N moves the old copy aside before the new one lands; a
     kill in between leaves `latest` naming N with only `.old-N` on disk: it is taken back."""
-    from megatrain.checkpointing import LATEST, find_checkpoint
+    from megatrain.checkpoint.files import LATEST, find_checkpoint
 
     ckpt = tmp_path / "ckpt"
     _copy(killed_checkpoint[0], ckpt)

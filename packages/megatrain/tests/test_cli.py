@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from megatrain import launch
 from megatrain.cli import main
+from megatrain.run import launch
 from megatrain.testing import random_documents, write_corpus
 
 ROOT = Path(__file__).resolve().parents[3]

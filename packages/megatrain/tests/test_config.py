@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from megatrain.config import ConfigError, load_config, validate
-from megatrain.lr_schedule import learning_rate
-from megatrain.models import num_parameters, parameter_count
-from megatrain.training import model_config
+from megatrain.models import model_config, num_parameters, parameter_count
+from megatrain.run.lr_schedule import learning_rate
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 # name: (the paper's parameter count, tensor-parallel size, 8-GPU nodes in the paper's run)

@@ -7,7 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from megatrain.data import GPTBatches, epoch_order, open_corpus
+from megatrain.data.corpus import open_corpus
+from megatrain.data.samples import GPTBatches, epoch_order
 from megatrain.testing import EOD, TOKENIZER_SHA, VOCAB, sha256, write_corpus
 
 SEQ = 8

@@ -17,12 +17,12 @@ from click.testing import CliRunner
 
 from megacore.optimizer import NonFiniteLossError
 from megacore.testing import run_distributed
-from megatrain import launch
-from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
+from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 from megatrain.cli import main
 from megatrain.config import load_config
+from megatrain.run import launch
+from megatrain.run.loop import train
 from megatrain.testing import random_documents, write_corpus
-from megatrain.training import train
 
 TINY = Path(__file__).resolve().parents[3] / "pipelines" / "models" / "gpt2-tiny.toml"
 VOCAB = 200

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from megatrain.config import load_config
-from megatrain.models import hardware_flops_per_iteration, model_flops_per_iteration
+from megatrain.models import hardware_flops_per_iteration, model_config, model_flops_per_iteration
 from megatrain.models.gpt import GPTConfig
+from megatrain.run.loop import train
 from megatrain.testing import random_documents, write_corpus
-from megatrain.training import model_config, train
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 

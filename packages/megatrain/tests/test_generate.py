@@ -12,10 +12,10 @@ from megacore import parallel_state as ps
 from megacore.testing import run_distributed
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.generate import Sampling, filter_logits, generate
-from megatrain.inference import load_model
+from megatrain.inference.generate import Sampling, filter_logits, generate
+from megatrain.inference.load import load_model
+from megatrain.run.loop import train
 from megatrain.testing import grammar_texts, write_text_corpus
-from megatrain.training import train
 
 PROMPT = "the cat sat on"
 
@@ -69,7 +69,7 @@ def _generations(ckpt: str) -> dict:
     }
     out["text"] = tok.decode(out["greedy_cache"])
     # Logits of a prompt fed in pieces through the cache against one full forward.
-    from megatrain.models.gpt import KVCache
+    from megatrain.models.transformer import KVCache
 
     ids = torch.tensor([prompt + out["greedy_cache"][:6]])
     with torch.no_grad():

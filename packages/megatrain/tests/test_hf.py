@@ -18,10 +18,16 @@ import torch
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
+from megacore import parallel_state as ps
 from megacore.testing import run_distributed
-from megatrain.checkpointing import find_checkpoint, read_full_state, read_meta
+from megatrain.checkpoint.files import find_checkpoint, read_meta
+from megatrain.checkpoint.load import read_full_state
 from megatrain.cli import main
 from megatrain.config import Config, load_config
+from megatrain.run.distributed import init_distributed
+from megatrain.run.loop import resume
+from megatrain.run.setup import build_run
+from megatrain.run.step import evaluate
 from megatrain.testing import write_text_corpus
 
 WORDS = (  # noqa: SIM905 (a sentence reads better than a list of 25 strings)
@@ -35,12 +41,12 @@ RUN = [
     "model.max_position_embeddings=32",
     "model.hidden_dropout=0.0",
     "model.attention_dropout=0.0",
-    "training.seq_length=16",
-    "training.micro_batch_size=2",
-    "training.global_batch_size=8",
-    "training.train_iters=3",
-    "training.eval_interval=3",
-    "training.eval_iters=1",
+    "seq_length=16",
+    "micro_batch_size=2",
+    "global_batch_size=8",
+    "train_iters=3",
+    "eval_interval=3",
+    "eval_iters=1",
     "optimizer.lr=0.01",
     "logging.log_interval=1",
     "logging.tensorboard=false",
@@ -92,20 +98,19 @@ def _tokens(vocab):
 
 def _config(corpus_dir, out, *overrides):
     return load_config(
-        None, [*RUN, f"data.corpus={str(corpus_dir)!r}", f"training.output_dir={out!r}", *overrides]
+        None, [*RUN, f"data.corpus={str(corpus_dir)!r}", f"output_dir={out!r}", *overrides]
     )
 
 
 def _loaded(config, ckpt):
     """A run of `config` loaded from `ckpt`: (iteration, adam step, valid loss, tp1 logits)."""
-    from megatrain import training
 
-    device, _ = training.init_distributed()
+    device, _ = init_distributed()
     config.checkpoint.load = str(ckpt)
-    run = training.build_run(config, device)
+    run = build_run(config, device)
     try:
-        training.resume(run)
-        valid = training.evaluate(run)
+        resume(run)
+        valid = evaluate(run)
         logits = None
         if len(run.chunks) == 1 and config.model_parallel_size == 1:
             model = run.chunks[0].module.eval()
@@ -114,7 +119,7 @@ def _loaded(config, ckpt):
                 logits = model(tokens)[:, :, : run.model_config.true_vocab_size].transpose(0, 1)
         return run.iteration, run.optimizer.adam_step(), valid, logits
     finally:
-        training.ps.destroy_model_parallel()
+        ps.destroy_model_parallel()
 
 
 def _toml(config: dict) -> str:
@@ -132,8 +137,9 @@ def _toml(config: dict) -> str:
 def _all_steps(corpus_dir, out, imported_random):
     import torch.distributed as dist
 
-    from megatrain import convert, hf
-    from megatrain.training import train
+    from megatrain import hf
+    from megatrain.checkpoint import convert
+    from megatrain.run.loop import train
 
     ckpt = f"{out}/ckpt"
     saved = train(_config(corpus_dir, f"{out}/save", *TP2_PP2, f"checkpoint.save={ckpt!r}"))
@@ -170,9 +176,9 @@ def _all_steps(corpus_dir, out, imported_random):
     main(
         ["run", "--config", config_file, "--load", str(imported_random),
          "--save", f"{out}/finetuned", "parallel.tensor_model_parallel_size=2",
-         "training.seq_length=16", "training.micro_batch_size=2", "training.global_batch_size=8",
-         "training.train_iters=2", "training.eval_interval=2", "training.eval_iters=1",
-         f"training.output_dir={out + '/finetune-run'!r}", "logging.peak_tflops=1.0",
+         "seq_length=16", "micro_batch_size=2", "global_batch_size=8",
+         "train_iters=2", "eval_interval=2", "eval_iters=1",
+         f"output_dir={out + '/finetune-run'!r}", "logging.peak_tflops=1.0",
          "logging.log_interval=1"],
         standalone_mode=False,
     )  # fmt: skip

@@ -20,17 +20,14 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 
 from megacore import parallel_state as ps
-from megatrain.checkpointing import (
-    MODEL_FIELDS,
-    find_checkpoint,
-    named_params,
-    read_full_state,
-    read_meta,
-)
+from megatrain.checkpoint.convert import write_checkpoint
+from megatrain.checkpoint.dcp import named_params
+from megatrain.checkpoint.files import MODEL_FIELDS, find_checkpoint, read_meta
+from megatrain.checkpoint.load import read_full_state
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.convert import write_checkpoint
 from megatrain.hf import import_hf
+from megatrain.models import model_config
 from megatrain.testing import write_bert_text_corpus
 
 ORDERS = ("pre_ln", "post_ln")
@@ -124,11 +121,11 @@ def _assert_close(ours, theirs):
 def _run_config(root, order, out):
     return load_config(
         None,
-        [f"data.corpus={str(root)!r}", f"training.output_dir={str(out)!r}", 'model.kind="bert"',
+        [f"data.corpus={str(root)!r}", f"output_dir={str(out)!r}", 'model.kind="bert"',
          f"model.block_order={order!r}", "model.num_layers=2", "model.hidden_size=32",
          "model.num_attention_heads=4", "model.max_position_embeddings=16",
          "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
-         "model.layernorm_epsilon=1e-12", "training.seq_length=16"],
+         "model.layernorm_epsilon=1e-12", "seq_length=16"],
     )  # fmt: skip
 
 
@@ -136,14 +133,13 @@ def _run_config(root, order, out):
 def exported(request, one_process, corpus, tmp_path_factory):
     """A tiny BERT of that block order, every weight perturbed, saved as a checkpoint and
     exported with `megatrain export-hf`: (order, model, weights, checkpoint, hf directory)."""
-    from megatrain import training
     from megatrain.models import build_bert_chunks
 
     order = request.param
     root, _, vocab = corpus
     out = tmp_path_factory.mktemp(f"bert-{order}")
     config = _run_config(root, order, out / "run")
-    cfg = training.model_config(config, vocab)
+    cfg = model_config(config, vocab)
     assert cfg.vocab_size == 128 and cfg.block_order == order
     model = build_bert_chunks(cfg, seed=11)[0].eval()
     generator = torch.Generator().manual_seed(3)
@@ -283,7 +279,7 @@ def random_hf(request, corpus, tmp_path_factory):
 
 
 def test_import_of_a_random_hf_model_gives_its_logits(random_hf, corpus, one_process, tmp_path):
-    from megatrain.inference import load_model
+    from megatrain.inference.load import load_model
 
     order, hf_dir = random_hf
     _, _, vocab = corpus

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from megatrain import launch
-from megatrain.checkpointing import find_checkpoint, read_meta
+from megatrain.checkpoint.files import find_checkpoint, read_meta
 from megatrain.cli import main
+from megatrain.run import launch
 from megatrain.testing import random_documents, write_corpus
 
 ROOT = Path(__file__).resolve().parents[3]

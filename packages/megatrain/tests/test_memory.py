@@ -13,8 +13,7 @@ from megatrain.memory import (
     memory_breakdown,
     parameters_per_gpu,
 )
-from megatrain.models import num_parameters, parameter_count
-from megatrain.training import model_config
+from megatrain.models import model_config, num_parameters, parameter_count
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 GPT2_VOCAB = 50257

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
-from megatrain import launch
 from megatrain.cli import main
 from megatrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
 from megatrain.memory import GPU_MEMORY, memory_breakdown
@@ -29,6 +28,7 @@ from megatrain.plan.cost_model import (
 )
 from megatrain.plan.search import candidates, memory_warning, plan
 from megatrain.plan.validation import PAPER, fit_builtin_profile, paper_config, predictions
+from megatrain.run import launch
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 V100 = hardware.load_gpus()["v100-32gb"]
@@ -127,8 +127,8 @@ def _storage_bytes(tensors, exclude=()) -> int:
 def _measure_state_bytes() -> list:
     """Each layout built as training builds it (chunks, DDP, optimizer, one step): this
     rank's bytes of weights, gradient buffers and optimizer state, and its stage."""
-    from megatrain.models import build_model_chunks
-    from megatrain.training import PRECISION_DTYPES, model_config, prepare_training
+    from megatrain.models import build_model_chunks, model_config
+    from megatrain.run.setup import PRECISION_DTYPES, prepare_training
 
     out = []
     for kind, precision, tp, pp, vpp, dp, distopt in STATE_LAYOUTS:

@@ -15,8 +15,8 @@ import pytest
 
 from megacore.testing import run_distributed
 from megatrain.config import load_config
+from megatrain.run.loop import train
 from megatrain.testing import write_corpus
-from megatrain.training import train
 
 VOCAB = 200  # padded to 256 at tp 1 and 2, 512 at tp 4: the padding logits are masked
 STEPS = 3

@@ -118,8 +118,8 @@ def _tasks():
 
 
 def _worker(task: str, ckpt: str, tp_size: int, pp_size: int, kwargs: dict) -> dict | None:
-    from megatrain.inference import load_model
-    from megatrain.training import init_distributed
+    from megatrain.inference.load import load_model
+    from megatrain.run.distributed import init_distributed
 
     device, _ = init_distributed()
     if device.type == "cpu":
@@ -147,9 +147,9 @@ def evaluate_checkpoint(task: str, ckpt: str, tp: int = 1, pp: int = 1, **kwargs
     """
     from megaeval.errors import EvalDataError, EvalSettingsError
     from megaeval.wikitext import check_window_settings
-    from megatrain import launch
-    from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
-    from megatrain.inference import check_layout, load_tokenizer, require_kind
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.inference.load import check_layout, load_tokenizer, require_kind
+    from megatrain.run import launch
 
     if task not in _tasks():
         raise ValueError(f"unknown task {task!r}: expected one of {sorted(_tasks())}")

@@ -107,8 +107,8 @@ def cache_key(task: str, model: dict, data: str, settings: dict) -> dict | None:
     digest and the settings that change the numbers.  Read without torch, in milliseconds."""
     if model["ckpt"] is None:
         return None
-    from megatrain.checkpoint_files import CheckpointError, find_checkpoint, read_meta
-    from megatrain.data import sha256_file
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.data.corpus import sha256_file
 
     try:
         directory = find_checkpoint(model["ckpt"])
@@ -172,7 +172,7 @@ def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict
     try:
         if ckpt is not None:
             from megaeval.checkpoint_scorer import evaluate_checkpoint
-            from megatrain.launch import LaunchError
+            from megatrain.run.launch import LaunchError
 
             try:
                 return evaluate_checkpoint(task, ckpt, tp=model["tp"], pp=model["pp"], **kwargs)
@@ -384,9 +384,9 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
     from pathlib import Path
 
     from megaeval.finetune.engine import Settings, finetune
-    from megatrain import launch
-    from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
-    from megatrain.inference import load_tokenizer, require_kind
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.inference.load import load_tokenizer, require_kind
+    from megatrain.run import launch
 
     missing = [f for f in FINETUNE_DATA[task] if not (Path(data) / f).exists()]
     if settings["eval_only"]:

@@ -7,6 +7,7 @@ import sys
 import click
 
 from megatrain import __version__
+from megatrain.checkpoint.files import find_checkpoint
 from megatrain.config import Config, ConfigError, load_config, validate
 
 # Exit statuses, the same in megatrain, megaeval and megadata: 2 for a usage or input error
@@ -68,7 +69,7 @@ def _check_gpus(nproc: int, gpus: int) -> None:
 def _finished_iteration(config: Config) -> int | None:
     """The iteration of --load's checkpoint when it has trained all of training.train_iters
     (known from its meta.json, before any worker or torch starts), else None."""
-    from megatrain.checkpoint_files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 
     if not config.checkpoint.load:
         return None
@@ -90,14 +91,13 @@ def _check_restartable(config: Config) -> None:
 
 def _check_inputs(config: Config) -> None:
     """Refuse a missing or mismatched corpus or checkpoint here rather than in every worker."""
-    from megatrain import checkpointing
-    from megatrain.training import open_corpus
+    from megatrain.data.corpus import open_run_corpus
 
     for split in ("train", "valid"):
-        open_corpus(config, split)
+        open_run_corpus(config, split)
     load, save = config.checkpoint.load, config.checkpoint.save
     if load and not (load == save and not os.path.exists(os.path.join(load, "latest"))):
-        checkpointing.find_checkpoint(load)
+        find_checkpoint(load)
     if save:
         _check_writable(save, "checkpoint.save (--save)")
     _check_writable(config.training.output_dir, "training.output_dir")
@@ -117,7 +117,7 @@ def _check_writable(directory: str, what: str) -> None:
 
 
 def _worker(config_dict: dict):
-    from megatrain.training import train
+    from megatrain.run.loop import train
 
     return train(Config.from_dict(config_dict))
 
@@ -196,14 +196,14 @@ def run_command(
     status is then 130 (SIGINT) or 143 (SIGTERM).  A second one kills the workers at once (the
     last complete checkpoint stays).
     """
-    from megatrain import launch
+    from megatrain.run import launch
 
     try:
         flags = [f"checkpoint.{k}={v!r}" for k, v in (("load", load), ("save", save)) if v]
         config = load_config(config_path, [*overrides, *flags])
         if launch.in_launched_job() or launch.adopt_slurm_environment():
             validate(config, int(os.environ["WORLD_SIZE"]))
-            from megatrain.training import StopSignal, train
+            from megatrain.run.loop import StopSignal, train
 
             stop = StopSignal()
             train(config, stop)
@@ -283,10 +283,10 @@ def generate_command(
 ):  # fmt: skip
     """Continue each --prompt with the model of --ckpt: greedy, or sampled with temperature,
     top-k and top-p, using a KV cache."""
-    from megatrain import launch
-    from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
-    from megatrain.generate import Sampling, generation_worker
-    from megatrain.inference import check_layout, load_tokenizer, require_kind
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.inference.generate import Sampling, generation_worker
+    from megatrain.inference.load import check_layout, load_tokenizer, require_kind
+    from megatrain.run import launch
 
     try:
         sampling = Sampling(
@@ -403,7 +403,7 @@ def convert_command(ckpt, out, dtype, weights_only, tp, pp):
     (heads, ffn, layers) and record the target in meta.json.  RNG files are dropped: they
     only apply at the layout that saved them.
     """
-    from megatrain.convert import convert
+    from megatrain.checkpoint.convert import convert
 
     try:
         path = convert(ckpt, out, dtype, weights_only, tp, pp)
@@ -419,10 +419,10 @@ def _plan_check(config: Config, world_size: int) -> None:
 
     if not torch.cuda.is_available():
         return
+    from megatrain.data.corpus import open_run_corpus
     from megatrain.plan.search import memory_warning
-    from megatrain.training import open_corpus
 
-    vocab = config.model.vocab_size or open_corpus(config, "train").vocab_size
+    vocab = config.model.vocab_size or open_run_corpus(config, "train").vocab_size
     dp = world_size // config.model_parallel_size
     warning = memory_warning(config, dp, vocab, torch.cuda.get_device_properties(0).total_memory)
     if warning:

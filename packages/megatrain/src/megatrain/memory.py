@@ -35,11 +35,11 @@ upper bound there and the choice it leads to a safe one.
 """
 
 from megatrain.config import RECOMPUTE_CHOICES, Config
+from megatrain.models import model_config
 from megatrain.models.bert import MASKED_LM_PROB
 from megatrain.models.transformer import TransformerConfig
 from megatrain.plan.hardware import GIB as GIB  # re-exported: sizes in GiB
 from megatrain.plan.hardware import load_gpus
-from megatrain.training import model_config
 
 # Memory of the GPUs configs are sized for: the GPU table of `megatrain plan` (plan/gpus.toml).
 GPU_MEMORY = {key: gpu.memory_bytes for key, gpu in load_gpus().items()}

@@ -2,8 +2,8 @@
 parallelism over the rest: `finetune(...)`, run by every rank (`megaeval finetune`).
 
 The run is megatrain's: the same parallel groups, DDP / distributed optimizer and
-`MegatronOptimizer` (`training.prepare_training`), the same pipeline schedules
-(`training.forward_backward` with the task's forward step), the same checkpoints (saved
+`MegatronOptimizer` (`prepare_training`), the same pipeline schedules
+(`forward_backward` with the task's forward step), the same checkpoints (saved
 in `OUT/ckpt` every epoch and resumed from there).  The encoder starts from the
 pretraining checkpoint's weights (its MLM and SOP heads are not read), the task head from
 its own seed.  Examples are shuffled per epoch by (seed, epoch) and sliced as megatrain
@@ -25,14 +25,20 @@ import torch
 import torch.distributed as dist
 
 from megacore import parallel_state as ps
+from megacore import pipeline_parallel as pipe
 from megaeval.finetune import tasks as tasks_lib
 from megaeval.finetune.model import build_task_chunks
-from megatrain import checkpointing, training
-from megatrain.config import Config
-from megatrain.data import SampleBatches
-from megatrain.inference import load_tokenizer
-from megatrain.lr_schedule import learning_rate
-from megatrain.models import parameter_count
+from megatrain.checkpoint.files import LATEST, find_checkpoint, read_meta
+from megatrain.checkpoint.load import load_checkpoint, load_weights
+from megatrain.checkpoint.save import save_checkpoint
+from megatrain.config import Config, validate
+from megatrain.data.samples import SampleBatches
+from megatrain.inference.load import load_tokenizer
+from megatrain.models import model_config, parameter_count
+from megatrain.run.distributed import init_distributed
+from megatrain.run.lr_schedule import learning_rate
+from megatrain.run.setup import PRECISION_DTYPES, Run, prepare_training
+from megatrain.run.step import forward_backward, to_device
 
 STATISTICS = ("loss", "accuracy")
 
@@ -191,8 +197,8 @@ def predict(run, feats, micro: int) -> np.ndarray | None:
         c.eval()
     with torch.no_grad():
         for batch in batches:
-            micro_batch = [training._to_device(batch, run.device)]
-            training.pipe.get_forward_backward_func()(
+            micro_batch = [to_device(batch, run.device)]
+            pipe.get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=[iter(micro_batch) for _ in run.chunks]
                 if interleaved
@@ -244,13 +250,13 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
     """Fine-tune (or with `settings.eval_only` score) as the module docstring says; rank 0
     returns {"metrics": the last evaluation's, "losses": the training loss of each
     iteration this call ran}."""
-    device, _ = training.init_distributed()
+    device, _ = init_distributed()
     task = tasks_lib.TASKS[task_name]
     out = Path(out)
     if _is_main():
         out.mkdir(parents=True, exist_ok=True)
-    directory = checkpointing.find_checkpoint(ckpt)
-    meta = checkpointing.read_meta(directory)
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
     tokenizer = load_tokenizer(directory, meta)  # the one it was trained with, checked
     vocab = int(meta["vocab_size"])
     splits = ([] if settings.eval_only else [task.train_split]) + list(task.eval_splits)
@@ -268,7 +274,7 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
         )
         _say(f"megaeval finetune: {split}: {len(examples)} examples, {len(feats[split])} inputs")
     train_feats = feats.pop(task.train_split, None)
-    model = training.model_config(Config.from_dict(meta["config"]), vocab)
+    model = model_config(Config.from_dict(meta["config"]), vocab)
     size, rows = tasks_lib.table6_row(task.name, parameter_count("bert", model))
     rows = (
         settings.batch_size or rows[0],
@@ -282,26 +288,26 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
     )
     train_size = len(train_feats) if train_feats is not None else rows[0]
     config = _config(meta, task, settings, rows, train_size)
-    dp = training.validate(config, dist.get_world_size())
+    dp = validate(config, dist.get_world_size())
     ps.initialize_model_parallel(settings.tp, settings.pp)
     try:
-        cfg = training.model_config(config, vocab)
-        dtype = training.PRECISION_DTYPES[config.training.precision]
+        cfg = model_config(config, vocab)
+        dtype = PRECISION_DTYPES[config.training.precision]
         chunks = build_task_chunks(
             cfg, task.head, task.num_classes, settings.seed, device=device, dtype=dtype
         )
-        resuming = (out / "ckpt" / checkpointing.LATEST).is_file()
+        resuming = (out / "ckpt" / LATEST).is_file()
         # The encoder from the checkpoint; its task head too when it is a fine-tuned one.
-        checkpointing.load_weights(chunks, directory, device, optional=("task_head.",))
-        chunks, optimizer = training.prepare_training(config, chunks, dtype)
+        load_weights(chunks, directory, device, optional=("task_head.",))
+        chunks, optimizer = prepare_training(config, chunks, dtype)
         data = TaskData(task.name, task.train_split, train_feats or next(iter(feats.values())),
                         meta.get("tokenizer") or {}, vocab)  # fmt: skip
         micro = config.training.micro_batch_size // (data.feats.tokens.shape[1])
         batches = TaskBatches(data, settings.seed, rows[0], micro, ps.get_data_parallel_rank(), dp)
         config.data.corpus = str(directory)  # where checkpoints copy the tokenizer from
-        run = training.Run(config, cfg, chunks, optimizer, batches, None, device, dtype, dp)
+        run = Run(config, cfg, chunks, optimizer, batches, None, device, dtype, dp)
         if resuming and not settings.eval_only:
-            checkpointing.load_checkpoint(run, out / "ckpt")
+            load_checkpoint(run, out / "ckpt")
             _say(f"megaeval finetune: resumed from {out / 'ckpt'} at iteration {run.iteration}")
         if settings.eval_only:
             metrics = evaluate(run, task, feats, settings, out, epoch=0)
@@ -328,10 +334,10 @@ def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         micro = [
-            training._to_device(next(run.train_data), run.device)
+            to_device(next(run.train_data), run.device)
             for _ in range(run.num_microbatches)
         ]
-        stats = training.forward_backward(run, micro, forward_step=_forward_step, names=STATISTICS)
+        stats = forward_backward(run, micro, forward_step=_forward_step, names=STATISTICS)
         run.optimizer.step()
         run.optimizer.zero_grad()
         run.iteration += 1
@@ -348,7 +354,7 @@ def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -
         epoch_end = run.iteration % steps_per_epoch == 0 or run.iteration == t.train_iters
         stopping = bool(settings.exit_interval) and run.iteration % settings.exit_interval == 0
         if epoch_end or stopping:
-            checkpointing.save_checkpoint(run, out / "ckpt", keep=1)
+            save_checkpoint(run, out / "ckpt", keep=1)
         if epoch_end:
             epoch = math.ceil(run.iteration / steps_per_epoch)
             results = evaluate(run, task, evals, settings, out, epoch)

@@ -5,6 +5,8 @@ training loop, checkpoints and loaders take the kind from the config instead of 
 GPT.
 """
 
+from megacore import tensor_parallel as tp
+from megatrain.config import Config
 from megatrain.models import bert, gpt
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import (
@@ -25,6 +27,32 @@ def build_model_chunks(kind: str, cfg: TransformerConfig, seed: int = 1234, **pl
     """This rank's chunks of the `kind` model ("gpt" or "bert"); `placement`: device, dtype,
     initialize, as `build_gpt_chunks`."""
     return _BUILDERS[kind](cfg, seed, **placement)
+
+
+def model_config(config: Config, vocab_size: int) -> TransformerConfig:
+    """The model of a run config; `vocab_size` is the tokenizer's, padded here for TP."""
+    m, p = config.model, config.parallel
+    padded = tp.vocab_size_with_padding(
+        vocab_size, p.tensor_model_parallel_size, m.make_vocab_size_divisible_by
+    )
+    make = bert_config if m.kind == "bert" else TransformerConfig
+    return make(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        vocab_size=padded,
+        max_position_embeddings=m.max_position_embeddings,
+        true_vocab_size=vocab_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        recompute=m.recompute,
+        distribute_saved_activations=p.distribute_saved_activations,
+        sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+        block_order=m.block_order,
+    )
 
 
 def flops_per_iteration(
@@ -56,6 +84,7 @@ __all__ = [
     "compile_layers",
     "flops_per_iteration",
     "hardware_flops_per_iteration",
+    "model_config",
     "model_flops_per_iteration",
     "num_parameters",
     "parameter_count",

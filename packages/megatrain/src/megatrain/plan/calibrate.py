@@ -90,7 +90,7 @@ def _all_reduce_worker(sizes: tuple, repeats: int) -> list | None:
     """One rank: [(bytes, seconds)] of all-reduces (rank 0 reports)."""
     import torch.distributed as dist
 
-    from megatrain.training import init_distributed
+    from megatrain.run.distributed import init_distributed
 
     device, _ = init_distributed()
     out = []
@@ -124,7 +124,8 @@ def _layer_worker(shapes: tuple, precision: str, repeats: int) -> list:
     from megacore import parallel_state as ps
     from megacore import tensor_parallel
     from megatrain.models.transformer import TransformerConfig, TransformerLayer, _placement
-    from megatrain.training import PRECISION_DTYPES, init_distributed
+    from megatrain.run.distributed import init_distributed
+    from megatrain.run.setup import PRECISION_DTYPES
 
     device, _ = init_distributed()
     ps.initialize_model_parallel(1, 1)
@@ -186,8 +187,8 @@ def _table_gpu(name: str, memory_bytes: float) -> Gpu | None:
 
 def calibrate(ranks: int = 2, log=print) -> Profile:
     """Measure this machine; on a CPU the collectives run over `ranks` local processes."""
-    from megatrain import launch
-    from megatrain.metrics import device_peak_tflops
+    from megatrain.run import launch
+    from megatrain.run.metrics import device_peak_tflops
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -55,10 +55,9 @@ from dataclasses import dataclass, field, replace
 from megacore.pipeline_parallel import compute_steps, schedule_1f1b, schedule_interleaved
 from megatrain.config import Config
 from megatrain.memory import HEADROOM, activations_per_layer, memory_breakdown
-from megatrain.models import flops_per_iteration
+from megatrain.models import flops_per_iteration, model_config
 from megatrain.models.bert import MASKED_LM_PROB
 from megatrain.plan.hardware import Gpu, Profile
-from megatrain.training import model_config
 
 # Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32
 # gradient, master weight and two moments and writes the last three (28); the gradient

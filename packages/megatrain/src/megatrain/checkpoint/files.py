@@ -1,8 +1,19 @@
 """A checkpoint directory's files, read without torch: which iteration `latest` names, its
 meta.json, and whether every file it lists is whole.  Tools that only need to know what a
 checkpoint holds (is a run finished? are cached results still valid?) ask here, in a
-fraction of a second, before anything imports torch (`megatrain.checkpointing` writes and
-loads the tensors)."""
+fraction of a second, before anything imports torch (`checkpoint.save` and `checkpoint.load`
+write and load the tensors).
+
+```
+<ckpt>/latest                      the newest complete iteration, e.g. "iter_0000200"
+<ckpt>/iter_0000200/meta.json      iteration, run and model config, layout, tokenizer, data
+                                   position, Adam step, loss scaler, sizes of every file below
+<ckpt>/iter_0000200/model/         torch.distributed.checkpoint: weights by global name
+<ckpt>/iter_0000200/optimizer/     the same for the fp32 masters and Adam moments
+<ckpt>/iter_0000200/rng/rank-N.pt  each rank's generator states (tensors only)
+<ckpt>/iter_0000200/tokenizer.json the corpus tokenizer
+```
+"""
 
 import contextlib
 import json
@@ -11,6 +22,17 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+# Fields that make two models different: a checkpoint of another shape is refused with them.
+MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+)
+
+
+OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(ValueError):

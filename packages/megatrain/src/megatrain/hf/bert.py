@@ -40,17 +40,17 @@ from pathlib import Path
 
 import torch
 
-from megatrain.bert_data import SPECIAL_TOKENS
-from megatrain.checkpointing import CheckpointError
+from megatrain.checkpoint.convert import dtype_of
+from megatrain.checkpoint.files import CheckpointError
 from megatrain.config import Config
-from megatrain.convert import dtype_of
-from megatrain.hf import (
+from megatrain.data.bert import SPECIAL_TOKENS
+from megatrain.hf.common import (
     HFFormatError,
-    _run_model_config,
     checked_padding,
     qkv_from_hf,
     qkv_to_hf,
     read_hf_weights,
+    run_model_config,
     save_weights,
     write_imported,
 )
@@ -274,7 +274,7 @@ def export_bert(
         raise CheckpointError(
             f"{meta_file}: tokenizer {tok_info}: expected kind {TOKENIZER_KIND!r} for a BERT"
         )
-    m = _run_model_config(meta)
+    m = run_model_config(meta)
     order, vocab = m["block_order"], int(meta["vocab_size"])
     tokens, settings = _wordpiece_files(tokenizer_file, vocab, meta_file)
     fields = {

@@ -21,18 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatrain.checkpointing import (
+from megatrain.checkpoint.files import (
     FORMAT_VERSION,
     CheckpointError,
-    file_sizes,
     find_checkpoint,
-    has_optimizer_state,
     iteration_dir,
-    publish,
-    read_full_state,
     read_meta,
 )
-from megatrain.inference import check_layout
+from megatrain.checkpoint.load import has_optimizer_state, read_full_state
+from megatrain.checkpoint.save import file_sizes, publish
+from megatrain.inference.load import check_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
-from megatrain.models.gpt import GPTModel, KVCache
+from megatrain.models.gpt import GPTModel
+from megatrain.models.transformer import KVCache
 
 
 @dataclass
@@ -117,8 +118,8 @@ def generation_worker(
     ckpt: str, tp_size: int, prompts: list[str], sampling: dict, use_cache: bool
 ) -> list[dict] | None:
     """One rank of `megatrain generate`: the completions on rank 0, None elsewhere."""
-    from megatrain.inference import load_model
-    from megatrain.training import init_distributed
+    from megatrain.inference.load import load_model
+    from megatrain.run.distributed import init_distributed
 
     device, _ = init_distributed()
     ps.initialize_model_parallel(tp_size, 1)

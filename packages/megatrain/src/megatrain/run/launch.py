@@ -77,7 +77,7 @@ class Interrupted(LaunchError):
 
     def describe(self, save_dir: str | None) -> str:
         """One line: the signal, the iteration and the checkpoint the run can resume from."""
-        from megatrain.checkpointing import CheckpointError, find_checkpoint, read_meta
+        from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 
         first = (self.results or {}).get(0)
         stopped_at = first.get("stopped_at") if isinstance(first, dict) else None

@@ -1,5 +1,4 @@
-"""Hugging Face GPT-2 export and import (`megatrain export-hf`, `megatrain import-hf`); both
-dispatch a BERT to `hf_bert`.
+"""Hugging Face GPT-2 export and import (`megatrain export-hf`, `megatrain import-hf`).
 
 Our GPT-2 and `transformers.GPT2LMHeadModel` compute the same function; only the
 storage differs:
@@ -21,25 +20,31 @@ checkpoint of iteration 0 holding the weights only, which `megatrain run --load`
 fine-tunes from.  transformers (the `hf` extra) is imported by export only.
 """
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from megacore.tensor_parallel import vocab_size_with_padding
-from megatrain.checkpointing import (
-    MODEL_FIELDS,
-    CheckpointError,
-    find_checkpoint,
-    read_full_state,
+from megatrain.checkpoint.convert import dtype_of
+from megatrain.checkpoint.files import CheckpointError
+from megatrain.config import Config
+from megatrain.hf.common import (
+    HFFormatError,
+    checked_padding,
+    qkv_from_hf,
+    qkv_to_hf,
+    read_hf_weights,
+    run_model_config,
+    save_weights,
+    write_imported,
 )
-from megatrain.config import Config, ConfigError, validate
-from megatrain.convert import dtype_of, write_checkpoint
 
 EOD_TOKEN = "<|endoftext|>"
+
+
 TOKENIZER_KIND = "gpt2-bpe"
+
+
 # GPT2Config's defaults, for keys a config.json leaves out (as transformers reads it).
 GPT2_DEFAULTS = {
     "vocab_size": 50257,
@@ -60,6 +65,8 @@ GPT2_DEFAULTS = {
     "add_cross_attention": False,
     "tie_word_embeddings": True,
 }
+
+
 # Config values that change the computation away from our GPT-2: field -> accepted values.
 GPT2_REQUIRED = {
     "model_type": ("gpt2",),
@@ -71,6 +78,8 @@ GPT2_REQUIRED = {
     "reorder_and_upcast_attn": (False,),
     "add_cross_attention": (False,),
 }
+
+
 # Per layer: our parameter -> (HF parameter under transformer.h.N., stored transposed).
 LAYER_PARAMS = {
     "ln1.weight": ("ln_1.weight", False),
@@ -86,26 +95,14 @@ LAYER_PARAMS = {
     "mlp.fc2.weight": ("mlp.c_proj.weight", True),
     "mlp.fc2.bias": ("mlp.c_proj.bias", False),
 }
+
+
 OTHER_PARAMS = {
     "embedding.weight": "wte.weight",
     "position_embedding.weight": "wpe.weight",
     "final_layernorm.weight": "ln_f.weight",
     "final_layernorm.bias": "ln_f.bias",
 }
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face directory that is not a GPT-2 we can import; names the file and field."""
-
-
-def qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows (of a weight [3h, h] or a bias [3h]) from per head [q k v] to [q all; k all; v all]."""
-    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
-def qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of `qkv_to_hf`."""
-    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 def to_hf_state(weights: dict[str, torch.Tensor], num_layers: int, heads: int, vocab: int):
@@ -140,14 +137,6 @@ def from_hf_state(hf: dict[str, torch.Tensor], num_layers: int, heads: int, padd
     return out
 
 
-def _run_model_config(meta: dict) -> dict:
-    """The [model] section a checkpoint was trained with (defaults where meta has none)."""
-    section = dict(Config().model.__dict__)
-    section.update((meta.get("config") or {}).get("model") or {})
-    section.update(meta["model"])
-    return section
-
-
 def _hf_tokenizer(tokenizer_file: Path, eod: str, max_length: int, out: Path) -> None:
     """tokenizer_config.json and friends for `AutoTokenizer`, around our tokenizer.json."""
     from transformers import PreTrainedTokenizerFast
@@ -170,42 +159,13 @@ def _hf_tokenizer(tokenizer_file: Path, eod: str, max_length: int, out: Path) ->
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_weights(weights: dict, dtype: torch.dtype, path: Path) -> None:
-    """model.safetensors in `dtype`, readable as the user's other files are: safetensors
-    writes 0600 whatever the umask, which keeps a shared model from its group."""
-    from safetensors.torch import save_file
+def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str):
+    """Write a GPT checkpoint's `meta` and full `state` as a transformers GPT2LMHeadModel
+    directory `out`, in `dtype`."""
+    import transformers
 
-    save_file({n: t.to(dtype) for n, t in weights.items()}, str(path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True):
-    """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`: a GPT-2, or
-    for a BERT (model.kind "bert") what `hf_bert.export_bert` writes."""
+    directory = tokenizer_file.parent
     torch_dtype = dtype_of(dtype)
-    try:
-        import safetensors  # noqa: F401  (save_weights uses it; refuse early without it)
-        import transformers
-    except ImportError as e:
-        raise ImportError(
-            f"megatrain export-hf needs transformers ({e}); pip install 'megatrain[hf]'"
-        ) from e
-    directory = find_checkpoint(ckpt)
-    tokenizer_file = directory / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise CheckpointError(
-            f"{tokenizer_file} does not exist: export needs the tokenizer the model was trained "
-            "with (saved there from the corpus directory's tokenizer.json)"
-        )
-    from megatrain.inference import model_kind
-
-    meta, state = read_full_state(ckpt, progress=progress)
-    if model_kind(meta) == "bert":
-        from megatrain.hf_bert import export_bert
-
-        return export_bert(meta, state, tokenizer_file, out, dtype)
     tok_info = meta.get("tokenizer") or {}
     if tok_info.get("kind", TOKENIZER_KIND) != TOKENIZER_KIND or "eod_id" not in tok_info:
         raise CheckpointError(
@@ -216,7 +176,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
 
     eod_id = int(tok_info["eod_id"])
     eod = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eod_id)
-    m = _run_model_config(meta)
+    m = run_model_config(meta)
     vocab = int(meta["vocab_size"])
     fields = {
         "vocab_size": vocab,
@@ -278,48 +238,6 @@ def read_hf_config(hf_dir: Path) -> dict:
     return config
 
 
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """The tensors of model.safetensors / pytorch_model.bin (sharded or not), named without
-    "transformer.", the tied lm_head and the attention-mask buffers of old files left out."""
-    from safetensors.torch import load_file
-
-    def load_bin(path: Path) -> dict:
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-    for index_name, load in (
-        ("model.safetensors.index.json", load_file),
-        ("pytorch_model.bin.index.json", load_bin),
-    ):
-        index = hf_dir / index_name
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            files = [(hf_dir / shard, load) for shard in shards]
-            break
-    else:
-        files = [
-            (hf_dir / name, load)
-            for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", load_bin))
-            if (hf_dir / name).is_file()
-        ][:1]
-    if not files:
-        raise HFFormatError(
-            f"{hf_dir}: no weights; expected model.safetensors or pytorch_model.bin "
-            "(or their .index.json for sharded files)"
-        )
-    tensors = {}
-    for path, load in files:
-        try:
-            loaded = load(str(path))
-        except Exception as e:  # safetensors or unpickling errors, by file kind
-            raise HFFormatError(f"{path}: cannot be read as a file of tensors ({e})") from e
-        for name, t in loaded.items():
-            name = name.removeprefix("transformer.")
-            if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # tied to wte; causal-mask buffers of older files
-            tensors[name] = t
-    return tensors
-
-
 def _check_hf_weights(tensors: dict, expected: dict[str, tuple], hf_dir: Path) -> None:
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -379,23 +297,11 @@ def read_hf_tokenizer(hf_dir: Path, tokenizer_file: Path | None = None) -> bytes
     )
 
 
-def import_hf(
-    hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None
-) -> Path:
+def import_gpt2(hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path | None) -> Path:
     """Write the GPT2LMHeadModel of `hf_dir` as a megatrain checkpoint (iteration 0, weights
-    only) under `out_ckpt`; returns the iteration directory.  A BERT (config.json's model_type
-    "bert" or "megatron-bert") goes to `hf_bert.import_bert`."""
+    only) under `out_ckpt`; returns the iteration directory."""
     from tokenizers import Tokenizer
 
-    hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise HFFormatError(
-            f"{hf_dir} is not a directory: expected a Hugging Face GPT-2 or BERT model"
-        )
-    from megatrain import hf_bert
-
-    if hf_bert.is_bert(hf_dir):  # config.json's model_type "bert" or "megatron-bert"
-        return hf_bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
     c = read_hf_config(hf_dir)
     tokenizer_bytes = read_hf_tokenizer(hf_dir, tokenizer_file)
     tok = Tokenizer.from_str(tokenizer_bytes.decode())
@@ -426,51 +332,3 @@ def import_hf(
     weights = from_hf_state(tensors, m.num_layers, m.num_attention_heads, padded)
     imported = {"hf_dir": str(hf_dir.resolve()), "embd_pdrop": c["embd_pdrop"]}
     return write_imported(out_ckpt, config, weights, tokenizer_bytes, eod_id, imported)
-
-
-def checked_padding(config: Config, hf_dir: Path) -> int:
-    """Validate an imported model's run config (refused naming config.json); its padded
-    vocabulary at tp 1.  Sets the sequence length to what the positions allow."""
-    m = config.model
-    config.training.seq_length = min(config.training.seq_length, m.max_position_embeddings)
-    try:
-        validate(config)
-    except ConfigError as e:
-        raise HFFormatError(f"{hf_dir / 'config.json'}: {e}") from e
-    return vocab_size_with_padding(m.vocab_size, 1, m.make_vocab_size_divisible_by)
-
-
-def write_imported(
-    out_ckpt, config: Config, weights: dict, tokenizer_bytes: bytes, eod_id: int, imported: dict
-) -> Path:
-    """An imported model as a megatrain checkpoint of weights only (iteration 0, tp = pp = 1),
-    which `megatrain run --load` fine-tunes from; returns the iteration directory."""
-    m = config.model
-    vocab = m.vocab_size
-    meta = {
-        "iteration": 0,
-        "model": {k: getattr(m, k) for k in MODEL_FIELDS},
-        "padded_vocab_size": vocab_size_with_padding(vocab, 1, m.make_vocab_size_divisible_by),
-        "vocab_size": vocab,
-        "tokenizer": {
-            "eod_id": eod_id,
-            "file": "tokenizer.json",
-            "kind": {"gpt": TOKENIZER_KIND, "bert": "bert-wordpiece"}[m.kind],
-            "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
-            "vocab_size": vocab,
-        },
-        "layout": {
-            "world_size": None,
-            "tensor_model_parallel_size": 1,
-            "pipeline_model_parallel_size": 1,
-            "virtual_pipeline_model_parallel_size": None,
-            "data_parallel_size": None,
-            "use_distributed_optimizer": None,
-        },
-        "config": config.to_dict(),
-        "data": None,
-        "optimizer": None,  # weights only: a run starts from them at iteration 0
-        "dtype": str(weights["embedding.weight"].dtype).removeprefix("torch."),
-        "imported_from": imported,
-    }
-    return write_checkpoint(out_ckpt, meta, weights, None, tokenizer_bytes)

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from megacore import parallel_state as ps
-from megatrain.checkpointing import CheckpointError, find_checkpoint, load_weights, read_meta
+from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+from megatrain.checkpoint.load import load_weights
 from megatrain.config import Config
 from megatrain.models import build_model_chunks
+from megatrain.models import model_config as run_model_config
 from megatrain.models.transformer import TransformerConfig
 
 
@@ -77,9 +79,8 @@ def require_kind(meta: dict, kind: str, what: str, where) -> None:
         )
 
 
-def model_config(meta: dict) -> TransformerConfig:
+def checkpoint_model_config(meta: dict) -> TransformerConfig:
     """The checkpoint's model at this process's layout, for forward passes only."""
-    from megatrain import training
 
     config = Config.from_dict(meta["config"])
     config.parallel.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
@@ -87,7 +88,7 @@ def model_config(meta: dict) -> TransformerConfig:
     config.parallel.virtual_pipeline_model_parallel_size = None
     config.parallel.sequence_parallel = False
     config.model.recompute = "none"
-    return training.model_config(config, meta["vocab_size"])
+    return run_model_config(config, meta["vocab_size"])
 
 
 def load_model(
@@ -100,7 +101,7 @@ def load_model(
     if kind is not None:
         require_kind(meta, kind, f"a {kind.upper()} model", directory)
     tokenizer = load_tokenizer(directory, meta)
-    cfg = model_config(meta)
+    cfg = checkpoint_model_config(meta)
     # Built on `device` in `dtype` without drawing weights (the checkpoint fills every
     # parameter); loading casts the saved tensors to `dtype`, rounding them as `.to(dtype)`
     # would.

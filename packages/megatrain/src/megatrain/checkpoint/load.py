@@ -1,0 +1,298 @@
+"""Loading a checkpoint, under the layout it was saved with or any other: a run's whole state
+(`load_checkpoint`), the weights of a model (`load_weights`) or, offline, every tensor at
+its global shape (`read_full_state`).  A checkpoint of another model is refused by name.
+"""
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+
+from megacore import parallel_state as ps
+from megacore import tensor_parallel as tp
+from megatrain.checkpoint.dcp import (
+    Pieces,
+    flat_range_boxes,
+    global_tensor,
+    layout_of,
+    named_params,
+    tp_mesh,
+    tp_place,
+)
+from megatrain.checkpoint.files import MODEL_FIELDS, CheckpointError, find_checkpoint, read_meta
+from megatrain.progress import progress_bar
+
+
+def _load_tensors(path: Path) -> dict:
+    """A file of tensors only: anything else is refused, never unpickled."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises UnpicklingError or RuntimeError, by version
+        raise CheckpointError(
+            f"{path} is not a file of tensors ({type(e).__name__}); refusing to unpickle "
+            "anything else. Was it replaced or written by another program?"
+        ) from e
+
+
+def has_optimizer_state(meta: dict) -> bool:
+    """Whether a checkpoint holds optimizer state; one from `megatrain import-hf` or
+    `megatrain convert --weights-only` holds the weights only (meta.json "optimizer": null)."""
+    return meta.get("optimizer") is not None
+
+
+# Bytes read per `dcp.load` call by `read_full_state`: the step of its progress bar.
+_READ_GROUP_BYTES = 1 << 28
+
+
+def _read_dcp_dir(path: Path, progress: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of one DCP directory, whole, at the shape and dtype its metadata records."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tensors = {}
+    for name, item in metadata.items():
+        if not hasattr(item, "size"):  # BytesStorageMetadata: megatrain saves tensors only
+            raise CheckpointError(f"{path}: {name!r} is not a tensor")
+        tensors[name] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    groups, group, group_bytes = [], {}, 0
+    for name, tensor in tensors.items():
+        group[name] = tensor
+        group_bytes += tensor.numel() * tensor.element_size()
+        if group_bytes >= _READ_GROUP_BYTES:
+            groups.append((group, group_bytes))
+            group, group_bytes = {}, 0
+    if group:
+        groups.append((group, group_bytes))
+    total = sum(size for _, size in groups)
+    bar = progress_bar(total, f"reading {path}", "B", enabled=progress, unit_scale=True)
+    with bar, warnings.catch_warnings():
+        # DCP warns that it runs without a process group: here that is the point.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        for group, size in groups:
+            dcp.load(group, checkpoint_id=path, no_dist=True)
+            bar.update(size)
+    return tensors
+
+
+def read_full_state(
+    ckpt: str | Path, with_optimizer: bool = False, progress: bool = True
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Offline (one process, no process group, CPU): (meta.json, {name: full tensor}).
+
+    Every tensor is whole, at the global shape and dtype the DCP metadata records,
+    whatever layout saved it (DCP joins the TP shards).  Weights are keyed by global
+    parameter name (the word embeddings keep their vocabulary padding); optimizer state
+    by "<name>/master", "<name>/exp_avg" and "<name>/exp_avg_sq".
+    """
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
+    state = _read_dcp_dir(directory / "model", progress)
+    if with_optimizer:
+        if not has_optimizer_state(meta):
+            raise CheckpointError(
+                f"{directory / 'meta.json'}: the checkpoint holds weights only (no optimizer state)"
+            )
+        state.update(_read_dcp_dir(directory / "optimizer", progress))
+    return meta, state
+
+
+def check_model_matches(meta: dict, model_config, vocab_size: int, where: Path) -> None:
+    """Refuse a checkpoint of another model, naming every field that differs."""
+    saved = dict(meta["model"], vocab_size=meta["vocab_size"])
+    here = {k: getattr(model_config, k) for k in MODEL_FIELDS}
+    here["vocab_size"] = vocab_size
+    differ = [f"{k}: saved {saved[k]}, here {here[k]}" for k in here if saved.get(k) != here[k]]
+    if differ:
+        raise CheckpointError(
+            f"{where / 'meta.json'} is a checkpoint of another model ({'; '.join(differ)})"
+        )
+
+
+def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh) -> dict:
+    """Read the saved tensors for `params` (name -> target tensor shaped like the parameter);
+    a vocabulary padded differently is read whole and its saved rows copied."""
+    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    direct, padded = {}, {}
+    for name, (target, like) in params.items():
+        key = f"{name}{prefix}"
+        if key not in metadata:
+            raise CheckpointError(f"{checkpoint_id}: no saved tensor {key!r}")
+        saved_shape = tuple(metadata[key].size)
+        view = global_tensor(target, like, mesh)
+        global_shape = tuple(view.shape)
+        if saved_shape == global_shape:
+            direct[key] = view
+        elif saved_shape[1:] == global_shape[1:] and getattr(like, "partition_dim", None) == 0:
+            padded[key] = (torch.zeros(saved_shape, dtype=target.dtype), target, like)
+        else:
+            raise CheckpointError(
+                f"{checkpoint_id}: {key} was saved with shape {saved_shape}, here {global_shape}"
+            )
+    # One read for both kinds: dcp.load is a collective, and under pipeline parallelism only
+    # the stages holding the word embeddings have padded tensors.
+    dcp.load({**direct, **{k: v[0] for k, v in padded.items()}}, checkpoint_id=checkpoint_id)
+    for whole, target, like in padded.values():
+        rows = target.shape[0]
+        sharded = getattr(like, "tensor_model_parallel", False)
+        start = ps.get_tensor_model_parallel_rank() * rows if sharded else 0
+        with torch.no_grad():
+            target.zero_()
+            piece = whole[start : start + rows]
+            target[: piece.shape[0]].copy_(piece)
+    return direct
+
+
+def load_weights(chunks, directory: Path, device: torch.device, optional: tuple[str, ...] = ()):
+    """Fill this rank's parameters of `chunks` from the weights of checkpoint iteration
+    `directory` (any layout).  A parameter whose name starts with a prefix in `optional` is
+    left as it is when the checkpoint lacks it (a fine-tuning head a pretraining checkpoint
+    does not hold); weights the model does not have (pretraining heads) are not read.
+    Every rank calls it."""
+    saved = dcp.FileSystemReader(str(directory / "model")).read_metadata().state_dict_metadata
+    params = {
+        n: p
+        for n, p in named_params(chunks, loading=True).items()
+        if n in saved or not n.startswith(optional)
+    }
+    with torch.no_grad():
+        _load_into(
+            {n: (p.data, p) for n, p in params.items()}, "", directory / "model", tp_mesh(device)
+        )
+
+
+def _saved_shape_problem(metadata, key: str, like: torch.nn.Parameter, mesh) -> str | None:
+    """Why the saved tensor `key` cannot fill parameter `like`'s state here, or None."""
+    if key not in metadata:
+        return f"no saved tensor {key!r}"
+    if not hasattr(metadata[key], "size"):
+        return f"{key!r} is not a tensor"
+    saved, here = tuple(metadata[key].size), tp_place(like, mesh)[0]
+    vocab_padding = getattr(like, "partition_dim", None) == 0 and saved[1:] == here[1:]
+    if saved != here and not vocab_padding:
+        return f"{key} was saved with shape {saved}, here {here}"
+    return None
+
+
+def _read_shard_state(
+    targets: list, params: dict, checkpoint_id: Path, mesh: DeviceMesh, key_of
+) -> None:
+    """Fill the optimizer's `targets` (`MegatronOptimizer.load_shard_state`) from the DCP
+    directory `checkpoint_id`: each shard's state "k" from the saved tensor `key_of(name, k)`,
+    only the boxes of the shard's own ranges.  A saved tensor of another shape is refused,
+    except word embeddings padded differently: the saved rows are read, the rest are zero."""
+    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    keys = sorted({k for _, state in targets for k in state})
+    # Every saved tensor this rank's stage needs is checked, whether or not this rank holds a
+    # range of it, and the ranks agree before anyone reads: a rank that refused alone would
+    # leave the others waiting in dcp.load's collectives.
+    problems = [
+        problem
+        for name, p in params.items()
+        for k in keys
+        if (problem := _saved_shape_problem(metadata, key_of(name, k), p, mesh))
+    ]
+    flag = torch.tensor([float(bool(problems))], device=mesh.device_type)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CheckpointError(
+            f"{checkpoint_id}: "
+            + ("; ".join(problems) if problems else "another rank refused its optimizer state")
+        )
+    names = {p: n for n, p in params.items()}  # the last stage's tied embeddings included
+    pieces: dict[str, list] = {}
+    for shard, state in targets:
+        shape, tp_offsets = tp_place(shard.param, mesh)
+        boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
+        for k, flat in state.items():
+            key = key_of(names[shard.param], k)
+            rows = metadata[key].size[0] if shape else 0  # differs for padded embeddings
+            for a, b, offsets, sizes in boxes:
+                box = flat[a - shard.start : b - shard.start].view(sizes)
+                at = [o + t for o, t in zip(offsets, tp_offsets, strict=True)]
+                if shape and rows != shape[0]:  # rows past the saved ones are padding: zero
+                    keep = max(0, min(sizes[0], rows - at[0]))
+                    box[keep:].zero_()
+                    box = box[:keep]
+                    if keep == 0:
+                        continue
+                pieces.setdefault(key, []).append((at, box))
+    # Every rank calls dcp.load (a collective), with or without pieces of its own.
+    dcp.load(
+        {
+            key: Pieces(metadata[key].size, torch.float32, chunks[0][1].device, chunks)
+            for key, chunks in pieces.items()
+        },
+        checkpoint_id=checkpoint_id,
+    )
+
+
+def _start_from_weights(run, params: dict, directory: Path, mesh: DeviceMesh, meta: dict) -> dict:
+    """A checkpoint of weights only: fine-tuning starts from them, as training starts from an
+    initialisation (fp32 masters read from the saved weights, no Adam moments, step 0,
+    iteration 0, data from the start, generators as `build_run` seeded them)."""
+    # Each shard's master is read straight from the saved weights (in fp32, not via the
+    # run's dtype: no rounding).
+    run.optimizer.load_shard_state(
+        lambda targets: _read_shard_state(
+            targets, params, directory / "model", mesh, lambda name, _: name
+        ),
+        adam_step=0,
+    )
+    if dist.get_rank() == 0:
+        print(
+            f"megatrain: {directory} holds weights only (no optimizer state): training starts "
+            "from them at iteration 0 with fresh Adam moments",
+            flush=True,
+        )
+    return {**meta, "iteration": 0}
+
+
+def load_checkpoint(run, ckpt: str | Path) -> dict:
+    """Restore `run` from the checkpoint `latest` names; returns its meta.json.
+
+    Any (tp, pp, dp) layout loads any other; RNG states are restored only under the
+    layout they were saved at (elsewhere the generators are seeded from the iteration).
+    A checkpoint of weights only (`has_optimizer_state` false) starts training from its
+    weights at iteration 0 (the returned meta says iteration 0).
+    """
+    directory = find_checkpoint(ckpt)
+    meta = read_meta(directory)
+    check_model_matches(meta, run.model_config, run.train_data.corpus.vocab_size, directory)
+    saved_tok = meta.get("tokenizer") or {}
+    here_tok = run.train_data.corpus.manifest.get("tokenizer") or {}
+    if saved_tok.get("sha256") not in (None, here_tok.get("sha256")):
+        raise CheckpointError(
+            f"{directory / 'meta.json'}: trained with tokenizer sha256 {saved_tok['sha256']}, "
+            f"the corpus {run.config.data.corpus} has {here_tok['sha256']}"
+        )
+    mesh = tp_mesh(run.device)
+    params = named_params(run.chunks, loading=True)
+    with torch.no_grad():
+        _load_into({n: (p.data, p) for n, p in params.items()}, "", directory / "model", mesh)
+    if not has_optimizer_state(meta):
+        return _start_from_weights(run, params, directory, mesh, meta)
+    run.optimizer.load_shard_state(
+        lambda targets: _read_shard_state(
+            targets, params, directory / "optimizer", mesh, lambda name, k: f"{name}/{k}"
+        ),
+        meta["optimizer"]["adam_step"],
+    )
+    if run.optimizer.grad_scaler and meta["optimizer"]["grad_scaler"]:
+        run.optimizer.grad_scaler.load_state_dict(meta["optimizer"]["grad_scaler"])
+    run.optimizer.num_skipped_steps = meta["optimizer"]["num_skipped_steps"]
+    run.train_data.load_state_dict(meta["data"])
+    run.iteration = meta["iteration"]
+    rng_file = directory / "rng" / f"rank-{dist.get_rank():05d}.pt"
+    # `megatrain convert` drops the RNG files: they only apply at the layout that saved them.
+    if meta["layout"] == layout_of(run) and rng_file.is_file():
+        state = _load_tensors(rng_file)
+        torch.set_rng_state(state.pop("cpu"))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state.pop("cuda"))
+        state.pop("cuda", None)
+        tp.get_rng_tracker().set_states(state)
+    else:
+        seed = run.config.training.seed + run.iteration
+        tp.model_parallel_manual_seed(seed + 100 * ps.get_pipeline_model_parallel_rank())
+    return meta

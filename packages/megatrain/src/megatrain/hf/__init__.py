@@ -1,0 +1,62 @@
+"""Hugging Face conversions both ways (`megatrain export-hf`, `megatrain import-hf`): GPT-2
+(`gpt2`) and BERT (`bert`), with what they share in `common`.  The two functions here pick
+the model kind; transformers is needed by export only."""
+
+from pathlib import Path
+
+from megatrain.hf.common import HFFormatError
+
+
+def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True):
+    """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`: a GPT-2
+    (`gpt2.export_gpt2`), or a BERT (model.kind "bert", `bert.export_bert`)."""
+    from megatrain.checkpoint.convert import dtype_of
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint
+    from megatrain.checkpoint.load import read_full_state
+    from megatrain.inference.load import model_kind
+
+    dtype_of(dtype)  # an unknown dtype is refused before anything is read
+    try:
+        import safetensors  # noqa: F401  (save_weights uses it; refuse early without it)
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"megatrain export-hf needs transformers ({e}); pip install 'megatrain[hf]'"
+        ) from e
+    directory = find_checkpoint(ckpt)
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise CheckpointError(
+            f"{tokenizer_file} does not exist: export needs the tokenizer the model was trained "
+            "with (saved there from the corpus directory's tokenizer.json)"
+        )
+    meta, state = read_full_state(ckpt, progress=progress)
+    if model_kind(meta) == "bert":
+        from megatrain.hf.bert import export_bert
+
+        return export_bert(meta, state, tokenizer_file, out, dtype)
+    from megatrain.hf.gpt2 import export_gpt2
+
+    return export_gpt2(meta, state, tokenizer_file, out, dtype)
+
+
+def import_hf(
+    hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None
+) -> Path:
+    """Write the Hugging Face model of `hf_dir` as a megatrain checkpoint (iteration 0, weights
+    only) under `out_ckpt`; returns the iteration directory.  A BERT (config.json's model_type
+    "bert" or "megatron-bert") goes to `bert.import_bert`, anything else to
+    `gpt2.import_gpt2`, which refuses what is not a GPT-2 by its config field."""
+    from megatrain.hf import bert, gpt2
+
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise HFFormatError(
+            f"{hf_dir} is not a directory: expected a Hugging Face GPT-2 or BERT model"
+        )
+    if bert.is_bert(hf_dir):
+        return bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
+    return gpt2.import_gpt2(hf_dir, out_ckpt, tokenizer_file)
+
+
+__all__ = ["HFFormatError", "export_hf", "import_hf"]

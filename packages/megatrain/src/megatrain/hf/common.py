@@ -1,0 +1,140 @@
+"""What the Hugging Face conversions of every model kind share: the error, the QKV row order,
+reading and writing weight files (safetensors; `torch.load(weights_only=True)` for old
+.bin files), and writing an imported model as a megatrain checkpoint.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from megacore.tensor_parallel import vocab_size_with_padding
+from megatrain.checkpoint.convert import write_checkpoint
+from megatrain.checkpoint.files import MODEL_FIELDS
+from megatrain.config import Config, ConfigError, validate
+from megatrain.data.corpus import TOKENIZER_KINDS
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face directory that is not a GPT-2 we can import; names the file and field."""
+
+
+def qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (of a weight [3h, h] or a bias [3h]) from per head [q k v] to [q all; k all; v all]."""
+    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `qkv_to_hf`."""
+    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def run_model_config(meta: dict) -> dict:
+    """The [model] section a checkpoint was trained with (defaults where meta has none)."""
+    section = dict(Config().model.__dict__)
+    section.update((meta.get("config") or {}).get("model") or {})
+    section.update(meta["model"])
+    return section
+
+
+def save_weights(weights: dict, dtype: torch.dtype, path: Path) -> None:
+    """model.safetensors in `dtype`, readable as the user's other files are: safetensors
+    writes 0600 whatever the umask, which keeps a shared model from its group."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.to(dtype) for n, t in weights.items()}, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors / pytorch_model.bin (sharded or not), named without
+    "transformer.", the tied lm_head and the attention-mask buffers of old files left out."""
+    from safetensors.torch import load_file
+
+    def load_bin(path: Path) -> dict:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    for index_name, load in (
+        ("model.safetensors.index.json", load_file),
+        ("pytorch_model.bin.index.json", load_bin),
+    ):
+        index = hf_dir / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [(hf_dir / shard, load) for shard in shards]
+            break
+    else:
+        files = [
+            (hf_dir / name, load)
+            for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", load_bin))
+            if (hf_dir / name).is_file()
+        ][:1]
+    if not files:
+        raise HFFormatError(
+            f"{hf_dir}: no weights; expected model.safetensors or pytorch_model.bin "
+            "(or their .index.json for sharded files)"
+        )
+    tensors = {}
+    for path, load in files:
+        try:
+            loaded = load(str(path))
+        except Exception as e:  # safetensors or unpickling errors, by file kind
+            raise HFFormatError(f"{path}: cannot be read as a file of tensors ({e})") from e
+        for name, t in loaded.items():
+            name = name.removeprefix("transformer.")
+            if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # tied to wte; causal-mask buffers of older files
+            tensors[name] = t
+    return tensors
+
+
+def checked_padding(config: Config, hf_dir: Path) -> int:
+    """Validate an imported model's run config (refused naming config.json); its padded
+    vocabulary at tp 1.  Sets the sequence length to what the positions allow."""
+    m = config.model
+    config.training.seq_length = min(config.training.seq_length, m.max_position_embeddings)
+    try:
+        validate(config)
+    except ConfigError as e:
+        raise HFFormatError(f"{hf_dir / 'config.json'}: {e}") from e
+    return vocab_size_with_padding(m.vocab_size, 1, m.make_vocab_size_divisible_by)
+
+
+def write_imported(
+    out_ckpt, config: Config, weights: dict, tokenizer_bytes: bytes, eod_id: int, imported: dict
+) -> Path:
+    """An imported model as a megatrain checkpoint of weights only (iteration 0, tp = pp = 1),
+    which `megatrain run --load` fine-tunes from; returns the iteration directory."""
+    m = config.model
+    vocab = m.vocab_size
+    meta = {
+        "iteration": 0,
+        "model": {k: getattr(m, k) for k in MODEL_FIELDS},
+        "padded_vocab_size": vocab_size_with_padding(vocab, 1, m.make_vocab_size_divisible_by),
+        "vocab_size": vocab,
+        "tokenizer": {
+            "eod_id": eod_id,
+            "file": "tokenizer.json",
+            "kind": TOKENIZER_KINDS[m.kind],
+            "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
+            "vocab_size": vocab,
+        },
+        "layout": {
+            "world_size": None,
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": None,
+            "data_parallel_size": None,
+            "use_distributed_optimizer": None,
+        },
+        "config": config.to_dict(),
+        "data": None,
+        "optimizer": None,  # weights only: a run starts from them at iteration 0
+        "dtype": str(weights["embedding.weight"].dtype).removeprefix("torch."),
+        "imported_from": imported,
+    }
+    return write_checkpoint(out_ckpt, meta, weights, None, tokenizer_bytes)

@@ -1,0 +1,222 @@
+"""The training loop of GPT and BERT: one function, `train(config)`, run by every rank.
+
+`model.kind` picks the model, its corpus (GPT-2 BPE documents, or WordPiece with sentence
+ends for BERT), its samples (`data.GPTBatches` or `bert_data.BertBatches`) and its loss
+(next-token cross entropy; BERT's masked-LM plus sentence-order losses, logged apart).
+
+Per iteration: each data-parallel rank takes its G / dp samples of the global
+batch as G / (micro x dp) microbatches; the pipeline schedule of the layout
+runs them forward and backward; megacore's DDP averages gradients over the
+data-parallel ranks (reduce-scatter under the distributed optimizer); the
+optimizer unscales, skips non-finite steps, clips to the global norm and takes
+the AdamW step; the learning rate follows warm-up and decay.  The loss is the
+mean over the global batch (BERT's: the mean over microbatches of each one's mean over its
+predicted tokens), identical to one process over the whole batch.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore.optimizer import NonFiniteLossGuard
+from megatrain.checkpoint.files import LATEST
+from megatrain.checkpoint.load import load_checkpoint
+from megatrain.checkpoint.save import save_checkpoint
+from megatrain.config import Config
+from megatrain.models import flops_per_iteration
+from megatrain.run import failures
+from megatrain.run.distributed import init_distributed
+from megatrain.run.metrics import RunLog, device_peak_tflops
+from megatrain.run.setup import Run, build_run
+from megatrain.run.step import STATISTICS, evaluate, train_step
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the loop finishes its iteration, saves and returns.
+
+    `agreed` shares the signal, so that afterwards every rank holds it: `signum` (the highest
+    any rank got) and `received` (its name, or what else stopped the run, "exit_interval N").
+    """
+
+    def __init__(self):
+        self.received = None
+        self.signum = None
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = max(self.signum or 0, signum)
+        self.received = signal.Signals(self.signum).name
+
+    def agreed(self, device) -> bool:
+        """Whether any rank got a signal (a collective, so every rank stops at the same step)."""
+        flag = torch.tensor([float(self.signum or 0)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag.item())
+        if signum and signum != self.signum:
+            self.signum, self.received = signum, signal.Signals(signum).name
+        return bool(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(config: Config, stop: StopSignal | None = None) -> dict | None:
+    """Train as configured; every rank of the job calls it.  Returns the history on rank 0.
+
+    `stop` (made here if None) hears SIGINT/SIGTERM; its `signum` tells the caller afterwards
+    whether a signal ended the run.  A collective that times out or loses a peer raises
+    `CollectiveFailure`, naming this rank, the operation and the peers."""
+    timeout = config.parallel.collective_timeout
+    device, created = init_distributed(timeout)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    stop = stop or StopSignal()
+    run = None
+    try:
+        run = build_run(config, device)
+        resume(run)
+        return _loop(run, stop)
+    except RuntimeError as e:
+        message = failures.explain(e, timeout, run.iteration if run else None)
+        if message is None:
+            raise
+        raise failures.CollectiveFailure(message) from e
+    finally:
+        stop.restore()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def resume(run: Run) -> None:
+    """Load `checkpoint.load` if set (a `save` directory without a checkpoint yet starts fresh).
+
+    Workers that torch's elastic agent restarted after a failure (--max-restarts) go on from
+    the run's own last save instead, when there is one."""
+    c = run.config.checkpoint
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    load = c.load
+    if restart and c.save and os.path.exists(os.path.join(c.save, LATEST)):
+        load = c.save
+    rank0 = dist.get_rank() == 0
+    after = f"restart {restart} after a failed worker: " if restart else ""
+    if not load or (
+        load == c.save and not os.path.exists(os.path.join(load, LATEST))
+    ):
+        if rank0 and (load or restart):
+            where = f" in {load}" if load else ""
+            print(
+                f"megatrain: {after}no checkpoint{where} yet; starting at iteration 0", flush=True
+            )
+        return
+    meta = load_checkpoint(run, load)
+    if rank0:
+        print(f"megatrain: {after}resumed from {load} at iteration {meta['iteration']}", flush=True)
+
+
+def _save(run: Run, log: RunLog) -> None:
+    c = run.config.checkpoint
+    if c.save:
+        path = save_checkpoint(run, c.save, keep=c.keep)
+        log.info(f"megatrain: saved {path}")
+
+
+def _loop(run: Run, stop: StopSignal) -> dict | None:
+    config, t, lg = run.config, run.config.training, run.config.logging
+    c = config.checkpoint
+    rank0 = dist.get_rank() == 0
+    log = RunLog(t.output_dir, enabled=rank0, tensorboard=lg.tensorboard)
+    if rank0:
+        (Path(t.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    peak, peak_source = device_peak_tflops(run.device, lg.peak_tflops)
+    # MFU counts what the model needs; HFU also what recomputation runs again, so a run with
+    # full recompute is not credited for redoing its forward (HFU = MFU without recompute).
+    flops, hardware_flops = flops_per_iteration(
+        run.kind, run.model_config, t.global_batch_size, t.seq_length
+    )
+    world = dist.get_world_size()
+    log.info(
+        f"megatrain: {config.name}: {world} ranks = tp {config.parallel.tensor_model_parallel_size}"
+        f" x pp {config.parallel.pipeline_model_parallel_size} x dp {run.dp_size}, "
+        f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {t.seq_length} tokens, "
+        f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"
+    )
+    guard = NonFiniteLossGuard(t.max_nonfinite_losses)
+    interval, interval_start = [], time.perf_counter()
+    loop_start, first_iteration = interval_start, run.iteration
+    names = STATISTICS[run.kind]
+    while run.iteration < t.train_iters:
+        step = train_step(run)
+        guard.check(step["loss"], run.iteration)
+        for n in names:  # GPT: the loss; BERT: also its parts and the SOP accuracy
+            run.history.setdefault(n, []).append(step[n])
+        run.history["grad_norm"].append(step["grad_norm"])
+        interval.append([step[n] for n in names])
+        record = None
+        if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
+            elapsed = (time.perf_counter() - interval_start) / len(interval)
+            tflops = flops / elapsed / world / 1e12  # model TFLOP/s per device
+            record = {
+                "iteration": run.iteration,
+                "train_iters": t.train_iters,
+                # The interval's means: the loss (BERT: and its parts, SOP accuracy).
+                **{n: sum(v[i] for v in interval) / len(interval) for i, n in enumerate(names)},
+                "lr": step["lr"],
+                "grad_norm": step["grad_norm"],
+                "loss_scale": run.optimizer.get_loss_scale(),
+                "skipped": run.optimizer.num_skipped_steps,
+                "ms_per_iter": elapsed * 1e3,
+                "tokens_per_s": t.global_batch_size * t.seq_length / elapsed,
+                "tflops": tflops,
+                "mfu": tflops / peak,
+                "hfu": hardware_flops / elapsed / world / 1e12 / peak,
+            }
+        if run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters:
+            record = record or {"iteration": run.iteration, "train_iters": t.train_iters}
+            valid = evaluate(run, statistics=True)
+            record.update({f"valid_{n}": v for n, v in valid.items()})
+            # GPT: the perplexity of the loss; BERT: of the masked LM.
+            record["valid_ppl"] = math.exp(min(valid.get("mlm_loss", valid["loss"]), 700))
+            run.history["valid"].append((run.iteration, record["valid_loss"]))
+        if record is not None:
+            # Wall time of this run so far, and the rest at its pace (evaluations included).
+            elapsed = time.perf_counter() - loop_start
+            record["elapsed_s"] = elapsed
+            pace = elapsed / (run.iteration - first_iteration)
+            record["eta_s"] = pace * (t.train_iters - run.iteration)
+            log.record(record)
+        stopping = stop.agreed(run.device)
+        if t.exit_interval and run.iteration % t.exit_interval == 0:
+            stopping, stop.received = True, stop.received or f"exit_interval {t.exit_interval}"
+        if (
+            stopping
+            or run.iteration == t.train_iters
+            or (c.save_interval and run.iteration % c.save_interval == 0)
+        ):
+            _save(run, log)
+        if record is not None:
+            interval, interval_start = [], time.perf_counter()
+        if stopping:
+            log.info(
+                f"megatrain: stopped by {stop.received or 'a signal'} at iteration {run.iteration}"
+            )
+            run.history["stopped_at"] = run.iteration
+            break
+    plot = log.close()
+    if not rank0:
+        return None
+    log.info(f"megatrain: done; loss plot {plot}, log {Path(t.output_dir) / 'log.jsonl'}")
+    return {**run.history, "plot": str(plot), "config": dataclasses.asdict(run.model_config)}

@@ -1,0 +1,143 @@
+"""Everything one rank holds while training (`Run`), built from a run config: process groups,
+the corpus splits, the model chunks wrapped for data parallelism, the optimizer and this
+rank's batches.
+"""
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore import tensor_parallel as tp
+from megacore.distributed import DistributedDataParallel
+from megacore.optimizer import MegatronOptimizer, OptimizerConfig
+from megatrain.config import Config, validate
+from megatrain.data.corpus import Corpus, open_run_corpus
+from megatrain.data.samples import GPTBatches
+from megatrain.models import build_model_chunks, model_config
+from megatrain.models.transformer import TransformerConfig, compile_layers
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Run:
+    """Everything one rank holds while training."""
+
+    config: Config
+    model_config: TransformerConfig
+    chunks: list
+    optimizer: MegatronOptimizer
+    train_data: "GPTBatches"  # or bert_data.BertBatches
+    valid_corpus: "Corpus"
+    device: torch.device
+    dtype: torch.dtype
+    dp_size: int
+    iteration: int = 0
+    history: dict = field(default_factory=lambda: {"loss": [], "valid": [], "grad_norm": []})
+
+    @property
+    def kind(self) -> str:
+        return self.config.model.kind
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.config.training
+        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
+
+
+def batches_for(config: Config, corpus: "Corpus", dp: int):
+    """This data-parallel rank's microbatches of a split, in the paper's order."""
+    t, d = config.training, config.data
+    common = {
+        "seq_len": t.seq_length,
+        "seed": t.seed,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": dp,
+    }
+    if config.model.kind == "bert":
+        from megatrain.data.bert import BertBatches
+
+        return BertBatches(
+            corpus,
+            **common,
+            masked_lm_prob=d.masked_lm_prob,
+            max_ngram=d.max_ngram,
+            short_seq_prob=d.short_seq_prob,
+        )
+    return GPTBatches(corpus, **common)
+
+
+def prepare_training(
+    config: Config, chunks: list, dtype: torch.dtype
+) -> tuple[list, MegatronOptimizer]:
+    """Model chunks ready to train as `config` says: compiled if asked, wrapped in megacore's
+    DDP (or the distributed optimizer's buffers), the tensor-parallel dropout seeds set, and
+    the optimizer over them.  Shared by pretraining and fine-tuning (megaeval)."""
+    p, t, o = config.parallel, config.training, config.optimizer
+    if t.compile:
+        chunks = [compile_layers(c) for c in chunks]
+    chunks = [
+        DistributedDataParallel(
+            c,
+            grad_reduce_in_fp32=dtype != torch.float32,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+            overlap_param_gather=p.overlap_param_gather,
+            bucket_size=p.bucket_size,
+        )
+        for c in chunks
+    ]
+    # Dropout masks: the same on the TP ranks of a stage, different between stages.
+    tp.model_parallel_manual_seed(t.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    optimizer = MegatronOptimizer(
+        OptimizerConfig(
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            fp16=t.precision == "fp16",
+            bf16=t.precision == "bf16",
+            loss_scale=o.loss_scale,
+            initial_loss_scale=o.initial_loss_scale,
+            min_loss_scale=o.min_loss_scale,
+            loss_scale_window=o.loss_scale_window,
+            hysteresis=o.hysteresis,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+        chunks,
+    )
+    return chunks, optimizer
+
+
+def build_run(config: Config, device: torch.device) -> Run:
+    """Parallel groups, model chunks wrapped in DDP, optimizer and data for this rank."""
+    dp = validate(config, dist.get_world_size())
+    p, t = config.parallel, config.training
+    vpp = p.virtual_pipeline_model_parallel_size
+    ps.initialize_model_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        vpp if vpp and vpp > 1 else None,
+        timeout=datetime.timedelta(seconds=p.collective_timeout),
+    )
+    # Shards verified once per node (`megatrain run` itself verifies before its workers start
+    # and hands them a config that says so).
+    verify = config.data.verify_sha256 and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    train_corpus = open_run_corpus(config, "train", verify)
+    valid_corpus = open_run_corpus(config, "valid", verify)
+    transformer = model_config(config, train_corpus.vocab_size)
+    dtype = PRECISION_DTYPES[t.precision]
+    # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
+    # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
+    chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
+    chunks, optimizer = prepare_training(config, chunks, dtype)
+    train_data = batches_for(config, train_corpus, dp)
+    return Run(config, transformer, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)

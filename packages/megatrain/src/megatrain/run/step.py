@@ -1,0 +1,134 @@
+"""One iteration and one evaluation: microbatches through the pipeline schedule, the
+optimizer step, the learning rate of the schedule.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore import pipeline_parallel as pipe
+from megatrain.config import Config
+from megatrain.run.lr_schedule import learning_rate
+from megatrain.run.setup import Run, batches_for
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A microbatch's arrays as tensors on `device`; BERT's loss_mask stays on the CPU, where
+    the model finds the positions it selects without a host sync."""
+    out = {}
+    for name, array in batch.items():
+        tensor = torch.as_tensor(array)
+        out[name] = tensor if name == "loss_mask" else tensor.to(device, non_blocking=True)
+    return out
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    if "labels" in batch:  # GPT
+        output = model(batch["tokens"], batch["labels"])
+    else:  # BERT
+        output = model(
+            batch["tokens"],
+            batch["token_types"],
+            batch["padding_mask"],
+            batch["mlm_labels"],
+            batch["loss_mask"],
+            batch["sop_labels"],
+        )
+
+    def loss_func(output):
+        if isinstance(output, dict):  # BERT's last stage: its losses, logged apart
+            return output["loss"], {k: v.detach() for k, v in output.items()}
+        loss = output.float().mean()  # GPT's last stage: the loss per token
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def forward_backward(
+    run: Run,
+    microbatches: list,
+    forward_only: bool = False,
+    forward_step=None,
+    names: tuple[str, ...] | None = None,
+) -> dict:
+    """Run one global batch through the pipeline; return its mean loss and the model's other
+    statistics ({"loss": ..., BERT: "mlm_loss", "sop_loss", "sop_accuracy"}), as floats on
+    every rank.  `forward_step` and the statistics' `names` default to the model kind's
+    (a fine-tuning task brings its own)."""
+    t = run.config.training
+    interleaved = len(run.chunks) > 1
+    infos = pipe.get_forward_backward_func()(
+        forward_step_func=forward_step or _forward_step,
+        data_iterator=[iter(microbatches) for _ in run.chunks]
+        if interleaved
+        else iter(microbatches),
+        model=run.chunks if interleaved else run.chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        hidden_size=run.model_config.hidden_size,
+        dtype=run.dtype,
+        sequence_parallel=run.model_config.sequence_parallel,
+        forward_only=forward_only,
+        grad_scale_func=None if forward_only else run.optimizer.scale_loss,
+        finalize_model_grads_func=None if forward_only else pipe.finalize_model_grads,
+    )
+    # The last stage holds the losses: average over DP, then share over the pipeline.
+    names = names or STATISTICS[run.kind]
+    total = torch.zeros(len(names), device=run.device)
+    if infos:
+        total += torch.stack([torch.stack([i[n].float() for n in names]) for i in infos]).mean(0)
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        total /= run.dp_size
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return dict(zip(names, total.tolist(), strict=True))
+
+
+# What each model's last stage reports per microbatch ("loss" is what is trained).
+STATISTICS = {"gpt": ("loss",), "bert": ("loss", "mlm_loss", "sop_loss", "sop_accuracy")}
+
+
+def evaluate(run: Run, statistics: bool = False) -> float | dict:
+    """Mean loss over `eval_iters` global batches of the valid split, always from its start
+    (with `statistics`, every statistic of `forward_backward`, averaged)."""
+    t = run.config.training
+    batches = batches_for(run.config, run.valid_corpus, run.dp_size)
+    for c in run.chunks:
+        c.eval()
+    results = []
+    with torch.no_grad():
+        for _ in range(t.eval_iters):
+            micro = [to_device(next(batches), run.device) for _ in range(run.num_microbatches)]
+            results.append(forward_backward(run, micro, forward_only=True))
+    for c in run.chunks:
+        c.train()
+    mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    return mean if statistics else mean["loss"]
+
+
+def lr_for(config: Config, iteration: int) -> float:
+    """The configured schedule's learning rate at `iteration`."""
+    o = config.optimizer
+    return learning_rate(
+        iteration,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        warmup_iters=o.lr_warmup_iters,
+        decay_iters=o.lr_decay_iters or config.training.train_iters,
+        style=o.lr_decay_style,
+    )
+
+
+def train_step(run: Run) -> dict:
+    """One iteration; returns its loss, grad norm and learning rate."""
+    lr = lr_for(run.config, run.iteration)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    micro = [to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
+    stats = forward_backward(run, micro)
+    ok, grad_norm, _ = run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.iteration += 1
+    return {**stats, "lr": lr, "grad_norm": grad_norm, "ok": ok}
