@@ -42,12 +42,12 @@ BASE = [
     "model.make_vocab_size_divisible_by=64",
     "model.hidden_dropout=0.1",  # dropout on: the generators must resume too
     "model.attention_dropout=0.1",
-    "seq_length=16",
-    "micro_batch_size=2",
-    "global_batch_size=8",
-    "train_iters=6",
-    "eval_interval=3",
-    "eval_iters=1",
+    "training.seq_length=16",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=8",
+    "training.train_iters=6",
+    "training.eval_interval=3",
+    "training.eval_iters=1",
     "optimizer.lr=0.01",
     "optimizer.lr_warmup_iters=2",
     "logging.log_interval=1",
@@ -71,7 +71,7 @@ def corpus(tmp_path_factory):
 
 def _config(corpus, out, *overrides):
     return load_config(
-        None, [*BASE, f"data.corpus={corpus!r}", f"output_dir={out!r}", *overrides]
+        None, [*BASE, f"data.corpus={corpus!r}", f"training.output_dir={out!r}", *overrides]
     )
 
 
@@ -86,7 +86,7 @@ def _resume_runs(corpus, out):
         ckpt = f"{out}/ckpt-{dist_opt}"
         full = train(_config(corpus, f"{out}/full-{dist_opt}", *layout))
         first = train(
-            _config(corpus, f"{out}/first-{dist_opt}", *layout, "exit_interval=3",
+            _config(corpus, f"{out}/first-{dist_opt}", *layout, "training.exit_interval=3",
                     f"checkpoint.save={ckpt!r}")
         )  # fmt: skip
         second = train(
@@ -110,7 +110,7 @@ RESHARD = {  # the layouts a tp2-pp2-dp2 checkpoint (distributed optimizer) is l
     "tp2-pp2-dp2": ["parallel.tensor_model_parallel_size=2",
                     "parallel.pipeline_model_parallel_size=2",
                     "parallel.use_distributed_optimizer=true"],
-    "tp1-pp1-dp8-micro1": ["micro_batch_size=1"],
+    "tp1-pp1-dp8-micro1": ["training.micro_batch_size=1"],
     "tp4-pp1-dp2-distopt": ["parallel.tensor_model_parallel_size=4",
                             "parallel.use_distributed_optimizer=true"],
     "tp1-pp4-dp2": ["parallel.pipeline_model_parallel_size=4"],
@@ -133,7 +133,7 @@ def _reshard_runs(corpus, out):
     ckpt = f"{out}/ckpt"
     saved = train(
         _config(corpus, f"{out}/save", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT,
-                "exit_interval=3", f"checkpoint.save={ckpt!r}")
+                "training.exit_interval=3", f"checkpoint.save={ckpt!r}")
     )  # fmt: skip
     reference = train(_config(corpus, f"{out}/reference", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT))
     results = {}
@@ -339,8 +339,8 @@ class _NewStorageBytes(TorchDispatchMode):
 
 # A model whose optimizer state dominates (1.6M parameters, 19 MB of fp32 master + moments),
 # at dp 4 under the distributed optimizer, in gradient buckets of ~300k elements.
-MEMORY = ["model.num_layers=2", "model.hidden_size=256", "micro_batch_size=1",
-          "global_batch_size=4", "parallel.use_distributed_optimizer=true",
+MEMORY = ["model.num_layers=2", "model.hidden_size=256", "training.micro_batch_size=1",
+          "training.global_batch_size=4", "parallel.use_distributed_optimizer=true",
           "parallel.bucket_size=300000", *NO_DROPOUT]  # fmt: skip
 
 

@@ -41,12 +41,12 @@ RUN = [
     "model.max_position_embeddings=32",
     "model.hidden_dropout=0.0",
     "model.attention_dropout=0.0",
-    "seq_length=16",
-    "micro_batch_size=2",
-    "global_batch_size=8",
-    "train_iters=3",
-    "eval_interval=3",
-    "eval_iters=1",
+    "training.seq_length=16",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=8",
+    "training.train_iters=3",
+    "training.eval_interval=3",
+    "training.eval_iters=1",
     "optimizer.lr=0.01",
     "logging.log_interval=1",
     "logging.tensorboard=false",
@@ -98,7 +98,7 @@ def _tokens(vocab):
 
 def _config(corpus_dir, out, *overrides):
     return load_config(
-        None, [*RUN, f"data.corpus={str(corpus_dir)!r}", f"output_dir={out!r}", *overrides]
+        None, [*RUN, f"data.corpus={str(corpus_dir)!r}", f"training.output_dir={out!r}", *overrides]
     )
 
 
@@ -176,9 +176,9 @@ def _all_steps(corpus_dir, out, imported_random):
     main(
         ["run", "--config", config_file, "--load", str(imported_random),
          "--save", f"{out}/finetuned", "parallel.tensor_model_parallel_size=2",
-         "seq_length=16", "micro_batch_size=2", "global_batch_size=8",
-         "train_iters=2", "eval_interval=2", "eval_iters=1",
-         f"output_dir={out + '/finetune-run'!r}", "logging.peak_tflops=1.0",
+         "training.seq_length=16", "training.micro_batch_size=2", "training.global_batch_size=8",
+         "training.train_iters=2", "training.eval_interval=2", "training.eval_iters=1",
+         f"training.output_dir={out + '/finetune-run'!r}", "logging.peak_tflops=1.0",
          "logging.log_interval=1"],
         standalone_mode=False,
     )  # fmt: skip

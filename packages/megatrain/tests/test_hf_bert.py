@@ -121,11 +121,11 @@ def _assert_close(ours, theirs):
 def _run_config(root, order, out):
     return load_config(
         None,
-        [f"data.corpus={str(root)!r}", f"output_dir={str(out)!r}", 'model.kind="bert"',
+        [f"data.corpus={str(root)!r}", f"training.output_dir={str(out)!r}", 'model.kind="bert"',
          f"model.block_order={order!r}", "model.num_layers=2", "model.hidden_size=32",
          "model.num_attention_heads=4", "model.max_position_embeddings=16",
          "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
-         "model.layernorm_epsilon=1e-12", "seq_length=16"],
+         "model.layernorm_epsilon=1e-12", "training.seq_length=16"],
     )  # fmt: skip
 
 
