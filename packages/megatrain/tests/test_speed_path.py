@@ -17,7 +17,8 @@ from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
 from megacore.testing import run_distributed
 from megatrain.config import ConfigError, load_config
-from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks, compile_layers
+from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
+from megatrain.parallelize import apply_compile, apply_recompute
 
 B, S, VOCAB = 2, 16, 64
 
@@ -106,7 +107,7 @@ def _assert_same(a, b, atol):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_fused_bias_structure_is_the_plain_math(one_process, dropout, recompute):
-    model = GPTModel(_cfg(dropout, recompute), seed=1234, device="cpu")
+    model = apply_recompute(GPTModel(_cfg(dropout, recompute), seed=1234, device="cpu"), recompute)
     layer = model.layers["0"]
     assert layer.mlp.fc1.skip_bias_add and layer.mlp.fc2.skip_bias_add
     assert layer.attention.proj.skip_bias_add
@@ -125,16 +126,17 @@ def test_compile_equals_eager(one_process):
     torch._dynamo.reset()
     cfg = _cfg(0.1)
     eager = GPTModel(cfg, seed=1234, device="cpu")
-    compiled = compile_layers(GPTModel(cfg, seed=1234, device="cpu"))
+    compiled = apply_compile(GPTModel(cfg, seed=1234, device="cpu"))
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
             _assert_same(_step(compiled), _step(eager), atol=1e-5)
         assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # it did compile
         for dropout, recompute in ((0.1, "full"), (0.0, "none")):
-            # The config object is shared: the models read it at each forward.
+            # The config object is shared: the models read the dropout at each forward.
             cfg.hidden_dropout = cfg.attention_dropout = dropout
-            cfg.recompute = recompute
+            apply_recompute(compiled, recompute)
+            apply_recompute(eager, recompute)
             _assert_same(_step(compiled), _step(eager), atol=1e-5)
     finally:
         torch._dynamo.reset()
@@ -160,7 +162,7 @@ def _compile_at_tp2():
     for compiled in (False, True):
         (model,) = build_gpt_chunks(cfg, 1234, device="cpu")
         if compiled:
-            model = compile_layers(model)
+            model = apply_compile(model)
         loss = model(tokens, labels).mean()
         loss.backward()
         out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -197,7 +199,7 @@ def test_training_attention_is_the_flash_eligible_call(one_process, monkeypatch)
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     for recompute in ("none", "selective"):
         calls.clear()
-        _step(GPTModel(_cfg(0.1, recompute), seed=1234, device="cpu"))
+        _step(apply_recompute(GPTModel(_cfg(0.1, recompute), seed=1234, device="cpu"), recompute))
         assert calls  # selective: the forward and its recompute in backward
         for q, k, v, args, kwargs in calls:
             assert not args and kwargs.get("attn_mask") is None and kwargs["is_causal"]

@@ -333,10 +333,7 @@ def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -
         )
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        micro = [
-            to_device(next(run.train_data), run.device)
-            for _ in range(run.num_microbatches)
-        ]
+        micro = [to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
         stats = forward_backward(run, micro, forward_step=_forward_step, names=STATISTICS)
         run.optimizer.step()
         run.optimizer.zero_grad()

@@ -17,7 +17,7 @@ from megatrain.models.gpt import (
     model_flops_per_iteration,
     num_parameters,
 )
-from megatrain.models.transformer import TransformerConfig, compile_layers
+from megatrain.models.transformer import TransformerConfig
 
 _MODULES = {"gpt": gpt, "bert": bert}
 _BUILDERS = {"gpt": build_gpt_chunks, "bert": build_bert_chunks}
@@ -81,7 +81,6 @@ __all__ = [
     "build_bert_chunks",
     "build_gpt_chunks",
     "build_model_chunks",
-    "compile_layers",
     "flops_per_iteration",
     "hardware_flops_per_iteration",
     "model_config",

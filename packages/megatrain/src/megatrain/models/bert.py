@@ -33,11 +33,11 @@ from megatrain.models.transformer import (
     TransformerConfig,
     _cpu_generator,
     _layer_norm,
-    build_chunks,
     layer_parameters,
     recomputed_flops,
     transformer_forward_flops,
 )
+from megatrain.parallelize import build_chunks
 
 # The fraction of tokens BERT predicts (its masking rate), for the FLOP count.
 MASKED_LM_PROB = 0.15
@@ -91,6 +91,7 @@ class BertModel(LanguageModel):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         initialize: bool = True,
+        parallel=None,
     ):
         if cfg.causal or cfg.num_tokentypes < 1:
             raise ValueError("BertModel: needs bidirectional attention and token types")
@@ -103,6 +104,7 @@ class BertModel(LanguageModel):
             device=device,
             dtype=dtype,
             initialize=initialize,
+            parallel=parallel,
         )
         if not post_process:
             return
@@ -190,7 +192,7 @@ def build_bert_chunks(
     dtype: torch.dtype = torch.float32,
     initialize: bool = True,
 ) -> list[BertModel]:
-    """This rank's BERT chunks (see `transformer.build_chunks`)."""
+    """This rank's BERT chunks (see `parallelize.build_chunks`)."""
     return build_chunks(BertModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
 
 

@@ -19,12 +19,11 @@ from megatrain.models.transformer import (
     TransformerConfig,
     bias_dropout_add,
     bias_gelu,
-    build_chunks,
-    compile_layers,
     layer_parameters,
     recomputed_flops,
     transformer_forward_flops,
 )
+from megatrain.parallelize import build_chunks
 
 # GPT's settings are TransformerConfig's defaults (pre_ln, causal, tanh GeLU, no token types).
 GPTConfig = TransformerConfig
@@ -36,7 +35,6 @@ __all__ = [
     "bias_dropout_add",
     "bias_gelu",
     "build_gpt_chunks",
-    "compile_layers",
     "hardware_flops_per_iteration",
     "model_flops_per_iteration",
     "num_parameters",
@@ -94,7 +92,7 @@ def build_gpt_chunks(
     dtype: torch.dtype = torch.float32,
     initialize: bool = True,
 ) -> list[GPTModel]:
-    """This rank's GPT chunks (see `transformer.build_chunks`)."""
+    """This rank's GPT chunks (see `parallelize.build_chunks`)."""
     return build_chunks(GPTModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
 
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from megacore import parallel_state, pipeline_parallel
 from megacore import tensor_parallel as tp
 from megatrain.config import BLOCK_ORDERS, RECOMPUTE_CHOICES
+from megatrain.parallelize import ParallelContext
 
 GELUS = {"tanh": "tanh", "erf": "none"}  # our name -> F.gelu's `approximate`
 
@@ -57,6 +57,8 @@ class TransformerConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    # What `parallelize.build_chunks` applies to the built layers (`apply_recompute`) and what
+    # HFU counts; the layers themselves do not read it.
     recompute: str = "none"  # none | selective | full
     distribute_saved_activations: bool = False
     sequence_parallel: bool = False
@@ -180,6 +182,8 @@ class ParallelAttention(nn.Module):
         super().__init__()
         h, sp = cfg.hidden_size, cfg.sequence_parallel
         self.cfg = cfg
+        # The attention core as called; `parallelize.apply_recompute` swaps in a checkpointed one.
+        self.core_attention = self._core
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
         self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
         std = cfg.init_method_std
@@ -236,10 +240,8 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
         if cache is not None:
             out = self._cached_core(q, k, v, cache, layer_id)
-        elif self.cfg.recompute == "selective":  # the s x s part is cheap to redo, costly to keep
-            out = tp.checkpoint(self._core, False, q, k, v, mask)
         else:
-            out = self._core(q, k, v, mask)
+            out = self.core_attention(q, k, v, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         return self.proj(out)
 
@@ -314,7 +316,7 @@ class LanguageModel(nn.Module):
     rows masked (`mask_padding`).  The models add their heads and their `forward`.
 
     Built directly on `device` in `dtype`; a last stage's copy of the tied word
-    embeddings is zero until `build_chunks` syncs it.  `initialize=False` skips drawing
+    embeddings is zero until `parallelize.build_chunks` syncs it.  `initialize=False` skips drawing
     the weights (their values are whatever the memory held), for a model a checkpoint
     is about to overwrite."""
 
@@ -329,9 +331,15 @@ class LanguageModel(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         initialize: bool = True,
+        parallel: ParallelContext | None = None,
     ):
         super().__init__()
         self.config = cfg
+        # Where this chunk sits in the layout; None: megacore's process groups, read once here.
+        self.parallel = parallel or ParallelContext.from_process_groups()
+        # A layer as the chunk runs it while training; `parallelize.apply_recompute` puts
+        # full recompute here (None: the layer itself).
+        self.checkpointed_layer = None
         self.pre_process, self.post_process = pre_process, post_process
         self.input_tensor = None
         if pre_process:
@@ -404,9 +412,8 @@ class LanguageModel(nn.Module):
         full = torch.zeros(cfg.vocab_size, cfg.hidden_size)
         init = tp.init_method_normal(cfg.init_method_std)
         init(full[:rows], generator=_cpu_generator(seed))
-        world = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        self.embedding.weight.copy_(tp.shard_of(full, 0, rank, world))
+        p = self.parallel
+        self.embedding.weight.copy_(tp.shard_of(full, 0, p.tp_rank, p.tp_size))
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input here."""
@@ -445,8 +452,8 @@ class LanguageModel(nn.Module):
     ) -> torch.Tensor:
         """The chunk's layers, then the final LayerNorm on a last pre_ln stage."""
         for i, layer in self.layers.items():
-            if self.config.recompute == "full" and self.training:
-                x = tp.checkpoint(layer, self.config.distribute_saved_activations, x, mask)
+            if self.checkpointed_layer is not None and self.training:
+                x = self.checkpointed_layer(layer, x, mask)
             elif cache is None:
                 # No layer id when there is no cache to key: under training.compile one
                 # compiled graph then serves every layer (an id would recompile per layer).
@@ -465,75 +472,12 @@ class LanguageModel(nn.Module):
         """-inf on the padding rows of the vocabulary (this rank's slice of the last dim)."""
         true_vocab = self.config.true_vocab_size
         local = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
+        start = self.parallel.tp_rank * local
         if true_vocab is None or start + local <= true_vocab:
             return logits
         keep = max(0, true_vocab - start)
         padding = torch.arange(local, device=logits.device) >= keep
         return logits.masked_fill(padding, float("-inf"))
-
-
-def compile_layers(model: LanguageModel) -> LanguageModel:
-    """torch.compile each TransformerLayer of `model` in place (`training.compile`).
-
-    Per layer, not the whole model: the graph is one block (LayerNorms, bias + GeLU, bias +
-    dropout + residual fused; the matmuls and attention stay library kernels), compiled once
-    and reused by every layer, and full recompute's `tp.checkpoint` stays outside it, calling
-    the compiled layer in forward and again in backward.  Dynamo breaks the graph at what it
-    cannot trace, the RNG tracker's fork (generator state swaps), selective recompute's
-    checkpoint, and runs those eagerly, so the dropout masks and the recompute are the
-    eager ones.  With tp > 1 the tensor-parallel collectives sit in the same graph.
-    `Module.compile` keeps the parameter names (no `_orig_mod.` prefix), so checkpoints do
-    not change.  `fallback_random`: dropout draws from torch's generators as in eager, so a
-    seed gives the same masks with compile on or off (inductor's own in-kernel random
-    numbers would be a little faster and draw other masks).
-    """
-    for layer in model.layers.values():
-        layer.compile(options={"fallback_random": True})
-    return model
-
-
-def build_chunks(
-    model_class: type,
-    cfg: TransformerConfig,
-    seed: int = 1234,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    initialize: bool = True,
-) -> list:
-    """This rank's chunks of a `LanguageModel` (one, or vpp under interleaving), tied
-    embeddings synced.
-
-    Built directly on `device` (the CPU when None) in `dtype`, so the sync, a collective
-    over the embedding group, runs where the parameters stay (NCCL needs them on the GPU).
-    `initialize=False`: no weights drawn, for a model a checkpoint is about to fill.
-    Needs `megacore.parallel_state.initialize_model_parallel` first.
-    """
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = []
-    for v in range(vpp or 1):
-        if vpp:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
-        layer_ids = pipeline_parallel.layers_for(cfg.num_layers, rank, pp, vpp, virtual_rank=v)
-        chunks.append(
-            model_class(
-                cfg,
-                layer_ids,
-                pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(),
-                seed=seed,
-                device=device,
-                dtype=dtype,
-                initialize=initialize,
-            )
-        )
-    if vpp:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-    pipeline_parallel.sync_shared_embeddings(chunks)
-    return chunks
 
 
 def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float]:

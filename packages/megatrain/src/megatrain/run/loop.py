@@ -113,9 +113,7 @@ def resume(run: Run) -> None:
         load = c.save
     rank0 = dist.get_rank() == 0
     after = f"restart {restart} after a failed worker: " if restart else ""
-    if not load or (
-        load == c.save and not os.path.exists(os.path.join(load, LATEST))
-    ):
+    if not load or (load == c.save and not os.path.exists(os.path.join(load, LATEST))):
         if rank0 and (load or restart):
             where = f" in {load}" if load else ""
             print(

@@ -18,7 +18,8 @@ from megatrain.config import Config, validate
 from megatrain.data.corpus import Corpus, open_run_corpus
 from megatrain.data.samples import GPTBatches
 from megatrain.models import build_model_chunks, model_config
-from megatrain.models.transformer import TransformerConfig, compile_layers
+from megatrain.models.transformer import TransformerConfig
+from megatrain.parallelize import apply_compile
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,7 +82,7 @@ def prepare_training(
     the optimizer over them.  Shared by pretraining and fine-tuning (megaeval)."""
     p, t, o = config.parallel, config.training, config.optimizer
     if t.compile:
-        chunks = [compile_layers(c) for c in chunks]
+        chunks = [apply_compile(c) for c in chunks]
     chunks = [
         DistributedDataParallel(
             c,

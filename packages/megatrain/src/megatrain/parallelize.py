@@ -1,0 +1,154 @@
+"""Parallelism, recompute and compile applied to a plain model from outside.
+
+The model classes (`models/`) compute one chunk of the transformer; what layout they run in
+reaches them as a `ParallelContext` (tensor- and pipeline-parallel rank and size, virtual
+stages), never by reading or changing process-group globals.  This module builds a rank's
+chunks for a layout (`build_chunks`) and changes built chunks in place: activation
+recompute (`apply_recompute`) and torch.compile (`apply_compile`), in the spirit of
+torchtitan's `parallelize_*` functions.  The tensor-parallel layers themselves are
+megacore's Megatron layers (column/row-parallel linear, vocabulary-parallel embedding),
+which take their groups from megacore's process-group state.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from megacore import parallel_state, pipeline_parallel
+from megacore import tensor_parallel as tp
+from megatrain.config import RECOMPUTE_CHOICES
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where one rank sits in the layout: its tensor- and pipeline-parallel rank and size, and
+    the virtual pipeline size (None: no interleaving)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    vpp_size: int | None = None
+
+    @classmethod
+    def from_process_groups(cls) -> "ParallelContext":
+        """This rank's place as megacore's process groups say (one process when none are set
+        up)."""
+        if not parallel_state.model_parallel_is_initialized():
+            return cls()
+        return cls(
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            vpp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        )
+
+    def chunk_places(self, num_layers: int) -> list[tuple[list[int], bool, bool]]:
+        """Per chunk of this rank (one, or vpp_size under interleaving): its layer ids, whether
+        it holds the embeddings (the very first chunk of the model) and whether it holds the
+        output (the very last)."""
+        virtual = self.vpp_size or 1
+        return [
+            (
+                pipeline_parallel.layers_for(
+                    num_layers, self.pp_rank, self.pp_size, self.vpp_size, virtual_rank=v
+                ),
+                self.pp_rank == 0 and v == 0,
+                self.pp_rank == self.pp_size - 1 and v == virtual - 1,
+            )
+            for v in range(virtual)
+        ]
+
+
+def build_chunks(
+    model_class: type,
+    cfg,
+    seed: int = 1234,
+    parallel: ParallelContext | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    initialize: bool = True,
+) -> list:
+    """This rank's chunks of a `LanguageModel` (one, or vpp under interleaving), tied
+    embeddings synced.
+
+    Built directly on `device` (the CPU when None) in `dtype`, so the sync, a collective
+    over the embedding group, runs where the parameters stay (NCCL needs them on the GPU).
+    `initialize=False`: no weights drawn, for a model a checkpoint is about to fill.
+    `parallel`: where this rank sits (None: read from megacore's process groups, which
+    `initialize_model_parallel` must then have set up).  Each chunk is told its place; no
+    global state is read by the model or changed here.  The config's recompute is applied to
+    each chunk (`apply_recompute`).
+    """
+    parallel = parallel or ParallelContext.from_process_groups()
+    chunks = [
+        model_class(
+            cfg,
+            layer_ids,
+            pre_process=first,
+            post_process=last,
+            seed=seed,
+            device=device,
+            dtype=dtype,
+            initialize=initialize,
+            parallel=parallel,
+        )
+        for layer_ids, first, last in parallel.chunk_places(cfg.num_layers)
+    ]
+    pipeline_parallel.sync_shared_embeddings(chunks)
+    for chunk in chunks:
+        apply_recompute(chunk, cfg.recompute, cfg.distribute_saved_activations)
+    return chunks
+
+
+def apply_recompute(chunk, mode: str, distribute_saved_activations: bool = False):
+    """Activation recompute on a built chunk, in place; returns it.
+
+    - "none": every activation kept for the backward.
+    - "selective" (Korthikanti et al. 2022): each attention core (QK^T, softmax, dropout,
+      scores x V) is run again in the backward instead of keeping its s x s activations,
+      which are cheap to redo and costly to keep.
+    - "full": each layer keeps only its input and runs again in the backward;
+      `distribute_saved_activations` splits that input over the tensor-parallel ranks.
+    Recompute replays the dropout masks (megacore's checkpoint restores the generators), so
+    every mode computes the same numbers."""
+    if mode not in RECOMPUTE_CHOICES:
+        raise ValueError(f"model.recompute must be one of {RECOMPUTE_CHOICES}, not {mode!r}")
+    for layer in chunk.layers.values():
+        attention = layer.attention
+        attention.core_attention = (
+            partial(tp.checkpoint, attention._core, False)
+            if mode == "selective"
+            else attention._core
+        )
+    chunk.checkpointed_layer = (
+        partial(_checkpointed_layer, distribute_saved_activations) if mode == "full" else None
+    )
+    return chunk
+
+
+def _checkpointed_layer(distribute_saved_activations: bool, layer, x, mask):
+    return tp.checkpoint(layer, distribute_saved_activations, x, mask)
+
+
+def apply_compile(chunk):
+    """torch.compile each TransformerLayer of `chunk` in place (`training.compile`).
+
+    Per layer, not the whole model: the graph is one block (LayerNorms, bias + GeLU, bias +
+    dropout + residual fused; the matmuls and attention stay library kernels), compiled once
+    and reused by every layer, and full recompute's `tp.checkpoint` stays outside it, calling
+    the compiled layer in forward and again in backward.  Dynamo breaks the graph at what it
+    cannot trace, the RNG tracker's fork (generator state swaps), selective recompute's
+    checkpoint, and runs those eagerly, so the dropout masks and the recompute are the
+    eager ones.  With tp > 1 the tensor-parallel collectives sit in the same graph.
+    `Module.compile` keeps the parameter names (no `_orig_mod.` prefix), so checkpoints do
+    not change.  `fallback_random`: dropout draws from torch's generators as in eager, so a
+    seed gives the same masks with compile on or off (inductor's own in-kernel random
+    numbers would be a little faster and draw other masks).
+    """
+    for layer in chunk.layers.values():
+        layer.compile(options={"fallback_random": True})
+    return chunk
