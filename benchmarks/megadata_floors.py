@@ -70,7 +70,7 @@ def _wiki_floors(inputs: list[Path]) -> dict:
     floors = {"bz2 decompression": _cpu(lambda: xml.extend(map(bz2.decompress, compressed)))}
     import mwparserfromhell
 
-    from megadata.wiki_prestrip import prestrip
+    from megadata.sources.wiki_prestrip import prestrip
 
     pages = [html.unescape(m.group(1).decode()) for x in xml for m in _TEXT.finditer(x)]
     stripped = [prestrip(p) for p in pages]

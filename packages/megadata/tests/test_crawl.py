@@ -27,15 +27,15 @@ from click.testing import CliRunner
 
 from megadata.cli import main
 from megadata.crawl import CrawlSettings, crawl
-from megadata.crawl_fetch import HostScheduler
-from megadata.crawl_filters import (
+from megadata.crawl.fetch import HostScheduler
+from megadata.crawl.filters import (
     BadUrl,
     is_jsonl,
     load_blacklist,
     normalize_url,
     read_url_lists,
 )
-from megadata.stages.ingest import read_jsonl
+from megadata.sources.jsonl import read_jsonl
 
 # Timeouts short enough for a fast test, long enough for a machine under load.
 FAST = CrawlSettings(

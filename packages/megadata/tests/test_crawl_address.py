@@ -26,16 +26,9 @@ from click.testing import CliRunner
 
 from megadata.cli import main
 from megadata.crawl import CrawlSettings, crawl
-from megadata.crawl_fetch import (
-    AddressRefused,
-    Fetcher,
-    GuardedAdapter,
-    HostScheduler,
-    check_address,
-    connect_checked,
-    crawl_url,
-)
-from megadata.crawl_filters import load_blacklist
+from megadata.crawl.addresses import AddressRefused, GuardedAdapter, check_address, connect_checked
+from megadata.crawl.fetch import Fetcher, HostScheduler, crawl_url
+from megadata.crawl.filters import load_blacklist
 
 SETTINGS = CrawlSettings(
     timeout=2.0, page_deadline=4.0, retries=2, backoff=0.01, per_host=4, host_delay=0.0

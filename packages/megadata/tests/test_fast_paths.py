@@ -18,9 +18,10 @@ from megadata.documents import read_table, write_docs
 from megadata.encode import Encoder, split_sentences
 from megadata.ngrams import build_index, ngram_hashes
 from megadata.recipe import RecipeError, load_recipe
-from megadata.stages import clean, dedup
+from megadata.stages import clean
 from megadata.stages.decontaminate import word_ngrams
 from megadata.stages.dedup import shingles
+from megadata.stages.dedup import verify as dedup
 from megadata.stages.filter import filter_partition
 from megadata.stages.tokenize import tokenize_partition
 from megadata.tokenizer import build_tokenizer, eod_id

@@ -5,8 +5,8 @@ and list marks found after newlines."""
 import random
 import re
 
-from megadata import wiki_prestrip
-from megadata.stages import ingest
+from megadata.sources import wiki_markup as ingest
+from megadata.sources import wiki_prestrip
 
 # ---------------------------------------------------------------- the plain patterns
 

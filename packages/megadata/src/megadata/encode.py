@@ -26,6 +26,7 @@ than pysbd) or `pysbd` (rule-based, the earlier default), chosen by the recipe's
 import functools
 import itertools
 import json
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -220,6 +221,33 @@ def _starts(lengths: np.ndarray) -> np.ndarray:
 def encoder(tokenizer_path: str, _mtime_ns: int) -> Encoder:
     """One Encoder per worker process and tokenizer file (its cache lives as long)."""
     return Encoder(tokenizer_path)
+
+
+def token_type(vocab_size: int) -> pa.DataType:
+    """The corpus' token type: the narrowest that holds every id of the vocabulary."""
+    return pa.uint16() if vocab_size <= 1 << 16 else pa.uint32()
+
+
+def token_table(
+    tokenizer_path: str, docs: list[dict], sentences: bool, splitter: str
+) -> tuple[pa.ListArray, pa.ListArray | None, np.ndarray]:
+    """(ids, sentence ends or None, lengths) of each document, without the end-of-document
+    id: list arrays of the corpus' token type and uint32.  The filter stage encodes with it,
+    and the tokenize stage where the filter's ids are missing."""
+    enc = encoder(tokenizer_path, os.stat(tokenizer_path).st_mtime_ns)
+    dtype = token_type(enc.tok.get_vocab_size(with_added_tokens=True))
+    texts = [d["text"] for d in docs]
+    if not sentences:
+        ids, lengths = enc.encode_flat(texts)
+        return _list_array(ids, lengths, dtype), None, lengths
+    ids, lengths, ends, count = enc.encode_sentences(texts, splitter)
+    return _list_array(ids, lengths, dtype), _list_array(ends, count, pa.uint32()), lengths
+
+
+def _list_array(values: np.ndarray, lengths: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, dtype))
 
 
 _PER_THREAD = threading.local()  # what must not be shared by a worker's threads

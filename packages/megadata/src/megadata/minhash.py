@@ -22,10 +22,12 @@ from collections.abc import Iterable
 
 import numpy as np
 from datasketch import MinHash
-from datasketch.minhash import _fmix  # the finalizer datasketch applies before permuting
 
 BATCH_SHINGLES = 1 << 18  # x num_perm x 4 bytes: 128 MiB at 128 permutations
 SCHEME = "affine32"  # datasketch's default since 2.0; what `scheme` below must give
+# MurmurHash3's 32-bit finalizer, which datasketch applies to each hash before permuting it
+# (kept here rather than imported: datasketch's own is private).
+_FMIX32 = tuple(np.uint32(c) for c in (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16))
 
 
 def scheme(num_perm: int, seed: int) -> str:
@@ -58,9 +60,21 @@ def signatures_of_hashes(hash_arrays: Iterable, num_perm: int, seed: int) -> np.
     out = []
     with np.errstate(over="ignore"):  # mod 2^32, as datasketch computes it
         for h in hash_arrays:
-            hv = _fmix(np.asarray(h).astype(np.uint32), 32)  # astype: mod 2^32
+            hv = _fmix32(np.asarray(h).astype(np.uint32))  # astype: mod 2^32
             out.append(_permute_min(hv, a, b) if len(hv) else empty)
     return np.stack(out) if out else np.zeros((0, num_perm), dtype=np.uint32)
+
+
+def _fmix32(hv: np.ndarray) -> np.ndarray:
+    """MurmurHash3's finalizer on uint32 values (a bijection that avalanches the bits), as
+    datasketch mixes a shingle's hash; the products wrap mod 2^32 on purpose."""
+    s1, m1, s2, m2, s3 = _FMIX32
+    with np.errstate(over="ignore"):
+        hv = hv ^ (hv >> s1)
+        hv = hv * m1
+        hv = hv ^ (hv >> s2)
+        hv = hv * m2
+        return hv ^ (hv >> s3)
 
 
 def _permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,7 +100,7 @@ def _sha1_batch(sets: list, a: np.ndarray, b: np.ndarray, empty: np.ndarray) -> 
     digests = b"".join([sha1(x).digest() for x in index])
     # datasketch's sha1_hash32: the digest's first 4 bytes as a little-endian uint32
     first = np.frombuffer(digests, dtype=np.uint8).reshape(-1, 20)[:, :4].copy()
-    hv = _fmix(first.view("<u4").ravel().astype(np.uint32), 32)[rows]
+    hv = _fmix32(first.view("<u4").ravel().astype(np.uint32))[rows]
     out = np.tile(empty, (len(sets), 1))
     start = 0
     with np.errstate(over="ignore"):

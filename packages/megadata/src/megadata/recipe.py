@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megadata import __version__
 from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_docs
-from megadata.encode import DEFAULT_SPLITTER, check_splitter
+from megadata.encode import DEFAULT_SPLITTER, check_splitter, token_type
 from megadata.file_pieces import count_newlines, how_to_split, pieces, split_bytes
 from megadata.runner import Runner, StageStats, Task, finished_stage, task_counts
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
@@ -529,7 +529,7 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
                     "vocab_size": tok.get_vocab_size(with_added_tokens=True),
                     "eod_id": eod_id(tok, kind),
                 },
-                "token_dtype": str(tokenize.token_type(tok.get_vocab_size(with_added_tokens=True))),
+                "token_dtype": str(token_type(tok.get_vocab_size(with_added_tokens=True))),
                 "sentence_boundaries": bool(
                     recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece")
                 ),

@@ -6,37 +6,12 @@ tokenize stage takes them from there instead of encoding the corpus a second tim
 stages between only remove documents, never change a text).
 """
 
-import os
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
 from megadata.documents import read_table, text_bytes, write_kept, write_table
-from megadata.encode import DEFAULT_SPLITTER, encoder
-
-
-def token_table(
-    tokenizer_path: str, docs: list[dict], sentences: bool, splitter: str
-) -> tuple[pa.ListArray, pa.ListArray | None, np.ndarray]:
-    """(ids, sentence ends or None, lengths) of each document, without the end-of-document
-    id: list arrays of the corpus' token type and uint32."""
-    from megadata.stages.tokenize import token_type
-
-    enc = encoder(tokenizer_path, os.stat(tokenizer_path).st_mtime_ns)
-    dtype = token_type(enc.tok.get_vocab_size(with_added_tokens=True))
-    texts = [d["text"] for d in docs]
-    if not sentences:
-        ids, lengths = enc.encode_flat(texts)
-        return _list_array(ids, lengths, dtype), None, lengths
-    ids, lengths, ends, count = enc.encode_sentences(texts, splitter)
-    return _list_array(ids, lengths, dtype), _list_array(ends, count, pa.uint32()), lengths
-
-
-def _list_array(values: np.ndarray, lengths: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, dtype))
+from megadata.encode import DEFAULT_SPLITTER, token_table
 
 
 def filter_partition(

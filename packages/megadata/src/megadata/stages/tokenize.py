@@ -14,11 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from megadata.documents import read_docs, read_meta, read_table, text_bytes, write_table
-from megadata.encode import DEFAULT_SPLITTER, encoder
-
-
-def token_type(vocab_size: int) -> pa.DataType:
-    return pa.uint16() if vocab_size <= 1 << 16 else pa.uint32()
+from megadata.encode import DEFAULT_SPLITTER, encoder, token_table, token_type
 
 
 def _from_filter(tokens_path: str | None, doc_ids: list[str], sentences: bool) -> pa.Table | None:
@@ -58,8 +54,6 @@ def tokenize_partition(
     ids = [d["doc_id"] for d in docs]
     table = _from_filter(tokens_path, ids, sentences)
     if table is None:
-        from megadata.stages.filter import token_table
-
         tokens, ends, _ = token_table(tokenizer_path, docs, sentences, splitter)
         table = pa.table({"doc_id": pa.array(ids, pa.string()), "tokens": tokens})
         if sentences:

@@ -1,22 +1,6 @@
-"""`megadata crawl`: URL lists -> article texts of their pages, as OpenWebText was built.
-
-URL lists (plain, or Reddit submission dumps filtered by score) are filtered
-(crawl_filters), the pages fetched by a pool of threads, polite per host, and
-their article text extracted with newspaper3k (crawl_fetch). Each URL ends as
-one line of `DIR/pages.jsonl` (url, title, text, source="crawl", and final_url
-after a redirect: a `jsonl` source for a recipe) or of `DIR/errors.jsonl` (url,
-stage = filter | fetch | extract, reason, maybe detail), keyed by the
-normalised URL; a URL listed twice is fetched once and counted as a duplicate.
-`DIR/summary.json` holds the counts per reason.
-
-Only hosts on the public internet are fetched: a URL or redirect whose host resolves to
-a loopback, private, link-local or other non-global address ends in errors.jsonl with
-that reason, unless `--allow-private` (an intranet crawl; the tests' local server).
-
-Lines are appended whole and flushed, so a crawl killed at any moment resumes
-from the two files: a rerun drops a cut-off last line, skips every URL the files
-hold and does the rest.
-"""
+"""The crawl: URL lists filtered (megadata.crawl.filters), their pages fetched by a pool of
+threads, polite per host (megadata.crawl.fetch), each URL's outcome appended to pages.jsonl
+or errors.jsonl as it comes, and the summary of the counts."""
 
 import contextlib
 import json
@@ -27,20 +11,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import click
-
-from megadata.command_error import CommandError
-from megadata.crawl_fetch import (
-    AddressCheck,
-    CrawlSettings,
-    Fetcher,
-    HostScheduler,
-    Resolver,
-    check_address,
-    crawl_url,
-    error_record,
-)
-from megadata.crawl_filters import Blacklist, load_blacklist, read_url_lists, url_host
+from megadata.crawl.addresses import AddressCheck, Resolver, check_address
+from megadata.crawl.fetch import CrawlSettings, Fetcher, HostScheduler, crawl_url, error_record
+from megadata.crawl.filters import Blacklist, load_blacklist, read_url_lists, url_host
 from megadata.documents import atomic_write_json
 from megadata.progress import progress_bar
 
@@ -255,117 +228,3 @@ def format_summary(summary: dict) -> str:
         for reason, count in summary["reasons"].get(stage, {}).items():
             lines.append(f"{stage:<9}{count:>8}  {reason}")
     return "\n".join(lines)
-
-
-_defaults = CrawlSettings()
-_seconds = click.FloatRange(min=0, min_open=True)
-_list_file = click.Path(exists=True, dir_okay=False, path_type=Path)
-
-
-@click.command("crawl")
-@click.argument("url_files", nargs=-1, required=True, type=_list_file)
-@click.option(
-    "--out",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Output directory: pages.jsonl, errors.jsonl, summary.json (resumed if there).",
-)
-@click.option(
-    "--min-score",
-    default=_defaults.min_score,
-    show_default=True,
-    type=int,
-    help="Keep Reddit submissions (jsonl lists) with at least this score.",
-)
-@click.option(
-    "--blacklist-domains",
-    multiple=True,
-    type=_list_file,
-    help="More domains to skip (with their subdomains), one a line.",
-)
-@click.option(
-    "--blacklist-extensions",
-    multiple=True,
-    type=_list_file,
-    help="More URL file extensions to skip, one a line.",
-)
-@click.option("--user-agent", default=_defaults.user_agent, show_default=True)
-@click.option(
-    "--timeout",
-    default=_defaults.timeout,
-    show_default=True,
-    type=_seconds,
-    help="Seconds to connect, and to wait for each read.",
-)
-@click.option(
-    "--page-deadline",
-    default=_defaults.page_deadline,
-    show_default=True,
-    type=_seconds,
-    help="Seconds from a request to the last byte of its page.",
-)
-@click.option(
-    "--max-bytes",
-    default=_defaults.max_bytes,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Largest page kept (bytes after decompression).",
-)
-@click.option(
-    "--retries",
-    default=_defaults.retries,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Retries on connection errors, timeouts, 429, 5xx.",
-)
-@click.option(
-    "--backoff",
-    default=_defaults.backoff,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds before the first retry, then doubled.",
-)
-@click.option(
-    "--concurrency",
-    default=_defaults.concurrency,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Threads fetching at once.",
-)
-@click.option(
-    "--per-host",
-    default=_defaults.per_host,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Requests in flight to one host at most.",
-)
-@click.option(
-    "--host-delay",
-    default=_defaults.host_delay,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds between request starts to one host.",
-)
-@click.option(
-    "--allow-private",
-    is_flag=True,
-    help="Also fetch hosts on loopback, private, link-local and other non-global addresses "
-    "(off: such URLs and redirects are refused, the reason in errors.jsonl).",
-)
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-def crawl_command(url_files, out_dir, no_progress, **options):
-    """Fetch the web pages of URL lists and keep their article text (OpenWebText's step).
-
-    URL_FILE: one URL a line (blank lines and # comments skipped), or a Reddit
-    submission dump in jsonl (url, score; .jsonl/.json, or a first line starting
-    with {). Compressed .gz/.bz2/.xz lists are read as well.
-    """
-    options["blacklist_domains"] = tuple(options["blacklist_domains"])
-    options["blacklist_extensions"] = tuple(options["blacklist_extensions"])
-    try:
-        summary = crawl(url_files, out_dir, CrawlSettings(**options), progress=not no_progress)
-    except (ValueError, OSError) as e:
-        raise CommandError(str(e)) from None
-    click.echo(format_summary(summary))
-    click.echo(f"output: {out_dir / PAGES}, {out_dir / ERRORS}, {out_dir / SUMMARY}")
