@@ -31,7 +31,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_SPLIT_MB = 256
+from megadata.settings import load
+from megadata.sources.options import SourceOptions
+
 CHUNK = 1 << 20
 _STREAM_START = re.compile(rb"BZh[1-9]1AY&SY")  # a stream's header, then its first block's magic
 MULTISTREAM_PROBE = 16 << 20  # a multistream dump's second stream starts well within this
@@ -46,22 +48,21 @@ class Piece:
     newlines_before: int | None = None  # in bytes [0, start) of the file ("lines" only)
 
 
-def split_bytes(options: dict) -> int:
+def split_bytes(options: SourceOptions) -> int:
     """The source's `split_mb` in bytes (0: never split)."""
-    value = options.get("split_mb", DEFAULT_SPLIT_MB)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"split_mb must be a number >= 0 (0: never split), got {value!r}")
+    value = load(SourceOptions, options, "source").split_mb
     return max(1, round(value * 2**20)) if value else 0
 
 
-def how_to_split(kind: str, options: dict, path: Path) -> tuple[str | None, int]:
+def how_to_split(kind: str, options: SourceOptions, path: Path) -> tuple[str | None, int]:
     """(how the file is cut, into how many pieces); (None, 1) for a file read whole."""
+    options = load(SourceOptions, options, "source")
     limit, size = split_bytes(options), path.stat().st_size
     if not limit or size <= limit:
         return None, 1
     pieces = -(-size // limit)
     compressed = path.suffix in (".bz2", ".gz")
-    if kind == "jsonl" or (kind == "text" and options.get("split", "file") == "line"):
+    if kind == "jsonl" or (kind == "text" and options.split == "line"):
         return (None, 1) if compressed else ("lines", pieces)
     if kind == "wikipedia":
         if path.suffix == ".bz2":

@@ -18,39 +18,35 @@ from megadata.documents import atomic_write_bytes, atomic_write_json, link_parti
 from megadata.encode import DEFAULT_SPLITTER, check_splitter, token_type
 from megadata.file_pieces import count_newlines, how_to_split, pieces, split_bytes
 from megadata.runner import Runner, StageStats, Task, finished_stage, task_counts
+from megadata.settings import TOP_LEVEL, PositiveInt, RecipeError, check_keys, load
+from megadata.sources.options import SOURCE_KEYS, SOURCE_KINDS, SourceOptions, options_table
 from megadata.stages import clean, decontaminate, dedup, filter, holdout, ingest, shard, tokenize
-from megadata.tokenizer import build_tokenizer, eod_id, sha256_file
+from megadata.stages.clean import CleanSettings
+from megadata.stages.decontaminate import DecontaminateSettings
+from megadata.stages.dedup import DedupSettings
+from megadata.stages.filter import FilterSettings
+from megadata.stages.holdout import HoldoutSettings
+from megadata.stages.shard import ShardSettings
+from megadata.tokenizer import TokenizerSettings, build_tokenizer, eod_id, sha256_file
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-STAGES = (
-    "ingest",
-    "clean",
-    "tokenizer",
-    "filter",
-    "dedup",
-    "holdout",
-    "decontaminate",
-    "tokenize",
-    "shard",
-)
-SOURCE_KINDS = ("text", "jsonl", "html", "wikipedia")
 CLUSTER_START = "cluster-start"  # its row in _work/_stats/
 
 
-class RecipeError(ValueError):
-    pass
+@dataclass(frozen=True)
+class TopLevel:
+    """A recipe's own keys, and its sections as the tables they are (each is loaded into
+    its stage's settings: SECTIONS)."""
 
-
-@dataclass
-class Recipe:
     name: str
-    path: Path
-    output: Path
-    sources: list[dict]
+    sources: list[dict]  # [[sources]] tables: megadata.sources.options
+    output: str | None = None  # relative to the recipe file; None: corpus-NAME beside it
+    partition_docs: PositiveInt = 500
+    sentence_splitter: str = DEFAULT_SPLITTER  # megadata.encode: BERT's sentence ends, LAMBADA
     clean: dict = field(default_factory=dict)
     tokenizer: dict = field(default_factory=dict)
     filter: dict = field(default_factory=dict)
@@ -58,9 +54,41 @@ class Recipe:
     holdout: dict = field(default_factory=dict)
     decontaminate: dict = field(default_factory=dict)
     shard: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        check_splitter(self.sentence_splitter)
+
+
+# Each section of a recipe and the settings of the stage that owns it.  A recipe without
+# [holdout] or [decontaminate] (or with it empty) skips that stage's work.
+SECTIONS = {
+    "clean": CleanSettings,
+    "tokenizer": TokenizerSettings,
+    "filter": FilterSettings,
+    "dedup": DedupSettings,
+    "holdout": HoldoutSettings,
+    "decontaminate": DecontaminateSettings,
+    "shard": ShardSettings,
+}
+OPTIONAL_SECTIONS = ("holdout", "decontaminate")
+
+
+@dataclass
+class Recipe:
+    name: str
+    path: Path
+    output: Path
+    sources: list[dict]  # the [[sources]] tables, their keys checked (their options: at ingest)
+    clean: CleanSettings = field(default_factory=CleanSettings)
+    tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
+    filter: FilterSettings = field(default_factory=FilterSettings)
+    dedup: DedupSettings = field(default_factory=DedupSettings)
+    holdout: HoldoutSettings | None = None
+    decontaminate: DecontaminateSettings | None = None
+    shard: ShardSettings = field(default_factory=ShardSettings)
     partition_docs: int = 500
     sentence_splitter: str = DEFAULT_SPLITTER  # megadata.encode: BERT's sentence ends, LAMBADA
-    raw: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)  # the file's tables as read: its fingerprint
 
     @property
     def work(self) -> Path:
@@ -101,44 +129,47 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
         raise RecipeError(f"recipe {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"recipe {path}: not valid TOML ({e})") from None
+    # Every key and value is checked here (a source's options: when ingest starts), so a
+    # misspelt key or a value of the wrong type is refused before any stage runs.
+    where = f"recipe {path}: "
     for key in ("name", "sources"):
         if key not in raw:
             raise RecipeError(f"recipe {path}: missing '{key}'")
-    names = [s.get("name") for s in raw["sources"]]
+    top = load(TopLevel, raw, TOP_LEVEL, where)
+    names = [s.get("name") for s in top.sources]
     if len(set(names)) != len(names):
         raise RecipeError(f"recipe {path}: source names must be unique (doc ids start with them)")
-    for i, s in enumerate(raw["sources"]):
-        for key in ("name", "kind", "paths"):
+    for i, s in enumerate(top.sources):
+        for key in SOURCE_KEYS:
             if key not in s:
                 raise RecipeError(f"recipe {path}: sources[{i}] has no '{key}'")
         if s["kind"] not in SOURCE_KINDS:
             raise RecipeError(
                 f"recipe {path}: sources[{i}].kind is {s['kind']!r}; expected one of {SOURCE_KINDS}"
             )
-    try:  # a misspelt choice is refused before any stage runs
-        clean.check_detector(raw.get("clean", {}).get("detector", clean.DEFAULT_DETECTOR))
-        check_splitter(raw.get("sentence_splitter", DEFAULT_SPLITTER))
-    except ValueError as e:
-        raise RecipeError(f"recipe {path}: {e}") from None
+        check_keys(SourceOptions, options_table(s), f"source {s['name']!r}", where)
+    sections = {}
+    for name, settings in SECTIONS.items():
+        table = getattr(top, name)
+        if name in OPTIONAL_SECTIONS and not table:
+            sections[name] = None
+        else:
+            sections[name] = load(settings, table, f"[{name}]", where)
     if output is not None:  # from the command line: relative to the working directory
         out = Path(output).absolute()  # absolute: tasks may run on other machines
     else:  # from the recipe: relative to the recipe file
-        out = (path.parent / raw.get("output", f"corpus-{raw['name']}")).resolve()
+        out = (
+            path.parent / (top.output if top.output is not None else f"corpus-{top.name}")
+        ).resolve()
     return Recipe(
-        name=raw["name"],
+        name=top.name,
         path=path,
         output=out,
-        sources=raw["sources"],
-        clean=raw.get("clean", {}),
-        tokenizer=raw.get("tokenizer", {}),
-        filter=raw.get("filter", {}),
-        dedup=raw.get("dedup", {}),
-        holdout=raw.get("holdout", {}),
-        decontaminate=raw.get("decontaminate", {}),
-        shard=raw.get("shard", {}),
-        partition_docs=int(raw.get("partition_docs", 500)),
-        sentence_splitter=raw.get("sentence_splitter", DEFAULT_SPLITTER),
+        sources=top.sources,
+        partition_docs=top.partition_docs,
+        sentence_splitter=top.sentence_splitter,
         raw=raw,
+        **sections,
     )
 
 
@@ -223,54 +254,49 @@ def _stage_summary(recipe: Recipe, stage: str) -> dict:
 
 
 def _run_stage(recipe: Recipe, stage: str, runner: Runner) -> StageStats:
-    work = recipe.work
-    if stage == "ingest":
-        return _ingest(recipe, runner)
-    if stage == "clean":
-        return _map(runner, recipe, "clean", "ingest", clean.clean_partition, recipe.clean)
-    if stage == "tokenizer":
-        return _build_tokenizer(recipe, runner)
-    tokenizer_path = str(recipe.output / "tokenizer.json")
-    if stage == "filter":
-        _need(recipe, "tokenizer")
-        min_tokens = int(recipe.filter.get("min_tokens", 128))
-        sentences, splitter = _sentence_settings(recipe)
-        src, out, kept = _need(recipe, "clean"), work / "filter", work / "filter_tokens"
-        head = (tokenizer_path, min_tokens)
-        tasks = _partition_tasks(
-            src,
-            lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), sentences, splitter),
-        )
-        return runner.run("filter", out, tasks, filter.filter_partition)
-    if stage == "dedup":
-        return _dedup(recipe, runner)
-    if stage == "holdout":
-        return _holdout(recipe, runner)
-    if stage == "decontaminate":
-        return _decontaminate(recipe, runner)
-    if stage == "tokenize":
-        kind = recipe.tokenizer.get("kind", "gpt2-bpe")
-        from tokenizers import Tokenizer
-
-        eod = eod_id(Tokenizer.from_file(tokenizer_path), kind)
-        sentences, splitter = _sentence_settings(recipe)
-        src, out = _need(recipe, "decontaminate"), work / "tokenize"
-        kept, head = work / "filter_tokens", (tokenizer_path, eod, sentences)
-        tasks = _partition_tasks(
-            src,
-            lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), splitter),
-        )
-        return runner.run("tokenize", out, tasks, tokenize.tokenize_partition)
-    if stage == "shard":
-        return _shard(recipe, runner)
-    raise RecipeError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    if stage not in STAGE_RUNS:
+        raise RecipeError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return STAGE_RUNS[stage](recipe, runner)
 
 
-def _sentence_settings(recipe: Recipe) -> tuple[bool, str]:
-    """(keep sentence ends?, the sentence splitter)."""
-    kind = recipe.tokenizer.get("kind", "gpt2-bpe")
-    sentences = bool(recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece"))
-    return sentences, recipe.sentence_splitter
+def _sentence_boundaries(recipe: Recipe) -> bool:
+    """Whether the corpus keeps sentence ends: [shard] sentence_boundaries, by default a
+    BERT corpus's."""
+    if recipe.shard.sentence_boundaries is not None:
+        return recipe.shard.sentence_boundaries
+    return recipe.tokenizer.kind == "bert-wordpiece"
+
+
+def _clean(recipe: Recipe, runner: Runner) -> StageStats:
+    return _map(runner, recipe, "clean", "ingest", clean.clean_partition, recipe.clean)
+
+
+def _filter(recipe: Recipe, runner: Runner) -> StageStats:
+    _need(recipe, "tokenizer")
+    work, tokenizer_path = recipe.work, str(recipe.output / "tokenizer.json")
+    sentences, splitter = _sentence_boundaries(recipe), recipe.sentence_splitter
+    src, out, kept = _need(recipe, "clean"), work / "filter", work / "filter_tokens"
+    head = (tokenizer_path, recipe.filter.min_tokens)
+    tasks = _partition_tasks(
+        src,
+        lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), sentences, splitter),
+    )
+    return runner.run("filter", out, tasks, filter.filter_partition)
+
+
+def _tokenize(recipe: Recipe, runner: Runner) -> StageStats:
+    from tokenizers import Tokenizer
+
+    work, tokenizer_path = recipe.work, str(recipe.output / "tokenizer.json")
+    eod = eod_id(Tokenizer.from_file(tokenizer_path), recipe.tokenizer.kind)
+    sentences, splitter = _sentence_boundaries(recipe), recipe.sentence_splitter
+    src, out = _need(recipe, "decontaminate"), work / "tokenize"
+    kept, head = work / "filter_tokens", (tokenizer_path, eod, sentences)
+    tasks = _partition_tasks(
+        src,
+        lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), splitter),
+    )
+    return runner.run("tokenize", out, tasks, tokenize.tokenize_partition)
 
 
 def _ingest(recipe: Recipe, runner: Runner) -> StageStats:
@@ -282,11 +308,9 @@ def _ingest(recipe: Recipe, runner: Runner) -> StageStats:
     if finished is not None and not lines_dir.exists():  # no file was cut in pieces
         return finished  # (or an earlier megadata ingested them): nothing to count again
     for source in recipe.sources:
-        options = {k: v for k, v in source.items() if k not in ("name", "kind", "paths")}
-        try:
-            limit = split_bytes(options)
-        except ValueError as e:
-            raise RecipeError(f"recipe {recipe.path}: source {source['name']!r}: {e}") from None
+        where, label = f"recipe {recipe.path}: ", f"source {source['name']!r}"
+        options = load(SourceOptions, options_table(source), label, where)
+        limit = split_bytes(options)
         for i, f in enumerate(recipe.source_files(source)):
             how, count = how_to_split(source["kind"], options, f)
             name = f"{source['name']}-{i:05d}"
@@ -318,10 +342,7 @@ def _ingest(recipe: Recipe, runner: Runner) -> StageStats:
 def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
     src = _need(recipe, "clean")
 
-    limit = recipe.tokenizer.get("train_mb")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float)
-                              or limit <= 0):  # fmt: skip
-        raise RecipeError(f"recipe {recipe.path}: [tokenizer] train_mb must be > 0, got {limit!r}")
+    limit = recipe.tokenizer.train_mb
     used = {"bytes": 0}
 
     def texts():
@@ -349,12 +370,7 @@ def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
 def _dedup(recipe: Recipe, runner: Runner) -> StageStats:
     src = _need(recipe, "filter")
     cfg = recipe.dedup
-    threshold = float(cfg.get("threshold", 0.7))
-    num_perm, n, seed = (
-        int(cfg.get("num_perm", 128)),
-        int(cfg.get("shingle_words", 2)),
-        int(cfg.get("seed", 1)),
-    )
+    threshold, num_perm, n, seed = float(cfg.threshold), cfg.num_perm, cfg.shingle_words, cfg.seed
     sig_dir = recipe.work / "signatures"
     tasks = [Task(p.stem, (str(p), str(sig_dir / p.name), num_perm, n, seed)) for p in _parts(src)]
     signatures = runner.run("minhash", sig_dir, tasks, dedup.signature_partition)
@@ -392,11 +408,8 @@ def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
     """Held-out documents out of the partitions, then the evaluation files made of them."""
     if not recipe.holdout:
         return _map(runner, recipe, "holdout", "dedup", link_partition)
-    try:
-        cfg = holdout.settings(recipe.holdout)
-    except ValueError as e:
-        raise RecipeError(f"recipe {recipe.path}: {e}") from None
-    unknown = sorted(set(cfg["sources"]) - {s["name"] for s in recipe.sources})
+    cfg = recipe.holdout
+    unknown = sorted(set(cfg.sources) - {s["name"] for s in recipe.sources})
     if unknown:
         raise RecipeError(f"recipe {recipe.path}: [holdout] sources {unknown} are not sources")
     src, work = _need(recipe, "dedup"), recipe.work
@@ -407,8 +420,8 @@ def _holdout(recipe: Recipe, runner: Runner) -> StageStats:
                 str(p),
                 str(work / "holdout" / p.name),
                 str(work / "holdout_docs" / p.name),
-                cfg["every"],
-                cfg["sources"],
+                cfg.every,
+                cfg.sources,
                 str(work / "holdout_docs" / f"{p.stem}.eval.json"),
                 cfg,
                 recipe.sentence_splitter,
@@ -435,8 +448,8 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
     if not recipe.decontaminate:
         return _map(runner, recipe, "decontaminate", "holdout", link_partition)
     holdout_dir = recipe.output / "eval" if recipe.holdout else None
+    cfg = recipe.decontaminate
     try:
-        cfg = decontaminate.settings(recipe.decontaminate)
         eval_sets = decontaminate.resolve_eval_sets(cfg, recipe.path.parent, holdout_dir)
     except decontaminate.EvalSetError as e:
         raise RecipeError(f"recipe {recipe.path}: {e}") from None
@@ -456,7 +469,7 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
     )
 
     def side(p: Path) -> tuple:
-        digests = str(digest_dir / p.name) if cfg["train_bloom"] else None
+        digests = str(digest_dir / p.name) if cfg.train_bloom else None
         return str(found_dir / p.name), digests
 
     tasks = _partition_tasks(
@@ -469,11 +482,11 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
     )
     steps = [removal, prepared]
     bloom_dir = None
-    if cfg["train_bloom"]:  # the reusable filter: one task and one file per shard
+    if cfg.train_bloom:  # the reusable filter: one task and one file per shard
         bloom_dir = recipe.output / "reports" / "train_8grams"
         digests = [str(digest_dir / p.name) for p in _parts(src)]
         shard_tasks = [
-            Task(f"{k:05d}", (digests, k, str(bloom_dir), cfg)) for k in range(cfg["bloom_shards"])
+            Task(f"{k:05d}", (digests, k, str(bloom_dir), cfg)) for k in range(cfg.bloom_shards)
         ]
         steps.append(
             runner.run(
@@ -499,9 +512,8 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
 
 def _shard(recipe: Recipe, runner: Runner) -> StageStats:
     src = _need(recipe, "tokenize")
-    valid_every = int(recipe.shard.get("valid_every", 30))
-    shard_tokens = int(recipe.shard.get("shard_tokens", 1 << 20))
-    kind = recipe.tokenizer.get("kind", "gpt2-bpe")
+    valid_every, shard_tokens = recipe.shard.valid_every, recipe.shard.shard_tokens
+    kind = recipe.tokenizer.kind
 
     parts, work = [str(p) for p in _parts(src)], recipe.work / "shard"
     finished = finished_stage(work)
@@ -530,9 +542,7 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
                     "eod_id": eod_id(tok, kind),
                 },
                 "token_dtype": str(token_type(tok.get_vocab_size(with_added_tokens=True))),
-                "sentence_boundaries": bool(
-                    recipe.shard.get("sentence_boundaries", kind == "bert-wordpiece")
-                ),
+                "sentence_boundaries": _sentence_boundaries(recipe),
                 "split": {"valid_every": valid_every, "by": "sha256(doc_id)"},
                 "splits": {
                     s: {**result["counts"][s], "shards": result["shards"][s]}
@@ -557,6 +567,21 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
     stats.cpu_seconds += result["cpu_seconds"]
     stats.peak_rss_mb = max(stats.peak_rss_mb, result["peak_rss_mb"])
     return stats
+
+
+# The stages in their order, each with what runs it.
+STAGE_RUNS = {
+    "ingest": _ingest,
+    "clean": _clean,
+    "tokenizer": _build_tokenizer,
+    "filter": _filter,
+    "dedup": _dedup,
+    "holdout": _holdout,
+    "decontaminate": _decontaminate,
+    "tokenize": _tokenize,
+    "shard": _shard,
+}
+STAGES = tuple(STAGE_RUNS)
 
 
 def run_recipe(

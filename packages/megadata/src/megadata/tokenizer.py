@@ -10,6 +10,7 @@ import hashlib
 import itertools
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import (
@@ -23,9 +24,33 @@ from tokenizers import (
 )
 
 from megadata.encode import bert_pieces, gpt2_pieces
+from megadata.settings import PositiveNumber, load, readable_by_key
 
 EOD_TOKEN = {"gpt2-bpe": "<|endoftext|>", "bert-wordpiece": "[SEP]"}
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+DEFAULT_VOCAB_SIZE = 8192  # what a tokenizer is trained to when the recipe names no size
+
+
+@readable_by_key
+@dataclass(frozen=True)
+class TokenizerSettings:
+    """The recipe's `[tokenizer]` section: the files of a tokenizer, or what to train."""
+
+    kind: str = "gpt2-bpe"  # or "bert-wordpiece"
+    # Trained to DEFAULT_VOCAB_SIZE when None; a loaded tokenizer is checked against it if set.
+    vocab_size: int | None = None
+    lowercase: bool = True  # WordPiece's normalizer
+    train_mb: PositiveNumber | None = None  # learnt from the first MB of cleaned text (all: None)
+    # Files (relative to the recipe): GPT-2's vocab.json and merges.txt, BERT's vocab.txt, or
+    # a whole tokenizer.json.
+    vocab: str | None = None
+    merges: str | None = None
+    tokenizer_json: str | None = None
+
+    def __post_init__(self):
+        _check_kind(self.kind)
 
 
 def _check_kind(kind: str) -> None:
@@ -176,31 +201,37 @@ def _learn_wordpiece(words: Counter, vocab_size: int) -> Tokenizer:
 
 
 def build_tokenizer(
-    config: dict, texts: Iterable[str], base: Path, words: Counter | None = None
+    config: TokenizerSettings, texts: Iterable[str], base: Path, words: Counter | None = None
 ) -> Tokenizer:
     """The recipe's tokenizer: loaded from the files it names, else trained on `texts`
     (or on `words`, counted already by `count_words`)."""
-    kind = config.get("kind", "gpt2-bpe")
-    _check_kind(kind)
-    lowercase = bool(config.get("lowercase", True))
+    config = load(TokenizerSettings, config, "[tokenizer]")
+    kind, lowercase = config.kind, config.lowercase
 
     def path(key):
-        p = Path(config[key])
+        if getattr(config, key) is None:
+            raise FileNotFoundError(f"tokenizer.{key}: no file given")
+        p = Path(getattr(config, key))
         p = p if p.is_absolute() else base / p
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer.{key}: {p} does not exist")
         return p
 
-    if "tokenizer_json" in config:
+    if config.tokenizer_json is not None:
         tok = Tokenizer.from_file(str(path("tokenizer_json")))
-    elif kind == "gpt2-bpe" and ("vocab" in config or "merges" in config):
+    elif kind == "gpt2-bpe" and (config.vocab is not None or config.merges is not None):
         tok = _gpt2_from_files(path("vocab"), path("merges"))
-    elif kind == "bert-wordpiece" and "vocab" in config:
+    elif kind == "bert-wordpiece" and config.vocab is not None:
         tok = _bert_from_vocab(path("vocab"), lowercase)
     else:
         words = count_words(kind, texts, lowercase) if words is None else words
-        tok = _train(kind, words, int(config.get("vocab_size", 8192)), lowercase)
-        config = {**config, "vocab_size": None}  # a target for training, met or not
+        tok = _train(
+            kind,
+            words,
+            DEFAULT_VOCAB_SIZE if config.vocab_size is None else config.vocab_size,
+            lowercase,
+        )
+        config = replace(config, vocab_size=None)  # a target for training, met or not
     check_tokenizer(tok, config, where="tokenizer")
     if kind == "bert-wordpiece":
         cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
@@ -208,15 +239,15 @@ def build_tokenizer(
     return tok
 
 
-def check_tokenizer(tok: Tokenizer, config: dict, where: str) -> None:
+def check_tokenizer(tok: Tokenizer, config: TokenizerSettings, where: str) -> None:
     """Refuse a tokenizer without the end-of-document token or with another vocab size."""
-    kind = config.get("kind", "gpt2-bpe")
+    kind = config.kind
     eod = EOD_TOKEN[kind]
     if tok.token_to_id(eod) is None:
         raise ValueError(
             f"{where}: the vocabulary has no {eod!r} token, which a {kind} corpus needs"
         )
-    want = config.get("vocab_size")
+    want = config.vocab_size
     have = tok.get_vocab_size(with_added_tokens=True)
     if want is not None and int(want) != have:
         raise ValueError(

@@ -4,8 +4,9 @@ newspaper3k."""
 from collections.abc import Iterator
 from pathlib import Path
 
+from megadata.sources.options import DEFAULT_MAX_DOC_BYTES
 from megadata.sources.problems import Notes, too_large
-from megadata.sources.reading import BOM, DEFAULT_MAX_DOC_BYTES, open_binary, read_at_most
+from megadata.sources.reading import BOM, open_binary, read_at_most
 
 
 def extract_html(html: str | bytes, url: str = "") -> dict:

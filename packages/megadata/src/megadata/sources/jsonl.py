@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megadata.file_pieces import Piece
+from megadata.sources.options import DEFAULT_MAX_DOC_BYTES
 from megadata.sources.problems import Notes, decode
-from megadata.sources.reading import DEFAULT_MAX_DOC_BYTES, lines_within
+from megadata.sources.reading import lines_within
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _FIELDS = ("text", "url", "title", "source")

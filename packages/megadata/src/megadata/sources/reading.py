@@ -10,7 +10,6 @@ from pathlib import Path
 from megadata.file_pieces import Piece, open_lines
 from megadata.sources.problems import Notes, too_large
 
-DEFAULT_MAX_DOC_BYTES = 16 * 2**20  # 3x the crawler's page cap; Wikipedia's longest is ~1 MB
 _CHUNK = 1 << 20
 BOM = b"\xef\xbb\xbf"
 

@@ -5,10 +5,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megadata.file_pieces import Piece
+from megadata.sources.options import DEFAULT_MAX_DOC_BYTES
 from megadata.sources.problems import Notes, decode, too_large, without_nul
 from megadata.sources.reading import (
     BOM,
-    DEFAULT_MAX_DOC_BYTES,
     lines_within,
     open_binary,
     read_at_most,

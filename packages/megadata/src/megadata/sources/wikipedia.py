@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megadata.file_pieces import Bz2Streams, Piece, WholeFile, XmlRange
+from megadata.sources.options import DEFAULT_MAX_DOC_BYTES
 from megadata.sources.problems import Notes, too_large
-from megadata.sources.reading import DEFAULT_MAX_DOC_BYTES, open_binary
+from megadata.sources.reading import open_binary
 from megadata.sources.wiki_markup import wikitext_to_text
 
 

@@ -22,9 +22,11 @@ recipe names; a blank line still ends a paragraph.
 
 import functools
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megadata.documents import read_table, write_kept
+from megadata.settings import load, readable_by_key
 from megadata.unicode_fix import fix_text
 
 DETECTORS = ("fasttext", "langdetect")
@@ -32,6 +34,20 @@ DEFAULT_DETECTOR = "langdetect"
 DETECT_CHARS = 2000  # both detectors read the start of a document: enough to tell English
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _SPACES = re.compile(r"[ \t]+")
+
+
+@readable_by_key
+@dataclass(frozen=True)
+class CleanSettings:
+    """The recipe's `[clean]` section."""
+
+    detector: str = DEFAULT_DETECTOR
+    min_english_prob: float = 0.9  # 0: no language filter
+    seed: int = 0  # langdetect's, which is random without it
+    join_lines_sources: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_detector(self.detector)
 
 
 def check_detector(name) -> str:
@@ -94,11 +110,10 @@ def english_probability(
     return next((lang.prob for lang in langs if lang.lang == "en"), 0.0)
 
 
-def clean_partition(in_path: str, out_path: str, options: dict) -> dict:
-    lang_threshold = float(options.get("min_english_prob", 0.9))
-    seed = int(options.get("seed", 0))
-    detector = check_detector(options.get("detector", DEFAULT_DETECTOR))
-    join_sources = set(options.get("join_lines_sources", []))
+def clean_partition(in_path: str, out_path: str, settings: CleanSettings) -> dict:
+    settings = load(CleanSettings, settings, "[clean]")
+    lang_threshold, seed = float(settings.min_english_prob), settings.seed
+    detector, join_sources = settings.detector, set(settings.join_lines_sources)
     texts, keep, extra, bytes_in = [], [], {"not_english": 0, "empty": 0}, 0
     table = read_table(Path(in_path))
     for doc in table.select(["source", "text"]).to_pylist():

@@ -50,7 +50,9 @@ import json
 import logging
 import re
 from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import click
 import numpy as np
@@ -67,6 +69,7 @@ from megadata.documents import (
     write_table,
 )
 from megadata.ngrams import EvalIndex, build_index, ngram_hashes, sorted_distinct
+from megadata.settings import Check, Fraction, PositiveInt, load, readable_by_key
 from megadata.shuffle import read_shuffled, write_shuffled
 from megadata.wikitext_format import split_articles
 
@@ -74,17 +77,6 @@ log = logging.getLogger("megadata.decontaminate")
 
 EVAL_KINDS = ("wikitext", "lambada", "text")
 HOLDOUT_PREFIX = "@holdout/"
-DEFAULTS = {
-    "eval_sets": [],
-    "ngram": 8,
-    "fpr": 1e-3,
-    "seed": 0,
-    "article_overlap": 0.5,
-    "copy_overlap": 0.8,
-    "max_doc_overlap": None,
-    "train_bloom": False,  # also build the reusable Bloom filter of the training 8-grams
-    "bloom_shards": 8,  # its shards, one file and one task each
-}
 _WORD = re.compile(r"[^\W_]+")  # \w+ less "_": Moses splits add_argument as add _ argument
 
 
@@ -102,42 +94,38 @@ def normalise_title(title: str) -> str:
     return " ".join(_WORD.findall(title.lower()))
 
 
-def settings(section: dict) -> dict:
-    """The `[decontaminate]` section with defaults filled in; a bad value names its field."""
-    unknown = sorted(set(section) - set(DEFAULTS))
-    if unknown:
-        raise EvalSetError(
-            f"[decontaminate]: unknown field(s) {unknown}; expected {sorted(DEFAULTS)}"
-        )
-    cfg = {**DEFAULTS, **section}
-    for key in ("article_overlap", "copy_overlap", "max_doc_overlap"):
-        value = cfg[key]
-        if value is not None and not (isinstance(value, int | float) and 0 <= value <= 1):
-            raise EvalSetError(f"[decontaminate] {key} must be a fraction in [0, 1], got {value!r}")
-    if not isinstance(cfg["train_bloom"], bool):
-        raise EvalSetError(
-            f"[decontaminate] train_bloom must be true or false, got {cfg['train_bloom']!r}"
-        )
-    shards = cfg["bloom_shards"]
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise EvalSetError(
-            f"[decontaminate] bloom_shards must be a positive integer, got {cfg['bloom_shards']!r}"
-        )
-    if not isinstance(cfg["ngram"], int) or cfg["ngram"] < 1:
-        raise EvalSetError(
-            f"[decontaminate] ngram must be a positive integer, got {cfg['ngram']!r}"
-        )
-    if not isinstance(cfg["eval_sets"], list):
-        raise EvalSetError("[decontaminate] eval_sets must be a list of {name, kind, path} tables")
-    return cfg
+@readable_by_key
+@dataclass(frozen=True)
+class DecontaminateSettings:
+    """The recipe's `[decontaminate]` section."""
+
+    eval_sets: Annotated[list, Check("a list of {name, kind, path} tables")] = field(
+        default_factory=list
+    )
+    ngram: PositiveInt = 8
+    fpr: float = 1e-3
+    seed: int = 0
+    article_overlap: Fraction = 0.5
+    copy_overlap: Fraction = 0.8
+    max_doc_overlap: Fraction | None = None
+    train_bloom: bool = False  # also build the reusable Bloom filter of the training 8-grams
+    bloom_shards: PositiveInt = 8  # its shards, one file and one task each
 
 
-def resolve_eval_sets(cfg: dict, recipe_dir: Path, holdout_dir: Path | None) -> list[dict]:
+def settings(section) -> DecontaminateSettings:
+    """The `[decontaminate]` section (a table) with defaults filled in; a bad value names its
+    field."""
+    return load(DecontaminateSettings, section, "[decontaminate]")
+
+
+def resolve_eval_sets(
+    cfg: DecontaminateSettings, recipe_dir: Path, holdout_dir: Path | None
+) -> list[dict]:
     """[{name, kind, path, as_given}]: the file to read and the path as the recipe wrote it
     (the report shows that one, so it is the same wherever the corpus is built); a missing
     file is an error naming its recipe field."""
     resolved, names = [], set()
-    for i, spec in enumerate(cfg["eval_sets"]):
+    for i, spec in enumerate(cfg.eval_sets):
         field = f"decontaminate.eval_sets[{i}]"
         if not isinstance(spec, dict) or any(k not in spec for k in ("name", "kind", "path")):
             raise EvalSetError(f"{field} must have name, kind and path; got {spec!r}")
@@ -188,7 +176,7 @@ def read_eval_set(kind: str, path: Path) -> tuple[list[dict], dict]:
     return [u for u in units if u["text"].strip()], problems
 
 
-def prepare_eval_sets(eval_sets: list[dict], out_dir: str, cfg: dict) -> dict:
+def prepare_eval_sets(eval_sets: list[dict], out_dir: str, cfg: DecontaminateSettings) -> dict:
     """Read every evaluation set once into `eval_sets.json` and index its n-grams
     (`eval_index.npz`, `eval_articles.json`: megadata.ngrams)."""
     out_dir = Path(out_dir)
@@ -203,7 +191,7 @@ def prepare_eval_sets(eval_sets: list[dict], out_dir: str, cfg: dict) -> dict:
                 spec["path"],
             )
         prepared.append({**spec, "units": units, "problems": problems})
-    index, articles = build_index(prepared, cfg["ngram"])
+    index, articles = build_index(prepared, cfg.ngram)
     index.save(out_dir / "eval_index.npz")
     atomic_write_json(out_dir / "eval_articles.json", articles)
     atomic_write_json(out_dir / "eval_sets.json", prepared)
@@ -232,7 +220,11 @@ def _cached_eval_index(path: str, _mtime_ns: int):
 
 
 def contamination(
-    doc: dict, hashes: np.ndarray, prep_dir: str, cfg: dict, in_eval: np.ndarray | None = None
+    doc: dict,
+    hashes: np.ndarray,
+    prep_dir: str,
+    cfg: DecontaminateSettings,
+    in_eval: np.ndarray | None = None,
 ) -> dict | None:
     """Why `doc` (whose distinct n-gram hashes are `hashes`) must leave the training set,
     or None.
@@ -261,16 +253,16 @@ def contamination(
 
     title = normalise_title(doc["title"])
     for a in by_title.get(title, []) if title else []:
-        if share(a) > cfg["article_overlap"]:
+        if share(a) > cfg.article_overlap:
             return found("title+content", a)
     if hits.any():
         shares = hits / grams
         best = int(np.argmax(shares))  # the first of the highest, as before
-        if share(best) > cfg["copy_overlap"]:
+        if share(best) > cfg.copy_overlap:
             return found("content", best)
-    if cfg["max_doc_overlap"] is not None and len(hashes):
+    if cfg.max_doc_overlap is not None and len(hashes):
         share_in_eval = len(in_eval) / len(hashes)
-        if share_in_eval > cfg["max_doc_overlap"]:
+        if share_in_eval > cfg.max_doc_overlap:
             return {
                 "reason": "doc_overlap",
                 "set": None,
@@ -284,7 +276,7 @@ def remove_partition(
     in_path: str,
     out_path: str,
     prep_dir: str,
-    cfg: dict,
+    cfg: DecontaminateSettings,
     found_path: str | None = None,
     digests_path: str | None = None,
 ) -> dict:
@@ -296,7 +288,7 @@ def remove_partition(
     index = _eval_index(prep_dir)[0]
     kept, removed, found, train_ngrams = [], [], [], 0
     for doc in docs:
-        hashes = ngram_hashes(doc["text"], cfg["ngram"])
+        hashes = ngram_hashes(doc["text"], cfg.ngram)
         in_eval = index.found(hashes)
         why = contamination(doc, hashes, prep_dir, cfg, in_eval)
         if why is None:
@@ -327,32 +319,34 @@ def remove_partition(
     }
 
 
-def _train_bloom(cfg: dict) -> BloomFilter:
+def _train_bloom(cfg: DecontaminateSettings) -> BloomFilter:
     """A filter that only hashes: every shard's filter uses the same seed, so the same
     digests."""
-    return BloomFilter(1, cfg["fpr"], cfg["seed"])
+    return BloomFilter(1, cfg.fpr, cfg.seed)
 
 
-def _write_digests(docs: list[dict], path: str, cfg: dict) -> None:
+def _write_digests(docs: list[dict], path: str, cfg: DecontaminateSettings) -> None:
     """The map side of the sharded training filter: each document's distinct n-grams as
     digests, grouped by the shard that holds them."""
-    grams = [g.encode() for d in docs for g in word_ngrams(d["text"], cfg["ngram"])]
+    grams = [g.encode() for d in docs for g in word_ngrams(d["text"], cfg.ngram)]
     h = _train_bloom(cfg).digests(grams) if grams else np.zeros((0, 2), np.uint64)
-    shards = cfg["bloom_shards"]
+    shards = cfg.bloom_shards
     columns = {"h1": pa.array(h[:, 0], pa.uint64()), "h2": pa.array(h[:, 1], pa.uint64())}
     write_shuffled(path, columns, shard_of(h, shards).astype(np.int64), shards)
 
 
-def build_bloom_shard(digest_paths: list[str], shard: int, out_dir: str, cfg: dict) -> dict:
+def build_bloom_shard(
+    digest_paths: list[str], shard: int, out_dir: str, cfg: DecontaminateSettings
+) -> dict:
     """The reduce side: shard `shard` of the training filter from its digests alone, sized
     for them, saved as one file."""
-    shards = cfg["bloom_shards"]
+    shards = cfg.bloom_shards
     table = read_shuffled(digest_paths, shard, shards)
     h = np.column_stack(
         [table.column(c).to_numpy().astype(np.uint64) for c in ("h1", "h2")]
     ).reshape(-1, 2)
-    meta = {"ngram": cfg["ngram"], "shard": shard, "shards": shards}
-    bloom = BloomFilter(max(1, len(h)), cfg["fpr"], cfg["seed"], meta)
+    meta = {"ngram": cfg.ngram, "shard": shard, "shards": shards}
+    bloom = BloomFilter(max(1, len(h)), cfg.fpr, cfg.seed, meta)
     bloom.add_digests(h)
     bloom.save(Path(out_dir) / SHARD_FILE.format(shard=shard, shards=shards))
     return {"extra": {"added": len(h)}}
@@ -375,7 +369,7 @@ def write_report(
     parts: list[str],
     prep_dir: str,
     reports: str,
-    cfg: dict,
+    cfg: DecontaminateSettings,
     removal: dict,
     found_paths: list[str],
     bloom_dir: str | None = None,
@@ -397,7 +391,7 @@ def write_report(
         row.update(units=len(s["units"]), ngrams=len(rows), found=found)
         row["overlap_percent"] = round(100 * found / len(rows), 2) if len(rows) else None
         if bloom_dir is not None:
-            by_bloom = set_overlap(bloom_dir, s["units"], cfg["ngram"])
+            by_bloom = set_overlap(bloom_dir, s["units"], cfg.ngram)
             row["bloom_found"] = by_bloom["found"]
             row["bloom_overlap_percent"] = by_bloom["overlap_percent"]
         if row["overlap_percent"] is None:
@@ -408,17 +402,17 @@ def write_report(
         _, totals = contains_sharded(bloom_dir, [])
         name = Path(bloom_dir).relative_to(reports).as_posix() + "/"
         train.update(bloom=name, **{k: totals[k] for k in ("shards", "m", "capacity", "added")})
-        train["fpr"] = cfg["fpr"]
+        train["fpr"] = cfg.fpr
     removed = [r for p in parts for r in read_meta(Path(p)).get("removed", [])]
     atomic_write_json(
         reports / "decontamination.json",
         {
-            "ngram": cfg["ngram"],
+            "ngram": cfg.ngram,
             "order": "documents removed first; overlap measured on the remaining training corpus",
             "method": "exact: distinct n-grams of each evaluation set found in the training "
             "documents (64-bit n-gram hashes)"
             + ("; bloom_*: the same by the training Bloom filter" if bloom_dir else ""),
-            "settings": {k: v for k, v in cfg.items() if k != "eval_sets"},
+            "settings": {k: v for k, v in asdict(cfg).items() if k != "eval_sets"},
             "train": train,
             "eval_sets": measured,
             "counts": {

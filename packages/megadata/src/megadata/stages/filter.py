@@ -6,12 +6,22 @@ tokenize stage takes them from there instead of encoding the corpus a second tim
 stages between only remove documents, never change a text).
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
 from megadata.documents import read_table, text_bytes, write_kept, write_table
 from megadata.encode import DEFAULT_SPLITTER, token_table
+from megadata.settings import readable_by_key
+
+
+@readable_by_key
+@dataclass(frozen=True)
+class FilterSettings:
+    """The recipe's `[filter]` section."""
+
+    min_tokens: int = 128  # the paper's
 
 
 def filter_partition(

@@ -25,7 +25,9 @@ import hashlib
 import json
 import logging
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 
@@ -38,15 +40,9 @@ from megadata.documents import (
     write_kept,
 )
 from megadata.encode import DEFAULT_SPLITTER, split_sentences
+from megadata.settings import Check, PositiveInt, load, readable_by_key
 from megadata.wikitext_format import format_article, paragraphs, title_from_text
 
-DEFAULTS = {
-    "every": 40,
-    "sources": [],
-    "lambada_per_doc": 10,
-    "lambada_min_words": 60,
-    "lambada_max_words": 120,
-}
 LARGE_EVAL_BYTES = 1 << 30  # held-out text past which a warning says to hold out less
 log = logging.getLogger("megadata.holdout")
 _TARGET = re.compile(r"[A-Za-z]+")
@@ -54,24 +50,29 @@ _TRAILING = re.compile(r"\W+$")
 _LEADING = re.compile(r"^[^\w\"'(]+")  # stray markup before a passage's first sentence
 
 
-def settings(section: dict) -> dict:
-    """The `[holdout]` section with defaults filled in; a bad value names its field."""
-    unknown = sorted(set(section) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"[holdout]: unknown field(s) {unknown}; expected {sorted(DEFAULTS)}")
-    cfg = {**DEFAULTS, **section}
-    for key in ("every", "lambada_per_doc", "lambada_min_words", "lambada_max_words"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ValueError(f"[holdout] {key} must be a positive integer, got {cfg[key]!r}")
-    if cfg["every"] < 2:
-        raise ValueError("[holdout] every must be >= 2 (1 would hold out everything)")
-    if cfg["lambada_min_words"] > cfg["lambada_max_words"]:
-        raise ValueError("[holdout] lambada_min_words must not exceed lambada_max_words")
-    if not isinstance(cfg["sources"], list) or not all(isinstance(s, str) for s in cfg["sources"]):
-        raise ValueError(
-            f"[holdout] sources must be a list of source names, got {cfg['sources']!r}"
-        )
-    return cfg
+@readable_by_key
+@dataclass(frozen=True)
+class HoldoutSettings:
+    """The recipe's `[holdout]` section."""
+
+    every: PositiveInt = 40  # 1 in `every` documents is held out
+    sources: Annotated[list[str], Check("a list of source names")] = field(
+        default_factory=list
+    )  # only documents of these sources (empty: of all)
+    lambada_per_doc: PositiveInt = 10
+    lambada_min_words: PositiveInt = 60
+    lambada_max_words: PositiveInt = 120
+
+    def __post_init__(self):
+        if self.every < 2:
+            raise ValueError("[holdout] every must be >= 2 (1 would hold out everything)")
+        if self.lambada_min_words > self.lambada_max_words:
+            raise ValueError("[holdout] lambada_min_words must not exceed lambada_max_words")
+
+
+def settings(section) -> HoldoutSettings:
+    """The `[holdout]` section (a table) with defaults filled in; a bad value names its field."""
+    return load(HoldoutSettings, section, "[holdout]")
 
 
 def is_held_out(doc_id: str, every: int) -> bool:
@@ -96,7 +97,7 @@ def split_partition(
     every: int,
     sources: list[str],
     formatted_path: str | None = None,
-    cfg: dict | None = None,
+    cfg: HoldoutSettings | None = None,
     splitter: str = DEFAULT_SPLITTER,
 ) -> dict:
     """The partition less its held-out documents, and those documents; with
@@ -118,7 +119,9 @@ def split_partition(
     return _counts(docs, kept, {"held_out": len(held)})
 
 
-def format_held(docs: list[dict], cfg: dict, splitter: str = DEFAULT_SPLITTER) -> list[dict]:
+def format_held(
+    docs: list[dict], cfg: HoldoutSettings, splitter: str = DEFAULT_SPLITTER
+) -> list[dict]:
     """Each held-out document as its WikiText article and LAMBADA passages, with the
     figures holdout.json lists."""
     rows = []
@@ -127,9 +130,9 @@ def format_held(docs: list[dict], cfg: dict, splitter: str = DEFAULT_SPLITTER) -
         article = format_article(title, doc["text"])
         passages = lambada_passages(
             doc["text"],
-            cfg["lambada_min_words"],
-            cfg["lambada_max_words"],
-            cfg["lambada_per_doc"],
+            cfg.lambada_min_words,
+            cfg.lambada_max_words,
+            cfg.lambada_per_doc,
             splitter,
         )
         rows.append(
@@ -177,7 +180,7 @@ def lambada_passages(
 
 
 def write_eval_files(
-    formatted_parts: list[str], eval_dir: str, cfg: dict, split: dict, splitter: str
+    formatted_parts: list[str], eval_dir: str, cfg: HoldoutSettings, split: dict, splitter: str
 ) -> dict:
     """wiki.test.tokens, lambada.jsonl and holdout.json from the held-out documents as
     `split_partition` formatted them (NAME.eval.json beside NAME.arrow), partition after
@@ -214,11 +217,11 @@ def write_eval_files(
             "holdout: %d MB of held-out text in %s; decontamination indexes the evaluation "
             "sets' 8-grams in every worker's memory (about 25 bytes a word): raise [holdout] "
             "every (now %d) for a corpus this large",
-            text_bytes_out // 10**6, eval_dir / "wiki.test.tokens", cfg["every"],
+            text_bytes_out // 10**6, eval_dir / "wiki.test.tokens", cfg.every,
         )  # fmt: skip
     summary = {
-        "every": cfg["every"],
-        "sources": cfg["sources"],
+        "every": cfg.every,
+        "sources": cfg.sources,
         "by": 'sha256("holdout:" + doc_id)',
         "counts": {"docs_in": split["docs_in"], **counts},
         "files": ["wiki.test.tokens", "lambada.jsonl"],

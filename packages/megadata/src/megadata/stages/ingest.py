@@ -39,10 +39,11 @@ from pathlib import Path
 
 from megadata.documents import atomic_write_bytes, text_bytes, write_docs
 from megadata.file_pieces import Piece
+from megadata.settings import load
 from megadata.sources.html import read_html
 from megadata.sources.jsonl import read_jsonl
+from megadata.sources.options import SourceOptions
 from megadata.sources.problems import PROBLEMS_DIR, WARNINGS_PER_FILE, Notes
-from megadata.sources.reading import DEFAULT_MAX_DOC_BYTES
 from megadata.sources.text import read_text
 from megadata.sources.wikipedia import read_wikipedia
 
@@ -59,26 +60,20 @@ __all__ = [
 ]
 
 
-def _max_doc_bytes(options: dict) -> int:
-    value = options.get("max_doc_bytes", DEFAULT_MAX_DOC_BYTES)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"max_doc_bytes must be a positive integer, got {value!r}")
-    return value
-
-
 def read_source_file(
     kind: str,
     path: Path,
-    options: dict,
+    options: SourceOptions,
     problems: dict,
     listed: list | None = None,
     piece: Piece | None = None,
 ) -> Iterator[dict]:
     """The documents of a file (of its `piece`: megadata.file_pieces); a document's
     "_key", when it has one, names it within the file (ingest_file makes it the doc_id)."""
-    limits = {"max_doc_bytes": _max_doc_bytes(options), "listed": listed}
+    options = load(SourceOptions, options, "source")
+    limits = {"max_doc_bytes": options.max_doc_bytes, "listed": listed}
     if kind == "text":
-        return read_text(path, options.get("split", "file"), problems, **limits, piece=piece)
+        return read_text(path, options.split, problems, **limits, piece=piece)
     if kind == "jsonl":
         return read_jsonl(path, problems, **limits, piece=piece)
     if kind == "html":
@@ -98,7 +93,7 @@ def _cut_short(e: BaseException, path: Path) -> bool:
 def ingest_file(
     source: str,
     kind: str,
-    options: dict,
+    options: SourceOptions,
     path: str,
     file_index: int,
     out_dir: str,

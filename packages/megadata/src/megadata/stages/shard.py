@@ -15,6 +15,7 @@ plan gives it.  The bytes are those of writing the partitions one after the othe
 """
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,10 +23,21 @@ import pyarrow.compute as pc
 
 from megadata.documents import atomic_write_json, read_table, write_table
 from megadata.runner import Runner, Task, task_counts
+from megadata.settings import PositiveInt, readable_by_key
 from megadata.tokenizer import sha256_file
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "valid")
+
+
+@readable_by_key
+@dataclass(frozen=True)
+class ShardSettings:
+    """The recipe's `[shard]` section."""
+
+    valid_every: PositiveInt = 30  # 1 in `valid_every` documents in valid/: the paper's 29:1
+    shard_tokens: PositiveInt = 1 << 20
+    sentence_boundaries: bool | None = None  # keep sentence ends; None: for a BERT corpus
 
 
 def is_valid_doc(doc_id: str, valid_every: int) -> bool:

@@ -68,12 +68,14 @@ This module runs steps 2-9 (`find_duplicates`) and holds step 10; the steps live
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from megadata.documents import drop_rows, read_meta, read_table
 from megadata.runner import Runner, Task
+from megadata.settings import Fraction, PositiveInt, readable_by_key
 from megadata.stages.dedup.components import (
     _local_roots,
     component_firsts,
@@ -94,6 +96,7 @@ from megadata.stages.dedup.verify import jaccard, verify_against_first, verify_r
 # callers (the recipe, benchmarks, tests) reach its helpers through the package.
 __all__ = [
     "REMOVED_NODES",
+    "DedupSettings",
     "_local_roots",
     "choose_bands",
     "find_duplicates",
@@ -103,6 +106,18 @@ __all__ = [
     "signature_partition",
     "write_removed_nodes",
 ]
+
+
+@readable_by_key
+@dataclass(frozen=True)
+class DedupSettings:
+    """The recipe's `[dedup]` section."""
+
+    threshold: Fraction = 0.7  # verified Jaccard above it: a duplicate
+    num_perm: PositiveInt = 128  # MinHash permutations
+    shingle_words: PositiveInt = 2  # words per shingle
+    seed: int = 1  # of the permutations
+
 
 # S, the number of buckets, pair shards, node shards and component shards, grows with the
 # documents rather than the partitions: a shard's task costs a file read per partition plus
