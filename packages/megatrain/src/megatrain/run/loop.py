@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore.optimizer import NonFiniteLossGuard
+from megatrain.accounting import flops_per_iteration
 from megatrain.checkpoint.files import LATEST
 from megatrain.checkpoint.load import load_checkpoint
 from megatrain.checkpoint.save import save_checkpoint
 from megatrain.config import Config
-from megatrain.models import flops_per_iteration
 from megatrain.run import failures
 from megatrain.run.distributed import init_distributed
 from megatrain.run.metrics import RunLog, device_peak_tflops
@@ -113,9 +113,7 @@ def resume(run: Run) -> None:
         load = c.save
     rank0 = dist.get_rank() == 0
     after = f"restart {restart} after a failed worker: " if restart else ""
-    if not load or (
-        load == c.save and not os.path.exists(os.path.join(load, LATEST))
-    ):
+    if not load or (load == c.save and not os.path.exists(os.path.join(load, LATEST))):
         if rank0 and (load or restart):
             where = f" in {load}" if load else ""
             print(
