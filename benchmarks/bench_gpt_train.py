@@ -22,7 +22,7 @@ right after one of ours than after one of its own; `--block 1` shows that.
 
 Reported per model: tokens/s (median over the timed steps; total tokens / total
 time; the fastest step), ms/step, model TFLOP/s of the median step by the paper's
-count (`model_flops_per_iteration`; no recompute, so HFU = MFU; the same formula
+count (`gpt_model_flops_per_iteration`; no recompute, so HFU = MFU; the same formula
 for HF, same shape), MFU against a measured fp32 matmul rate (`megatrain.metrics.
 measured_matmul_tflops`, what `megatrain run` takes as a CPU's peak; measured
 before and after the steps, the higher kept), parameters, page faults and system
@@ -52,10 +52,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacore import parallel_state as ps
+from megatrain.accounting import gpt_model_flops_per_iteration, gpt_parameters
 from megatrain.config import load_config
 from megatrain.data.corpus import open_corpus
 from megatrain.data.samples import GPTBatches
-from megatrain.models.gpt import model_flops_per_iteration, num_parameters
 from megatrain.run.metrics import measured_matmul_tflops
 from megatrain.run.setup import build_run
 from megatrain.run.step import lr_for, train_step
@@ -376,7 +376,7 @@ def main() -> None:
         hf_batches = loader(corpus, VOCAB, SEQ, BATCH, args.seed)
         hf = HFTrainer(config, hf_batches, args.seed, vocab_size=run.model_config.vocab_size)
         peaks = [measured_matmul_tflops()]
-        flops = model_flops_per_iteration(run.model_config, BATCH, SEQ)  # no recompute: = HFU
+        flops = gpt_model_flops_per_iteration(run.model_config, BATCH, SEQ)  # no recompute: = HFU
 
         # Both loaders are GPTBatches over one corpus and seed; check every step's batch agrees.
         run.train_data = Recorder(run.train_data)
@@ -484,14 +484,14 @@ def main() -> None:
                 "batches": "identical: two GPTBatches over the same synthetic corpus and seed; "
                 f"the digests of all {len(ours_digests)} batches of each model were compared",
                 "flops_per_step": flops,
-                "flops_formula": "model_flops_per_iteration (72 B s l h^2 (1 + s/6h + V/12lh)), "
-                "both models; no recompute, so HFU = MFU",
+                "flops_formula": "gpt_model_flops_per_iteration (72 B s l h^2 (1 + s/6h + V/12lh)),"
+                " both models; no recompute, so HFU = MFU",
                 "peak_tflops": peak,
                 "peak_tflops_measurements": peaks,
                 "peak_source": f"megatrain.metrics.measured_matmul_tflops(): fp32 2048^3 matmul, "
                 f"{torch.get_num_threads()} threads",
             },
-            "num_parameters_formula": num_parameters(run.model_config),
+            "num_parameters_formula": gpt_parameters(run.model_config),
             "first_loss": {"megatrain": losses["megatrain"][0], "hf": losses["hf"][0]},
             "ln_vocab": math.log(VOCAB),
             "megatrain": results["megatrain"],

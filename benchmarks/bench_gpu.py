@@ -56,13 +56,13 @@ from bench_gpt_train import (
 )
 
 from megacore import parallel_state as ps
+from megatrain.accounting import (
+    gpt_hardware_flops_per_iteration,
+    gpt_model_flops_per_iteration,
+    gpt_parameters,
+)
 from megatrain.config import load_config
 from megatrain.memory import cheapest_recompute
-from megatrain.models.gpt import (
-    hardware_flops_per_iteration,
-    model_flops_per_iteration,
-    num_parameters,
-)
 from megatrain.run.metrics import device_peak_tflops, measured_matmul_tflops
 from megatrain.run.setup import build_run
 from megatrain.run.step import train_step
@@ -309,9 +309,11 @@ def main() -> None:
         dist.destroy_process_group()
         tmp.cleanup()
 
-    flops = model_flops_per_iteration(model_config, batch, seq)  # the same work on both sides
+    flops = gpt_model_flops_per_iteration(model_config, batch, seq)  # the same work on both sides
     for r in results.values():  # plus what each side recomputes
-        r["hardware_flops"] = hardware_flops_per_iteration(model_config, batch, seq, r["recompute"])
+        r["hardware_flops"] = gpt_hardware_flops_per_iteration(
+            model_config, batch, seq, r["recompute"]
+        )
     tokens = batch * seq
     report = {}
     for name, r in results.items():
@@ -345,7 +347,7 @@ def main() -> None:
             "compile": t.compile,
             "hidden_dropout": m.hidden_dropout,
             "attention_dropout": m.attention_dropout,
-            "parameters_formula": num_parameters(model_config),
+            "parameters_formula": gpt_parameters(model_config),
         },
         "method": {
             "device": str(device),
@@ -360,9 +362,12 @@ def main() -> None:
             else "identical: two GPTBatches over one synthetic corpus and seed; the digests "
             "of every batch were compared",
             "model_flops_per_step": flops,
-            "model_flops_formula": "72 B s l h^2 (1 + s/6h + V/12lh) (model_flops_per_iteration)",
-            "hardware_flops_formula": "hardware_flops_per_iteration: + 24 B s l h^2 + 4 B s^2 h l "
-            "(a forward of every layer) under full recompute, + 4 B s^2 h l under selective",
+            "model_flops_formula": (
+                "72 B s l h^2 (1 + s/6h + V/12lh) (gpt_model_flops_per_iteration)"
+            ),
+            "hardware_flops_formula": "gpt_hardware_flops_per_iteration: + 24 B s l h^2"
+            " + 4 B s^2 h l (a forward of every layer) under full recompute,"
+            " + 4 B s^2 h l under selective",
             "peak_tflops": peak,
             "peak_tflops_measurements": peaks,
             "peak_source": peak_source,

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.accounting import gpt_parameters as num_parameters
+from megatrain.accounting import parameter_count, parameters_per_gpu
 from megatrain.config import load_config
 from megatrain.memory import (
     GIB,
@@ -11,9 +13,8 @@ from megatrain.memory import (
     cheapest_recompute,
     estimate_memory_per_gpu,
     memory_breakdown,
-    parameters_per_gpu,
 )
-from megatrain.models import model_config, num_parameters, parameter_count
+from megatrain.models import model_config
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 GPT2_VOCAB = 50257

@@ -3,29 +3,19 @@
 An estimate of the steady state of training, per pipeline stage, in bytes:
 
 - **Weights and optimizer**: this stage's parameters on one TP rank (the sharded
-  matrices / tp, the replicated biases and LayerNorms whole) times the bytes per
-  parameter of megacore's optimizer (its module docstring): fp32 16 (weights and
-  grads 4 each, Adam's two moments 8); fp16/bf16 18 (16-bit weights 2, fp32 grads 4,
-  fp32 master and moments 12).  Under `use_distributed_optimizer` the fp32 state is
-  sharded over data parallelism: 8 + 8/d and 6 + 12/d.
-- **Activations** (Korthikanti et al. 2022, section 4; 16-bit activations, 1-byte
-  dropout masks) per layer per microbatch, s sequence, b micro batch, h hidden,
-  a heads, t tp:
-
-      none       s b h (34 + 5 a s / h)                     tp 1
-                 s b h (10 + 24/t + 5 a s / (h t))          tp t
-                 s b h (34/t + 5 a s / (h t))               tp t, sequence parallel
-      selective  the same without the 5 a s / h term (the attention core's s x s tensors)
-      full       2 s b h, the layer's input (/ t with sequence parallelism or
-                 distribute_saved_activations), plus one layer's "none" activations,
-                 rebuilt during its backward
-
-  times the stage's layers times the microbatches in flight: under 1F1B stage 0
-  holds pp of them (interleaved: times 1 + (pp - 1) / (pp vpp)), the last stage one;
-  without pipelining one.  Stage 0 adds the embedding dropout mask (s b h per
-  microbatch, / t with sequence parallelism); the last stage the output layer's
-  input, the final LayerNorm's and the fp32 logits the loss keeps (the paper's
-  4 s b h / t (1 + v / h)).  fp32 activations count twice the 16-bit bytes.
+  matrices / tp, the replicated biases and LayerNorms whole;
+  `accounting.parameters_per_gpu`) times the bytes per parameter of megacore's optimizer
+  (`accounting.state_bytes_per_parameter`): fp32 16, fp16/bf16 18, the fp32 state
+  sharded over data parallelism under `use_distributed_optimizer`.
+- **Activations**: Korthikanti et al. 2022's bytes per layer per microbatch
+  (`accounting.activations_per_layer`: none, selective, full) times the stage's layers
+  times the microbatches in flight: under 1F1B stage 0 holds pp of them (interleaved:
+  times 1 + (pp - 1) / (pp vpp)), the last stage one; without pipelining one.  Stage 0
+  adds the embedding dropout mask (s b h per microbatch, / t with sequence parallelism);
+  the last stage the output layer's input, the final LayerNorm's and the fp32 logits the
+  loss keeps (the paper's 4 s b h / t (1 + v / h)).  Under "full" the layer being
+  recomputed holds one layer's "none" activations besides.  fp32 activations count
+  twice the 16-bit bytes.
 
 Not counted: the CUDA context, library workspaces, communication buffers and
 fragmentation; `fits` keeps a headroom (10%) for them.  The 5 a s / h term is what
@@ -34,75 +24,20 @@ memory-efficient) keep only their output and a row statistic, so "none" is an
 upper bound there and the choice it leads to a safe one.
 """
 
+from megatrain.accounting import (
+    MASKED_LM_PROB,
+    activations_per_layer,
+    parameters_per_gpu,
+    state_bytes_per_parameter,
+)
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
-from megatrain.models.bert import MASKED_LM_PROB
-from megatrain.models.transformer import TransformerConfig
 from megatrain.plan.hardware import GIB as GIB  # re-exported: sizes in GiB
 from megatrain.plan.hardware import load_gpus
 
 # Memory of the GPUs configs are sized for: the GPU table of `megatrain plan` (plan/gpus.toml).
 GPU_MEMORY = {key: gpu.memory_bytes for key, gpu in load_gpus().items()}
 HEADROOM = 0.1
-
-
-def state_bytes_per_parameter(
-    precision: str, distributed_optimizer: bool, dp: int
-) -> dict[str, float]:
-    """megacore's optimizer table split by what holds the bytes: the model's weights (2 in
-    16 bits, 4 in fp32), the fp32 gradient buffer (4), and the optimizer's state (fp32 master
-    weights when the model is 16-bit, Adam's two moments: 12 or 8), sharded over dp by the
-    distributed optimizer."""
-    optimizer = 8 if precision == "fp32" else 12
-    return {
-        "weights": 4 if precision == "fp32" else 2,
-        "gradients": 4,
-        "optimizer_state": optimizer / dp if distributed_optimizer else optimizer,
-    }
-
-
-def _layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
-    """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
-    row-parallel biases and the LayerNorms whole (as `num_parameters` counts them, at tp 1)."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
-    return split // tp + replicated
-
-
-def parameters_per_gpu(cfg: TransformerConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
-    embeddings included).  At tp = pp = 1 this is the model's `parameter_count`.  A
-    bidirectional config is BERT: token types, and its heads on the last stage."""
-    h = cfg.hidden_size
-    count = cfg.num_layers // pp * _layer_parameters_per_rank(cfg, tp)
-    words = cfg.vocab_size * h // tp
-    if stage == 0:
-        count += words + (cfg.max_position_embeddings + cfg.num_tokentypes) * h
-        if cfg.block_order == "post_ln":
-            count += 2 * h  # the embeddings' LayerNorm
-    if stage == pp - 1:
-        if cfg.block_order == "pre_ln":
-            count += 2 * h  # final LayerNorm
-        if pp > 1:
-            count += words  # the output layer's copy of the word embeddings
-        if not cfg.causal:  # BERT's LM head (dense, LayerNorm, vocab-split bias), pooler, SOP
-            count += (h * h + h) + 2 * h + cfg.vocab_size // tp + (h * h + h) + (2 * h + 2)
-    return count
-
-
-def activations_per_layer(config: Config, recompute: str) -> float:
-    """Bytes one layer keeps for one microbatch (16-bit; module docstring)."""
-    m, p, t = config.model, config.parallel, config.training
-    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
-    tp = p.tensor_model_parallel_size
-    sp = p.sequence_parallel and tp > 1
-    if recompute == "full":
-        split_input = sp or (p.distribute_saved_activations and tp > 1)
-        return 2 * s * b * h / (tp if split_input else 1)
-    dense = 34 / tp if sp else 10 + 24 / tp
-    core = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
-    return s * b * h * (dense + core)
 
 
 def memory_breakdown(

@@ -7,19 +7,10 @@ GPT.
 
 from megacore import tensor_parallel as tp
 from megatrain.config import Config
-from megatrain.models import bert, gpt
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
-from megatrain.models.gpt import (
-    GPTConfig,
-    GPTModel,
-    build_gpt_chunks,
-    hardware_flops_per_iteration,
-    model_flops_per_iteration,
-    num_parameters,
-)
+from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
 from megatrain.models.transformer import TransformerConfig
 
-_MODULES = {"gpt": gpt, "bert": bert}
 _BUILDERS = {"gpt": build_gpt_chunks, "bert": build_bert_chunks}
 
 
@@ -55,23 +46,6 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
     )
 
 
-def flops_per_iteration(
-    kind: str, cfg: TransformerConfig, global_batch: int, seq_length: int
-) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one training iteration of the `kind` model: the
-    numerators of MFU and HFU (recompute as `cfg.recompute`)."""
-    module = _MODULES[kind]
-    return (
-        module.model_flops_per_iteration(cfg, global_batch, seq_length),
-        module.hardware_flops_per_iteration(cfg, global_batch, seq_length, cfg.recompute),
-    )
-
-
-def parameter_count(kind: str, cfg: TransformerConfig) -> int:
-    """Parameters of the whole `kind` model, tied embeddings counted once."""
-    return _MODULES[kind].num_parameters(cfg)
-
-
 __all__ = [
     "BertModel",
     "GPTConfig",
@@ -81,10 +55,5 @@ __all__ = [
     "build_bert_chunks",
     "build_gpt_chunks",
     "build_model_chunks",
-    "flops_per_iteration",
-    "hardware_flops_per_iteration",
     "model_config",
-    "model_flops_per_iteration",
-    "num_parameters",
-    "parameter_count",
 ]

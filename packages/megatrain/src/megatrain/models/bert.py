@@ -33,14 +33,8 @@ from megatrain.models.transformer import (
     TransformerConfig,
     _cpu_generator,
     _layer_norm,
-    layer_parameters,
-    recomputed_flops,
-    transformer_forward_flops,
 )
 from megatrain.parallelize import build_chunks
-
-# The fraction of tokens BERT predicts (its masking rate), for the FLOP count.
-MASKED_LM_PROB = 0.15
 
 
 def bert_config(**fields) -> TransformerConfig:
@@ -196,43 +190,8 @@ def build_bert_chunks(
     return build_chunks(BertModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
 
 
-def num_parameters(cfg: TransformerConfig) -> int:
-    """Parameters of the whole BERT (tied embeddings counted once), from the config alone."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    embeddings = v * h + cfg.max_position_embeddings * h + cfg.num_tokentypes * h
-    norms = 2 * h  # the final LayerNorm (pre_ln) or the embeddings' (post_ln)
-    heads = (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)  # LM head, pooler, SOP
-    return cfg.num_layers * layer_parameters(cfg) + embeddings + norms + heads
-
-
-def _forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float, float]:
-    """(the layers' dense matmuls, the attention cores, the heads) of one forward pass; the
-    MLM head runs on the predicted 15% of the tokens: 2 B m h (h + V), m = 0.15 s."""
-    dense, core = transformer_forward_flops(cfg, batch, seq)
-    predicted = batch * seq * MASKED_LM_PROB
-    h = cfg.hidden_size
-    return dense, core, 2 * predicted * h * (h + cfg.vocab_size) + 2 * batch * h * (h + 2)
-
-
-def model_flops_per_iteration(cfg: TransformerConfig, global_batch: int, seq_length: int) -> float:
-    """Model FLOPs of one BERT training iteration (forward once, backward twice), whatever is
-    recomputed: the numerator of MFU, as `gpt.model_flops_per_iteration`."""
-    return 3 * sum(_forward_flops(cfg, global_batch, seq_length))
-
-
-def hardware_flops_per_iteration(
-    cfg: TransformerConfig, global_batch: int, seq_length: int, recompute: str | None = None
-) -> float:
-    """Model FLOPs plus what recomputation runs again (the numerator of HFU)."""
-    model = model_flops_per_iteration(cfg, global_batch, seq_length)
-    return model + recomputed_flops(cfg, global_batch, seq_length, recompute)
-
-
 __all__ = [
     "BertModel",
     "bert_config",
     "build_bert_chunks",
-    "hardware_flops_per_iteration",
-    "model_flops_per_iteration",
-    "num_parameters",
 ]

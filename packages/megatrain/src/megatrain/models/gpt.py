@@ -19,9 +19,6 @@ from megatrain.models.transformer import (
     TransformerConfig,
     bias_dropout_add,
     bias_gelu,
-    layer_parameters,
-    recomputed_flops,
-    transformer_forward_flops,
 )
 from megatrain.parallelize import build_chunks
 
@@ -35,9 +32,6 @@ __all__ = [
     "bias_dropout_add",
     "bias_gelu",
     "build_gpt_chunks",
-    "hardware_flops_per_iteration",
-    "model_flops_per_iteration",
-    "num_parameters",
 ]
 
 
@@ -94,52 +88,3 @@ def build_gpt_chunks(
 ) -> list[GPTModel]:
     """This rank's GPT chunks (see `parallelize.build_chunks`)."""
     return build_chunks(GPTModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
-
-
-def num_parameters(cfg: GPTConfig) -> int:
-    """Parameters of the whole model (tied embeddings counted once), from the config alone."""
-    h = cfg.hidden_size
-    return (
-        cfg.num_layers * layer_parameters(cfg)
-        + cfg.vocab_size * h
-        + cfg.max_position_embeddings * h
-        + 2 * h
-    )
-
-
-def _forward_flops(cfg: GPTConfig, batch: int, seq: int) -> tuple[float, float, float]:
-    """FLOPs of one forward pass of the whole model, in three parts the recompute modes redo
-    differently: (the layers' dense matmuls, the layers' attention cores, the logits 2BshV)."""
-    dense, core = transformer_forward_flops(cfg, batch, seq)
-    return dense, core, 2 * batch * seq * cfg.hidden_size * cfg.vocab_size
-
-
-def model_flops_per_iteration(cfg: GPTConfig, global_batch: int, seq_length: int) -> float:
-    """Model FLOPs of one training iteration, the numerator of MFU: what the model needs,
-    whatever is recomputed.  Forward once, backward twice the forward (the gradients of the
-    inputs and of the weights), so with f = 4h and V the padded vocabulary:
-
-        3 (24 B s l h^2 + 4 B s^2 h l + 2 B s h V) = 72 B s l h^2 (1 + s/6h + V/12lh)
-
-    (Narayanan et al. 2021's count without its recompute pass).
-    """
-    dense, core, logits = _forward_flops(cfg, global_batch, seq_length)
-    return 3 * (dense + core + logits)
-
-
-def hardware_flops_per_iteration(
-    cfg: GPTConfig, global_batch: int, seq_length: int, recompute: str | None = None
-) -> float:
-    """Hardware FLOPs of one training iteration, the numerator of HFU: the model FLOPs plus
-    what recomputation runs again in backward.  `recompute` defaults to `cfg.recompute`.
-
-    - "none": nothing again; HFU = MFU.
-    - "full": every layer's forward again (not the logits, which are outside the
-      checkpointed layers): 4 (24 B s l h^2 + 4 B s^2 h l) + 3 (2 B s h V)
-      = 96 B s l h^2 (1 + s/6h + V/16lh), the count Narayanan et al. 2021 report.
-    - "selective": only the attention core again (QK^T and scores x V; Korthikanti et al.
-      2022): 72 B s l h^2 (1 + s/6h + V/12lh) + 4 B s^2 h l
-      = 72 B s l h^2 (1 + 2s/9h + V/12lh).
-    """
-    model = model_flops_per_iteration(cfg, global_batch, seq_length)
-    return model + recomputed_flops(cfg, global_batch, seq_length, recompute)

@@ -480,33 +480,3 @@ class LanguageModel(nn.Module):
         return logits.masked_fill(padding, float("-inf"))
 
 
-def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float]:
-    """FLOPs of one forward pass of the layers, in two parts the recompute modes redo
-    differently: (the dense matmuls, the attention cores).
-
-    Only matrix multiplies count, a multiply-add as 2 FLOPs (Narayanan et al. 2021, appendix).
-    Per layer, for B s tokens: QKV 2Bsh(3h), projection 2Bsh^2, MLP 2Bsh(f) twice, so
-    8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); the attention core, scores QK^T 2Bs^2h and scores x V
-    2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper counts it, though a causal kernel
-    skips the masked half).  Embeddings, LayerNorm, GeLU, softmax and dropout are not
-    matmuls and are left out.
-    """
-    b, s, n, h, f = batch, seq, cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
-    return n * (8 * b * s * h * h + 4 * b * s * h * f), n * 4 * b * s * s * h
-
-
-def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: str | None) -> float:
-    """FLOPs recomputation runs again in one iteration's backward (what HFU adds to MFU):
-    nothing ("none"), the attention cores ("selective"), or every layer's forward ("full";
-    the heads sit outside the checkpointed layers).  `recompute` defaults to the config's."""
-    recompute = cfg.recompute if recompute is None else recompute
-    if recompute not in RECOMPUTE_CHOICES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
-    dense, core = transformer_forward_flops(cfg, batch, seq)
-    return {"none": 0.0, "selective": core, "full": dense + core}[recompute]
-
-
-def layer_parameters(cfg: TransformerConfig) -> int:
-    """Parameters of one TransformerLayer (whole, all TP ranks together)."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    return 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h

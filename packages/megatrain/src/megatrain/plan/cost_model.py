@@ -18,7 +18,7 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   backward runs two GEMMs per forward one (the input's and the weight's gradients).
 - **Non-GEMM ops** (LayerNorm, GeLU, softmax, dropout, residual adds) are memory-bound:
   `elementwise_passes` x the bytes of activations the layer stores
-  (`memory.activations_per_layer`, recompute "none") / HBM bandwidth, twice that in the
+  (`accounting.activations_per_layer`, recompute "none") / HBM bandwidth, twice that in the
   backward.  Without sequence parallelism the LayerNorms and dropouts run whole on every
   TP rank, as the formula's replicated 10 s b h says.
 - **Recompute**: full reruns each layer's forward (GEMMs, ops and its all-reduces) in the
@@ -46,17 +46,17 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   gradients are all-reduced between the first and last stage.
 - **Optimizer step**: memory-bound, the bytes Adam reads and writes per parameter / HBM.
 
-MFU is the model FLOPs of an iteration (megatrain.models.flops_per_iteration) over the time
+MFU is the model FLOPs of an iteration (megatrain.accounting.flops_per_iteration) over the time
 and the peak of every GPU.
 """
 
 from dataclasses import dataclass, field, replace
 
 from megacore.pipeline_parallel import compute_steps, schedule_1f1b, schedule_interleaved
+from megatrain.accounting import MASKED_LM_PROB, activations_per_layer, flops_per_iteration
 from megatrain.config import Config
-from megatrain.memory import HEADROOM, activations_per_layer, memory_breakdown
-from megatrain.models import flops_per_iteration, model_config
-from megatrain.models.bert import MASKED_LM_PROB
+from megatrain.memory import HEADROOM, memory_breakdown
+from megatrain.models import model_config
 from megatrain.plan.hardware import Gpu, Profile
 
 # Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32

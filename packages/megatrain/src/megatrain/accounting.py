@@ -1,0 +1,302 @@
+"""Parameters, FLOPs and memory of a model, from its config alone: every formula in one place.
+
+The training loop's MFU/HFU logging (`run/loop.py`), the memory estimate (`megatrain.memory`),
+`megatrain plan`'s cost model, the benchmarks and megaeval all count with these functions;
+nothing here builds a model or imports the training loop.
+
+- **Parameters**: `layer_parameters`, `layer_parameters_per_rank`; the whole model by kind,
+  tied embeddings counted once (`gpt_parameters`, `bert_parameters`, `parameter_count`);
+  what one GPU of a pipeline stage holds (`parameters_per_gpu`).
+- **FLOPs**: the forward pass of the layers (`transformer_forward_flops`) plus each kind's
+  heads (`gpt_forward_flops`, `bert_forward_flops`); an iteration's model FLOPs, the
+  numerator of MFU (`*_model_flops_per_iteration`), and hardware FLOPs, the numerator of HFU,
+  which add what recomputation runs again (`recomputed_flops`,
+  `*_hardware_flops_per_iteration`); both by kind (`flops_per_iteration`).
+- **Memory**: the bytes per parameter of weights, gradients and optimizer state
+  (`state_bytes_per_parameter`) and the bytes one layer keeps per microbatch under each
+  recompute mode (`activations_per_layer`); `megatrain.memory` adds them up per stage.
+
+`kind` is a run config's `model.kind`: "gpt" or "bert" (`KINDS`).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatrain.config import RECOMPUTE_CHOICES, Config
+from megatrain.models.transformer import TransformerConfig
+
+# The fraction of tokens BERT predicts (its masking rate), for the FLOP count.
+MASKED_LM_PROB = 0.15
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def layer_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of one TransformerLayer (whole, all TP ranks together)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    return 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h
+
+
+def layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
+    """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
+    row-parallel biases and the LayerNorms whole (as `layer_parameters` counts them, at tp 1)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
+    return split // tp + replicated
+
+
+def gpt_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of the whole GPT (tied embeddings counted once), from the config alone."""
+    h = cfg.hidden_size
+    return (
+        cfg.num_layers * layer_parameters(cfg)
+        + cfg.vocab_size * h
+        + cfg.max_position_embeddings * h
+        + 2 * h
+    )
+
+
+def bert_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of the whole BERT (tied embeddings counted once), from the config alone."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    embeddings = v * h + cfg.max_position_embeddings * h + cfg.num_tokentypes * h
+    norms = 2 * h  # the final LayerNorm (pre_ln) or the embeddings' (post_ln)
+    heads = (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)  # LM head, pooler, SOP
+    return cfg.num_layers * layer_parameters(cfg) + embeddings + norms + heads
+
+
+def parameters_per_gpu(cfg: TransformerConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
+    embeddings included).  At tp = pp = 1 this is the model's `parameter_count`.  A
+    bidirectional config is BERT: token types, and its heads on the last stage."""
+    h = cfg.hidden_size
+    count = cfg.num_layers // pp * layer_parameters_per_rank(cfg, tp)
+    words = cfg.vocab_size * h // tp
+    if stage == 0:
+        count += words + (cfg.max_position_embeddings + cfg.num_tokentypes) * h
+        if cfg.block_order == "post_ln":
+            count += 2 * h  # the embeddings' LayerNorm
+    if stage == pp - 1:
+        if cfg.block_order == "pre_ln":
+            count += 2 * h  # final LayerNorm
+        if pp > 1:
+            count += words  # the output layer's copy of the word embeddings
+        if not cfg.causal:  # BERT's LM head (dense, LayerNorm, vocab-split bias), pooler, SOP
+            count += (h * h + h) + 2 * h + cfg.vocab_size // tp + (h * h + h) + (2 * h + 2)
+    return count
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+
+def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float]:
+    """FLOPs of one forward pass of the layers, in two parts the recompute modes redo
+    differently: (the dense matmuls, the attention cores).
+
+    Only matrix multiplies count, a multiply-add as 2 FLOPs (Narayanan et al. 2021, appendix).
+    Per layer, for B s tokens: QKV 2Bsh(3h), projection 2Bsh^2, MLP 2Bsh(f) twice, so
+    8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); the attention core, scores QK^T 2Bs^2h and scores x V
+    2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper counts it, though a causal kernel
+    skips the masked half).  Embeddings, LayerNorm, GeLU, softmax and dropout are not
+    matmuls and are left out.
+    """
+    b, s, n, h, f = batch, seq, cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
+    return n * (8 * b * s * h * h + 4 * b * s * h * f), n * 4 * b * s * s * h
+
+
+def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: str | None) -> float:
+    """FLOPs recomputation runs again in one iteration's backward (what HFU adds to MFU):
+    nothing ("none"), the attention cores ("selective"), or every layer's forward ("full";
+    the heads sit outside the checkpointed layers).  `recompute` defaults to the config's."""
+    recompute = cfg.recompute if recompute is None else recompute
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
+    dense, core = transformer_forward_flops(cfg, batch, seq)
+    return {"none": 0.0, "selective": core, "full": dense + core}[recompute]
+
+
+def gpt_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float, float]:
+    """FLOPs of one forward pass of the whole GPT, in three parts the recompute modes redo
+    differently: (the layers' dense matmuls, the layers' attention cores, the logits 2BshV)."""
+    dense, core = transformer_forward_flops(cfg, batch, seq)
+    return dense, core, 2 * batch * seq * cfg.hidden_size * cfg.vocab_size
+
+
+def gpt_model_flops_per_iteration(
+    cfg: TransformerConfig, global_batch: int, seq_length: int
+) -> float:
+    """Model FLOPs of one GPT training iteration, the numerator of MFU: what the model needs,
+    whatever is recomputed.  Forward once, backward twice the forward (the gradients of the
+    inputs and of the weights), so with f = 4h and V the padded vocabulary:
+
+        3 (24 B s l h^2 + 4 B s^2 h l + 2 B s h V) = 72 B s l h^2 (1 + s/6h + V/12lh)
+
+    (Narayanan et al. 2021's count without its recompute pass).
+    """
+    dense, core, logits = gpt_forward_flops(cfg, global_batch, seq_length)
+    return 3 * (dense + core + logits)
+
+
+def gpt_hardware_flops_per_iteration(
+    cfg: TransformerConfig, global_batch: int, seq_length: int, recompute: str | None = None
+) -> float:
+    """Hardware FLOPs of one GPT training iteration, the numerator of HFU: the model FLOPs
+    plus what recomputation runs again in backward.  `recompute` defaults to `cfg.recompute`.
+
+    - "none": nothing again; HFU = MFU.
+    - "full": every layer's forward again (not the logits, which are outside the
+      checkpointed layers): 4 (24 B s l h^2 + 4 B s^2 h l) + 3 (2 B s h V)
+      = 96 B s l h^2 (1 + s/6h + V/16lh), the count Narayanan et al. 2021 report.
+    - "selective": only the attention core again (QK^T and scores x V; Korthikanti et al.
+      2022): 72 B s l h^2 (1 + s/6h + V/12lh) + 4 B s^2 h l
+      = 72 B s l h^2 (1 + 2s/9h + V/12lh).
+    """
+    model = gpt_model_flops_per_iteration(cfg, global_batch, seq_length)
+    return model + recomputed_flops(cfg, global_batch, seq_length, recompute)
+
+
+def bert_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float, float]:
+    """(the layers' dense matmuls, the attention cores, the heads) of one BERT forward pass;
+    the MLM head runs on the predicted 15% of the tokens: 2 B m h (h + V), m = 0.15 s; the
+    pooler and SOP head on [CLS]: 2 B h (h + 2)."""
+    dense, core = transformer_forward_flops(cfg, batch, seq)
+    predicted = batch * seq * MASKED_LM_PROB
+    h = cfg.hidden_size
+    return dense, core, 2 * predicted * h * (h + cfg.vocab_size) + 2 * batch * h * (h + 2)
+
+
+def bert_model_flops_per_iteration(
+    cfg: TransformerConfig, global_batch: int, seq_length: int
+) -> float:
+    """Model FLOPs of one BERT training iteration (forward once, backward twice), whatever is
+    recomputed: the numerator of MFU, as `gpt_model_flops_per_iteration`."""
+    return 3 * sum(bert_forward_flops(cfg, global_batch, seq_length))
+
+
+def bert_hardware_flops_per_iteration(
+    cfg: TransformerConfig, global_batch: int, seq_length: int, recompute: str | None = None
+) -> float:
+    """Model FLOPs plus what recomputation runs again (the numerator of HFU; the heads are
+    outside the checkpointed layers, as GPT's logits)."""
+    model = bert_model_flops_per_iteration(cfg, global_batch, seq_length)
+    return model + recomputed_flops(cfg, global_batch, seq_length, recompute)
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """One model kind's counts (cfg, global batch, sequence length -> number)."""
+
+    num_parameters: Callable[[TransformerConfig], int]
+    forward_flops: Callable[..., tuple[float, float, float]]
+    model_flops_per_iteration: Callable[..., float]
+    hardware_flops_per_iteration: Callable[..., float]
+
+
+GPT = ModelKind(
+    gpt_parameters,
+    gpt_forward_flops,
+    gpt_model_flops_per_iteration,
+    gpt_hardware_flops_per_iteration,
+)
+BERT = ModelKind(
+    bert_parameters,
+    bert_forward_flops,
+    bert_model_flops_per_iteration,
+    bert_hardware_flops_per_iteration,
+)
+KINDS = {"gpt": GPT, "bert": BERT}
+
+
+def parameter_count(kind: str, cfg: TransformerConfig) -> int:
+    """Parameters of the whole `kind` model, tied embeddings counted once."""
+    return KINDS[kind].num_parameters(cfg)
+
+
+def flops_per_iteration(
+    kind: str, cfg: TransformerConfig, global_batch: int, seq_length: int
+) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one training iteration of the `kind` model: the
+    numerators of MFU and HFU (recompute as `cfg.recompute`)."""
+    formulas = KINDS[kind]
+    return (
+        formulas.model_flops_per_iteration(cfg, global_batch, seq_length),
+        formulas.hardware_flops_per_iteration(cfg, global_batch, seq_length, cfg.recompute),
+    )
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def state_bytes_per_parameter(
+    precision: str, distributed_optimizer: bool, dp: int
+) -> dict[str, float]:
+    """megacore's optimizer table split by what holds the bytes: the model's weights (2 in
+    16 bits, 4 in fp32), the fp32 gradient buffer (4), and the optimizer's state (fp32 master
+    weights when the model is 16-bit, Adam's two moments: 12 or 8), sharded over dp by the
+    distributed optimizer.
+
+    In all: fp32 16 bytes per parameter (weights and grads 4 each, Adam's two moments 8);
+    fp16/bf16 18 (16-bit weights 2, fp32 grads 4, fp32 master and moments 12); under
+    `use_distributed_optimizer` 8 + 8/d and 6 + 12/d.
+    """
+    optimizer = 8 if precision == "fp32" else 12
+    return {
+        "weights": 4 if precision == "fp32" else 2,
+        "gradients": 4,
+        "optimizer_state": optimizer / dp if distributed_optimizer else optimizer,
+    }
+
+
+def activations_per_layer(config: Config, recompute: str) -> float:
+    """Bytes one layer keeps for one microbatch (Korthikanti et al. 2022, section 4; 16-bit
+    activations, 1-byte dropout masks), s sequence, b micro batch, h hidden, a heads, t tp:
+
+        none       s b h (34 + 5 a s / h)                     tp 1
+                   s b h (10 + 24/t + 5 a s / (h t))          tp t
+                   s b h (34/t + 5 a s / (h t))               tp t, sequence parallel
+        selective  the same without the 5 a s / h term (the attention core's s x s tensors)
+        full       2 s b h, the layer's input (/ t with sequence parallelism or
+                   distribute_saved_activations)
+
+    The 5 a s / h term is what attention that materializes its s x s scores keeps; the fused
+    SDPA kernels (flash, memory-efficient) keep only their output and a row statistic, so
+    "none" is an upper bound there.
+    """
+    m, p, t = config.model, config.parallel, config.training
+    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    tp = p.tensor_model_parallel_size
+    sp = p.sequence_parallel and tp > 1
+    if recompute == "full":
+        split_input = sp or (p.distribute_saved_activations and tp > 1)
+        return 2 * s * b * h / (tp if split_input else 1)
+    dense = 34 / tp if sp else 10 + 24 / tp
+    core = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
+    return s * b * h * (dense + core)
+
+
+__all__ = [
+    "BERT",
+    "GPT",
+    "KINDS",
+    "MASKED_LM_PROB",
+    "ModelKind",
+    "activations_per_layer",
+    "bert_forward_flops",
+    "bert_hardware_flops_per_iteration",
+    "bert_model_flops_per_iteration",
+    "bert_parameters",
+    "flops_per_iteration",
+    "gpt_forward_flops",
+    "gpt_hardware_flops_per_iteration",
+    "gpt_model_flops_per_iteration",
+    "gpt_parameters",
+    "layer_parameters",
+    "layer_parameters_per_rank",
+    "parameter_count",
+    "parameters_per_gpu",
+    "recomputed_flops",
+    "state_bytes_per_parameter",
+    "transformer_forward_flops",
+]
