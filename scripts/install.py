@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("megacore", "megadata", "megatrain", "megaeval")
+PACKAGES = ("megacommon", "megacore", "megadata", "megatrain", "megaeval")
 
 # pip's words for "the index could not be reached" (urllib3, requests, socket errors).
 NETWORK_ERROR = re.compile(

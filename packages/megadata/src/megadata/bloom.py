@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megadata.documents import atomic_write_bytes
+from megacommon.files import atomic_write_bytes
 
 MAGIC = b"megadata-bloom\n"
 FORMAT_VERSION = 1

@@ -5,8 +5,8 @@ import sys
 
 import click
 
+from megacommon.errors import CommandError
 from megadata import __version__
-from megadata.command_error import CommandError
 from megadata.crawl import crawl_command
 from megadata.recipe import (
     STAGES,

@@ -6,18 +6,17 @@ sees half a file.  Small per-file facts (a stage's counts) ride in the
 schema metadata of the same file, so data and counts appear together or not at all.
 """
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from megacommon.files import atomic_write_bytes
 
 DOC_SCHEMA = pa.schema(
     [
@@ -29,37 +28,6 @@ DOC_SCHEMA = pa.schema(
     ]
 )
 BATCH_ROWS = 1024
-
-
-@contextlib.contextmanager
-def atomic_writer(path: Path, durable: bool = True) -> Iterator[BinaryIO]:
-    """A binary file whose contents appear at `path` when the block ends, complete (or not
-    at all, if it raises); on disk by then unless not `durable` (a file whose loss after a
-    power cut only means redoing some work).  For a file too large to hold in memory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """`data` at `path`, complete or not at all (`atomic_writer`)."""
-    with atomic_writer(path, durable) as f:
-        f.write(data)
-
-
-def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(path, data, durable)
 
 
 def write_table(path: Path, table: pa.Table, meta: dict | None = None) -> None:

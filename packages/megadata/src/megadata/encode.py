@@ -35,6 +35,8 @@ import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
+from megacommon.corpus_format import TOKEN_DTYPES, token_dtype
+
 SPLITTERS = ("blingfire", "pysbd")
 DEFAULT_SPLITTER = "pysbd"  # what a recipe without the field had; the shipped ones say blingfire
 CACHE_PIECES = 1 << 21  # pieces a worker remembers per tokenizer before starting afresh
@@ -224,8 +226,8 @@ def encoder(tokenizer_path: str, _mtime_ns: int) -> Encoder:
 
 
 def token_type(vocab_size: int) -> pa.DataType:
-    """The corpus' token type: the narrowest that holds every id of the vocabulary."""
-    return pa.uint16() if vocab_size <= 1 << 16 else pa.uint32()
+    """The corpus' token type as an Arrow type (`corpus_format.token_dtype`)."""
+    return TOKEN_DTYPES[token_dtype(vocab_size)]
 
 
 def token_table(

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megadata.documents import atomic_write_bytes
+from megacommon.files import atomic_write_bytes
 
 NGRAM_HASH = "megadata-ngram-v2"  # the function below: change it with the function
 _P = 0x100000001B3  # odd: invertible mod 2^64

@@ -13,9 +13,11 @@ from dataclasses import asdict, dataclass, field
 from glob import glob
 from pathlib import Path
 
+from megacommon import corpus_format
+from megacommon.files import atomic_write_bytes, atomic_write_json, sha256_file
 from megadata import __version__
-from megadata.documents import atomic_write_bytes, atomic_write_json, link_partition, read_docs
-from megadata.encode import DEFAULT_SPLITTER, check_splitter, token_type
+from megadata.documents import link_partition, read_docs
+from megadata.encode import DEFAULT_SPLITTER, check_splitter
 from megadata.file_pieces import count_newlines, how_to_split, pieces, split_bytes
 from megadata.runner import Runner, StageStats, Task, finished_stage, task_counts
 from megadata.settings import TOP_LEVEL, PositiveInt, RecipeError, check_keys, load
@@ -27,7 +29,7 @@ from megadata.stages.dedup import DedupSettings
 from megadata.stages.filter import FilterSettings
 from megadata.stages.holdout import HoldoutSettings
 from megadata.stages.shard import ShardSettings
-from megadata.tokenizer import TokenizerSettings, build_tokenizer, eod_id, sha256_file
+from megadata.tokenizer import TokenizerSettings, build_tokenizer, eod_id
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -530,27 +532,23 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
         tok_path = recipe.output / "tokenizer.json"
         tok = Tokenizer.from_file(str(tok_path))
         stages = [_stage_summary(recipe, s) for s in STAGES[:-1]]
-        shard.write_manifest(
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        corpus_format.write_manifest(
             recipe.output,
-            {
-                "recipe": {"name": recipe.name, "fingerprint": recipe.fingerprint()},
-                "tokenizer": {
-                    "kind": kind,
-                    "file": "tokenizer.json",
-                    "sha256": sha256_file(tok_path),
-                    "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-                    "eod_id": eod_id(tok, kind),
-                },
-                "token_dtype": str(token_type(tok.get_vocab_size(with_added_tokens=True))),
-                "sentence_boundaries": _sentence_boundaries(recipe),
-                "split": {"valid_every": valid_every, "by": "sha256(doc_id)"},
-                "splits": {
-                    s: {**result["counts"][s], "shards": result["shards"][s]}
-                    for s in ("train", "valid")
-                },
-                "stages": stages,
-                "cluster_start": _cluster_start_row(recipe),
+            tokenizer={
+                "kind": kind,
+                "file": "tokenizer.json",
+                "sha256": sha256_file(tok_path),
+                "vocab_size": vocab_size,
+                "eod_id": eod_id(tok, kind),
             },
+            token_dtype=corpus_format.token_dtype(vocab_size),
+            sentence_boundaries=_sentence_boundaries(recipe),
+            splits=result["shards"],
+            recipe={"name": recipe.name, "fingerprint": recipe.fingerprint()},
+            split={"valid_every": valid_every, "by": "sha256(doc_id)"},
+            stages=stages,
+            cluster_start=_cluster_start_row(recipe),
         )
         c = result["counts"]
         return {

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megadata.documents import atomic_write_json
-from megadata.progress import progress_bar
+from megacommon.files import atomic_write_json
+from megacommon.progress import progress_bar
 
 CONNECT_TIMEOUT_S = 10.0  # how long to wait for a --scheduler before giving up
 RETRIES = 2  # re-runs of a task that raised (a flaky shared filesystem, say)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from megadata.documents import atomic_write_bytes
+from megacommon.files import atomic_write_bytes
 
 
 def write_shuffled(path, columns: dict, target: np.ndarray, shards: int) -> None:

@@ -6,7 +6,6 @@ way the corpus keeps `tokenizer.json`, whose sha256 the manifest records and
 megatrain checks.
 """
 
-import hashlib
 import itertools
 from collections import Counter
 from collections.abc import Iterable
@@ -258,11 +257,3 @@ def check_tokenizer(tok: Tokenizer, config: TokenizerSettings, where: str) -> No
 
 def eod_id(tok: Tokenizer, kind: str) -> int:
     return tok.token_to_id(EOD_TOKEN[kind])
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from megadata.command_error import CommandError
+from megacommon.errors import CommandError
 from megadata.crawl.crawler import ERRORS, PAGES, SUMMARY, crawl, format_summary
 from megadata.crawl.fetch import CrawlSettings
 

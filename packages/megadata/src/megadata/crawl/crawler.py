@@ -11,11 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from megacommon.files import atomic_write_json
+from megacommon.progress import progress_bar
 from megadata.crawl.addresses import AddressCheck, Resolver, check_address
 from megadata.crawl.fetch import CrawlSettings, Fetcher, HostScheduler, crawl_url, error_record
 from megadata.crawl.filters import Blacklist, load_blacklist, read_url_lists, url_host
-from megadata.documents import atomic_write_json
-from megadata.progress import progress_bar
 
 log = logging.getLogger("megadata.crawl")
 

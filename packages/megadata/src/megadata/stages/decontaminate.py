@@ -58,16 +58,10 @@ import click
 import numpy as np
 import pyarrow as pa
 
+from megacommon.errors import CommandError
+from megacommon.files import atomic_write_json
 from megadata.bloom import SHARD_FILE, BloomFilter, contains_sharded, shard_files, shard_of
-from megadata.command_error import CommandError
-from megadata.documents import (
-    atomic_write_json,
-    read_meta,
-    read_table,
-    text_bytes,
-    write_kept,
-    write_table,
-)
+from megadata.documents import read_meta, read_table, text_bytes, write_kept, write_table
 from megadata.ngrams import EvalIndex, build_index, ngram_hashes, sorted_distinct
 from megadata.settings import Check, Fraction, PositiveInt, load, readable_by_key
 from megadata.shuffle import read_shuffled, write_shuffled

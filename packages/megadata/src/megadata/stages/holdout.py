@@ -31,14 +31,8 @@ from typing import Annotated
 
 import numpy as np
 
-from megadata.documents import (
-    atomic_write_bytes,
-    atomic_writer,
-    read_docs,
-    read_table,
-    text_bytes,
-    write_kept,
-)
+from megacommon.files import atomic_write_bytes, atomic_writer
+from megadata.documents import read_docs, read_table, text_bytes, write_kept
 from megadata.encode import DEFAULT_SPLITTER, split_sentences
 from megadata.settings import Check, PositiveInt, load, readable_by_key
 from megadata.wikitext_format import format_article, paragraphs, title_from_text

@@ -37,7 +37,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from megadata.documents import atomic_write_bytes, text_bytes, write_docs
+from megacommon.files import atomic_write_bytes
+from megadata.documents import text_bytes, write_docs
 from megadata.file_pieces import Piece
 from megadata.settings import load
 from megadata.sources.html import read_html

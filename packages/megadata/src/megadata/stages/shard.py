@@ -5,7 +5,8 @@ sha256 of its id falls in 1 of `valid_every` (30: the paper's 29:1) buckets.
 Shards hold whole documents, about `shard_tokens` tokens each, in partition
 order: a split's shard ends after the partition that brings it to `shard_tokens`.
 The manifest, written last and atomically, is what makes a corpus directory
-complete; it records each shard's sha256.
+complete; it records each shard's sha256.  The files are written in the corpus format
+of `megacommon.corpus_format` (its `write_shard` and `write_manifest`).
 
 The shards are written in parallel, in two rounds of tasks (`write_shards`): each
 partition's documents and tokens per split are counted (`count_partition`), the shards
@@ -21,13 +22,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megadata.documents import atomic_write_json, read_table, write_table
+from megacommon import corpus_format
+from megacommon.corpus_format import SPLITS
+from megadata.documents import read_table
 from megadata.runner import Runner, Task, task_counts
 from megadata.settings import PositiveInt, readable_by_key
-from megadata.tokenizer import sha256_file
-
-FORMAT_VERSION = 1
-SPLITS = ("train", "valid")
 
 
 @readable_by_key
@@ -90,15 +89,9 @@ def write_shard(parts: list[str], split: str, path: str, valid_every: int) -> di
     for part in parts:
         table = read_table(Path(part))
         tables.append(table.filter(_split_rows(table, valid_every)[split]))
-    table = pa.concat_tables(tables).combine_chunks()
-    write_table(Path(path), table)
-    tokens = pc.sum(pc.list_value_length(table.column("tokens"))).as_py() or 0
-    return {
-        "docs_in": table.num_rows,
-        "docs_out": table.num_rows,
-        "tokens": tokens,
-        "shard": {"docs": table.num_rows, "tokens": tokens, "sha256": sha256_file(Path(path))},
-    }
+    shard = corpus_format.write_shard(path, pa.concat_tables(tables).combine_chunks())
+    docs = shard["docs"]
+    return {"docs_in": docs, "docs_out": docs, "tokens": shard["tokens"], "shard": shard}
 
 
 def write_shards(
@@ -121,7 +114,7 @@ def write_shards(
     write_tasks = []
     for split in SPLITS:
         for i, parts in enumerate(plan[split]):
-            path = str(corpus / split / f"shard-{i:05d}.arrow")
+            path = str(corpus / corpus_format.shard_file(split, i))
             args = ([tokenized[k] for k in parts], split, path, valid_every)
             write_tasks.append(Task(f"{split}-{i:05d}", args))
     written = runner.run("write", work / "write", write_tasks, write_shard)
@@ -140,9 +133,3 @@ def write_shards(
         "cpu_seconds": counted.cpu_seconds + written.cpu_seconds,
         "peak_rss_mb": max(counted.peak_rss_mb, written.peak_rss_mb),
     }
-
-
-def write_manifest(corpus: Path, manifest: dict) -> None:
-    atomic_write_json(
-        Path(corpus) / "manifest.json", {"format_version": FORMAT_VERSION, **manifest}
-    )

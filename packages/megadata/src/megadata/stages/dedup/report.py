@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megadata.documents import atomic_write_bytes, atomic_write_json, read_table
+from megacommon.files import atomic_write_bytes, atomic_write_json
+from megadata.documents import read_table
 
 REMOVED_NODES = "removed-nodes.npy"  # the removed documents' nodes, sorted (step 9)
 

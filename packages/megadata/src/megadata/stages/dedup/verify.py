@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from megadata.documents import atomic_write_bytes, read_table, write_table
+from megacommon.files import atomic_write_bytes
+from megadata.documents import read_table, write_table
 from megadata.ngrams import ngram_hashes
 from megadata.shuffle import read_shuffled as _read_shuffled
 from megadata.shuffle import write_shuffled as _write_shuffled

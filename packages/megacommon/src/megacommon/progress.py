@@ -1,7 +1,7 @@
 """Progress that reads well where it goes: a tqdm bar on a terminal; elsewhere (a log file,
 a batch job's output, CI) a plain line now and then, without carriage returns; nothing with
---no-progress.  The stages and the crawler use it (megatrain has the same for its loops;
-megadata imports nothing of the training side).
+--no-progress.  megadata's stages and crawler, megatrain's and megaeval's long loops
+(checkpoint reading, evaluations) use it.
 """
 
 import sys
