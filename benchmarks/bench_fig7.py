@@ -4,7 +4,7 @@ one (b, pre_ln) as the model deepens.
     make fig7                                     # the bundled BERT corpus, CPU-sized runs
     python benchmarks/bench_fig7.py --corpus data/corpus/default-bert --out bench-results/fig7
 
-Four runs of `megatrain.training.train` in this process (one rank): both block orders at a
+Four runs of `megatrain.run.loop.train` in this process (one rank): both block orders at a
 shallow and a deep size (`--layers 4 24`), same data, seed, batch and learning rate
 (`--lr`, higher than BERT's 1e-4 so that a small budget can show the instability the paper
 reports for (a) as it grows).  Writes `fig7.json` (each run's settings, training losses,

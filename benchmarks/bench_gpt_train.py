@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
 
-Our side is the step `megatrain run` takes: a `megatrain.training.Run` from
+Our side is the step `megatrain run` takes: a `megatrain.run.setup.Run` from
 `build_run` (a 1-process gloo group, DDP-wrapped chunks, `MegatronOptimizer`,
 `GPTBatches` over a synthetic megadata-format corpus of random tokens written to
 a temporary directory), one `train_step(run)` per iteration.  Beside it,
@@ -23,7 +23,7 @@ right after one of ours than after one of its own; `--block 1` shows that.
 Reported per model: tokens/s (median over the timed steps; total tokens / total
 time; the fastest step), ms/step, model TFLOP/s of the median step by the paper's
 count (`gpt_model_flops_per_iteration`; no recompute, so HFU = MFU; the same formula
-for HF, same shape), MFU against a measured fp32 matmul rate (`megatrain.metrics.
+for HF, same shape), MFU against a measured fp32 matmul rate (`megatrain.run.metrics.
 measured_matmul_tflops`, what `megatrain run` takes as a CPU's peak; measured
 before and after the steps, the higher kept), parameters, page faults and system
 CPU time per step, the losses (the first near ln 8192 = 9.01 on both sides: the
@@ -46,11 +46,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megacommon.corpus_format import SHARD_BATCH_ROWS
 from megacore import parallel_state as ps
 from megatrain.accounting import gpt_model_flops_per_iteration, gpt_parameters
 from megatrain.config import load_config
@@ -59,50 +59,12 @@ from megatrain.data.samples import GPTBatches
 from megatrain.run.metrics import measured_matmul_tflops
 from megatrain.run.setup import build_run
 from megatrain.run.step import lr_for, train_step
+from megatrain.testing import EOD, write_corpus
 
 VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 8192, 6, 384, 6, 256, 8
-EOD = 0
 
 
-# -- a synthetic corpus in megadata's format (DESIGN.md "Corpus directory") ---------------------
-
-
-def write_corpus(root: Path, splits: dict[str, list[list[int]]], vocab_size: int = VOCAB) -> Path:
-    """manifest.json + one Arrow IPC shard per split; every document ends with EOD."""
-    root.mkdir(parents=True, exist_ok=True)
-    schema = pa.schema([("doc_id", pa.string()), ("tokens", pa.list_(pa.uint16()))])
-    entries = {}
-    for split, docs in splits.items():
-        (root / split).mkdir(exist_ok=True)
-        file = f"{split}/shard-00000.arrow"
-        table = pa.table(
-            {"doc_id": [f"{split}-{r}" for r in range(len(docs))], "tokens": docs}, schema=schema
-        )
-        with pa.ipc.new_file(str(root / file), schema) as writer:
-            writer.write_table(table)
-        tokens = sum(map(len, docs))
-        shard = {
-            "docs": len(docs),
-            "file": file,
-            "sha256": hashlib.sha256((root / file).read_bytes()).hexdigest(),
-            "tokens": tokens,
-        }
-        entries[split] = {"docs": len(docs), "tokens": tokens, "shards": [shard]}
-    manifest = {
-        "format_version": 1,
-        "sentence_boundaries": False,
-        "token_dtype": "uint16",
-        "tokenizer": {
-            "eod_id": EOD,
-            "file": "tokenizer.json",
-            "kind": "gpt2-bpe",
-            "sha256": "0" * 64,
-            "vocab_size": vocab_size,
-        },
-        "splits": entries,
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
+# -- a synthetic corpus, written by megatrain.testing.write_corpus in megadata's format ----------
 
 
 def random_docs(
@@ -342,7 +304,9 @@ def main() -> None:
     need = int(iters * BATCH * SEQ * 1.1) + 2 * SEQ  # one epoch covers every step
     corpus = write_corpus(
         work / "corpus",
-        {"train": random_docs(rng, need), "valid": random_docs(rng, 4 * SEQ)},
+        {"train": [random_docs(rng, need)], "valid": [random_docs(rng, 4 * SEQ)]},
+        batch_rows=SHARD_BATCH_ROWS,
+        vocab_size=VOCAB,
     )
     config = load_config(
         None,
@@ -478,7 +442,7 @@ def main() -> None:
                 "block": args.block,
                 "order": f"warm-up ours x{args.warmup}, HF x{args.warmup}; then timed blocks "
                 f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
-                "ours": "megatrain.training.train_step(build_run(config)), 1-process gloo group",
+                "ours": "megatrain.run.step.train_step(build_run(config)), 1-process gloo group",
                 "hf": "GPT2LMHeadModel (sdpa) + AdamW (decay on 2-D params) + clip_grad_norm_ "
                 "1.0, same lr schedule; loss = F.cross_entropy(logits, our loader's labels)",
                 "batches": "identical: two GPTBatches over the same synthetic corpus and seed; "
@@ -488,8 +452,8 @@ def main() -> None:
                 " both models; no recompute, so HFU = MFU",
                 "peak_tflops": peak,
                 "peak_tflops_measurements": peaks,
-                "peak_source": f"megatrain.metrics.measured_matmul_tflops(): fp32 2048^3 matmul, "
-                f"{torch.get_num_threads()} threads",
+                "peak_source": "megatrain.run.metrics.measured_matmul_tflops(): fp32 2048^3 "
+                f"matmul, {torch.get_num_threads()} threads",
             },
             "num_parameters_formula": gpt_parameters(run.model_config),
             "first_loss": {"megatrain": losses["megatrain"][0], "hf": losses["hf"][0]},

@@ -13,7 +13,7 @@ synthetic corpus of random tokens (bench_gpt_train.py's helpers).  `--small` (or
 `--layers/--hidden/--heads/--seq/--vocab`) shrinks the shape so the same script runs
 on a CPU, in fp32.
 
-Ours is the step `megatrain run` takes: a `megatrain.training.Run` from `build_run` (a
+Ours is the step `megatrain run` takes: a `megatrain.run.setup.Run` from `build_run` (a
 1-process NCCL group on a GPU, gloo on a CPU; bf16 parameters with fp32 masters in
 `MegatronOptimizer`), one `train_step(run)` per iteration.  HF's is
 `transformers.GPT2LMHeadModel` of the same shape, padded vocabulary and dropout, SDPA
@@ -26,7 +26,7 @@ and clipping, on the very same batches.  Each model runs alone: built, `--warmup
 Reported per model: tokens/s (median step; mean), ms/step, model TFLOP/s, MFU (model FLOPs,
 72 B s l h^2 (1 + s/6h + V/12lh), whatever is recomputed) and HFU (with the recomputed
 work: 96 B s l h^2 (1 + s/6h + V/16lh) under full recompute) against one device's dense
-bf16 peak (`megatrain.metrics.device_peak_tflops`; on a CPU the best of two measured fp32
+bf16 peak (`megatrain.run.metrics.device_peak_tflops`; on a CPU the best of two measured fp32
 matmul rates), peak memory, losses; and ours / HF tokens/s (median and fastest step).
 """
 

@@ -101,7 +101,7 @@ def floors(kind: str, mb: float, work: Path) -> dict:
     tok = Tokenizer.from_file(str(recipe.output / "tokenizer.json"))
     hf_encode = _cpu(lambda: tok.encode_batch(filter_in))
     splitting = 0.0
-    if recipe.tokenizer.get("kind") == "bert-wordpiece":
+    if recipe.tokenizer.kind == "bert-wordpiece":
         import blingfire
 
         from megadata.encode import _text_to_sentences

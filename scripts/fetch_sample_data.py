@@ -10,12 +10,13 @@ and the files below are taken out of it and checked against their sha256.
 """
 
 import argparse
-import hashlib
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from megacommon.files import sha256_file
 
 WHEEL = "gensim==4.4.0"
 FILES = {
@@ -26,17 +27,11 @@ FILES = {
 }
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/raw"))
     out = parser.parse_args().out
-    if all(
-        (out / name).exists() and sha256(out / name) == digest for name, digest in FILES.items()
-    ):
+    if all((out / n).exists() and sha256_file(out / n) == digest for n, digest in FILES.items()):
         print(f"sample data: already in {out}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +51,7 @@ def main() -> int:
             for name, digest in FILES.items():
                 target = out / name
                 target.write_bytes(zf.read(f"gensim/test/test_data/{name}"))
-                if sha256(target) != digest:
+                if sha256_file(target) != digest:
                     target.unlink()
                     print(
                         f"fetch_sample_data: {name} in {wheels[0].name} has another sha256",

@@ -137,30 +137,40 @@ def package_version(package: str) -> str:
         return tomllib.load(f)["project"]["version"]
 
 
-def test_megadata_installs_and_runs_without_torch(tmp_path):
-    wheel = build_wheel("megadata", tmp_path)
+def test_megacommon_then_megadata_install_and_run_without_torch(tmp_path):
+    # megacommon first, alone (click, pyarrow and tqdm); then megadata, which may see only
+    # megacommon and its own declared requirements.  Neither may import torch.
     python = fresh_env(tmp_path)
-    expose(dependency_closure(wheel_requirements(wheel), skip=set()), tmp_path / "stage")
-    install_alone(python, wheel)
-
-    torch_probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
-    assert "No module named 'torch'" in torch_probe.stderr, "torch is visible to megadata"
-    import_all(python, "megadata", forbidden="torch")
+    for package in ("megacommon", "megadata"):
+        wheel = build_wheel(package, tmp_path / "wheels")
+        reqs = wheel_requirements(wheel)
+        if package == "megacommon":
+            assert sorted(r.name for r in reqs) == ["click", "pyarrow", "tqdm"]
+        else:  # installed before it, so only the declaration shows that megadata needs it
+            assert "megacommon" in {r.name for r in reqs}
+        expose(dependency_closure(reqs, skip={"megacommon"}), tmp_path / "stage")
+        install_alone(python, wheel)
+        torch_probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+        assert "No module named 'torch'" in torch_probe.stderr, f"torch is visible to {package}"
+        import_all(python, package, forbidden="torch")
     run_cli(python, "megadata", package_version("megadata"))
 
 
 def test_megacore_with_torch_and_numpy_only_then_megatrain_and_megaeval(tmp_path):
     # Each package in turn, in one venv: the next one may see only what the previous
-    # ones installed plus its own declared requirements.
+    # ones installed plus its own declared requirements.  megacore comes first, so it
+    # imports with nothing but torch and numpy; megacommon before the two that need it.
     python = fresh_env(tmp_path)
-    ours = {"megacore", "megatrain", "megaeval"}
-    for package in ("megacore", "megatrain", "megaeval"):
+    ours = {"megacommon", "megacore", "megatrain", "megaeval"}
+    for package in ("megacore", "megacommon", "megatrain", "megaeval"):
         wheel = build_wheel(package, tmp_path / "wheels")
         reqs = wheel_requirements(wheel)
         if package == "megacore":
             assert sorted(r.name for r in reqs) == ["numpy", "torch"]
+        if package in ("megatrain", "megaeval"):
+            assert "megacommon" in {r.name for r in reqs}
         expose(dependency_closure(reqs, skip=ours), tmp_path / "stage")
         install_alone(python, wheel)
         import_all(python, package)
-        if package != "megacore":
+        if package in ("megatrain", "megaeval"):
             run_cli(python, package, package_version(package))

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from megacommon import corpus_format as cf
 from megacommon.errors import FAILURE, USAGE_OR_INPUT, CommandError
 from megacommon.files import atomic_write_bytes, atomic_write_json, atomic_writer, sha256_file
-from megacommon.progress import PlainProgress, duration, progress_bar
 
 
 def test_sha256_file_reads_in_pieces(tmp_path):
@@ -61,16 +60,6 @@ def test_command_error_names_the_command_and_its_exit_code():
     result = CliRunner().invoke(tool, ["sub", "--broken"], prog_name="tool")
     assert (result.exit_code, result.output) == (FAILURE, "tool sub: the disk is full\n")
     assert CommandError("x", where="megadata").where == "megadata"
-
-
-def test_plain_progress_prints_lines_without_carriage_returns(capsys):
-    bar = progress_bar(4, "reading", "files")  # stderr is not a terminal under pytest
-    assert isinstance(bar, PlainProgress)
-    with bar:
-        bar.update(4)
-    err = capsys.readouterr().err
-    assert err.startswith("reading: 4/4 files (100%)") and "\r" not in err
-    assert [duration(s) for s in (12, 185, 7620)] == ["12 s", "3 min 05 s", "2 h 07 min"]
 
 
 def _docs(n, dtype="uint16", ends=False):

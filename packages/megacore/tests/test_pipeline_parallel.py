@@ -346,20 +346,28 @@ def test_layer_assignment():
 
 
 def _p2p_exchanges():
-    from megacore.pipeline_parallel import p2p_communication as p2p
+    from megacore.pipeline_parallel.p2p_communication import communicate
 
     out = {}
     # pp=4: variable shapes forward, fixed shapes in the combined forms.
     ps.initialize_model_parallel(1, 4)
     r = ps.get_pipeline_model_parallel_rank()
-    got = p2p.recv_forward(None, variable_seq_lengths=True)
-    p2p.send_forward(torch.full((3 + r, 2), float(r)), variable_seq_lengths=True)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    got = communicate(recv_prev=not first, variable_seq_lengths=True)[0]
+    sent = None if last else torch.full((3 + r, 2), float(r))
+    communicate(tensor_send_next=sent, variable_seq_lengths=True)
     out["variable"] = None if got is None else (tuple(got.shape), got.unique().tolist())
     # Every stage but the last sends forward and receives a gradient in one exchange; its
     # neighbour receives that activation and sends a gradient back in the mirror exchange.
     shape = (2, 3)
-    fwd = p2p.send_backward_recv_forward(torch.full(shape, 100.0 + r), shape)
-    grad = p2p.send_forward_recv_backward(torch.full(shape, 10.0 + r), shape)
+    fwd = None
+    if not first:
+        grad_out = torch.full(shape, 100.0 + r)
+        fwd = communicate(tensor_send_prev=grad_out, recv_prev=True, tensor_shape=shape)[0]
+    grad = None
+    if not last:
+        act = torch.full(shape, 10.0 + r)
+        grad = communicate(tensor_send_next=act, recv_next=True, tensor_shape=shape)[1]
     out["combined"] = (
         None if fwd is None else fwd.unique().tolist(),
         None if grad is None else grad.unique().tolist(),
@@ -370,8 +378,12 @@ def _p2p_exchanges():
     # pp=2 with both directions to the same peer at once: tags keep them apart.
     ps.initialize_model_parallel(1, 2)
     r = ps.get_pipeline_model_parallel_rank()
-    from_prev, from_next = p2p.send_forward_backward_recv_forward_backward(
-        torch.full(shape, 1.0 + r), torch.full(shape, -1.0 - r), True, True, shape
+    from_prev, from_next, _ = communicate(
+        tensor_send_next=torch.full(shape, 1.0 + r),
+        tensor_send_prev=torch.full(shape, -1.0 - r),
+        recv_prev=True,
+        recv_next=True,
+        tensor_shape=shape,
     )
     out["same_peer"] = (from_prev.unique().tolist(), from_next.unique().tolist())
     ps.destroy_model_parallel()

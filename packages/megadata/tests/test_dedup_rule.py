@@ -9,6 +9,7 @@ import numpy as np
 
 from megadata.documents import write_docs
 from megadata.stages import dedup
+from megadata.stages.dedup import components
 
 
 def run(tmp_path, rows: list[dict], sources=None, n: int = 2, part_docs: int = 100) -> dict:
@@ -120,7 +121,7 @@ def test_local_roots_are_each_components_smallest_node():
             rx, ry = find(x), find(y)
             parent[max(rx, ry)] = min(rx, ry)
         expected = [find(x) for x in range(count)]
-        assert dedup._local_roots(a, b, count).tolist() == expected
+        assert components._local_roots(a, b, count).tolist() == expected
 
 
 def test_remove_takes_each_partitions_rows_and_links_an_untouched_one(tmp_path):

@@ -90,7 +90,7 @@ def test_selection_is_stable_and_about_one_in_every():
 
 
 def test_bad_settings_name_the_field():
-    assert holdout.settings({})["every"] == 40
+    assert holdout.settings({}).every == 40
     with pytest.raises(ValueError, match=r"\[holdout\] every must be a positive integer"):
         holdout.settings({"every": "often"})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['evry'\]"):

@@ -76,8 +76,8 @@ def test_paper_recipe_runs_as_shipped(tmp_path, documents):
     facts = _stand_ins(tmp_path, documents)
     recipe = load_recipe(pipelines / "paper.toml")
     assert recipe.output == tmp_path / "data/corpus/paper"
-    assert recipe.filter["min_tokens"] == 128 and recipe.dedup["threshold"] == 0.7
-    assert recipe.decontaminate["fpr"] == 0.001 and recipe.shard["valid_every"] == 30
+    assert recipe.filter.min_tokens == 128 and recipe.dedup.threshold == 0.7
+    assert recipe.decontaminate.fpr == 0.001 and recipe.shard.valid_every == 30
     run_recipe(recipe, workers=1, progress=False)
 
     corpus = recipe.output

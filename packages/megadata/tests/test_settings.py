@@ -182,8 +182,7 @@ def test_defaults_are_the_stages_former_inline_defaults(tmp_path):
     for name, settings in SECTIONS.items():
         if name not in ("holdout", "decontaminate"):
             assert getattr(recipe, name) == settings()
-    # Read by key as the section dicts were (benchmarks/megadata_floors.py does).
-    assert recipe.tokenizer.get("kind") == "gpt2-bpe" and recipe.dedup["num_perm"] == 128
+    assert recipe.tokenizer.kind == "gpt2-bpe" and recipe.dedup.num_perm == 128
 
 
 def test_task_functions_take_a_section_as_a_dict_or_as_settings(tmp_path):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
+from megacommon.files import sha256_file as sha256
 from megatrain.data.bert import BertBatches, bert_tokens, build_runs, truncation
 from megatrain.data.corpus import open_corpus
 from megatrain.data.samples import GPTBatches
@@ -17,7 +18,6 @@ from megatrain.testing import (
     EOD,
     english_texts,
     random_documents,
-    sha256,
     write_bert_text_corpus,
     write_corpus,
 )

@@ -7,9 +7,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from megacommon.files import sha256_file as sha256
 from megatrain.data.corpus import open_corpus
 from megatrain.data.samples import GPTBatches, epoch_order
-from megatrain.testing import EOD, TOKENIZER_SHA, VOCAB, sha256, write_corpus
+from megatrain.testing import EOD, TOKENIZER_SHA, VOCAB, write_corpus
 
 SEQ = 8
 

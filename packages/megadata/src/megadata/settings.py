@@ -48,23 +48,6 @@ _DESCRIPTIONS = {
 }
 
 
-def readable_by_key(cls):
-    """Settings also read as the section's dict was, by key (`recipe.dedup["threshold"]`,
-    `recipe.tokenizer.get("kind")`): callers written for the dicts keep working."""
-    names = frozenset(f.name for f in dataclasses.fields(cls))
-
-    def getitem(self, key: str):
-        if key not in names:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default=None):
-        return getattr(self, key) if key in names else default
-
-    cls.__getitem__, cls.get = getitem, get
-    return cls
-
-
 def load(cls, table, label: str, where: str = ""):
     """`table` (a recipe's TOML table, or a dict given in code) as the settings dataclass
     `cls`, defaults filled in; settings of `cls` already are returned as they are.  `label`

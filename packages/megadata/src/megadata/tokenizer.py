@@ -23,7 +23,7 @@ from tokenizers import (
 )
 
 from megadata.encode import bert_pieces, gpt2_pieces
-from megadata.settings import PositiveNumber, load, readable_by_key
+from megadata.settings import PositiveNumber, load
 
 EOD_TOKEN = {"gpt2-bpe": "<|endoftext|>", "bert-wordpiece": "[SEP]"}
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -32,7 +32,6 @@ BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 DEFAULT_VOCAB_SIZE = 8192  # what a tokenizer is trained to when the recipe names no size
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class TokenizerSettings:
     """The recipe's `[tokenizer]` section: the files of a tokenizer, or what to train."""

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import click
 
+from megacommon.errors import FAILURE, CommandError
 from megaeval import __version__
 from megaeval.errors import EvalDataError, EvalSettingsError
-from megatrain.cli import FAILURE, CommandError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -107,8 +107,8 @@ def cache_key(task: str, model: dict, data: str, settings: dict) -> dict | None:
     digest and the settings that change the numbers.  Read without torch, in milliseconds."""
     if model["ckpt"] is None:
         return None
+    from megacommon.files import sha256_file
     from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
-    from megatrain.data.corpus import sha256_file
 
     try:
         directory = find_checkpoint(model["ckpt"])

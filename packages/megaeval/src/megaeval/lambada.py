@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
+from megacommon.progress import progress_bar
 from megaeval.errors import EvalDataError, EvalSettingsError
 from megaeval.scoring import Scorer
-from megatrain.progress import progress_bar
 
 
 def read_lambada(path: str | os.PathLike) -> list[str]:

@@ -6,27 +6,10 @@ import sys
 
 import click
 
+from megacommon.errors import FAILURE, CommandError
 from megatrain import __version__
 from megatrain.checkpoint.files import find_checkpoint
-from megatrain.config import Config, ConfigError, load_config, validate
-
-# Exit statuses, the same in megatrain, megaeval and megadata: 2 for a usage or input error
-# (a flag, a config, a file or checkpoint that is not what was expected), 1 for a failure
-# while working; 130/143 after SIGINT/SIGTERM (`megatrain run`).
-USAGE_OR_INPUT, FAILURE = 2, 1
-
-
-class CommandError(click.ClickException):
-    """One line on stderr, `megatrain COMMAND: message`, and the exit status of its kind."""
-
-    def __init__(self, message: str, exit_code: int = USAGE_OR_INPUT):
-        super().__init__(message)
-        self.exit_code = exit_code
-        ctx = click.get_current_context(silent=True)
-        self.where = ctx.command_path if ctx else "megatrain"
-
-    def show(self, file=None) -> None:
-        click.echo(f"{self.where}: {self.format_message()}", err=True)
+from megatrain.config import ConfigError, load_config, validate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,89 +20,6 @@ def main() -> None:
 
     Run `megatrain COMMAND --help` for one command.
     """
-
-
-def _default_nproc(config: Config, nnodes: int) -> int:
-    """Processes on this node: the configured layout, else one per GPU, else tp x pp."""
-    p = config.parallel
-    if p.data_parallel_size:
-        total = config.model_parallel_size * p.data_parallel_size
-        if total % nnodes:
-            raise ConfigError(
-                f"tp x pp x dp = {total} processes do not split over --nnodes {nnodes}"
-            )
-        return total // nnodes
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return config.model_parallel_size
-
-
-def _check_gpus(nproc: int, gpus: int) -> None:
-    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), after every worker has
-    started: say so before launching."""
-    if gpus and nproc > gpus:
-        raise ConfigError(
-            f"--nproc-per-node {nproc} exceeds the {gpus} GPU(s) of this node: NCCL needs one "
-            f"GPU per rank (use more nodes, or CUDA_VISIBLE_DEVICES= to train on the CPU)"
-        )
-
-
-def _finished_iteration(config: Config) -> int | None:
-    """The iteration of --load's checkpoint when it has trained all of training.train_iters
-    (known from its meta.json, before any worker or torch starts), else None."""
-    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
-
-    if not config.checkpoint.load:
-        return None
-    try:
-        iteration = read_meta(find_checkpoint(config.checkpoint.load))["iteration"]
-    except CheckpointError:
-        return None  # none yet (or a broken one, which loading will name)
-    return iteration if iteration >= config.training.train_iters else None
-
-
-def _check_restartable(config: Config) -> None:
-    """Restarted workers resume from the run's own last checkpoint (training.resume)."""
-    if not config.checkpoint.save:
-        raise ConfigError(
-            "--max-restarts needs --save (or checkpoint.save): restarted workers resume from "
-            "its last checkpoint; also set checkpoint.save_interval"
-        )
-
-
-def _check_inputs(config: Config) -> None:
-    """Refuse a missing or mismatched corpus or checkpoint here rather than in every worker."""
-    from megatrain.data.corpus import open_run_corpus
-
-    for split in ("train", "valid"):
-        open_run_corpus(config, split)
-    load, save = config.checkpoint.load, config.checkpoint.save
-    if load and not (load == save and not os.path.exists(os.path.join(load, "latest"))):
-        find_checkpoint(load)
-    if save:
-        _check_writable(save, "checkpoint.save (--save)")
-    _check_writable(config.training.output_dir, "training.output_dir")
-
-
-def _check_writable(directory: str, what: str) -> None:
-    """Write (and remove) a file there now, rather than lose the first interval's work at the
-    first save: a read-only filesystem, a full disk or missing permissions show here."""
-    import tempfile
-
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise ValueError(f"{what} {directory}: cannot write there ({e.strerror or e})") from None
-
-
-def _worker(config_dict: dict):
-    from megatrain.run.loop import train
-
-    return train(Config.from_dict(config_dict))
 
 
 @main.command("run")
@@ -196,7 +96,7 @@ def run_command(
     status is then 130 (SIGINT) or 143 (SIGTERM).  A second one kills the workers at once (the
     last complete checkpoint stays).
     """
-    from megatrain.run import launch
+    from megatrain.run import launch, preflight
 
     try:
         flags = [f"checkpoint.{k}={v!r}" for k, v in (("load", load), ("save", save)) if v]
@@ -213,8 +113,8 @@ def run_command(
         if node_rank >= nnodes:
             raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
         if max_restarts:
-            _check_restartable(config)
-        finished = _finished_iteration(config)
+            preflight.check_restartable(config)
+        finished = preflight.finished_iteration(config)
         if finished is not None:
             click.echo(
                 f"megatrain run: nothing to do: {config.checkpoint.load} already holds iteration "
@@ -222,20 +122,21 @@ def run_command(
                 "training.train_iters to train on, or --save/--load elsewhere to start over)"
             )
             return
-        nproc = nproc_per_node or _default_nproc(config, nnodes)
+        nproc = nproc_per_node or preflight.default_nproc(config, nnodes)
         validate(config, nproc * nnodes)
         import torch
 
-        _check_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-        if not no_plan_check:
-            _plan_check(config, nproc * nnodes)
-        _check_inputs(config)
+        preflight.check_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        warning = None if no_plan_check else preflight.plan_warning(config, nproc * nnodes)
+        if warning:
+            click.echo(f"megatrain run: warning: {warning}", err=True)
+        preflight.check_inputs(config)
         config.data.verify_sha256 = False  # the shards were verified just now, for every worker
     except (ConfigError, ValueError, FileNotFoundError) as e:
         raise CommandError(str(e)) from None
     try:
         launch.launch(
-            _worker,
+            launch.train_worker,
             (config.to_dict(),),
             nproc_per_node=nproc,
             nnodes=nnodes,
@@ -283,7 +184,7 @@ def generate_command(
 ):  # fmt: skip
     """Continue each --prompt with the model of --ckpt: greedy, or sampled with temperature,
     top-k and top-p, using a KV cache."""
-    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+    from megatrain.checkpoint.files import CheckpointError, read_meta
     from megatrain.inference.generate import Sampling, generation_worker
     from megatrain.inference.load import check_layout, load_tokenizer, require_kind
     from megatrain.run import launch
@@ -412,27 +313,6 @@ def convert_command(ckpt, out, dtype, weights_only, tp, pp):
     click.echo(f"megatrain convert: wrote {path}")
 
 
-def _plan_check(config: Config, world_size: int) -> None:
-    """Warn (not refuse: the estimate leaves out what it cannot know) when the planner's
-    memory estimate of this layout exceeds 90% of this node's GPU; nothing without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    from megatrain.data.corpus import open_run_corpus
-    from megatrain.plan.search import memory_warning
-
-    vocab = config.model.vocab_size or open_run_corpus(config, "train").vocab_size
-    dp = world_size // config.model_parallel_size
-    warning = memory_warning(config, dp, vocab, torch.cuda.get_device_properties(0).total_memory)
-    if warning:
-        click.echo(
-            f"megatrain run: warning: {warning}; it may run out of memory (`megatrain plan "
-            f"--config ...` ranks the layouts that fit; --no-plan-check drops this warning)",
-            err=True,
-        )
-
-
 def _plan_error(message: str) -> None:
     raise CommandError(message)
 
@@ -501,23 +381,7 @@ def plan_command(
         if not gpus:
             _plan_error("--gpus is required: the GPUs of the job")
         profile = hardware.load_profile(profile_path) if profile_path else None
-        table = hardware.load_gpus(gpu_file)
-        if gpu_key is None:
-            if profile is None or profile.device is None:
-                _plan_error(f"--gpu is required; known: {', '.join(table)}")
-            gpu = profile.device
-        elif gpu_key not in table:
-            _plan_error(
-                f"--gpu {gpu_key!r} is not in the GPU table; known: {', '.join(table)} "
-                "(add one with --gpu-file)"
-            )
-        else:
-            gpu = table[gpu_key]
-        gpu = hardware.with_nodes_of(gpu, nodes_of)
-        if gpus > gpu.gpus_per_node and gpus % gpu.gpus_per_node:
-            _plan_error(
-                f"--gpus {gpus} is not a whole number of nodes of {gpu.gpus_per_node} (--nodes-of)"
-            )
+        gpu = hardware.job_gpu(gpus, gpu_key, gpu_file, nodes_of, profile)
         config = load_config(config_path, list(overrides))
         if not config.model.vocab_size:
             _plan_error(

@@ -146,7 +146,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
-    # Peak dense TFLOP/s of one device for MFU; None = from megatrain.metrics' table
+    # Peak dense TFLOP/s of one device for MFU; None = from megatrain.run.metrics' table
     # (GPUs) or a measured matrix multiply (CPUs).
     peak_tflops: float | None = None
 

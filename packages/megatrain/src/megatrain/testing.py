@@ -1,19 +1,18 @@
-"""Corpora in megadata's format, written directly, for the tests of megatrain and megaeval
-(megatrain reads files, not megadata)."""
+"""Corpora in megadata's format (`megacommon.corpus_format`, the writer megadata's shard stage
+uses), written directly, for the tests of megatrain and megaeval (megatrain reads files, not
+megadata)."""
 
-import hashlib
 import json
 from pathlib import Path
 
 import pyarrow as pa
 
+from megacommon import corpus_format
+from megacommon.files import atomic_write_json, sha256_file
+
 EOD = 0
 VOCAB = 1000
 TOKENIZER_SHA = "ab" * 32
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_corpus(
@@ -32,42 +31,20 @@ def write_corpus(
     `sentence_ends`, shaped like `splits` (one list of ends per document), adds the
     column that megadata writes for BERT corpora."""
     root.mkdir(parents=True, exist_ok=True)
-    value_type = {"uint16": pa.uint16(), "uint32": pa.uint32()}[dtype]
-    columns = [("doc_id", pa.string()), ("tokens", pa.list_(value_type))]
-    if sentence_ends is not None:
-        columns.append(("sentence_ends", pa.list_(pa.uint32())))
-    schema = pa.schema(columns)
+    schema = corpus_format.shard_schema(dtype, sentence_ends is not None)
     entries = {}
     for split, shards in splits.items():
-        (root / split).mkdir(exist_ok=True)
-        listed = []
+        entries[split] = []
         for i, docs in enumerate(shards):
-            file = f"{split}/shard-{i:05d}.arrow"
+            file = corpus_format.shard_file(split, i)
             data = {"doc_id": [f"{split}-{i}-{r}" for r in range(len(docs))], "tokens": docs}
             if sentence_ends is not None:
                 data["sentence_ends"] = sentence_ends[split][i]
+            # Several record batches per shard, as megadata writes large shards.
             table = pa.table(data, schema=schema)
-            with pa.ipc.new_file(str(root / file), schema) as writer:
-                # Several record batches per shard, as megadata writes large shards.
-                for batch in table.to_batches(max_chunksize=batch_rows):
-                    writer.write_batch(batch)
-            listed.append(
-                {
-                    "docs": len(docs),
-                    "file": file,
-                    "sha256": sha256(root / file),
-                    "tokens": sum(map(len, docs)),
-                }
-            )
-        entries[split] = {
-            "docs": sum(s["docs"] for s in listed),
-            "tokens": sum(s["tokens"] for s in listed),
-            "shards": listed,
-        }
-    manifest = {
-        "format_version": 1,
-        "sentence_boundaries": sentence_ends is not None,
-        "token_dtype": dtype,
+            shard = corpus_format.write_shard(root / file, table, batch_rows)
+            entries[split].append({"file": file, **shard})
+    fields = {
         "tokenizer": {
             "eod_id": EOD,
             "file": "tokenizer.json",
@@ -75,10 +52,11 @@ def write_corpus(
             "sha256": TOKENIZER_SHA,
             "vocab_size": vocab_size,
         },
-        "splits": entries,
+        "token_dtype": dtype,
+        "sentence_boundaries": sentence_ends is not None,
         **manifest_overrides,
     }
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    corpus_format.write_manifest(root, splits=entries, **fields)
     return root
 
 
@@ -114,8 +92,8 @@ def write_text_corpus(root: Path, texts: list[str], vocab_size: int = 300, valid
     size = tok.get_vocab_size(with_added_tokens=True)
     write_corpus(root, splits, vocab_size=size)
     manifest = json.loads((root / "manifest.json").read_text())
-    manifest["tokenizer"].update(eod_id=eod, sha256=sha256(root / "tokenizer.json"))
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    manifest["tokenizer"].update(eod_id=eod, sha256=sha256_file(root / "tokenizer.json"))
+    atomic_write_json(root / "manifest.json", manifest)
     return root, tok
 
 
@@ -223,6 +201,6 @@ def write_bert_text_corpus(
         **kwargs,
     )
     manifest = json.loads((root / "manifest.json").read_text())
-    manifest["tokenizer"].update(eod_id=sep, sha256=sha256(root / "tokenizer.json"))
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    manifest["tokenizer"].update(eod_id=sep, sha256=sha256_file(root / "tokenizer.json"))
+    atomic_write_json(root / "manifest.json", manifest)
     return root, tok, split(sentences)

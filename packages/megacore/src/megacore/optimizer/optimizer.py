@@ -350,7 +350,7 @@ class MegatronOptimizer:
         the shard's elements [start, end) of its flattened parameter (a TP shard's).
 
         The tensors the optimizer holds, not copies, and no collective: a layout-independent
-        checkpoint writes each rank's own ranges (`megatrain.checkpointing`), so saving holds
+        checkpoint writes each rank's own ranges (`megatrain.checkpoint.save`), so saving holds
         no more optimizer state than training does.  Before the first step the moments do
         not exist yet and are zeros of the shard's size.
         """

@@ -1,13 +1,13 @@
 """Point-to-point communication between neighbouring pipeline stages.
 
-Megatron-LM's helpers: `recv_forward`, `send_forward`, `recv_backward`,
-`send_backward` and the combined forms that post a send and a receive together
-(`send_forward_recv_backward`, ...).  Every call posts all its operations in one
-`torch.distributed.batch_isend_irecv`, so a combined exchange cannot deadlock
-whatever the pipeline size.  Activations travel with tag 0 and gradients with
-tag 1, and operations are posted in one canonical order (activations before
-gradients) on every rank: with two stages, where "next" and "prev" are the same
-peer, an activation can never be taken for a gradient.
+One function, `communicate`, posts any mix of Megatron-LM's exchanges (recv_forward,
+send_forward, recv_backward, send_backward and the combined forms that post a send and a
+receive together, such as send_forward_recv_backward): the schedules' `Comm` steps call it.
+Every call posts all its operations in one `torch.distributed.batch_isend_irecv`, so a
+combined exchange cannot deadlock whatever the pipeline size.  Activations travel with tag 0
+and gradients with tag 1, and operations are posted in one canonical order (activations
+before gradients) on every rank: with two stages, where "next" and "prev" are the same peer,
+an activation can never be taken for a gradient.
 
 Shapes are agreed in advance (`tensor_shape`); with `variable_seq_lengths=True`
 the sender first sends the shape, so each microbatch may have its own.
@@ -134,92 +134,3 @@ def _default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def recv_forward(tensor_shape, dtype=torch.float32, **kw) -> torch.Tensor | None:
-    """The previous stage's activation (None on the first stage)."""
-    if parallel_state.is_pipeline_first_stage():
-        return None
-    return communicate(recv_prev=True, tensor_shape=tensor_shape, dtype=dtype, **kw)[0]
-
-
-def recv_backward(tensor_shape, dtype=torch.float32, **kw) -> torch.Tensor | None:
-    """The next stage's gradient of our output (None on the last stage)."""
-    if parallel_state.is_pipeline_last_stage():
-        return None
-    return communicate(recv_next=True, tensor_shape=tensor_shape, dtype=dtype, **kw)[1]
-
-
-def send_forward(output_tensor: torch.Tensor, **kw) -> None:
-    if not parallel_state.is_pipeline_last_stage():
-        communicate(tensor_send_next=output_tensor, **kw)
-
-
-def send_backward(input_tensor_grad: torch.Tensor, **kw) -> None:
-    if not parallel_state.is_pipeline_first_stage():
-        communicate(tensor_send_prev=input_tensor_grad, **kw)
-
-
-def send_forward_recv_backward(output_tensor, tensor_shape, dtype=torch.float32, **kw):
-    if parallel_state.is_pipeline_last_stage():
-        return None
-    return communicate(
-        tensor_send_next=output_tensor, recv_next=True, tensor_shape=tensor_shape, dtype=dtype, **kw
-    )[1]
-
-
-def send_backward_recv_forward(input_tensor_grad, tensor_shape, dtype=torch.float32, **kw):
-    if parallel_state.is_pipeline_first_stage():
-        return None
-    return communicate(
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=True,
-        tensor_shape=tensor_shape,
-        dtype=dtype,
-        **kw,
-    )[0]
-
-
-def send_forward_recv_forward(
-    output_tensor, recv_prev: bool, tensor_shape, dtype=torch.float32, **kw
-):
-    return communicate(
-        tensor_send_next=output_tensor,
-        recv_prev=recv_prev,
-        tensor_shape=tensor_shape,
-        dtype=dtype,
-        **kw,
-    )[0]
-
-
-def send_backward_recv_backward(
-    input_tensor_grad, recv_next: bool, tensor_shape, dtype=torch.float32, **kw
-):
-    return communicate(
-        tensor_send_prev=input_tensor_grad,
-        recv_next=recv_next,
-        tensor_shape=tensor_shape,
-        dtype=dtype,
-        **kw,
-    )[1]
-
-
-def send_forward_backward_recv_forward_backward(
-    output_tensor,
-    input_tensor_grad,
-    recv_prev: bool,
-    recv_next: bool,
-    tensor_shape,
-    dtype=torch.float32,
-    **kw,
-):
-    from_prev, from_next, _ = communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=recv_prev,
-        recv_next=recv_next,
-        tensor_shape=tensor_shape,
-        dtype=dtype,
-        **kw,
-    )
-    return from_prev, from_next

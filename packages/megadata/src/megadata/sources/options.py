@@ -4,7 +4,7 @@ options of how its files are read (`SourceOptions`)."""
 from dataclasses import dataclass
 from typing import Annotated
 
-from megadata.settings import Check, PositiveInt, readable_by_key
+from megadata.settings import Check, PositiveInt
 
 SOURCE_KINDS = ("text", "jsonl", "html", "wikipedia")
 SOURCE_KEYS = ("name", "kind", "paths")  # required; the rest of the table is SourceOptions
@@ -12,7 +12,6 @@ DEFAULT_SPLIT_MB = 256  # megadata.file_pieces
 DEFAULT_MAX_DOC_BYTES = 16 * 2**20  # 3x the crawler's page cap; Wikipedia's longest is ~1 MB
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class SourceOptions:
     """How the files of a source are read (the source's table less SOURCE_KEYS)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megadata.documents import read_table, write_kept
-from megadata.settings import load, readable_by_key
+from megadata.settings import load
 from megadata.unicode_fix import fix_text
 
 DETECTORS = ("fasttext", "langdetect")
@@ -36,7 +36,6 @@ _PARAGRAPH = re.compile(r"\n\s*\n")
 _SPACES = re.compile(r"[ \t]+")
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class CleanSettings:
     """The recipe's `[clean]` section."""

@@ -63,7 +63,7 @@ from megacommon.files import atomic_write_json
 from megadata.bloom import SHARD_FILE, BloomFilter, contains_sharded, shard_files, shard_of
 from megadata.documents import read_meta, read_table, text_bytes, write_kept, write_table
 from megadata.ngrams import EvalIndex, build_index, ngram_hashes, sorted_distinct
-from megadata.settings import Check, Fraction, PositiveInt, load, readable_by_key
+from megadata.settings import Check, Fraction, PositiveInt, load
 from megadata.shuffle import read_shuffled, write_shuffled
 from megadata.wikitext_format import split_articles
 
@@ -88,7 +88,6 @@ def normalise_title(title: str) -> str:
     return " ".join(_WORD.findall(title.lower()))
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class DecontaminateSettings:
     """The recipe's `[decontaminate]` section."""

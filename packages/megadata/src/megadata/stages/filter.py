@@ -13,10 +13,8 @@ import pyarrow as pa
 
 from megadata.documents import read_table, text_bytes, write_kept, write_table
 from megadata.encode import DEFAULT_SPLITTER, token_table
-from megadata.settings import readable_by_key
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class FilterSettings:
     """The recipe's `[filter]` section."""

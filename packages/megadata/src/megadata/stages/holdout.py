@@ -34,7 +34,7 @@ import numpy as np
 from megacommon.files import atomic_write_bytes, atomic_writer
 from megadata.documents import read_docs, read_table, text_bytes, write_kept
 from megadata.encode import DEFAULT_SPLITTER, split_sentences
-from megadata.settings import Check, PositiveInt, load, readable_by_key
+from megadata.settings import Check, PositiveInt, load
 from megadata.wikitext_format import format_article, paragraphs, title_from_text
 
 LARGE_EVAL_BYTES = 1 << 30  # held-out text past which a warning says to hold out less
@@ -44,7 +44,6 @@ _TRAILING = re.compile(r"\W+$")
 _LEADING = re.compile(r"^[^\w\"'(]+")  # stray markup before a passage's first sentence
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class HoldoutSettings:
     """The recipe's `[holdout]` section."""

@@ -26,10 +26,9 @@ from megacommon import corpus_format
 from megacommon.corpus_format import SPLITS
 from megadata.documents import read_table
 from megadata.runner import Runner, Task, task_counts
-from megadata.settings import PositiveInt, readable_by_key
+from megadata.settings import PositiveInt
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class ShardSettings:
     """The recipe's `[shard]` section."""

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from megatrain.models.bert import BertModel, _replicated_linear
+from megatrain.models.bert import BertModel, replicated_linear
 from megatrain.models.transformer import TransformerConfig
 from megatrain.parallelize import build_chunks
 
@@ -44,7 +44,7 @@ class TaskModel(BertModel):
         outputs = {"classify": num_classes, "choice": 1, "span": 2}[head]
         seed = kwargs.get("seed", 1234)
         device, dtype = kwargs.get("device"), kwargs.get("dtype", torch.float32)
-        self.task_head = _replicated_linear(
+        self.task_head = replicated_linear(
             cfg, outputs, cfg.hidden_size, seed - 6, device, dtype, kwargs.get("initialize", True)
         )
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 
+from megacommon.progress import progress_bar
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
 from megatrain.checkpoint.dcp import (
@@ -23,7 +24,6 @@ from megatrain.checkpoint.dcp import (
     tp_place,
 )
 from megatrain.checkpoint.files import MODEL_FIELDS, CheckpointError, find_checkpoint, read_meta
-from megatrain.progress import progress_bar
 
 
 def _load_tensors(path: Path) -> dict:

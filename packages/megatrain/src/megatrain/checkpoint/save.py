@@ -7,7 +7,6 @@ leaves the previous checkpoint and `latest` as they were.  Nothing is
 unpickled: DCP reads tensors, RNG files load with `weights_only=True`.
 """
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 
+from megacommon.files import atomic_write_json
 from megacore import tensor_parallel as tp
 from megatrain.checkpoint.dcp import (
     Pieces,
@@ -39,15 +39,6 @@ from megatrain.checkpoint.files import (
 )
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def file_sizes(directory: Path) -> dict[str, int]:
     """Every file under `directory` (relative path -> bytes), as meta.json records them."""
     return {
@@ -60,7 +51,7 @@ def file_sizes(directory: Path) -> dict[str, int]:
 def publish(tmp: Path, final: Path, meta: dict) -> None:
     """The last step of every save: meta.json into the complete `tmp` directory, `tmp`
     renamed to `final`, and only then `latest` (a temporary file renamed) naming it."""
-    _write_json(tmp / "meta.json", meta)
+    atomic_write_json(tmp / "meta.json", meta, sort_keys=False)
     # The same iteration saved again (a resume at N that saves at N): the old copy is moved
     # aside, not deleted, until the new one is in place, so a kill between the two renames
     # leaves `latest` naming a complete directory (`find_checkpoint` falls back to the old).

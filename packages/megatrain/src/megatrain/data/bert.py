@@ -68,7 +68,8 @@ from typing import Any
 
 import numpy as np
 
-from megatrain.data.corpus import Corpus, sha256_file
+from megacommon.files import sha256_file
+from megatrain.data.corpus import Corpus
 from megatrain.data.samples import SampleBatches
 
 LONG_SENTENCE_LEN = 512  # Megatron skips documents with a longer sentence

@@ -15,46 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from megacommon.corpus_format import (
+    TOKEN_DTYPES,
+    check_shard_schema,
+    manifest_field,
+    read_manifest,
+    refuse,
+)
+from megacommon.files import sha256_file
 from megatrain.config import Config
 
-FORMAT_VERSION = 1
-
-
-TOKEN_DTYPES = {"uint16": pa.uint16(), "uint32": pa.uint32()}
-
-
 SENTENCE_KINDS = ("bert-wordpiece",)  # tokenizer kinds whose corpora must hold sentence_ends
-
-
-_HASH_CHUNK = 1 << 20
-
-
-def _manifest_field(manifest: dict, where: Path, *keys: str) -> Any:
-    value: Any = manifest
-    for i, key in enumerate(keys):
-        if not isinstance(value, dict) or key not in value:
-            name = ".".join(keys[: i + 1])
-            raise ValueError(f"{where}: field {name!r} is missing")
-        value = value[key]
-    return value
-
-
-def _refuse(where: Path | str, name: str, expected: Any, found: Any, hint: str = "") -> NoReturn:
-    raise ValueError(f"{where}: {name} is {found!r}, expected {expected!r}{hint}")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass
@@ -158,7 +135,7 @@ class Corpus:
 
     def fingerprint(self) -> str:
         """Identity of the split's content, from the manifest alone (no file is read)."""
-        shards = _manifest_field(self.manifest, self.path, "splits", self.split, "shards")
+        shards = manifest_field(self.manifest, self.path, "splits", self.split, "shards")
         text = json.dumps([self.tokenizer_sha256, [s.get("sha256") for s in shards]])
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -179,25 +156,14 @@ def open_corpus(
     FileNotFoundError for a missing file, naming the file, field and values.
     """
     path = Path(path)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise FileNotFoundError(
-            f"{manifest_path}: no corpus manifest; build the corpus with "
-            "`megadata run --recipe ...` (or `make data`)"
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{manifest_path}: not valid JSON ({e})") from e
+    manifest, manifest_path = read_manifest(path)
 
     def get(*keys: str) -> Any:
-        return _manifest_field(manifest, manifest_path, *keys)
+        return manifest_field(manifest, manifest_path, *keys)
 
-    if get("format_version") != FORMAT_VERSION:
-        _refuse(manifest_path, "format_version", FORMAT_VERSION, get("format_version"))
     kind = get("tokenizer", "kind")
     if kind != tokenizer_kind:
-        _refuse(
+        refuse(
             manifest_path,
             "tokenizer.kind",
             tokenizer_kind,
@@ -206,16 +172,16 @@ def open_corpus(
         )
     corpus_vocab = get("tokenizer", "vocab_size")
     if vocab_size is not None and corpus_vocab != vocab_size:
-        _refuse(
+        refuse(
             manifest_path, "tokenizer.vocab_size", vocab_size, corpus_vocab, " (model's vocab_size)"
         )
     corpus_sha = get("tokenizer", "sha256")
     if tokenizer_sha256 is not None and corpus_sha != tokenizer_sha256:
-        _refuse(manifest_path, "tokenizer.sha256", tokenizer_sha256, corpus_sha)
+        refuse(manifest_path, "tokenizer.sha256", tokenizer_sha256, corpus_sha)
     eod_id = get("tokenizer", "eod_id")
     dtype_name = get("token_dtype")
     if dtype_name not in TOKEN_DTYPES:
-        _refuse(manifest_path, "token_dtype", " or ".join(TOKEN_DTYPES), dtype_name)
+        refuse(manifest_path, "token_dtype", " or ".join(TOKEN_DTYPES), dtype_name)
     splits = get("splits")
     if split not in splits:
         raise ValueError(
@@ -227,7 +193,7 @@ def open_corpus(
 
     files = []
     for i, shard in enumerate(shards):
-        file = path / _manifest_field(shard, manifest_path, "file")
+        file = path / manifest_field(shard, manifest_path, "file")
         if not file.is_file():
             raise FileNotFoundError(
                 f"{file}: shard missing (listed in {manifest_path} as splits.{split}.shards[{i}])"
@@ -238,9 +204,9 @@ def open_corpus(
         with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
             digests = list(pool.map(sha256_file, files))
         for i, (shard, file, found) in enumerate(zip(shards, files, digests, strict=True)):
-            expected = _manifest_field(shard, manifest_path, "sha256")
+            expected = manifest_field(shard, manifest_path, "sha256")
             if found != expected:
-                _refuse(
+                refuse(
                     file,
                     f"sha256 (splits.{split}.shards[{i}].sha256 of {manifest_path})",
                     expected,
@@ -257,30 +223,14 @@ def open_corpus(
         maps.append(mapped)
         reader = ipc.open_file(mapped)
         schema = reader.schema
-        tokens_type = schema.field("tokens").type if "tokens" in schema.names else None
-        wanted = TOKEN_DTYPES[dtype_name]
-        if not (
-            tokens_type is not None
-            and (pa.types.is_list(tokens_type) or pa.types.is_large_list(tokens_type))
-            and tokens_type.value_type == wanted
-        ):
+        check_shard_schema(schema, file, dtype_name, manifest_path)
+        if sent_buffers is not None and "sentence_ends" not in schema.names:
             raise ValueError(
-                f"{file}: column 'tokens' is {tokens_type}, expected list<{dtype_name}> "
-                f"(token_dtype of {manifest_path})"
+                f"{file}: no column 'sentence_ends' (sentence boundaries), which a {kind} "
+                "corpus needs; build it with a recipe whose [tokenizer] kind is "
+                f"bert-wordpiece ({manifest_path} says sentence_boundaries = "
+                f"{manifest.get('sentence_boundaries')!r})"
             )
-        if sent_buffers is not None:
-            if "sentence_ends" not in schema.names:
-                raise ValueError(
-                    f"{file}: no column 'sentence_ends' (sentence boundaries), which a {kind} "
-                    "corpus needs; build it with a recipe whose [tokenizer] kind is "
-                    f"bert-wordpiece ({manifest_path} says sentence_boundaries = "
-                    f"{manifest.get('sentence_boundaries')!r})"
-                )
-            ends_type = schema.field("sentence_ends").type
-            if not (pa.types.is_list(ends_type) and ends_type.value_type == pa.uint32()):
-                raise ValueError(
-                    f"{file}: column 'sentence_ends' is {ends_type}, expected list<uint32>"
-                )
         n_docs = n_tokens = 0
         for b in range(reader.num_record_batches):
             batch = reader.get_batch(b)

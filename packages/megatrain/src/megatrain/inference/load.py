@@ -7,12 +7,12 @@ checkpoint directory and is checked against the hash the training corpus had,
 so a model is never run with another tokenizer's ids.
 """
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megacommon.files import sha256_file
 from megacore import parallel_state as ps
 from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 from megatrain.checkpoint.load import load_weights
@@ -45,7 +45,7 @@ def load_tokenizer(directory: Path, meta: dict):
         )
     info = meta.get("tokenizer") or {}
     expected = info.get("sha256")
-    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    actual = sha256_file(path)
     if expected and actual != expected:
         raise CheckpointError(
             f"{path} does not match the checkpoint: sha256 {actual}, but the model was trained "

@@ -44,7 +44,7 @@ def bert_config(**fields) -> TransformerConfig:
     return TransformerConfig(**{**settings, **fields})
 
 
-def _replicated_linear(cfg, rows: int, cols: int, seed: int, device, dtype, initialize):
+def replicated_linear(cfg, rows: int, cols: int, seed: int, device, dtype, initialize):
     """nn.Linear(cols -> rows), weight N(0, std) from its own generator, bias zero."""
     layer = nn.Linear(cols, rows, device="cpu" if device is None else device, dtype=dtype)
     if initialize:
@@ -103,10 +103,10 @@ class BertModel(LanguageModel):
         if not post_process:
             return
         h = cfg.hidden_size
-        self.pooler = _replicated_linear(cfg, h, h, seed - 4, device, dtype, initialize)
+        self.pooler = replicated_linear(cfg, h, h, seed - 4, device, dtype, initialize)
         if not self.PRETRAINING_HEADS:
             return
-        self.lm_dense = _replicated_linear(cfg, h, h, seed - 3, device, dtype, initialize)
+        self.lm_dense = replicated_linear(cfg, h, h, seed - 3, device, dtype, initialize)
         self.lm_layernorm = _layer_norm(cfg, device, dtype)
         for p in self.lm_layernorm.parameters():
             p.sequence_parallel = False  # after the gather: every rank sees every token
@@ -121,7 +121,7 @@ class BertModel(LanguageModel):
         rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
         self.lm_bias = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype))
         tp.set_tensor_model_parallel_attributes(self.lm_bias, True, 0)
-        self.sop_head = _replicated_linear(cfg, 2, h, seed - 5, device, dtype, initialize)
+        self.sop_head = replicated_linear(cfg, 2, h, seed - 5, device, dtype, initialize)
 
     def _mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., h] -> this rank's vocabulary slice of the logits [..., v/tp]."""

@@ -478,5 +478,3 @@ class LanguageModel(nn.Module):
         keep = max(0, true_vocab - start)
         padding = torch.arange(local, device=logits.device) >= keep
         return logits.masked_fill(padding, float("-inf"))
-
-

@@ -4,7 +4,7 @@
   the training precision (bf16 on a GPU, fp32 on a CPU), best of a few runs each; a least-
   squares fit of time = FLOPs / rate + tau (weighted by 1/time, so small GEMMs count as
   much as large) gives `gemm_efficiency` = rate / peak, the peak being the data sheet's
-  (megatrain.metrics) on a GPU, and the fitted rate itself on a CPU (no vendor number
+  (megatrain.run.metrics) on a GPU, and the fitted rate itself on a CPU (no vendor number
   applies to an arbitrary CPU); tau alone is recorded (the layers below give the one used).
 - **Memory bandwidth**: a large tensor copied (bytes read + written / time).
 - **Collectives**: all-reduces of 16 KiB to 64 MiB over the GPUs of this node (NCCL), or

@@ -177,3 +177,33 @@ def load_profile(path: str | Path) -> Profile:
 
 def with_nodes_of(gpu: Gpu, gpus_per_node: int | None) -> Gpu:
     return gpu if gpus_per_node is None else replace(gpu, gpus_per_node=gpus_per_node)
+
+
+def job_gpu(
+    gpus: int,
+    key: str | None,
+    gpu_file: str | Path | None = None,
+    nodes_of: int | None = None,
+    profile: Profile | None = None,
+) -> Gpu:
+    """The GPU of a `megatrain plan` job: `key` in the GPU table (with `gpu_file`'s), else
+    the measured device of `profile`; with `nodes_of` GPUs per node, and `gpus` a whole
+    number of its nodes.  HardwareError (naming the flag) otherwise."""
+    table = load_gpus(gpu_file)
+    if key is None:
+        if profile is None or profile.device is None:
+            raise HardwareError(f"--gpu is required; known: {', '.join(table)}")
+        gpu = profile.device
+    elif key not in table:
+        raise HardwareError(
+            f"--gpu {key!r} is not in the GPU table; known: {', '.join(table)} "
+            "(add one with --gpu-file)"
+        )
+    else:
+        gpu = table[key]
+    gpu = with_nodes_of(gpu, nodes_of)
+    if gpus > gpu.gpus_per_node and gpus % gpu.gpus_per_node:
+        raise HardwareError(
+            f"--gpus {gpus} is not a whole number of nodes of {gpu.gpus_per_node} (--nodes-of)"
+        )
+    return gpu

@@ -428,6 +428,15 @@ def launch(
     return results
 
 
+def train_worker(config_dict: dict):
+    """What each worker of `megatrain run` runs: the training loop on the config (a dict,
+    which pickles to the spawned processes); imported there, not in the launching process."""
+    from megatrain.config import Config
+    from megatrain.run.loop import train
+
+    return train(Config.from_dict(config_dict))
+
+
 def run_workers(entrypoint: Callable, args: tuple, nproc: int) -> dict:
     """`entrypoint(*args)` on `nproc` local workers; {rank: result}.
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatrain.progress import duration
+from megacommon.progress import duration
 
 if TYPE_CHECKING:  # imported where used: reading a log (demo_summary) needs no torch
     import torch

@@ -75,9 +75,8 @@ import numpy as np
 
 from megadata.documents import drop_rows, read_meta, read_table
 from megadata.runner import Runner, Task
-from megadata.settings import Fraction, PositiveInt, readable_by_key
+from megadata.settings import Fraction, PositiveInt
 from megadata.stages.dedup.components import (
-    _local_roots,
     component_firsts,
     component_members,
     label_round,
@@ -97,7 +96,6 @@ from megadata.stages.dedup.verify import jaccard, verify_against_first, verify_r
 __all__ = [
     "REMOVED_NODES",
     "DedupSettings",
-    "_local_roots",
     "choose_bands",
     "find_duplicates",
     "jaccard",
@@ -108,7 +106,6 @@ __all__ = [
 ]
 
 
-@readable_by_key
 @dataclass(frozen=True)
 class DedupSettings:
     """The recipe's `[dedup]` section."""

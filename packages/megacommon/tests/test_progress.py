@@ -3,7 +3,7 @@
 import io
 import sys
 
-from megatrain import progress
+from megacommon import progress
 
 
 def test_plain_lines_when_stderr_is_not_a_terminal(monkeypatch):
