@@ -13,19 +13,21 @@ PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/in
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: help install demo test lint format bench bench-gpu fig7 data clean
+.PHONY: help install demo test lint format bench bench-gpu fig7 data finetune-data finetune-demo clean
 
 RECIPE ?= default
 WORKERS ?= 2
 
 help:
 	@echo "make demo      the whole job on bundled data: corpus -> GPT at tp=2 dp=2 -> evaluations"
-	@echo "make install   create $(VENV) with torch and the four packages (editable, test extras)"
+	@echo "make install   create $(VENV) with torch and the five packages (editable, test extras)"
 	@echo "make test      install if needed, then ruff and pytest over every package and tests/"
 	@echo "make lint      ruff check and format check only"
 	@echo "make format    let ruff fix imports and formatting"
 	@echo "make bench     run benchmarks/, writing JSON under bench-results/"
 	@echo "make bench-gpu GPT-2 1.2B on one GPU, megatrain vs HF (bench-results/gpu.json; BENCH_GPU_ARGS=--small on a CPU)"
+	@echo "make finetune-data  real rows of MNLI, QQP, SQuAD 1.1/2.0, RACE from the package index (data/finetune)"
+	@echo "make finetune-demo  a tiny BERT pretrained on bundled data, fine-tuned on those rows, with a summary"
 	@echo "make fig7      the paper's Figure 7 small: BERT post_ln vs pre_ln at 4 and 24 layers (bench-results/fig7)"
 	@echo "make data      build the corpus of pipelines/corpus/\$$(RECIPE).toml (default: bundled sample text)"
 	@echo "make clean     remove $(VENV) and caches"
@@ -51,7 +53,11 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The fine-tuning tests also read real task rows (make finetune-data); without a package index
+# they are skipped, each with its reason in pytest's summary.
 test: lint
+	@$(BIN)/python scripts/fetch_finetune_data.py --out data/finetune --cache data/downloads || \
+	  echo "make test: no real fine-tuning rows (see above); the tests that read them will be skipped"
 	$(BIN)/pytest
 
 # Speed is measured here, never by timed tests.
@@ -98,6 +104,21 @@ demo: data
 	  cat $(DEMO)/sample.txt; \
 	fi
 	$(BIN)/python scripts/demo_summary.py --dir $(DEMO)
+
+# Real rows of every fine-tuning task in its official format, from the datasets library's source
+# archive on the package index (cached in data/downloads; where each came from and its licence:
+# data/finetune/SOURCES.json).
+finetune-data: install
+	$(BIN)/python scripts/fetch_finetune_data.py --out data/finetune --cache data/downloads
+
+# Pretrain (or reuse) the tiny BERT on the bundled BERT corpus, fine-tune it on SQuAD 1.1's rows
+# (scored before and after), then MNLI, QQP, SQuAD 2.0 and RACE; a summary table at the end.
+# Rerunning reuses what is done.
+FINETUNE_DEMO ?= runs/finetune-demo
+finetune-demo: finetune-data
+	$(MAKE) data RECIPE=default-bert
+	$(BIN)/python scripts/finetune_demo.py --dir $(FINETUNE_DEMO) --data data/finetune \
+	  --corpus data/corpus/default-bert
 
 # The paper's Figure 7, small: BERT's block orders (a) post_ln and (b) pre_ln, shallow and deep.
 fig7: install

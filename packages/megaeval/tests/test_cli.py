@@ -249,3 +249,31 @@ def test_an_eval_file_that_vanishes_after_the_check_is_named(tiny_gpt2, tmp_path
     result = CliRunner().invoke(main, args, prog_name="megaeval")
     assert result.exit_code == 2, result.output
     assert result.output.strip() == f"megaeval lambada: {data}: no such file"  # nothing drawn
+
+
+def test_finetune_settings_are_checked_against_the_checkpoint_naming_flags():
+    """What `megaeval finetune` checks before any worker starts speaks of its own flags."""
+    from megaeval.finetune.engine import Settings, plan
+    from megatrain.config import load_config
+
+    overrides = ['model.kind="bert"', "model.num_layers=2", "model.hidden_size=32",
+                 "model.num_attention_heads=4", "model.max_position_embeddings=128"]  # fmt: skip
+    meta = {"config": load_config(None, overrides).to_dict(), "vocab_size": 1000}
+    assert plan("mnli", meta, Settings(batch_size=8, micro_batch_size=2), 2)[1][0] == 8
+    assert plan("mnli", meta, Settings(), 1) == ("336m", (128, 1e-5, 10))  # Table 6
+    refused = [
+        ("mnli", Settings(batch_size=6), 1, r"--batch-size 6 is not a multiple of "
+         r"--micro-batch-size 4 x --dp 1"),
+        ("qqp", Settings(micro_batch_size=3), 2, r"--batch-size 128 \(Table 6's for 336m\) is "
+         r"not a multiple of --micro-batch-size 3 x --dp 2"),
+        ("squad1", Settings(), 1, r"--max-seq-length 384 \(the squad1 default\) is above the "
+         r"checkpoint's 128 positions .*: pass --max-seq-length 128 or less"),
+        ("race", Settings(max_seq_length=256), 1, r"--max-seq-length 256 is above"),
+        ("mnli", Settings(tp=3), 1, r"the checkpoint's model.num_attention_heads \(4\) is not "
+         r"divisible by --tp \(3\)"),
+        ("mnli", Settings(pp=4, batch_size=16), 1, r"the checkpoint's model.num_layers \(2\) "
+         r"is not divisible by --pp"),
+    ]  # fmt: skip
+    for task, settings, dp, message in refused:
+        with pytest.raises(ValueError, match=message):
+            plan(task, meta, settings, dp)

@@ -1,6 +1,7 @@
 """The fine-tuning readers on small files in the official formats, bad rows included."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -419,9 +420,58 @@ def test_squad_version_from_the_file(tmp_path):
     v1 = squad_file(tmp_path / "v1.json", [qa("q", [("cat", 4)])], version="1.1")
     (example,), problems = read_squad(v1)
     assert not example.is_impossible and problems == []
-    # Read as 1.1, a v2.0 file's unanswerable question has no answer: a problem.
-    examples, problems = read_squad(v2, version="1.1")
-    assert examples == [] and [p.message for p in problems] == [
-        "version 'v2.0', read as SQuAD 1.1 as asked",
-        "no usable answer; skipped",
-    ]
+    # A file whose version contradicts the one asked for is refused, naming both.
+    with pytest.raises(EvalDataError, match=r"'v2\.0' \(SQuAD 2\.0\), but squad1 reads SQuAD 1\.1"):
+        read_squad(v2, version="1.1")
+    with pytest.raises(EvalDataError, match=r"megaeval finetune squad1"):
+        read_squad(v1, version="2.0")
+    # Files published in the SQuAD format by other data sets carry no version: the task says.
+    data = json.loads(v2.read_text())
+    del data["version"]
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data))
+    (example,), problems = read_squad(bare, version="2.0")
+    assert example.is_impossible and problems == []
+    with pytest.raises(EvalDataError, match=r"version None is not one of"):
+        read_squad(bare)
+
+
+# ----------------------------------------------------------------------------- real rows
+
+# `make finetune-data` (which `make test` runs) puts real rows of every task here.
+REAL = Path(__file__).resolve().parents[3] / "data" / "finetune"
+NOT_FETCHED = f"no {REAL}/SOURCES.json: run `make finetune-data` to test on real task rows"
+
+
+@pytest.mark.skipif(not (REAL / "SOURCES.json").is_file(), reason=NOT_FETCHED)
+def test_real_rows_are_read_whole():
+    """Every fetched file reads with no problem and no row lost: the counts are the ones
+    fetch_finetune_data.py took from the files themselves (rows, questions, passages)."""
+    from megaeval.finetune.tasks import TASKS, read_split
+
+    sources = json.loads((REAL / "SOURCES.json").read_text())["tasks"]
+    counted = {f["file"]: f for s in sources.values() for f in s["files"]}
+    split_files = {
+        "mnli": {s: f"mnli/{s}.tsv" for s in ("train", "dev_matched", "dev_mismatched")},
+        "qqp": {s: f"qqp/{s}.tsv" for s in ("train", "dev")},
+        "squad1": {"train": "squad1/train-v1.1.json", "dev": "squad1/dev-v1.1.json"},
+        "squad2": {"train": "squad2/train-v2.0.json", "dev": "squad2/dev-v2.0.json"},
+    }
+    for task, files in split_files.items():
+        for split, name in files.items():
+            examples, problems = read_split(TASKS[task], REAL / task, split)
+            assert problems == [], (name, problems[:3])
+            expected = counted[name].get("rows", counted[name].get("questions"))
+            assert len(examples) == expected > 0, name
+    # As published, the SQuAD-format files carry no "version": the task says which.
+    for name in ("squad1/train-v1.1.json", "squad1/dev-v1.1.json", "squad2/dev-v2.0.json"):
+        assert "version" not in json.loads((REAL / name).read_text()), name
+    dev2, _ = read_split(TASKS["squad2"], REAL / "squad2", "dev")
+    assert sum(e.is_impossible for e in dev2) == counted["squad2/dev-v2.0.json"]["unanswerable"]
+    assert all(e.answers for e in dev2 if not e.is_impossible)
+    for split in ("train", "dev", "test"):
+        examples, problems = read_split(TASKS["race"], REAL / "race", split)
+        passages = [f for f in counted if f.startswith(f"race/{split}/")]
+        questions = sum(counted[f]["questions"] for f in passages)
+        assert problems == [] and len(examples) == questions > 0, split
+        assert {e.level for e in examples} == {"high", "middle"}

@@ -1,10 +1,12 @@
 """`megaeval finetune` end to end on a tiny BERT pretrained here, with task files written in
 the official formats: MNLI learns, RACE and SQuAD 2.0 run and write their predictions,
 `--eval-only` rescores the fine-tuned checkpoint, and MNLI at tp 2 x dp 2 and pp 2 x dp 2
-takes the same steps as one process (real gloo groups under NCCL's rules)."""
+takes the same steps as one process (real gloo groups under NCCL's rules); and, when
+`make finetune-data` has fetched them, a short SQuAD 1.1 run on real rows as published."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,9 @@ from megatrain.run.loop import train
 from megatrain.testing import english_texts, write_bert_text_corpus
 
 TOL = 2e-5
+# `make finetune-data` (which `make test` runs) puts real rows of every task here.
+REAL = Path(__file__).resolve().parents[3] / "data" / "finetune"
+NOT_FETCHED = f"no {REAL}/SOURCES.json: run `make finetune-data` to test on real task rows"
 SUBJECTS = ["the cat", "a dog", "the bird", "my friend", "the teacher", "a student"]
 VERBS = ["sleeps", "runs", "sings", "reads", "eats", "writes"]
 MNLI_HEADER = (
@@ -154,6 +159,12 @@ def _pretrain_and_finetune(root):
     out["race"] = finetune("race", bert, root + "/race", root + "/out-race", Settings(**SETTINGS))
     squad = Settings(**{**SETTINGS, "max_seq_length": 32})
     out["squad2"] = finetune("squad2", bert, root + "/squad2", root + "/out-squad2", squad)
+    if (REAL / "SOURCES.json").is_file():  # in this spawn, not one of its own
+        real = Settings(**{**SETTINGS, "max_seq_length": 64, "max_train_examples": 24,
+                           "max_eval_examples": 16})  # fmt: skip
+        out["real-squad1"] = finetune(
+            "squad1", bert, str(REAL / "squad1"), root + "/out-real-squad1", real
+        )
     return out
 
 
@@ -221,3 +232,27 @@ def test_a_stopped_finetune_resumes_exactly(one_process):
     assert len(first["losses"]) == 8 and first["metrics"] is None
     assert first["losses"] + second["losses"] == full["losses"]  # bitwise
     assert second["metrics"] == full["metrics"]
+
+
+@pytest.mark.skipif(not (REAL / "SOURCES.json").is_file(), reason=NOT_FETCHED)
+def test_squad1_on_real_rows_as_published(inputs, one_process):
+    """MLQA's SQuAD 1.1 training file and XQuAD's dev questions (no "version" key in either):
+    read as the task says, trained on, and scored; every answer is text of its context."""
+    result = one_process["real-squad1"]
+    assert result["losses"] and all(0 < x < 20 for x in result["losses"]), result["losses"]
+    dev = result["metrics"]["dev"]
+    assert set(dev) == {"exact_match", "f1"} and 0 <= dev["exact_match"] <= dev["f1"] <= 100
+    published = json.loads((REAL / "squad1" / "dev-v1.1.json").read_text())
+    contexts = {
+        qa["id"]: p["context"]
+        for a in published["data"]
+        for p in a["paragraphs"]
+        for qa in p["qas"]
+    }
+    answers = json.loads((inputs / "out-real-squad1" / "predictions.json").read_text())
+    assert list(answers) == list(contexts)[:16]
+    assert all(text in contexts[qid] for qid, text in answers.items()), answers
+    assert any(answers.values()), answers
+    logged = [json.loads(x) for x in (inputs / "out-real-squad1" / "log.jsonl").open()]
+    assert [r["loss"] for r in logged] == result["losses"]
+    assert (inputs / "out-real-squad1" / "loss.png").is_file()

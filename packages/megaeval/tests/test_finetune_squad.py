@@ -180,6 +180,16 @@ def test_query_too_long_for_seq_length(word_tok):
         squad_features([ex], word_tok, max_seq_length=12, max_query_length=64)
 
 
+def test_the_command_names_the_flag_when_a_question_leaves_no_room(word_tok):
+    from megaeval.finetune.tasks import TASKS, features
+
+    ex = example("a", words(5), question=words(10, prefix="q"))
+    with pytest.raises(ValueError, match=r"--max-seq-length 12 leaves no room .*\(10 tokens\): "
+                       r"pass --max-seq-length 14 or more"):  # fmt: skip
+        features(TASKS["squad1"], [ex], word_tok, 12, training=True)
+    assert len(features(TASKS["squad1"], [ex], word_tok, 14, training=True)) == 5
+
+
 def test_empty_context_gets_one_empty_window(word_tok):
     ex = SquadExample("a", "q1", "", (), is_impossible=True)
     (f,) = squad_features([ex], word_tok, max_seq_length=8)

@@ -383,7 +383,7 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
     OUT/predictions*.json (question id -> answer text; example id -> label) and OUT/ckpt."""
     from pathlib import Path
 
-    from megaeval.finetune.engine import Settings, finetune
+    from megaeval.finetune.engine import Settings, finetune, plan
     from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
     from megatrain.inference.load import load_tokenizer, require_kind
     from megatrain.run import launch
@@ -400,6 +400,10 @@ def finetune_command(task, ckpt, data, out, dp, **settings):
         load_tokenizer(directory, meta)
     except CheckpointError as e:
         raise CommandError(f"--ckpt: {e}") from None
+    try:  # the settings against the checkpoint and the layout, before any worker starts
+        plan(task, meta, Settings(**settings), dp)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     out = out or f"runs/finetune-{task}"
     workers = settings["tp"] * settings["pp"] * dp
     try:

@@ -13,6 +13,7 @@ linearly over `warmup` of the iterations, then decays linearly to zero.  After e
 (and with `eval_only`) the evaluation splits are scored as the official scripts score them.
 """
 
+import contextlib
 import hashlib
 import json
 import math
@@ -38,6 +39,7 @@ from megatrain.inference.load import load_tokenizer
 from megatrain.models import model_config
 from megatrain.run.distributed import init_distributed
 from megatrain.run.lr_schedule import learning_rate
+from megatrain.run.metrics import curves_from_log, plot_losses
 from megatrain.run.setup import PRECISION_DTYPES, Run, prepare_training
 from megatrain.run.step import forward_backward, to_device
 
@@ -247,6 +249,53 @@ def evaluate(run, task, evals: dict, settings: Settings, out: Path, epoch: int) 
     return results
 
 
+# The run-config fields `megaeval finetune` sets, by the flag that sets them: a check of the
+# config speaks of the flag.
+FLAGS = {
+    "parallel.tensor_model_parallel_size": "--tp",
+    "parallel.pipeline_model_parallel_size": "--pp",
+    "training.seq_length": "--max-seq-length",
+    "model.": "the checkpoint's model.",
+}
+
+
+def _parameters(meta: dict) -> int:
+    model = model_config(Config.from_dict(meta["config"]), int(meta["vocab_size"]))
+    return parameter_count("bert", model)
+
+
+def plan(task_name: str, meta: dict, settings: Settings, dp: int) -> tuple[str, tuple]:
+    """The Table 6 row nearest the checkpoint's size and the (batch, lr, epochs) the run takes,
+    after checking the settings against the checkpoint and the layout: `megaeval finetune`
+    calls it before any worker starts, and a ValueError names the flag to change."""
+    task = tasks_lib.TASKS[task_name]
+    size, table = tasks_lib.table6_row(task.name, _parameters(meta))
+    rows = (settings.batch_size or table[0], settings.lr or table[1], settings.epochs or table[2])
+    batch, micro = rows[0], settings.micro_batch_size
+    if batch % (micro * dp):
+        given = "" if settings.batch_size else f" (Table 6's for {size})"
+        raise ValueError(
+            f"--batch-size {batch}{given} is not a multiple of --micro-batch-size {micro} x "
+            f"--dp {dp}: pass a --batch-size or --micro-batch-size that makes it one"
+        )
+    seq = settings.max_seq_length or task.max_seq_length
+    positions = Config.from_dict(meta["config"]).model.max_position_embeddings
+    if seq > positions:
+        given = "" if settings.max_seq_length else f" (the {task.name} default)"
+        raise ValueError(
+            f"--max-seq-length {seq}{given} is above the checkpoint's {positions} positions "
+            f"(its model.max_position_embeddings): pass --max-seq-length {positions} or less"
+        )
+    try:
+        validate(_config(meta, task, settings, rows, batch), settings.tp * settings.pp * dp)
+    except ValueError as e:
+        message = str(e)
+        for field, flag in FLAGS.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+    return size, rows
+
+
 def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings) -> dict | None:
     """Fine-tune (or with `settings.eval_only` score) as the module docstring says; rank 0
     returns {"metrics": the last evaluation's, "losses": the training loss of each
@@ -260,6 +309,8 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
     meta = read_meta(directory)
     tokenizer = load_tokenizer(directory, meta)  # the one it was trained with, checked
     vocab = int(meta["vocab_size"])
+    dp = dist.get_world_size() // (settings.tp * settings.pp)
+    size, rows = plan(task.name, meta, settings, dp)
     splits = ([] if settings.eval_only else [task.train_split]) + list(task.eval_splits)
     feats = {}
     for split in splits:
@@ -267,6 +318,12 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
         limit = settings.max_train_examples if split == task.train_split else None
         limit = limit or (settings.max_eval_examples if split != task.train_split else None)
         examples = examples[:limit] if limit else examples
+        if not examples:
+            first = f"; first problem: {problems[0]}" if problems else ""
+            raise ValueError(
+                f"--data {data}: no usable {split} examples for {task.name} "
+                f"({len(problems)} problem(s){first})"
+            )
         if problems:
             _say(f"megaeval finetune: {split}: {len(problems)} problem(s), first: {problems[0]}")
         length = settings.max_seq_length or task.max_seq_length
@@ -275,16 +332,9 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
         )
         _say(f"megaeval finetune: {split}: {len(examples)} examples, {len(feats[split])} inputs")
     train_feats = feats.pop(task.train_split, None)
-    model = model_config(Config.from_dict(meta["config"]), vocab)
-    size, rows = tasks_lib.table6_row(task.name, parameter_count("bert", model))
-    rows = (
-        settings.batch_size or rows[0],
-        settings.lr or rows[1],
-        settings.epochs or rows[2],
-    )
     _say(
         f"megaeval finetune {task.name}: Table 6 row {size} (nearest the checkpoint's "
-        f"{parameter_count('bert', model) / 1e6:.0f}M parameters); batch {rows[0]}, "
+        f"{_parameters(meta) / 1e6:.0f}M parameters); batch {rows[0]}, "
         f"lr {rows[1]:g}, {rows[2]} epochs"
     )
     train_size = len(train_feats) if train_feats is not None else rows[0]
@@ -319,10 +369,28 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
 
 
 def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -> dict | None:
+    losses: list[float] = []
+    # Every iteration's loss, appended across resumed sessions (OUT/log.jsonl, OUT/loss.png).
+    main = _is_main()
+    with open(out / "log.jsonl", "a", buffering=1) if main else contextlib.nullcontext() as log:
+        try:
+            results, stopped = _iterations(run, task, evals, settings, out, rows, log, losses)
+        finally:
+            train, _ = curves_from_log(out / "log.jsonl") if main else ([], [])
+            if train:
+                plot_losses(train, [], out / "loss.png")
+    if main and not stopped:
+        (out / "settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    return {"metrics": results, "losses": losses} if _is_main() else None
+
+
+def _iterations(run, task, evals, settings, out, rows, log, losses) -> tuple[dict | None, bool]:
+    """The iterations left: (the last evaluation's results, whether an exit interval stopped
+    them before the end)."""
     t, o = run.config.training, run.config.optimizer
     steps_per_epoch = t.train_iters // rows[2]
     start, first = time.perf_counter(), run.iteration
-    results, losses = None, []
+    results = None
     while run.iteration < t.train_iters:
         lr = learning_rate(
             run.iteration,
@@ -340,6 +408,9 @@ def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -
         run.optimizer.zero_grad()
         run.iteration += 1
         losses.append(stats["loss"])
+        if log is not None:
+            record = {"iteration": run.iteration, "loss": stats["loss"], "lr": lr}
+            log.write(json.dumps({**record, "accuracy": stats["accuracy"]}) + "\n")
         done = run.iteration - first
         if run.iteration % settings.log_interval == 0 or run.iteration == t.train_iters:
             elapsed = time.perf_counter() - start
@@ -358,9 +429,7 @@ def _train(run, task, evals: dict, settings: Settings, out: Path, rows: tuple) -
             results = evaluate(run, task, evals, settings, out, epoch)
         if stopping and run.iteration < t.train_iters:
             _say(f"megaeval finetune: stopped at iteration {run.iteration} (exit_interval)")
-            return {"metrics": results, "losses": losses} if _is_main() else None
+            return results, True
     if results is None:  # resumed after the last iteration: score what was saved
         results = evaluate(run, task, evals, settings, out, rows[2])
-    if _is_main():
-        (out / "settings.json").write_text(json.dumps(asdict(settings), indent=2) + "\n")
-    return {"metrics": results, "losses": losses} if _is_main() else None
+    return results, False

@@ -51,6 +51,7 @@ QQP_SPLITS = ("train", "dev", "test")
 RACE_SPLITS = ("train", "dev", "test")
 RACE_LEVELS = ("high", "middle")
 SQUAD_VERSIONS = ("1.1", "2.0")
+SQUAD_TASKS = {"1.1": "squad1", "2.0": "squad2"}  # the `megaeval finetune` task of each
 
 # How many problems a strict reader's error lists before "... and N more".
 STRICT_SHOWN = 5
@@ -386,10 +387,12 @@ def read_squad(
 ) -> ReadResult[SquadExample]:
     """A SQuAD v1.1 or v2.0 JSON file (train or dev): one `SquadExample` per question.
 
-    `version` ("1.1" or "2.0") defaults to the file's "version" field (the official files say
-    "1.1" and "v2.0"; a leading "v" is ignored); a file whose version
-    differs from the one asked for is read as asked, with a problem recorded (the official
-    evaluate-v1.1.py warns likewise). v2.0 questions need "is_impossible"; an impossible one
+    `version` ("1.1" or "2.0"; `megaeval finetune squad1` / `squad2` pass theirs) is what a
+    file without a "version" field is read as: files published in the SQuAD format by other
+    data sets (MLQA, XQuAD, CUAD, many mirrors) carry none.  A file whose "version" is 1.1 or
+    2.0 (the official files say "1.1" and "v2.0"; a leading "v" is ignored) is read as that,
+    and refused when `version` asks for the other one.  An unrecognised "version" is read as
+    asked, with a problem recorded.  v2.0 questions need "is_impossible"; an impossible one
     has no answers, any other at least one.
     """
     path = os.fspath(path)
@@ -405,18 +408,24 @@ def read_squad(
         raise EvalDataError(f'{path}: expected a SQuAD object {{"version": ..., "data": [...]}}')
     problems: list[Problem] = []
     file_version = dataset.get("version")
-    # The official files say "1.1" (v1.1) and "v2.0" (v2.0).
     found = file_version.removeprefix("v") if isinstance(file_version, str) else None
+    if version is not None and version not in SQUAD_VERSIONS:
+        raise ValueError(f"unknown SQuAD version {version!r} (expected one of {SQUAD_VERSIONS})")
     if version is None:
         if found not in SQUAD_VERSIONS:
             raise EvalDataError(
                 f"{path}: version {file_version!r} is not one of {SQUAD_VERSIONS}; "
-                "pass version= to read it"
+                "pass version= to read it (megaeval finetune squad1 / squad2 pass theirs)"
             )
         version = found
-    elif version not in SQUAD_VERSIONS:
-        raise ValueError(f"unknown SQuAD version {version!r} (expected one of {SQUAD_VERSIONS})")
-    elif found != version:
+    elif found in SQUAD_VERSIONS and found != version:
+        raise EvalDataError(
+            f'{path}: the file says "version": {file_version!r} (SQuAD {found}), but '
+            f"{SQUAD_TASKS[version]} reads SQuAD {version}: fine-tune on it with "
+            f"`megaeval finetune {SQUAD_TASKS[found]}`, or give {SQUAD_TASKS[version]} "
+            f"SQuAD {version} files"
+        )
+    elif file_version is not None and found != version:
         problems.append(
             Problem(path, "file", f"version {file_version!r}, read as SQuAD {version} as asked")
         )

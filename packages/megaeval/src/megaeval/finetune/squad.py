@@ -104,6 +104,9 @@ def _plain_tokenizer(tokenizer: Any) -> Any:
     return copy
 
 
+MAX_QUERY_LENGTH = 64  # run_squad.py's: a longer question is cut to its first 64 tokens
+
+
 def doc_spans(num_tokens: int, max_tokens_for_doc: int, doc_stride: int) -> list[tuple[int, int]]:
     """run_squad.py's windows over `num_tokens` context tokens: (start, length) pairs.
 
@@ -179,7 +182,7 @@ def squad_features(
     tokenizer: Any,
     max_seq_length: int = 384,
     doc_stride: int = 128,
-    max_query_length: int = 64,
+    max_query_length: int = MAX_QUERY_LENGTH,
     is_training: bool = True,
 ) -> list[SquadFeature]:
     """run_squad.py's `convert_examples_to_features`: the windows of every example, in order.

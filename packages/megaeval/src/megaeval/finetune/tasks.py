@@ -89,7 +89,10 @@ class Special:
         ids = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")}
         missing = [t for t, i in ids.items() if i is None]
         if missing:
-            raise ValueError(f"the checkpoint's tokenizer has no {', '.join(missing)}")
+            raise ValueError(
+                f"--ckpt: the checkpoint's tokenizer has no {', '.join(missing)} (fine-tuning "
+                "needs BERT's WordPiece tokens)"
+            )
         self.cls, self.sep, self.pad = ids["[CLS]"], ids["[SEP]"], ids["[PAD]"]
 
 
@@ -166,7 +169,8 @@ def read_split(task: Task, data: Path, split: str):
     if task.name == "race":
         return readers.read_race(data, split)
     train, dev = SQUAD_FILES[task.name]
-    return readers.read_squad(Path(data) / (train if split == "train" else dev))
+    version = {"squad1": "1.1", "squad2": "2.0"}[task.name]  # for files that carry none
+    return readers.read_squad(Path(data) / (train if split == "train" else dev), version=version)
 
 
 def features(task: Task, examples, tokenizer, length: int, training: bool) -> Features:
@@ -176,6 +180,14 @@ def features(task: Task, examples, tokenizer, length: int, training: bool) -> Fe
         return race_features(examples, tokenizer, length)
     from megaeval.finetune import squad
 
+    # A window holds [CLS] question [SEP] context [SEP], the question cut to 64 tokens.
+    longest = max((len(q) for q in _encode(tokenizer, [e.question for e in examples])), default=0)
+    query = min(longest, squad.MAX_QUERY_LENGTH)
+    if length - query - 3 < 1:
+        raise ValueError(
+            f"--max-seq-length {length} leaves no room for the context after the longest "
+            f"question ({query} tokens): pass --max-seq-length {query + 4} or more"
+        )
     feats = squad.squad_features(examples, tokenizer, max_seq_length=length, is_training=training)
     tokens = np.asarray([f.input_ids for f in feats], np.int64)[:, None]
     types = np.asarray([f.token_type_ids for f in feats], np.int64)[:, None]
