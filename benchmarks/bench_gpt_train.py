@@ -1,6 +1,10 @@
-"""GPT-2 training throughput on the CPU: megatrain's training step beside Hugging Face's GPT-2.
+"""GPT-2 (or Llama) training throughput on the CPU: megatrain's step beside Hugging Face's.
 
     python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
+    python benchmarks/bench_gpt_train.py --model llama --out bench-results/llama_train.json
+
+`--model llama` trains our Llama (`LLAMA` below) beside `transformers.LlamaForCausalLM` of the
+same shape, everything else as for GPT-2.
 
 Our side is the step `megatrain run` takes: a `megatrain.run.setup.Run` from
 `build_run` (a 1-process gloo group, DDP-wrapped chunks, `MegatronOptimizer`,
@@ -62,6 +66,9 @@ from megatrain.run.step import lr_for, train_step
 from megatrain.testing import EOD, write_corpus
 
 VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 8192, 6, 384, 6, 256, 8
+# --model llama: the same depth and width as a Llama (6 heads sharing 2 key/value heads,
+# SwiGLU of 1024, about 8h/3, RMSNorm, rotary positions, no biases, an untied output layer).
+LLAMA = ['model.kind="llama"', "model.num_query_groups=2", "model.ffn_hidden_size=1024"]
 
 
 # -- a synthetic corpus, written by megatrain.testing.write_corpus in megadata's format ----------
@@ -108,8 +115,55 @@ def free_port() -> int:
 # -- the Hugging Face side ---------------------------------------------------------------------
 
 
+def hf_gpt2_config(config, vocab_size: int):
+    """transformers' GPT-2 of our config's shape and dropout (SDPA attention)."""
+    import transformers
+
+    m = config.model
+    return transformers.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=m.max_position_embeddings,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_attention_heads,
+        n_inner=config.ffn_hidden_size,
+        resid_pdrop=m.hidden_dropout,
+        embd_pdrop=m.hidden_dropout,
+        attn_pdrop=m.attention_dropout,
+        layer_norm_epsilon=m.layernorm_epsilon,
+        initializer_range=m.init_method_std,
+        bos_token_id=EOD,
+        eos_token_id=EOD,
+        attn_implementation="sdpa",
+    )
+
+
+def hf_llama_config(config, vocab_size: int):
+    """transformers' Llama of our Llama config's shape (GQA, SwiGLU, RMSNorm, rope, untied)."""
+    import transformers
+
+    m = config.model
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.layernorm_epsilon,
+        initializer_range=m.init_method_std,
+        attention_dropout=m.attention_dropout,
+        tie_word_embeddings=not config.model_switch("untie_embeddings_and_output_weights"),
+        bos_token_id=EOD,
+        eos_token_id=EOD,
+        attn_implementation="sdpa",
+    )
+
+
 class HFTrainer:
-    """GPT2LMHeadModel with AdamW, clipping and lr exactly as our config asks, on our batches.
+    """GPT2LMHeadModel (LlamaForCausalLM for a Llama config) with AdamW, clipping and lr exactly
+    as our config asks, on our batches.
 
     The shape and dropout are the config's; `vocab_size` is ours after padding, so both
     models do the same matmuls.  On a GPU (bench_gpu.py) the weights stay fp32 and the
@@ -134,24 +188,12 @@ class HFTrainer:
         self.config, self.batches, self.iteration = config, batches, 0
         self.device = device or torch.device("cpu")
         self.autocast_dtype = autocast_dtype
-        hf_config = transformers.GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=m.max_position_embeddings,
-            n_embd=m.hidden_size,
-            n_layer=m.num_layers,
-            n_head=m.num_attention_heads,
-            n_inner=config.ffn_hidden_size,
-            resid_pdrop=m.hidden_dropout,
-            embd_pdrop=m.hidden_dropout,
-            attn_pdrop=m.attention_dropout,
-            layer_norm_epsilon=m.layernorm_epsilon,
-            initializer_range=m.init_method_std,
-            bos_token_id=EOD,
-            eos_token_id=EOD,
-            attn_implementation="sdpa",
-        )
         torch.manual_seed(seed)
-        self.model = transformers.GPT2LMHeadModel(hf_config).to(self.device)
+        if m.kind == "llama":
+            self.model = transformers.LlamaForCausalLM(hf_llama_config(config, vocab_size))
+        else:
+            self.model = transformers.GPT2LMHeadModel(hf_gpt2_config(config, vocab_size))
+        self.model.to(self.device)
         if recompute:  # renamed activation_checkpointing_enable in transformers 5.x
             enable = getattr(self.model, "activation_checkpointing_enable", None)
             (enable or self.model.gradient_checkpointing_enable)({"use_reentrant": False})
@@ -292,6 +334,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="after timing, profile one more step of each"
     )
+    parser.add_argument(
+        "--model",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="GPT-2 beside GPT2LMHeadModel, or a Llama beside LlamaForCausalLM",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
@@ -327,6 +375,7 @@ def main() -> None:
             f'training.output_dir="{work / "run"}"',
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",
+            *(LLAMA if args.model == "llama" else []),
         ],
     )
 
@@ -408,7 +457,7 @@ def main() -> None:
         ratio_mean = m["tokens_per_s_mean"] / h["tokens_per_s_mean"]
         ratio_best = m["tokens_per_s_best"] / h["tokens_per_s_best"]
         record = {
-            "benchmark": "gpt_train",
+            "benchmark": f"{args.model}_train",
             "machine": {
                 "platform": platform.platform(),
                 "cpu": cpu_model(),
@@ -428,6 +477,9 @@ def main() -> None:
                 "num_layers": LAYERS,
                 "hidden_size": HIDDEN,
                 "num_attention_heads": HEADS,
+                "num_query_groups": config.model.num_query_groups or HEADS,
+                "ffn_hidden_size": config.ffn_hidden_size,
+                "kind": args.model,
                 "seq_length": SEQ,
                 "vocab_size": run.model_config.vocab_size,
                 "micro_batch_size": BATCH,
@@ -443,13 +495,15 @@ def main() -> None:
                 "order": f"warm-up ours x{args.warmup}, HF x{args.warmup}; then timed blocks "
                 f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
                 "ours": "megatrain.run.step.train_step(build_run(config)), 1-process gloo group",
-                "hf": "GPT2LMHeadModel (sdpa) + AdamW (decay on 2-D params) + clip_grad_norm_ "
-                "1.0, same lr schedule; loss = F.cross_entropy(logits, our loader's labels)",
+                "hf": f"{type(hf.model).__name__} (sdpa) + AdamW (decay on 2-D params) + "
+                "clip_grad_norm_ 1.0, same lr schedule; loss = F.cross_entropy(logits, our "
+                "loader's labels)",
                 "batches": "identical: two GPTBatches over the same synthetic corpus and seed; "
                 f"the digests of all {len(ours_digests)} batches of each model were compared",
                 "flops_per_step": flops,
-                "flops_formula": "gpt_model_flops_per_iteration (72 B s l h^2 (1 + s/6h + V/12lh)),"
-                " both models; no recompute, so HFU = MFU",
+                "flops_formula": "gpt_model_flops_per_iteration (72 B s l h^2 (1 + s/6h + V/12lh)"
+                " for GPT-2; a Llama's K/V and SwiGLU counted as they are), both models; no "
+                "recompute, so HFU = MFU",
                 "peak_tflops": peak,
                 "peak_tflops_measurements": peaks,
                 "peak_source": "megatrain.run.metrics.measured_matmul_tflops(): fp32 2048^3 "

@@ -31,6 +31,9 @@ TARGETS = {
     "bert-1.3b": GPU_MEMORY["v100-32gb"],
     "bert-3.9b": GPU_MEMORY["v100-32gb"],
     "bert-tiny": 8 * GIB,
+    "llama-tiny": 8 * GIB,
+    "llama3-8b": GPU_MEMORY["h100-80gb"],
+    "llama3-70b": GPU_MEMORY["h100-80gb"],
 }
 
 

@@ -10,13 +10,12 @@ also shows the model learns and that bf16 follows fp32.
 
 import math
 
-import numpy as np
 import pytest
 
 from megacore.testing import run_distributed
 from megatrain.config import load_config
 from megatrain.run.loop import train
-from megatrain.testing import write_corpus
+from megatrain.testing import write_counting_corpus
 
 VOCAB = 200  # padded to 256 at tp 1 and 2, 512 at tp 4: the padding logits are masked
 STEPS = 3
@@ -50,21 +49,9 @@ LAYOUTS = {
 }
 
 
-def _documents(rng, count):
-    """Counting sequences with a random start and step: learnable, not memorizable."""
-    docs = []
-    for _ in range(count):
-        start, step, n = rng.integers(1, VOCAB), rng.integers(1, 5), rng.integers(12, 60)
-        docs.append([int(1 + (start + i * step) % (VOCAB - 1)) for i in range(n)] + [0])
-    return docs
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("corpus")
-    splits = {"train": [_documents(rng, 60) for _ in range(3)], "valid": [_documents(rng, 30)]}
-    return str(write_corpus(root, splits, vocab_size=VOCAB))
+    return str(write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB))
 
 
 def _config(corpus, out, overrides=()):

@@ -18,6 +18,7 @@ from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megacore import tensor_parallel as tp
 from megaeval.scoring import TokenScores
+from megatrain.config import CAUSAL_KINDS
 
 
 def _global_argmax(local_logits: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ def _worker(task: str, ckpt: str, tp_size: int, pp_size: int, kwargs: dict) -> d
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp_size * pp_size)))
     ps.initialize_model_parallel(tp_size, pp_size)
-    scorer = CheckpointScorer(load_model(ckpt, device, kind="gpt"))
+    scorer = CheckpointScorer(load_model(ckpt, device, kind=CAUSAL_KINDS))
     if not scorer.is_main:
         kwargs = {**kwargs, "progress": False}
     result = _tasks()[task](scorer, **kwargs)
@@ -156,7 +157,7 @@ def evaluate_checkpoint(task: str, ckpt: str, tp: int = 1, pp: int = 1, **kwargs
     try:
         directory = find_checkpoint(ckpt)
         meta = read_meta(directory)
-        require_kind(meta, "gpt", f"megaeval {task}", directory)
+        require_kind(meta, CAUSAL_KINDS, f"megaeval {task}", directory)
         load_tokenizer(directory, meta)
     except CheckpointError as e:
         raise EvalDataError(f"--ckpt: {e}") from e

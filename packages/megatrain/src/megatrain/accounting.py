@@ -16,7 +16,7 @@ nothing here builds a model or imports the training loop.
   (`state_bytes_per_parameter`) and the bytes one layer keeps per microbatch under each
   recompute mode (`activations_per_layer`); `megatrain.memory` adds them up per stage.
 
-`kind` is a run config's `model.kind`: "gpt" or "bert" (`KINDS`).
+`kind` is a run config's `model.kind`: "gpt", "bert" or "llama" (`KINDS`).
 """
 
 from collections.abc import Callable
@@ -32,30 +32,48 @@ MASKED_LM_PROB = 0.15
 # ---------------------------------------------------------------------------- parameters
 
 
+def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
+    """(QKV's output width, MLP matrices of h x f, column-parallel biases, one norm's
+    parameters): h + 2 x groups x head_dim (3h without grouped-query attention); 3 matrices
+    with SwiGLU (gate, up, down), else 2; LayerNorm has a bias, RMSNorm not."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    head_dim = h // cfg.num_attention_heads
+    qkv = h + 2 * (cfg.num_query_groups or cfg.num_attention_heads) * head_dim
+    mlp = 3 if cfg.swiglu else 2
+    column_biases = (qkv + (mlp - 1) * f) if cfg.add_bias else 0
+    norm = 2 * h if cfg.normalization == "layernorm" else h
+    return qkv, mlp, column_biases, norm
+
+
 def layer_parameters(cfg: TransformerConfig) -> int:
     """Parameters of one TransformerLayer (whole, all TP ranks together)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    return 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h + 4 * h
+    qkv, mlp, column_biases, norm = _layer_shapes(cfg)
+    row_biases = 2 * h if cfg.add_bias else 0  # proj, fc2
+    return h * qkv + h * h + mlp * h * f + column_biases + row_biases + 2 * norm
 
 
 def layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
     """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
-    row-parallel biases and the LayerNorms whole (as `layer_parameters` counts them, at tp 1)."""
+    row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1)."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    replicated = h + h + 4 * h  # proj bias, fc2 bias, two LayerNorms
+    qkv, mlp, column_biases, norm = _layer_shapes(cfg)
+    split = h * qkv + h * h + mlp * h * f + column_biases
+    replicated = (2 * h if cfg.add_bias else 0) + 2 * norm  # proj and fc2 biases, two norms
     return split // tp + replicated
 
 
+def _positions(cfg: TransformerConfig) -> int:
+    return cfg.max_position_embeddings if cfg.position_embedding == "learned" else 0
+
+
 def gpt_parameters(cfg: TransformerConfig) -> int:
-    """Parameters of the whole GPT (tied embeddings counted once), from the config alone."""
+    """Parameters of the whole GPT or Llama (tied embeddings counted once; an untied output
+    layer counted beside them), from the config alone."""
     h = cfg.hidden_size
-    return (
-        cfg.num_layers * layer_parameters(cfg)
-        + cfg.vocab_size * h
-        + cfg.max_position_embeddings * h
-        + 2 * h
-    )
+    words = cfg.vocab_size * h * (1 if cfg.tie_output else 2)
+    final_norm = _layer_shapes(cfg)[3]
+    return cfg.num_layers * layer_parameters(cfg) + words + _positions(cfg) * h + final_norm
 
 
 def bert_parameters(cfg: TransformerConfig) -> int:
@@ -75,14 +93,14 @@ def parameters_per_gpu(cfg: TransformerConfig, tp: int = 1, pp: int = 1, stage: 
     count = cfg.num_layers // pp * layer_parameters_per_rank(cfg, tp)
     words = cfg.vocab_size * h // tp
     if stage == 0:
-        count += words + (cfg.max_position_embeddings + cfg.num_tokentypes) * h
+        count += words + (_positions(cfg) + cfg.num_tokentypes) * h
         if cfg.block_order == "post_ln":
             count += 2 * h  # the embeddings' LayerNorm
     if stage == pp - 1:
         if cfg.block_order == "pre_ln":
-            count += 2 * h  # final LayerNorm
-        if pp > 1:
-            count += words  # the output layer's copy of the word embeddings
+            count += _layer_shapes(cfg)[3]  # final norm
+        if pp > 1 or not cfg.tie_output:
+            count += words  # the output layer: a copy of the word embeddings, or its own
         if not cfg.causal:  # BERT's LM head (dense, LayerNorm, vocab-split bias), pooler, SOP
             count += (h * h + h) + 2 * h + cfg.vocab_size // tp + (h * h + h) + (2 * h + 2)
     return count
@@ -97,13 +115,15 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
 
     Only matrix multiplies count, a multiply-add as 2 FLOPs (Narayanan et al. 2021, appendix).
     Per layer, for B s tokens: QKV 2Bsh(3h), projection 2Bsh^2, MLP 2Bsh(f) twice, so
-    8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); the attention core, scores QK^T 2Bs^2h and scores x V
-    2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper counts it, though a causal kernel
-    skips the masked half).  Embeddings, LayerNorm, GeLU, softmax and dropout are not
-    matmuls and are left out.
+    8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); with grouped-query attention QKV is 2Bsh(h + 2gd)
+    (g key/value heads of d), and SwiGLU's MLP three matrices, 6Bshf; the attention core,
+    scores QK^T 2Bs^2h and scores x V 2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper
+    counts it, though a causal kernel skips the masked half).  Embeddings, norms, GeLU,
+    softmax and dropout are not matmuls and are left out.
     """
     b, s, n, h, f = batch, seq, cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
-    return n * (8 * b * s * h * h + 4 * b * s * h * f), n * 4 * b * s * s * h
+    qkv, mlp, _, _ = _layer_shapes(cfg)  # grouped-query K/V and SwiGLU's third matrix count
+    return n * 2 * b * s * h * (qkv + h + mlp * f), n * 4 * b * s * s * h
 
 
 def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: str | None) -> float:
@@ -206,7 +226,7 @@ BERT = ModelKind(
     bert_model_flops_per_iteration,
     bert_hardware_flops_per_iteration,
 )
-KINDS = {"gpt": GPT, "bert": BERT}
+KINDS = {"gpt": GPT, "bert": BERT, "llama": GPT}  # a Llama is GPTModel with its switches
 
 
 def parameter_count(kind: str, cfg: TransformerConfig) -> int:
@@ -263,6 +283,12 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     The 5 a s / h term is what attention that materializes its s x s scores keeps; the fused
     SDPA kernels (flash, memory-efficient) keep only their output and a row statistic, so
     "none" is an upper bound there.
+
+    The 24 is what TP splits: q, k, v and the projection's input (8), the MLP's two
+    f-wide tensors (16 at f = 4h); the 10 what it does not (the norms' and the linears'
+    inputs, the dropout masks).  In general 4 + 4 g/a + 4 f/h for g key/value groups, and
+    4 + 4 g/a + 8 f/h with SwiGLU, which keeps four f-wide tensors (gate, up, SiLU(gate),
+    their product).
     """
     m, p, t = config.model, config.parallel, config.training
     s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
@@ -271,7 +297,10 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     if recompute == "full":
         split_input = sp or (p.distribute_saved_activations and tp > 1)
         return 2 * s * b * h / (tp if split_input else 1)
-    dense = 34 / tp if sp else 10 + 24 / tp
+    groups = m.num_query_groups or a
+    f_tensors = 8 if config.model_switch("swiglu") else 4
+    split = 4 + 4 * groups / a + f_tensors * config.ffn_hidden_size / h
+    dense = (10 + split) / tp if sp else 10 + split / tp
     core = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
     return s * b * h * (dense + core)
 

@@ -9,7 +9,7 @@ import click
 from megacommon.errors import FAILURE, CommandError
 from megatrain import __version__
 from megatrain.checkpoint.files import find_checkpoint
-from megatrain.config import ConfigError, load_config, validate
+from megatrain.config import CAUSAL_KINDS, ConfigError, load_config, validate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -201,7 +201,7 @@ def generate_command(
         )
         directory = find_checkpoint(ckpt)
         meta = read_meta(directory)
-        require_kind(meta, "gpt", "generation", directory)
+        require_kind(meta, CAUSAL_KINDS, "generation", directory)
         load_tokenizer(directory, meta)
         check_layout(meta, tp, 1, directory)
     except (CheckpointError, ValueError) as e:

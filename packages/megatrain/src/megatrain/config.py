@@ -27,8 +27,19 @@ class ConfigError(ValueError):
 
 # Activation recompute modes, the cheapest in compute first.
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-MODEL_KINDS = ("gpt", "bert")
+MODEL_KINDS = ("gpt", "bert", "llama")
+# The kinds that are causal language models (trained and scored token by token).
+CAUSAL_KINDS = ("gpt", "llama")
 BLOCK_ORDERS = ("pre_ln", "post_ln")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+# What each kind takes where its [model] section leaves a switch unset (None): normalization,
+# position_embedding_type, swiglu, add_bias_linear, untie_embeddings_and_output_weights.
+KIND_DEFAULTS = {
+    "gpt": ("layernorm", "learned_absolute", False, True, False),
+    "bert": ("layernorm", "learned_absolute", False, True, False),
+    "llama": ("rmsnorm", "rope", True, False, True),
+}
 
 
 @dataclass
@@ -54,6 +65,22 @@ class ModelConfig:
     # "pre_ln": LayerNorm on the input of attention and MLP, and a final one (GPT-2; BERT as
     # the paper reorders it, Fig. 7 b); "post_ln": after each residual add (BERT's original, a).
     block_order: str = "pre_ln"
+    # The switches that make a Llama of the same transformer; None: the kind's (KIND_DEFAULTS).
+    normalization: str | None = None  # layernorm | rmsnorm
+    position_embedding_type: str | None = None  # learned_absolute | rope
+    swiglu: bool | None = None  # SwiGLU MLP (gate and up projections of ffn_hidden_size)
+    add_bias_linear: bool | None = None  # biases in the attention and MLP linears
+    untie_embeddings_and_output_weights: bool | None = None
+    # Grouped-query attention: heads share this many key/value heads (None: one per head;
+    # 1: multi-query attention).  Split over TP: divisible by tensor_model_parallel_size.
+    num_query_groups: int | None = None
+    rotary_base: float = 10000.0  # HF's rope_theta
+    # Llama 3.1's frequency scaling of the rotary embeddings (HF rope_scaling type "llama3");
+    # factor 0 = off.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
 
 
 @dataclass
@@ -173,6 +200,15 @@ class Config:
     @property
     def ffn_hidden_size(self) -> int:
         return self.model.ffn_hidden_size or 4 * self.model.hidden_size
+
+    def model_switch(self, name: str):
+        """A [model] switch as the run takes it: its value, or the kind's default when unset."""
+        value = getattr(self.model, name)
+        if value is not None:
+            return value
+        names = ("normalization", "position_embedding_type", "swiglu", "add_bias_linear",
+                 "untie_embeddings_and_output_weights")  # fmt: skip
+        return KIND_DEFAULTS[self.model.kind][names.index(name)]
 
     @property
     def model_parallel_size(self) -> int:
@@ -309,6 +345,33 @@ def validate(config: Config, world_size: int | None = None) -> int:
     _need(
         m.kind == "bert" or m.block_order == "pre_ln",
         f"model.block_order {m.block_order!r} is BERT's original order (Fig. 7 a); GPT-2 is pre_ln",
+    )
+    for name, choices in (("normalization", NORMALIZATIONS),
+                          ("position_embedding_type", POSITION_EMBEDDING_TYPES)):  # fmt: skip
+        value = getattr(m, name)
+        _need(
+            value is None or value in choices,
+            f"model.{name} must be one of {choices}, got {value!r}",
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    _need(
+        m.num_attention_heads % groups == 0,
+        f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
+        f"model.num_query_groups ({groups})",
+    )
+    _need(
+        groups % tp == 0,
+        f"model.num_query_groups ({groups}) is not divisible by "
+        f"parallel.tensor_model_parallel_size ({tp}): each TP rank holds whole key/value groups",
+    )
+    _need(
+        m.rope_scaling_factor == 0 or m.rope_scaling_factor >= 1,
+        f"model.rope_scaling_factor must be 0 (off) or >= 1, got {m.rope_scaling_factor}",
+    )
+    _need(
+        m.rope_scaling_factor == 0 or m.rope_high_freq_factor > m.rope_low_freq_factor,
+        f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be above "
+        f"model.rope_low_freq_factor ({m.rope_low_freq_factor})",
     )
     d = config.data
     _need(

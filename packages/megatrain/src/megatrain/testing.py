@@ -5,6 +5,7 @@ megadata)."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from megacommon import corpus_format
@@ -65,6 +66,26 @@ def random_documents(rng, count: int, vocab_size: int, low: int, high: int) -> l
     return [
         [*rng.integers(1, vocab_size, rng.integers(low, high)).tolist(), EOD] for _ in range(count)
     ]
+
+
+def counting_documents(rng, count: int, vocab_size: int) -> list[list[int]]:
+    """`count` counting sequences (a random start and step, 12 to 59 ids in [1, vocab_size)),
+    each + EOD: learnable, not memorizable."""
+    docs = []
+    for _ in range(count):
+        start, step, n = rng.integers(1, vocab_size), rng.integers(1, 5), rng.integers(12, 60)
+        docs.append([int(1 + (start + i * step) % (vocab_size - 1)) for i in range(n)] + [EOD])
+    return docs
+
+
+def write_counting_corpus(root: Path, vocab_size: int, seed: int = 0) -> Path:
+    """A corpus of `counting_documents`: three train shards of 60, a valid shard of 30."""
+    rng = np.random.default_rng(seed)
+    splits = {
+        "train": [counting_documents(rng, 60, vocab_size) for _ in range(3)],
+        "valid": [counting_documents(rng, 30, vocab_size)],
+    }
+    return write_corpus(root, splits, vocab_size=vocab_size)
 
 
 def write_text_corpus(root: Path, texts: list[str], vocab_size: int = 300, valid_every: int = 5):

@@ -313,7 +313,8 @@ def open_corpus(
     )
 
 
-TOKENIZER_KINDS = {"gpt": "gpt2-bpe", "bert": "bert-wordpiece"}
+# A Llama reads a byte-level BPE corpus (its tokenizer.json, or one trained as GPT-2's).
+TOKENIZER_KINDS = {"gpt": "gpt2-bpe", "bert": "bert-wordpiece", "llama": "gpt2-bpe"}
 
 
 def open_run_corpus(config: Config, split: str, verify: bool | None = None) -> Corpus:

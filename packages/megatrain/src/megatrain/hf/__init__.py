@@ -1,7 +1,8 @@
 """Hugging Face conversions both ways (`megatrain export-hf`, `megatrain import-hf`): GPT-2
-(`gpt2`) and BERT (`bert`), with what they share in `common`.  The two functions here pick
-the model kind; transformers is needed by export only."""
+(`gpt2`), BERT (`bert`) and Llama (`llama`), with what they share in `common`.  The two
+functions here pick the model kind; transformers is needed by export only."""
 
+import json
 from pathlib import Path
 
 from megatrain.hf.common import HFFormatError
@@ -35,6 +36,10 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
         from megatrain.hf.bert import export_bert
 
         return export_bert(meta, state, tokenizer_file, out, dtype)
+    if model_kind(meta) == "llama":
+        from megatrain.hf.llama import export_llama
+
+        return export_llama(meta, state, tokenizer_file, out, dtype)
     from megatrain.hf.gpt2 import export_gpt2
 
     return export_gpt2(meta, state, tokenizer_file, out, dtype)
@@ -45,18 +50,28 @@ def import_hf(
 ) -> Path:
     """Write the Hugging Face model of `hf_dir` as a megatrain checkpoint (iteration 0, weights
     only) under `out_ckpt`; returns the iteration directory.  A BERT (config.json's model_type
-    "bert" or "megatron-bert") goes to `bert.import_bert`, anything else to
-    `gpt2.import_gpt2`, which refuses what is not a GPT-2 by its config field."""
-    from megatrain.hf import bert, gpt2
+    "bert" or "megatron-bert") goes to `bert.import_bert`, a Llama (or Mistral; a Qwen2 to be
+    refused by name) to `llama.import_llama`, anything else to `gpt2.import_gpt2`, which
+    refuses what is not a GPT-2 by its config field."""
+    from megatrain.hf import bert, gpt2, llama
 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HFFormatError(
-            f"{hf_dir} is not a directory: expected a Hugging Face GPT-2 or BERT model"
+            f"{hf_dir} is not a directory: expected a Hugging Face GPT-2, BERT or Llama model"
         )
     if bert.is_bert(hf_dir):
         return bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
+    if _model_type(hf_dir) in llama.MODEL_TYPES + llama.REFUSED_TYPES:
+        return llama.import_llama(hf_dir, out_ckpt, tokenizer_file)
     return gpt2.import_gpt2(hf_dir, out_ckpt, tokenizer_file)
+
+
+def _model_type(hf_dir: Path) -> str | None:
+    try:
+        return json.loads((hf_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # the importer it goes to names what is wrong with config.json
 
 
 __all__ = ["HFFormatError", "export_hf", "import_hf"]

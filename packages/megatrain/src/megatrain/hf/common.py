@@ -50,6 +50,30 @@ def save_weights(weights: dict, dtype: torch.dtype, path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
+def write_hf_tokenizer(
+    tokenizer_file: Path, out: Path, bos: str, eos: str, unk: str | None, max_length: int
+) -> None:
+    """tokenizer_config.json and friends for `AutoTokenizer`, around our tokenizer.json."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file),
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        model_max_length=max_length,
+    )
+    tok.save_pretrained(str(out))
+    # save_pretrained re-serialises tokenizer.json (a no-op post-processor added); keep ours,
+    # byte for byte, so its sha256 still matches the corpora it tokenized.
+    (out / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    # The class name transformers 4.x and 5.x both resolve (5.x writes one 4.x lacks).
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of model.safetensors / pytorch_model.bin (sharded or not), named without
     "transformer.", the tied lm_head and the attention-mask buffers of old files left out."""

@@ -36,6 +36,7 @@ from megatrain.hf.common import (
     read_hf_weights,
     run_model_config,
     save_weights,
+    write_hf_tokenizer,
     write_imported,
 )
 
@@ -137,28 +138,6 @@ def from_hf_state(hf: dict[str, torch.Tensor], num_layers: int, heads: int, padd
     return out
 
 
-def _hf_tokenizer(tokenizer_file: Path, eod: str, max_length: int, out: Path) -> None:
-    """tokenizer_config.json and friends for `AutoTokenizer`, around our tokenizer.json."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_file=str(tokenizer_file),
-        bos_token=eod,
-        eos_token=eod,
-        unk_token=eod,
-        model_max_length=max_length,
-    )
-    tok.save_pretrained(str(out))
-    # save_pretrained re-serialises tokenizer.json (a no-op post-processor added); keep ours,
-    # byte for byte, so its sha256 still matches the corpora it tokenized.
-    (out / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-    # The class name transformers 4.x and 5.x both resolve (5.x writes one 4.x lacks).
-    config_file = out / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
-
-
 def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str):
     """Write a GPT checkpoint's `meta` and full `state` as a transformers GPT2LMHeadModel
     directory `out`, in `dtype`."""
@@ -204,7 +183,7 @@ def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, 
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
     save_weights(weights, torch_dtype, out / "model.safetensors")
-    _hf_tokenizer(tokenizer_file, eod, m["max_position_embeddings"], out)
+    write_hf_tokenizer(tokenizer_file, out, eod, eod, eod, m["max_position_embeddings"])
     transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(
         str(out)
     )

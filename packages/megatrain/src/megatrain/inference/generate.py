@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
+from megatrain.config import CAUSAL_KINDS
 from megatrain.models.gpt import GPTModel
 from megatrain.models.transformer import KVCache
 
@@ -123,7 +124,7 @@ def generation_worker(
 
     device, _ = init_distributed()
     ps.initialize_model_parallel(tp_size, 1)
-    loaded = load_model(ckpt, device, kind="gpt")
+    loaded = load_model(ckpt, device, kind=CAUSAL_KINDS)
     results = []
     for text in prompts:
         ids = loaded.tokenizer.encode(text).ids

@@ -65,17 +65,20 @@ def load_tokenizer(directory: Path, meta: dict):
 
 
 def model_kind(meta: dict) -> str:
-    """ "gpt" or "bert": the model.kind of the checkpoint's run config (GPT before BERT was)."""
+    """ "gpt", "bert" or "llama": the model.kind of the checkpoint's run config (GPT before
+    BERT was)."""
     return ((meta.get("config") or {}).get("model") or {}).get("kind", "gpt")
 
 
-def require_kind(meta: dict, kind: str, what: str, where) -> None:
-    """Refuse a checkpoint of another model kind for `what` (e.g. "generation")."""
+def require_kind(meta: dict, kind: str | tuple[str, ...], what: str, where) -> None:
+    """Refuse a checkpoint of another model kind (or of none of `kind`'s) for `what` (e.g.
+    "generation")."""
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
     found = model_kind(meta)
-    if found != kind:
+    if found not in kinds:
         raise CheckpointError(
             f"{where}: holds a {found.upper()} model (model.kind = {found!r}); {what} needs a "
-            f"{kind.upper()} checkpoint"
+            f"{' or '.join(k.upper() for k in kinds)} checkpoint"
         )
 
 
@@ -92,14 +95,18 @@ def checkpoint_model_config(meta: dict) -> TransformerConfig:
 
 
 def load_model(
-    ckpt: str | Path, device: torch.device, dtype=torch.float32, kind: str | None = None
+    ckpt: str | Path,
+    device: torch.device,
+    dtype=torch.float32,
+    kind: str | tuple[str, ...] | None = None,
 ) -> LoadedModel:
-    """This rank's part of the checkpoint's model (GPT or BERT, as its config says), in eval
-    mode (every rank calls it); `kind` refuses a checkpoint of another model kind."""
+    """This rank's part of the checkpoint's model (GPT, BERT or Llama, as its config says), in
+    eval mode (every rank calls it); `kind` refuses a checkpoint of another model kind."""
     directory = find_checkpoint(ckpt)
     meta = read_meta(directory)
     if kind is not None:
-        require_kind(meta, kind, f"a {kind.upper()} model", directory)
+        kinds = (kind,) if isinstance(kind, str) else kind
+        require_kind(meta, kinds, f"a {' or '.join(k.upper() for k in kinds)} model", directory)
     tokenizer = load_tokenizer(directory, meta)
     cfg = checkpoint_model_config(meta)
     # Built on `device` in `dtype` without drawing weights (the checkpoint fills every

@@ -11,12 +11,13 @@ from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
 from megatrain.models.transformer import TransformerConfig
 
-_BUILDERS = {"gpt": build_gpt_chunks, "bert": build_bert_chunks}
+# A Llama is GPTModel with the Llama switches of TransformerConfig set (`model_config`).
+_BUILDERS = {"gpt": build_gpt_chunks, "bert": build_bert_chunks, "llama": build_gpt_chunks}
 
 
 def build_model_chunks(kind: str, cfg: TransformerConfig, seed: int = 1234, **placement) -> list:
-    """This rank's chunks of the `kind` model ("gpt" or "bert"); `placement`: device, dtype,
-    initialize, as `build_gpt_chunks`."""
+    """This rank's chunks of the `kind` model ("gpt", "bert" or "llama"); `placement`:
+    device, dtype, initialize, as `build_gpt_chunks`."""
     return _BUILDERS[kind](cfg, seed, **placement)
 
 
@@ -43,6 +44,25 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         distribute_saved_activations=p.distribute_saved_activations,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
         block_order=m.block_order,
+        normalization=config.model_switch("normalization"),
+        position_embedding=(
+            "rope" if config.model_switch("position_embedding_type") == "rope" else "learned"
+        ),
+        rotary_base=m.rotary_base,
+        rope_scaling=(
+            (
+                m.rope_scaling_factor,
+                m.rope_low_freq_factor,
+                m.rope_high_freq_factor,
+                m.rope_original_max_position_embeddings,
+            )
+            if m.rope_scaling_factor
+            else None
+        ),
+        swiglu=config.model_switch("swiglu"),
+        num_query_groups=m.num_query_groups,
+        add_bias=config.model_switch("add_bias_linear"),
+        tie_output=not config.model_switch("untie_embeddings_and_output_weights"),
     )
 
 

@@ -1,7 +1,10 @@
-"""GPT-2 (paper section 2.2) on the shared transformer (`models/transformer.py`).
+"""GPT-2 (paper section 2.2), and the Llama family, on the shared transformer
+(`models/transformer.py`).
 
 Pre-LayerNorm blocks, causal attention, GPT-2's tanh GeLU, learned positions, word
-embeddings tied to the output layer, a final LayerNorm: `TransformerConfig`'s defaults.
+embeddings tied to the output layer, a final LayerNorm: `TransformerConfig`'s defaults.  A
+Llama is the same model with its switches set (RMSNorm, rotary positions, SwiGLU,
+grouped-query attention, no biases, an output layer of its own).
 
 Generation passes a `KVCache`: each attention layer appends its keys and values and
 attends over all cached positions, so a new token costs one position's work.
@@ -45,7 +48,7 @@ class GPTModel(LanguageModel):
         if not cfg.causal or cfg.num_tokentypes:
             raise ValueError("GPTModel: needs causal attention and no token types")
         super().__init__(cfg, *args, **kwargs)
-        if self.post_process:
+        if self.post_process and cfg.tie_output:  # untied: LanguageModel built it, weight and all
             self.output_layer = tp.ColumnParallelLinear(
                 cfg.hidden_size,
                 cfg.vocab_size,

@@ -15,10 +15,18 @@ setting of `TransformerConfig`:
   s x s one).
 - `gelu`: GPT-2's tanh approximation or BERT's exact (erf) GeLU.
 - `num_tokentypes`: BERT's segment embeddings (0: none).
+- The Llama family's switches: `normalization` "rmsnorm" (RMSNorm, computed in fp32 as HF
+  does), `position_embedding` "rope" (rotary embeddings on queries and keys, base
+  `rotary_base`, Llama 3.1's frequency scaling when `rope_scaling_factor`), `swiglu` (an MLP
+  of gate and up projections, SiLU(gate) x up), `num_query_groups` (grouped-query attention:
+  heads share key/value heads), `add_bias` False (no biases in the linears) and
+  `tie_output` False (an output layer of its own).  Their defaults are GPT-2's.
 
-Attention heads are split over TP ranks (QKV column-parallel, laid out per head as
-[q k v] so a contiguous slice is whole heads; projection row-parallel); the MLP of
-ffn_hidden_size (4h) is column- then row-parallel.  Activations are [sequence, batch,
+Attention heads are split over TP ranks (QKV column-parallel, laid out per key/value group
+as [q of each of its heads, k, v] -- per head [q k v] without grouped-query attention -- so a
+contiguous slice is whole groups; projection row-parallel); the MLP of ffn_hidden_size (4h)
+is column- then row-parallel (SwiGLU: gate and up two column-parallel linears, so each is a
+contiguous split that checkpoints reshard).  Activations are [sequence, batch,
 hidden].  Every piece is drawn from its own CPU `torch.Generator` (word embeddings
 `seed`, positions `seed - 1`, token types `seed - 2`, layer i `seed + 1 + i`; the
 models' heads below that) at full size and then sliced, so any (tp, pp, vpp) layout
@@ -28,7 +36,9 @@ to a CPU-built one, and private generators leave the global ones (which dropout 
 untouched, so building a model changes no random state.
 """
 
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +76,27 @@ class TransformerConfig:
     causal: bool = True
     gelu: str = "tanh"  # tanh | erf
     num_tokentypes: int = 0
+    normalization: str = "layernorm"  # layernorm | rmsnorm
+    position_embedding: str = "learned"  # learned | rope
+    rotary_base: float = 10000.0
+    # Llama 3.1's scaling: (factor, low_freq_factor, high_freq_factor, original context); None: off
+    rope_scaling: tuple[float, float, float, int] | None = None
+    swiglu: bool = False
+    num_query_groups: int | None = None  # None: one key/value head per head
+    add_bias: bool = True
+    tie_output: bool = True
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         for name, value, choices in (
             ("block_order", self.block_order, BLOCK_ORDERS),
             ("gelu", self.gelu, tuple(GELUS)),
             ("recompute", self.recompute, RECOMPUTE_CHOICES),
+            ("normalization", self.normalization, ("layernorm", "rmsnorm")),
+            ("position_embedding", self.position_embedding, ("learned", "rope")),
         ):
             if value not in choices:
                 raise ValueError(f"model.{name} must be one of {choices}, not {value!r}")
@@ -105,11 +128,67 @@ class KVCache:
         return keys[:, :, :end], values[:, :, :end]
 
 
-def _layer_norm(cfg: TransformerConfig, device=None, dtype=torch.float32) -> nn.LayerNorm:
-    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+class RMSNorm(nn.Module):
+    """x / rms(x) x weight, computed in fp32 and cast back, as HF's Llama does (so a bf16
+    model normalizes as its reference does)."""
+
+    def __init__(self, size: int, eps: float, device=None, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _layer_norm(cfg: TransformerConfig, device=None, dtype=torch.float32) -> nn.Module:
+    if cfg.normalization == "rmsnorm":
+        ln = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, dtype=dtype)
+    else:
+        ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
     for p in ln.parameters():  # replicated; under sequence parallelism their grads are partial
         p.sequence_parallel = cfg.sequence_parallel
     return ln
+
+
+def rope_frequencies(
+    head_dim: int, base: float, scaling: tuple[float, float, float, int] | None
+) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim / 2] in fp32, as HF computes them; with
+    `scaling` (factor, low_freq_factor, high_freq_factor, original context), Llama 3.1's:
+    wavelengths beyond the original context / low_freq_factor are stretched by `factor`, those
+    below it / high_freq_factor kept, and those between interpolated."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, context = scaling
+    low_wavelen, high_wavelen = context / low, context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@lru_cache(maxsize=16)
+def _rope_tables(head_dim, base, scaling, end, device, dtype):
+    inv_freq = rope_frequencies(head_dim, base, scaling)
+    positions = torch.arange(end, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, d] rotated by the angles of its positions (cos, sin [s, d]): HF's
+    half-split convention (the first half of each head pairs with the second)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def _cpu_generator(seed: int) -> torch.Generator:
@@ -129,7 +208,9 @@ def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool)
     return F.dropout(x, p, True)
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+def bias_gelu(
+    x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh"
+) -> torch.Tensor:
     """GeLU of x + bias: GPT-2's tanh approximation, or the exact one (`approximate="none"`,
     BERT's).
 
@@ -139,7 +220,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") ->
     TorchScript: deprecated, and it fuses nothing on a CPU).  The same numbers as adding
     the bias in the linear, up to rounding.
     """
-    return F.gelu(x + bias, approximate=approximate)
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
 
 
 def bias_dropout_add(
@@ -186,13 +267,21 @@ class ParallelAttention(nn.Module):
         self.core_attention = self._core
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
         self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
+        self.groups_local = tp.divide_by_tp(cfg.num_query_groups, "num_query_groups")
         std = cfg.init_method_std
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
         self.qkv = tp.ColumnParallelLinear(
-            h, 3 * h, sequence_parallel=sp, init_method=tp.init_method_normal(std), **place
+            h,
+            qkv_size,
+            bias=cfg.add_bias,
+            sequence_parallel=sp,
+            init_method=tp.init_method_normal(std),
+            **place,
         )
         self.proj = tp.RowParallelLinear(
             h,
             h,
+            bias=cfg.add_bias,
             input_is_parallel=True,
             sequence_parallel=sp,
             skip_bias_add=True,  # added in bias_dropout_add
@@ -208,22 +297,24 @@ class ParallelAttention(nn.Module):
         # contiguous() copy.  Bidirectional: the key-padding mask [b, 1, 1, s] broadcasts.
         p = self.cfg.attention_dropout if self.training else 0.0
         causal = self.cfg.causal
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if not p:  # no random numbers needed (so none need seeding, e.g. for evaluation)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
         with tp.get_rng_tracker().fork():  # local heads: another mask on each TP rank
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
             )
 
     def _cached_core(self, q, k, v, cache: KVCache, layer_id: int):
         offset = cache.offset
-        k, v = cache.append(layer_id, k, v)
+        k, v = cache.append(layer_id, k, v)  # the local key/value heads: groups, not heads
         s = q.shape[2]
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if offset == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         # Query i sits at position offset + i and sees keys up to there.
         mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(offset)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
     def forward(
         self,
@@ -236,8 +327,27 @@ class ParallelAttention(nn.Module):
         `mask`: keys to attend [b, 1, 1, s] (True = attend), for bidirectional attention."""
         qkv, _ = self.qkv(x)
         s, b = qkv.shape[:2]
-        # [s, b, heads, 3, d] -> three of [b, heads, s, d]
-        q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
+        if self.groups_local == self.heads_local:
+            # [s, b, heads, 3, d] -> three of [b, heads, s, d]
+            q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
+        else:  # per group [q of each head, k, v] -> q [b, heads, s, d], k, v [b, groups, s, d]
+            per_group = self.heads_local // self.groups_local
+            grouped = qkv.view(s, b, self.groups_local, per_group + 2, self.head_dim)
+            q = grouped[:, :, :, :per_group].reshape(s, b, self.heads_local, self.head_dim)
+            q, k, v = q.permute(1, 2, 0, 3), *grouped[:, :, :, per_group:].permute(3, 1, 2, 0, 4)
+        if self.cfg.position_embedding == "rope":
+            offset = cache.offset if cache is not None else 0
+            cfg = self.cfg
+            cos, sin = _rope_tables(
+                self.head_dim,
+                cfg.rotary_base,
+                cfg.rope_scaling,
+                max(cfg.max_position_embeddings, offset + s),
+                q.device,
+                q.dtype,
+            )
+            cos, sin = cos[offset : offset + s], sin[offset : offset + s]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             out = self._cached_core(q, k, v, cache, layer_id)
         else:
@@ -252,17 +362,25 @@ class ParallelMLP(nn.Module):
         h, sp, std = cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std
         self.gelu = cfg.gelu
         tp.divide_by_tp(cfg.ffn_hidden_size, "ffn_hidden_size")
-        self.fc1 = tp.ColumnParallelLinear(
-            h,
-            cfg.ffn_hidden_size,
-            sequence_parallel=sp,
-            init_method=tp.init_method_normal(std),
-            skip_bias_add=True,  # added in bias_gelu
-            **place,
-        )
+
+        def column(bias_in_kernel: bool):
+            return tp.ColumnParallelLinear(
+                h,
+                cfg.ffn_hidden_size,
+                bias=cfg.add_bias,
+                sequence_parallel=sp,
+                init_method=tp.init_method_normal(std),
+                skip_bias_add=not bias_in_kernel,
+                **place,
+            )
+
+        # SwiGLU: SiLU(gate(x)) x fc1(x); the gate is drawn first.
+        self.gate = column(bias_in_kernel=True) if cfg.swiglu else None
+        self.fc1 = column(bias_in_kernel=cfg.swiglu)  # GeLU: the bias added in bias_gelu
         self.fc2 = tp.RowParallelLinear(
             cfg.ffn_hidden_size,
             h,
+            bias=cfg.add_bias,
             input_is_parallel=True,
             sequence_parallel=sp,
             skip_bias_add=True,  # added in bias_dropout_add
@@ -272,6 +390,10 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output without fc2's bias, and that bias (for bias_dropout_add)."""
+        if self.gate is not None:
+            gate, _ = self.gate(x)
+            up, _ = self.fc1(x)
+            return self.fc2(F.silu(gate) * up)
         hidden, bias = self.fc1(x)
         return self.fc2(bias_gelu(hidden, bias, GELUS[self.gelu]))
 
@@ -351,10 +473,11 @@ class LanguageModel(nn.Module):
                 device=device,
             )
             if initialize:
-                self._init_word_embeddings(seed)
-            self.position_embedding = self._replicated_embedding(
-                cfg.max_position_embeddings, seed - 1, device, dtype, initialize
-            )
+                self._init_vocab_rows(self.embedding.weight, seed)
+            if cfg.position_embedding == "learned":
+                self.position_embedding = self._replicated_embedding(
+                    cfg.max_position_embeddings, seed - 1, device, dtype, initialize
+                )
             if cfg.num_tokentypes:
                 self.tokentype_embedding = self._replicated_embedding(
                     cfg.num_tokentypes, seed - 2, device, dtype, initialize
@@ -376,14 +499,26 @@ class LanguageModel(nn.Module):
         if post_process:
             if cfg.block_order == "pre_ln":
                 self.final_layernorm = _layer_norm(cfg, device, dtype)
-            if not pre_process:  # a copy on the last stage, kept equal by pipeline_parallel
+            if not cfg.tie_output:  # an output layer of its own (seed - 3), padding rows zero
+                self.output_layer = tp.ColumnParallelLinear(
+                    cfg.hidden_size,
+                    cfg.vocab_size,
+                    bias=False,
+                    sequence_parallel=cfg.sequence_parallel,
+                    perform_initialization=False,
+                    params_dtype=dtype,
+                    device=device,
+                )
+                if initialize:
+                    self._init_vocab_rows(self.output_layer.weight, seed - 3)
+            elif not pre_process:  # a copy on the last stage, kept equal by pipeline_parallel
                 rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
                 self.output_weight = nn.Parameter(
                     torch.zeros(rows, cfg.hidden_size, device=device, dtype=dtype)
                 )
                 tp.set_tensor_model_parallel_attributes(self.output_weight, True, 0)
                 self.output_weight.shared_embedding = True
-        if pre_process and not post_process:
+        if pre_process and not post_process and cfg.tie_output:
             self.embedding.weight.shared_embedding = True
 
     def _replicated_embedding(self, rows: int, seed: int, device, dtype, initialize: bool):
@@ -404,16 +539,17 @@ class LanguageModel(nn.Module):
         return table
 
     @torch.no_grad()
-    def _init_word_embeddings(self, seed: int) -> None:
-        """Rows of the real vocabulary drawn as one matrix, padding rows zero: the same numbers
-        whatever the padding (which depends on tp)."""
+    def _init_vocab_rows(self, weight: torch.Tensor, seed: int) -> None:
+        """This rank's rows of a [vocabulary, hidden] matrix (the word embeddings, an untied
+        output layer): the real vocabulary's rows drawn as one matrix, padding rows zero, so
+        the same numbers whatever the padding (which depends on tp)."""
         cfg = self.config
         rows = cfg.true_vocab_size or cfg.vocab_size
         full = torch.zeros(cfg.vocab_size, cfg.hidden_size)
         init = tp.init_method_normal(cfg.init_method_std)
         init(full[:rows], generator=_cpu_generator(seed))
         p = self.parallel
-        self.embedding.weight.copy_(tp.shard_of(full, 0, p.tp_rank, p.tp_size))
+        weight.copy_(tp.shard_of(full, 0, p.tp_rank, p.tp_size))
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input here."""
@@ -431,8 +567,9 @@ class LanguageModel(nn.Module):
                 f"{type(self).__name__}: sequence of {end} tokens is longer than the position "
                 f"table (max_position_embeddings={cfg.max_position_embeddings})"
             )
-        positions = torch.arange(offset, end, device=tokens.device)
-        x = self.embedding(tokens) + self.position_embedding(positions)
+        x = self.embedding(tokens)
+        if cfg.position_embedding == "learned":  # rotary positions are applied in attention
+            x = x + self.position_embedding(torch.arange(offset, end, device=tokens.device))
         if cfg.num_tokentypes:
             if token_types is None:
                 raise ValueError(f"{type(self).__name__}: token_types are needed")
@@ -464,8 +601,11 @@ class LanguageModel(nn.Module):
             x = self.final_layernorm(x)
         return x
 
-    def tied_output_weight(self) -> torch.Tensor:
-        """The word embeddings (this rank's vocabulary rows), for the tied output layer."""
+    def tied_output_weight(self) -> torch.Tensor | None:
+        """The word embeddings (this rank's vocabulary rows), for the tied output layer; None
+        when the output layer has its own weight (`tie_output` False)."""
+        if not self.config.tie_output:
+            return None
         return self.embedding.weight if self.output_weight is None else self.output_weight
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

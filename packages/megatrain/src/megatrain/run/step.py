@@ -87,7 +87,11 @@ def forward_backward(
 
 
 # What each model's last stage reports per microbatch ("loss" is what is trained).
-STATISTICS = {"gpt": ("loss",), "bert": ("loss", "mlm_loss", "sop_loss", "sop_accuracy")}
+STATISTICS = {
+    "gpt": ("loss",),
+    "llama": ("loss",),
+    "bert": ("loss", "mlm_loss", "sop_loss", "sop_accuracy"),
+}
 
 
 def evaluate(run: Run, statistics: bool = False) -> float | dict:
