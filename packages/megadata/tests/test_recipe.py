@@ -274,3 +274,53 @@ def test_stages_done_by_an_earlier_megadata_are_not_redone(tmp_path, built):
     assert not (other.work / "ingest/_lines").exists()
     assert not (other.work / "shard/write").exists()
     assert {p: p.stat().st_mtime_ns for p in shards} == before
+
+
+def _large_byte_level_bpe(path: Path, fillers: int) -> Path:
+    """A byte-level BPE tokenizer.json of 256 byte tokens, `fillers` more and Llama 3's two
+    document tokens: over 65,536 ids, like Llama 3's 128k vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab |= {f"<filler {i}>": len(alphabet) + i for i in range(fillers)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tok.save(str(path))
+    return path
+
+
+def test_an_existing_tokenizer_json_with_its_own_document_tokens_and_uint32_ids(tmp_path, inputs):
+    tokenizer = _large_byte_level_bpe(tmp_path / "tokenizer.json", fillers=70_000)
+    settings = {
+        "tokenizer_json": str(tokenizer),
+        "vocab_size": 256 + 70_000 + 2,
+        "eod_token": "<|end_of_text|>",
+        "bos_token": "<|begin_of_text|>",
+    }
+    recipe = load_recipe(
+        write_recipe(tmp_path / "r.toml", inputs, tmp_path / "corpus", tokenizer=settings)
+    )
+    run_recipe(recipe, workers=1, progress=False)
+    manifest = json.loads((recipe.output / "manifest.json").read_text())
+    tok = manifest["tokenizer"]
+    assert manifest["token_dtype"] == "uint32" and tok["vocab_size"] == 256 + 70_000 + 2
+    bos, eod = tok["bos_id"], tok["eod_id"]
+    assert (bos, eod) == (256 + 70_000, 256 + 70_000 + 1)
+    docs = 0
+    for entry in manifest["splits"]["train"]["shards"]:
+        table = pa.ipc.open_file(pa.memory_map(str(recipe.output / entry["file"]))).read_all()
+        assert table.schema.field("tokens").type == pa.list_(pa.uint32())
+        for row in table.column("tokens").to_pylist():
+            assert row[0] == bos and row[-1] == eod and bos not in row[1:] and eod not in row[:-1]
+            docs += 1
+    assert docs > 10
+    # Without them the tokenizer's own document tokens are refused by name.
+    bad = write_recipe(tmp_path / "bad.toml", inputs, tmp_path / "c2",
+                       tokenizer={**settings, "eod_token": "<|eot_id|>"})  # fmt: skip
+    result = CliRunner().invoke(main, ["run", "--recipe", str(bad), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "no '<|eot_id|>' token" in result.output and "tokenizer.eod_token" in result.output

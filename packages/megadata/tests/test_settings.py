@@ -142,6 +142,8 @@ def test_defaults_are_the_stages_former_inline_defaults(tmp_path):
         "vocab": None,
         "merges": None,
         "tokenizer_json": None,
+        "eod_token": None,  # the kind's: <|endoftext|> or [SEP]
+        "bos_token": None,
     }
     assert asdict(FilterSettings()) == {"min_tokens": 128}
     assert asdict(DedupSettings()) == {

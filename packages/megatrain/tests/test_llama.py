@@ -5,7 +5,8 @@ groups, against the same run in one process, and against transformers' LlamaForC
 One 1-rank spawn trains the reference (and selective and full recompute, which must take
 the same steps) and checks Hugging Face both ways; one 8-rank spawn trains the layouts
 (key/value groups split over tp 2 and tp 4, sequence parallelism, pp 2 with vpp 2, the
-distributed optimizer).  The sequence (16) is longer than the scaling's original context
+distributed optimizer), resumes a stopped run bitwise and loads its checkpoint at another
+layout.  The sequence (16) is longer than the scaling's original context
 (8), so the scaled frequencies are used; rotary positions that sequence or pipeline
 parallelism got wrong (a rank's local positions) would change the layouts' losses.
 """
@@ -180,7 +181,18 @@ def _one_process(corpus, out):
 
 
 def _layouts(corpus, out):
-    return {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
+    runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
+    # Stopped after 2 steps with a save; step 3 at another layout (tp 4: the groups resharded,
+    # the distributed optimizer's state read into a plain one), then at the saving layout.
+    ckpt, saving = f"{out}/ckpt", LAYOUTS["tp2-pp2-dp2-distopt"]
+    stop = ["training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
+    runs["first"] = train(_config(corpus, f"{out}/first", [*saving, *stop]))
+    load = [f"checkpoint.load={ckpt!r}"]
+    runs["resharded"] = train(
+        _config(corpus, f"{out}/resharded", [*LAYOUTS["tp4-pp2-seqpar-selective"], *load])
+    )
+    runs["second"] = train(_config(corpus, f"{out}/second", [*saving, *load]))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +226,19 @@ def test_llama_learns_and_recompute_takes_the_same_steps(one_process):
 
 
 def test_every_layout_equals_one_process(one_process, layouts):
-    for name, run in layouts.items():
-        _same_steps(run, one_process["reference"], name)
+    for name in LAYOUTS:
+        _same_steps(layouts[name], one_process["reference"], name)
+
+
+def test_resume_is_bitwise_and_a_checkpoint_reshards(one_process, layouts):
+    full, first, second = (layouts[k] for k in ("tp2-pp2-dp2-distopt", "first", "second"))
+    assert first["stopped_at"] == 2 and len(first["loss"]) == 2
+    assert first["loss"] + second["loss"] == full["loss"]  # bitwise
+    assert first["grad_norm"] + second["grad_norm"] == full["grad_norm"]
+    resharded, reference = layouts["resharded"], one_process["reference"]
+    assert len(resharded["loss"]) == 1
+    assert abs(resharded["loss"][0] - reference["loss"][2]) < FP32_TOL
+    assert abs(resharded["grad_norm"][0] - reference["grad_norm"][2]) < FP32_TOL * 10
 
 
 def test_hf_llama_both_ways_exact(one_process):

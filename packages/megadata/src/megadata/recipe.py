@@ -29,7 +29,7 @@ from megadata.stages.dedup import DedupSettings
 from megadata.stages.filter import FilterSettings
 from megadata.stages.holdout import HoldoutSettings
 from megadata.stages.shard import ShardSettings
-from megadata.tokenizer import TokenizerSettings, build_tokenizer, eod_id
+from megadata.tokenizer import TokenizerSettings, bos_id, build_tokenizer, eod_id
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -290,13 +290,14 @@ def _tokenize(recipe: Recipe, runner: Runner) -> StageStats:
     from tokenizers import Tokenizer
 
     work, tokenizer_path = recipe.work, str(recipe.output / "tokenizer.json")
-    eod = eod_id(Tokenizer.from_file(tokenizer_path), recipe.tokenizer.kind)
+    tok = Tokenizer.from_file(tokenizer_path)
+    eod, bos = eod_id(tok, recipe.tokenizer), bos_id(tok, recipe.tokenizer)
     sentences, splitter = _sentence_boundaries(recipe), recipe.sentence_splitter
     src, out = _need(recipe, "decontaminate"), work / "tokenize"
     kept, head = work / "filter_tokens", (tokenizer_path, eod, sentences)
     tasks = _partition_tasks(
         src,
-        lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), splitter),
+        lambda p: (str(p), str(out / p.name), *head, str(kept / p.name), splitter, bos),
     )
     return runner.run("tokenize", out, tasks, tokenize.tokenize_partition)
 
@@ -540,7 +541,9 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
                 "file": "tokenizer.json",
                 "sha256": sha256_file(tok_path),
                 "vocab_size": vocab_size,
-                "eod_id": eod_id(tok, kind),
+                "eod_id": eod_id(tok, recipe.tokenizer),
+                # Only when documents start with one, so other manifests keep their bytes.
+                **({"bos_id": bos} if (bos := bos_id(tok, recipe.tokenizer)) is not None else {}),
             },
             token_dtype=corpus_format.token_dtype(vocab_size),
             sentence_boundaries=_sentence_boundaries(recipe),

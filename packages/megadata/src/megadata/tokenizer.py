@@ -46,9 +46,19 @@ class TokenizerSettings:
     vocab: str | None = None
     merges: str | None = None
     tokenizer_json: str | None = None
+    # The token that ends each document (None: the kind's, EOD_TOKEN) and one that starts it
+    # (None: none), as the tokenizer defines them: Llama 3's tokenizer.json, say, ends with
+    # "<|end_of_text|>" and starts with "<|begin_of_text|>".
+    eod_token: str | None = None
+    bos_token: str | None = None
 
     def __post_init__(self):
         _check_kind(self.kind)
+        if self.bos_token is not None and self.kind == "bert-wordpiece":
+            raise ValueError(
+                "tokenizer.bos_token: a bert-wordpiece corpus starts its samples with [CLS] "
+                "itself; leave bos_token unset"
+            )
 
 
 def _check_kind(kind: str) -> None:
@@ -238,13 +248,15 @@ def build_tokenizer(
 
 
 def check_tokenizer(tok: Tokenizer, config: TokenizerSettings, where: str) -> None:
-    """Refuse a tokenizer without the end-of-document token or with another vocab size."""
+    """Refuse a tokenizer without the end-of-document token (or the bos_token asked for) or
+    with another vocab size."""
     kind = config.kind
-    eod = EOD_TOKEN[kind]
-    if tok.token_to_id(eod) is None:
-        raise ValueError(
-            f"{where}: the vocabulary has no {eod!r} token, which a {kind} corpus needs"
-        )
+    for field, token in (("eod_token", eod_token(config)), ("bos_token", config.bos_token)):
+        if token is not None and tok.token_to_id(token) is None:
+            raise ValueError(
+                f"{where}: the vocabulary has no {token!r} token, which a {kind} corpus needs "
+                f"(tokenizer.{field})"
+            )
     want = config.vocab_size
     have = tok.get_vocab_size(with_added_tokens=True)
     if want is not None and int(want) != have:
@@ -254,5 +266,18 @@ def check_tokenizer(tok: Tokenizer, config: TokenizerSettings, where: str) -> No
         )
 
 
-def eod_id(tok: Tokenizer, kind: str) -> int:
-    return tok.token_to_id(EOD_TOKEN[kind])
+def eod_token(config: TokenizerSettings | str) -> str:
+    """The token that ends each document: the settings' `eod_token`, or the kind's."""
+    if isinstance(config, str):  # a kind
+        return EOD_TOKEN[config]
+    return config.eod_token or EOD_TOKEN[config.kind]
+
+
+def eod_id(tok: Tokenizer, config: TokenizerSettings | str) -> int:
+    """The id that ends each document (`config`: the [tokenizer] settings, or a kind)."""
+    return tok.token_to_id(eod_token(config))
+
+
+def bos_id(tok: Tokenizer, config: TokenizerSettings) -> int | None:
+    """The id that starts each document, or None."""
+    return None if config.bos_token is None else tok.token_to_id(config.bos_token)

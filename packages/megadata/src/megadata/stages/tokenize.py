@@ -28,14 +28,19 @@ def _from_filter(tokens_path: str | None, doc_ids: list[str], sentences: bool) -
     return table if table.column("doc_id").to_pylist() == doc_ids else None
 
 
-def _with_eod(tokens: pa.ChunkedArray, eod_id: int, dtype: pa.DataType) -> pa.Array:
-    """Each row's ids with `eod_id` appended."""
+def _with_eod(
+    tokens: pa.ChunkedArray, eod_id: int, dtype: pa.DataType, bos_id: int | None = None
+) -> pa.Array:
+    """Each row's ids with `eod_id` appended (and `bos_id` prepended, when given)."""
     tokens = tokens.combine_chunks()
     offsets = tokens.offsets.to_numpy().astype(np.int64)
     offsets -= offsets[0]  # a sliced array's offsets start past zero
     values = tokens.flatten().to_numpy(zero_copy_only=False)
     values = np.insert(values, offsets[1:], eod_id)
     offsets = offsets + np.arange(len(offsets))
+    if bos_id is not None:
+        values = np.insert(values, offsets[:-1], bos_id)
+        offsets = offsets + np.arange(len(offsets))
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, dtype))
 
 
@@ -47,6 +52,7 @@ def tokenize_partition(
     sentences: bool,
     tokens_path: str | None = None,
     splitter: str = DEFAULT_SPLITTER,
+    bos_id: int | None = None,
 ) -> dict:
     enc = encoder(tokenizer_path, os.stat(tokenizer_path).st_mtime_ns)
     dtype = token_type(enc.tok.get_vocab_size(with_added_tokens=True))
@@ -60,7 +66,7 @@ def tokenize_partition(
             table = table.append_column("sentence_ends", ends)
     columns = {
         "doc_id": pa.array(ids, pa.string()),
-        "tokens": _with_eod(table.column("tokens"), eod_id, dtype),
+        "tokens": _with_eod(table.column("tokens"), eod_id, dtype, bos_id),
     }
     if sentences:
         columns["sentence_ends"] = table.column("sentence_ends").combine_chunks()
