@@ -324,7 +324,12 @@ def test_memory_warning_names_the_parts():
 
 
 @pytest.mark.parametrize(
-    "name", sorted(p.stem for p in MODELS.glob("*.toml") if not p.stem.endswith("tiny"))
+    "name",
+    sorted(  # the paper's sizes; the Llama configs are not the paper's
+        p.stem
+        for p in MODELS.glob("*.toml")
+        if not p.stem.endswith("tiny") and not p.stem.startswith("llama")
+    ),
 )
 def test_shipped_layouts_are_the_plans_choice_at_the_papers_tp(name):
     """Each paper config's `# layout:` comment: the plan it names ranks the config's micro
@@ -349,3 +354,21 @@ def test_shipped_layouts_are_the_plans_choice_at_the_papers_tp(name):
     best = min((e for e in paper_like if e.fits), key=lambda e: e.time["total"])
     shipped = layout_of(config, gpus // tp)
     assert best.layout == shipped
+
+
+def test_plan_answers_for_llama3_8b_on_8_h100s():
+    """The Llama's shape (grouped-query K/V, SwiGLU, untied output) in the plan's memory and
+    time: every ranked layout fits 80 GB, splits whole key/value groups over tp, and counts
+    the model FLOPs accounting gives."""
+    from megatrain.accounting import flops_per_iteration
+    from megatrain.models import model_config
+
+    config = load_config(MODELS / "llama3-8b.toml")
+    h100 = hardware.load_gpus()["h100-80gb"]
+    result = plan(config, 8, h100, hardware.builtin_profile(), 128256, 512)
+    assert result.ranked and all(e.fits and e.layout.gpus == 8 for e in result.ranked)
+    assert all(8 % e.layout.tp == 0 for e in result.ranked)  # 8 key/value groups
+    best = result.ranked[0]
+    cfg = model_config(apply_layout(config, best.layout), 128256)  # the vocabulary padded for tp
+    flops, _ = flops_per_iteration("llama", cfg, 512, 8192)
+    assert best.mfu == pytest.approx(flops / (best.time["total"] * 8 * h100.peak_flops("bf16")))

@@ -353,17 +353,6 @@ def validate(config: Config, world_size: int | None = None) -> int:
             value is None or value in choices,
             f"model.{name} must be one of {choices}, got {value!r}",
         )
-    groups = m.num_query_groups or m.num_attention_heads
-    _need(
-        m.num_attention_heads % groups == 0,
-        f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
-        f"model.num_query_groups ({groups})",
-    )
-    _need(
-        groups % tp == 0,
-        f"model.num_query_groups ({groups}) is not divisible by "
-        f"parallel.tensor_model_parallel_size ({tp}): each TP rank holds whole key/value groups",
-    )
     _need(
         m.rope_scaling_factor == 0 or m.rope_scaling_factor >= 1,
         f"model.rope_scaling_factor must be 0 (off) or >= 1, got {m.rope_scaling_factor}",
@@ -392,6 +381,19 @@ def validate(config: Config, world_size: int | None = None) -> int:
         f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
         f"parallel.tensor_model_parallel_size ({tp})",
     )
+    if m.num_query_groups is not None:  # unset: a key/value head per head, split as the heads
+        groups = m.num_query_groups
+        _need(
+            m.num_attention_heads % groups == 0,
+            f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
+            f"model.num_query_groups ({groups})",
+        )
+        _need(
+            groups % tp == 0,
+            f"model.num_query_groups ({groups}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp}): each TP rank holds whole key/value "
+            "groups",
+        )
     _need(
         config.ffn_hidden_size % tp == 0,
         f"model.ffn_hidden_size ({config.ffn_hidden_size}) is not divisible by "
