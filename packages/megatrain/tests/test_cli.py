@@ -74,7 +74,7 @@ def test_help_and_unknown_command():
         (["model.vocab_size=50257"], "vocab_size"),
         (["data.corpus=/no/such/corpus"], "/no/such/corpus/manifest.json"),
         (["checkpoint.load=/no/such/ckpt"], "/no/such/ckpt/latest does not exist"),
-        (['model.kind="t5"'], "model.kind must be one of ('gpt', 'bert'), got 't5'"),
+        (['model.kind="t5"'], "model.kind must be one of ('gpt', 'bert', 'llama'), got 't5'"),
         (['model.block_order="post_ln"'], "is BERT's original order (Fig. 7 a); GPT-2 is pre_ln"),
         # A GPT corpus given to a BERT config: refused by the manifest's tokenizer kind.
         (['model.kind="bert"'], "tokenizer.kind is 'gpt2-bpe', expected 'bert-wordpiece'"),

@@ -375,14 +375,16 @@ def test_bad_input_is_refused_with_the_path(steps, random_hf, tmp_path):
     assert result.exit_code == 2 and "tokenizer.json does not exist" in result.output
 
     for field, value, message in (
-        ("model_type", "llama", "model_type is 'llama', expected 'gpt2'"),
+        ("model_type", "gpt_neox", "model_type is 'gpt_neox', expected 'gpt2'"),
+        # Read as a Llama now (test_llama.py), a GPT-2 config.json lacks its fields.
+        ("model_type", "llama", "no integer num_hidden_layers, hidden_size"),
         ("activation_function", "relu", "activation_function is 'relu'"),
         ("tie_word_embeddings", False, "tie_word_embeddings is False"),
         ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx is True"),
         ("reorder_and_upcast_attn", True, "reorder_and_upcast_attn is True"),
         ("add_cross_attention", True, "add_cross_attention is True"),
     ):
-        bad = tmp_path / f"bad-{field}"
+        bad = tmp_path / f"bad-{field}-{value}"
         shutil.copytree(random_hf, bad)
         config = json.loads((bad / "config.json").read_text())
         (bad / "config.json").write_text(json.dumps({**config, field: value}))

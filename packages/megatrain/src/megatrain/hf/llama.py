@@ -95,6 +95,14 @@ def read_hf_config(hf_dir: Path) -> dict:
         refuse("model_type", "Qwen2's biases on q, k and v alone are not supported")
     if c.get("model_type") not in MODEL_TYPES:
         refuse("model_type", f"expected one of {MODEL_TYPES}")
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                "vocab_size")  # fmt: skip
+    missing = [f for f in required if not isinstance(c.get(f), int)]
+    if missing:
+        raise HFFormatError(
+            f"{config_file}: no integer {', '.join(missing)}: a {c['model_type']} config.json "
+            f"needs {', '.join(required)}"
+        )
     if c.get("sliding_window") is not None:
         refuse("sliding_window", "sliding-window attention is not supported; only full attention")
     for field in ("attention_bias", "mlp_bias"):
