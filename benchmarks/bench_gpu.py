@@ -15,13 +15,14 @@ on a CPU, in fp32.
 
 Ours is the step `megatrain run` takes: a `megatrain.run.setup.Run` from `build_run` (a
 1-process NCCL group on a GPU, gloo on a CPU; bf16 parameters with fp32 masters in
-`MegatronOptimizer`), one `train_step(run)` per iteration.  HF's is
-`transformers.GPT2LMHeadModel` of the same shape, padded vocabulary and dropout, SDPA
-attention, fp32 weights under `torch.autocast(bf16)` (HF's usual mixed precision), gradient
-checkpointing when we recompute fully, `torch.optim.AdamW` with our lr, betas, eps, decay
-and clipping, on the very same batches.  Each model runs alone: built, `--warmup` steps,
-`--iters` timed steps (`torch.cuda.synchronize()` before and after each), then freed, so
-`torch.cuda.max_memory_allocated` is its own peak.
+`MegatronOptimizer`), one `train_step(run)` per iteration. HF's is
+`transformers.GPT2LMHeadModel` (`LlamaForCausalLM` for a Llama `--config`, e.g.
+pipelines/models/llama3-8b.toml with fewer layers) of the same shape, padded vocabulary and
+dropout, SDPA attention, fp32 weights under `torch.autocast(bf16)` (HF's usual mixed
+precision), gradient checkpointing when we recompute fully, `torch.optim.AdamW` with our lr,
+betas, eps, decay and clipping, on the very same batches. Each model runs alone: built,
+`--warmup` steps, `--iters` timed steps (`torch.cuda.synchronize()` before and after each),
+then freed, so `torch.cuda.max_memory_allocated` is its own peak.
 
 Reported per model: tokens/s (median step; mean), ms/step, model TFLOP/s, MFU (model FLOPs,
 72 B s l h^2 (1 + s/6h + V/12lh), whatever is recomputed) and HFU (with the recomputed
@@ -228,7 +229,8 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
 
 
 def measure_hf(config, corpus: Path, vocab_padded: int, device, args) -> dict:
-    """GPT2LMHeadModel of the same shape on the same batches; freed on return."""
+    """GPT2LMHeadModel (or LlamaForCausalLM) of the same shape on the same batches; freed on
+    return."""
     t, recompute = config.training, config.model.recompute
     before = reset_memory(device)
     low = torch.bfloat16 if args.precision == "bf16" else None
@@ -252,6 +254,7 @@ def measure_hf(config, corpus: Path, vocab_padded: int, device, args) -> dict:
         "memory_before_gib": before,
         "parameters": sum(p.numel() for p in hf.params),
         "attn_implementation": hf.attn_implementation,
+        "class": type(hf.model).__name__,
         "precision": "fp32 weights, torch.autocast(bf16)" if low else "fp32",
         "digests": hf.batches.digests,
     }
@@ -274,11 +277,11 @@ def main() -> None:
     batch, seq = t.micro_batch_size, t.seq_length
     rng = np.random.default_rng(args.seed)
     need = int((args.warmup + args.iters) * batch * seq * 1.1) + 2 * seq  # one epoch suffices
-    docs = {
-        "train": random_docs(rng, need, m.vocab_size),
-        "valid": random_docs(rng, 4 * seq, m.vocab_size),
+    docs = {  # one shard per split
+        "train": [random_docs(rng, need, m.vocab_size)],
+        "valid": [random_docs(rng, 4 * seq, m.vocab_size)],
     }
-    corpus = write_corpus(work / "corpus", docs, vocab_size=m.vocab_size)
+    corpus = write_corpus(work / "corpus", docs, vocab_size=m.vocab_size, batch_rows=1024)
 
     init_process_group(device)
     results = {}
@@ -363,7 +366,8 @@ def main() -> None:
             "of every batch were compared",
             "model_flops_per_step": flops,
             "model_flops_formula": (
-                "72 B s l h^2 (1 + s/6h + V/12lh) (gpt_model_flops_per_iteration)"
+                "72 B s l h^2 (1 + s/6h + V/12lh) (gpt_model_flops_per_iteration; a Llama's "
+                "grouped K/V and SwiGLU counted as they are)"
             ),
             "hardware_flops_formula": "gpt_hardware_flops_per_iteration: + 24 B s l h^2"
             " + 4 B s^2 h l (a forward of every layer) under full recompute,"
