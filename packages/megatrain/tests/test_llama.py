@@ -40,6 +40,9 @@ LLAMA = [
     "model.rope_original_max_position_embeddings=8",
     "model.hidden_dropout=0.0",
     "model.attention_dropout=0.0",
+    # Sharp attention from the start, so that a rank's queries and keys at wrong rotary
+    # positions change the loss beyond the tolerance (at 0.02 the scores are near zero).
+    "model.init_method_std=0.25",
     "training.seq_length=16",
     "training.micro_batch_size=2",
     "training.global_batch_size=16",
@@ -110,6 +113,9 @@ def _random_hf_llama(root, tied: bool):
         tie_word_embeddings=tied,
         bos_token_id=1,
         eos_token_id=2,
+        # Sharp attention, so that a query or key at the wrong rotary position changes the
+        # greedy tokens (at 0.02 the scores are near zero and positions barely matter).
+        initializer_range=0.5,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(root)
