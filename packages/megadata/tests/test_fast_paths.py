@@ -24,7 +24,7 @@ from megadata.stages.dedup import shingles
 from megadata.stages.dedup import verify as dedup
 from megadata.stages.filter import filter_partition
 from megadata.stages.tokenize import tokenize_partition
-from megadata.tokenizer import build_tokenizer, eod_id
+from megadata.tokenizer import TokenizerSettings, build_tokenizer, eod_id
 
 ODD = [
     "a\x0bb c\x0cd\x85e\u2028f\u2029g\u00a0h\u3000i\x1cj",  # whitespace BERT deletes or keeps
@@ -239,7 +239,7 @@ def test_tokens_from_the_filter_stage_equal_a_fresh_encoding(tmp_path, tokenizer
         str(tmp_path / "tokens.arrow"), sentences, "blingfire",
     )  # fmt: skip
     assert counts["docs_out"] == 30 and counts["extra"]["too_short"] == 1
-    eod = eod_id(Encoder(str(path)).tok, kind)
+    eod = eod_id(Encoder(str(path)).tok, TokenizerSettings(kind=kind))
     args = (str(path), eod, sentences)
     tokenize_partition(str(tmp_path / "kept.arrow"), str(tmp_path / "a.arrow"), *args,
                        str(tmp_path / "tokens.arrow"), "blingfire")  # fmt: skip

@@ -10,7 +10,7 @@ from corpus_inputs import wiki_dump
 
 from megadata.documents import read_docs
 from megadata.stages import clean, dedup, ingest, shard
-from megadata.tokenizer import build_tokenizer, eod_id
+from megadata.tokenizer import TokenizerSettings, build_tokenizer, eod_id
 
 
 def test_text_jsonl_and_bad_lines(tmp_path, caplog):
@@ -108,7 +108,7 @@ def test_clean_fixes_unicode_filters_language_and_joins_lines(tmp_path, document
 def test_tokenizers_train_and_reload_from_their_files(tmp_path, documents, kind):
     texts = [d["text"] for d in documents]
     tok = build_tokenizer({"kind": kind, "vocab_size": 800}, texts, tmp_path)
-    assert eod_id(tok, kind) is not None
+    assert eod_id(tok, TokenizerSettings(kind=kind)) is not None
     files = tok.model.save(str(tmp_path))  # vocab.json + merges.txt, or vocab.txt
     config = {"kind": kind, "vocab_size": tok.get_vocab_size()}
     if kind == "gpt2-bpe":
@@ -239,7 +239,7 @@ def test_bert_corpus_keeps_sentence_boundaries(tmp_path, documents):
     tok = build_tokenizer({"kind": "bert-wordpiece", "vocab_size": 600}, texts, tmp_path)
     tok.save(str(tmp_path / "tok.json"))
     write_docs(tmp_path / "in.arrow", [{"doc_id": str(i), "text": t} for i, t in enumerate(texts)])
-    sep = eod_id(tok, "bert-wordpiece")
+    sep = eod_id(tok, TokenizerSettings(kind="bert-wordpiece"))
     tokenize_partition(
         str(tmp_path / "in.arrow"),
         str(tmp_path / "out.arrow"),

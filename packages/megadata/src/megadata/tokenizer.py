@@ -266,15 +266,13 @@ def check_tokenizer(tok: Tokenizer, config: TokenizerSettings, where: str) -> No
         )
 
 
-def eod_token(config: TokenizerSettings | str) -> str:
+def eod_token(config: TokenizerSettings) -> str:
     """The token that ends each document: the settings' `eod_token`, or the kind's."""
-    if isinstance(config, str):  # a kind
-        return EOD_TOKEN[config]
     return config.eod_token or EOD_TOKEN[config.kind]
 
 
-def eod_id(tok: Tokenizer, config: TokenizerSettings | str) -> int:
-    """The id that ends each document (`config`: the [tokenizer] settings, or a kind)."""
+def eod_id(tok: Tokenizer, config: TokenizerSettings) -> int:
+    """The id that ends each document."""
     return tok.token_to_id(eod_token(config))
 
 

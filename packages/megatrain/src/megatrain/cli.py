@@ -15,7 +15,7 @@ from megatrain.config import CAUSAL_KINDS, ConfigError, load_config, validate
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="megatrain")
 def main() -> None:
-    """Train GPT-2 and BERT models with tensor, pipeline and data parallelism
+    """Train GPT-2, BERT and Llama models with tensor, pipeline and data parallelism
     on a megadata corpus.
 
     Run `megatrain COMMAND --help` for one command.
@@ -219,7 +219,7 @@ def generate_command(
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
-@main.command("export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2 or BERT.")
+@main.command("export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2, BERT or Llama.")
 @click.option(
     "--ckpt",
     required=True,
@@ -229,10 +229,11 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True)
 def export_hf_command(ckpt, out, dtype):
-    """Write the GPT-2 or BERT of --ckpt as a Hugging Face directory (config.json,
+    """Write the GPT-2, BERT or Llama of --ckpt as a Hugging Face directory (config.json,
     model.safetensors, tokenizer files) that `AutoTokenizer` and
-    `transformers.GPT2LMHeadModel.from_pretrained` load, or for a BERT
-    `MegatronBertForPreTraining` (block_order pre_ln) or `BertForPreTraining` (post_ln).
+    `transformers.GPT2LMHeadModel.from_pretrained` load, for a BERT
+    `MegatronBertForPreTraining` (block_order pre_ln) or `BertForPreTraining` (post_ln), for a
+    Llama `LlamaForCausalLM`.
     Needs transformers: pip install 'megatrain[hf]'."""
     from megatrain.hf import export_hf
 
@@ -243,7 +244,7 @@ def export_hf_command(ckpt, out, dtype):
     click.echo(f"megatrain export-hf: wrote {out}")
 
 
-@main.command("import-hf", short_help="Import a Hugging Face GPT-2 or BERT as a checkpoint.")
+@main.command("import-hf", short_help="Import a Hugging Face GPT-2, BERT or Llama as a checkpoint.")
 @click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--out",
@@ -258,14 +259,15 @@ def export_hf_command(ckpt, out, dtype):
     default=None,
     help="Keep this tokenizer.json (e.g. the corpus's, so its sha256 matches), or for a BERT "
     "build it from this vocab.txt, instead of HF_DIR's vocab.json + merges.txt (GPT-2) or "
-    "vocab.txt (BERT), else its tokenizer.json.",
+    "vocab.txt (BERT), else its tokenizer.json (a Llama: always its tokenizer.json).",
 )
 def import_hf_command(hf_dir, out, tokenizer_file):
-    """Write the GPT2LMHeadModel, BertForPreTraining or MegatronBertForPreTraining of
-    HF_DIR (config.json, model.safetensors or pytorch_model.bin, tokenizer) as a megatrain
-    checkpoint of weights only, which `megatrain run --load OUT` fine-tunes from (iteration
-    0, fresh optimizer); a BERT becomes model.kind "bert", block_order post_ln (BERT) or
-    pre_ln (MegatronBERT)."""
+    """Write the GPT2LMHeadModel, BertForPreTraining, MegatronBertForPreTraining or
+    LlamaForCausalLM (or a Mistral without a sliding window) of HF_DIR (config.json,
+    model.safetensors or pytorch_model.bin, tokenizer) as a megatrain checkpoint of weights
+    only, which `megatrain run --load OUT` fine-tunes from (iteration 0, fresh optimizer); a
+    BERT becomes model.kind "bert", block_order post_ln (BERT) or pre_ln (MegatronBERT), a
+    Llama model.kind "llama" (read from safetensors only)."""
     from megatrain.hf import import_hf
 
     try:

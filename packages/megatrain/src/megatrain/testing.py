@@ -225,3 +225,15 @@ def write_bert_text_corpus(
     manifest["tokenizer"].update(eod_id=sep, sha256=sha256_file(root / "tokenizer.json"))
     atomic_write_json(root / "manifest.json", manifest)
     return root, tok, split(sentences)
+
+
+def assert_same_steps(run: dict, reference: dict, name: str, tol: float) -> None:
+    """Two `train` results took the same steps: losses and the last validation loss within
+    `tol`, gradient norms within `tol` relative, the validation at the same iteration."""
+    assert len(run["loss"]) == len(reference["loss"]), (name, run["loss"], reference["loss"])
+    for a, b in zip(run["loss"], reference["loss"], strict=True):
+        assert abs(a - b) < tol, (name, run["loss"], reference["loss"])
+    for a, b in zip(run["grad_norm"], reference["grad_norm"], strict=True):
+        assert abs(a - b) < tol * b, (name, run["grad_norm"], reference["grad_norm"])
+    (it, valid), (ref_it, ref_valid) = run["valid"][-1], reference["valid"][-1]
+    assert it == ref_it and abs(valid - ref_valid) < tol, name

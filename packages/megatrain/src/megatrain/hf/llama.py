@@ -128,6 +128,13 @@ def read_hf_config(hf_dir: Path) -> dict:
         )
     scaling = None
     if rope_type == "llama3":
+        fields = ("factor", "low_freq_factor", "high_freq_factor")
+        fields += ("original_max_position_embeddings",)
+        absent = [f for f in fields if not isinstance(rope.get(f), int | float)]
+        if absent:
+            raise HFFormatError(
+                f"{config_file}: rope type llama3 without a number for {', '.join(absent)}"
+            )
         scaling = (
             float(rope["factor"]),
             float(rope["low_freq_factor"]),
@@ -266,7 +273,10 @@ def import_llama(hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path 
     if not source.is_file():
         raise HFFormatError(f"{source} does not exist: a Llama import needs its tokenizer.json")
     tokenizer_bytes = source.read_bytes()
-    vocab = Tokenizer.from_str(tokenizer_bytes.decode()).get_vocab_size(with_added_tokens=True)
+    try:
+        vocab = Tokenizer.from_str(tokenizer_bytes.decode()).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises its own exception types
+        raise HFFormatError(f"{source}: not a Hugging Face tokenizers file ({e})") from None
     if vocab != c["vocab"]:
         raise HFFormatError(
             f"{hf_dir / 'config.json'}: vocab_size is {c['vocab']}, but {source} has {vocab} "

@@ -338,13 +338,11 @@ class ParallelAttention(nn.Module):
         if self.cfg.position_embedding == "rope":
             offset = cache.offset if cache is not None else 0
             cfg = self.cfg
+            # Tables for the next power of two of positions: one or two cache entries for a
+            # run (not max_position_embeddings' worth: 128k positions for Llama 3.1).
+            end = 1 << (offset + s - 1).bit_length()
             cos, sin = _rope_tables(
-                self.head_dim,
-                cfg.rotary_base,
-                cfg.rope_scaling,
-                max(cfg.max_position_embeddings, offset + s),
-                q.device,
-                q.dtype,
+                self.head_dim, cfg.rotary_base, cfg.rope_scaling, end, q.device, q.dtype
             )
             cos, sin = cos[offset : offset + s], sin[offset : offset + s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
