@@ -4,10 +4,13 @@ One 4-rank spawn, run without the checker that `run_distributed` normally puts
 around every rank, opens its own `nccl_semantics` blocks around scenarios that
 NCCL refuses, and one it accepts:
 
-- the pipeline schedule as it was before the fused batches (each send its own
-  batch, then a blocking receive) at pp=2 (dp=2) and pp=4: a mismatch named
-  with both ranks, their batches and schedule steps, or a deadlock report;
-- the same 1F1B with the table's fused batches: accepted;
+- the pipeline schedule as it was before the tables (each send its own batch,
+  posted after the step, then a blocking receive) at pp=2 (dp=2) and pp=4: a
+  mismatch named with both ranks, their batches and schedule steps, or a
+  deadlock report;
+- the tables' batches for 1F1B, interleaved and ZB-H1, one direction per batch
+  and each receive posted as early as the tables allow, every post waiting for
+  its peer's match (stricter than NCCL): accepted;
 - two sends to one peer received in the other order (NCCL ignores tags);
 - a peer that never posts its batch;
 - a tensor on another device, and a non-contiguous one, handed to collectives,
@@ -59,11 +62,21 @@ def _unfused_1f1b(pp: int, microbatches: int) -> None:
                 _in_flight.append(sent)
 
 
-def _fused_1f1b(pp: int, microbatches: int) -> int:
-    """The table's batches as the executor posts them; returns how many were posted."""
-    r = ps.get_pipeline_model_parallel_rank()
+def _table(schedule: str):
+    def run(pp: int, microbatches: int) -> int:
+        """The table's batches as the executor posts them; returns how many were posted."""
+        r = ps.get_pipeline_model_parallel_rank()
+        if schedule == "interleaved":
+            return _post(pipe.schedule_interleaved(microbatches, pp, r, 2))
+        make = pipe.schedule_zb_h1 if schedule == "zb-h1" else pipe.schedule_1f1b
+        return _post(make(microbatches, pp, r))
+
+    return run
+
+
+def _post(table: list) -> int:
     posted = 0
-    for item in pipe.schedule_1f1b(microbatches, pp, r):
+    for item in table:
         _at[0] = repr(item)
         if isinstance(item, pipe.Comm):
             communicate(
@@ -89,9 +102,9 @@ def _attempt(fn, *args, timeout: float = 5.0, device=None) -> str:
         dist.barrier()  # outside the checker: every rank leaves the scenario before the next
 
 
-def _pipeline(pp: int, fn, microbatches: int = 4):
+def _pipeline(pp: int, fn, microbatches: int = 4, vpp: int | None = None):
     def run():
-        ps.initialize_model_parallel(1, pp)
+        ps.initialize_model_parallel(1, pp, vpp)
         try:
             fn(pp, microbatches)
         finally:
@@ -135,8 +148,12 @@ def _scenarios():
     return {
         "unfused_pp2": _attempt(_pipeline(2, _unfused_1f1b)),
         "unfused_pp4": _attempt(_pipeline(4, _unfused_1f1b, 8)),
-        "fused_pp4": _attempt(_pipeline(4, _fused_1f1b, 8)),
-        "fused_pp2": _attempt(_pipeline(2, _fused_1f1b, 3)),
+        "table_pp4": _attempt(_pipeline(4, _table("1f1b"), 8)),
+        "table_pp2": _attempt(_pipeline(2, _table("1f1b"), 3)),
+        "table_zb_pp4": _attempt(_pipeline(4, _table("zb-h1"), 8)),
+        "table_zb_pp2": _attempt(_pipeline(2, _table("zb-h1"), 5)),
+        "table_interleaved_pp4": _attempt(_pipeline(4, _table("interleaved"), 8, vpp=2)),
+        "table_interleaved_pp2": _attempt(_pipeline(2, _table("interleaved"), 4, vpp=2)),
         "swapped_tags": _attempt(_swapped_tags),
         "absent_peer": _attempt(_absent_peer, timeout=2.0),
         "device": _attempt(_all_reduce_cpu, device="meta"),
@@ -166,7 +183,8 @@ def test_checker_refuses_what_nccl_refuses():
     assert "rank 1 waited 5 s for rank 2's batch" in pp4[1], pp4[1]
     assert "under NCCL this hangs" in pp4[1] and "Rank 2's last batch: with rank" in pp4[1]
     for rank, out in enumerate(results):
-        assert out["fused_pp4"] == "ok" and out["fused_pp2"] == "ok", (rank, out)
+        tables = [v for k, v in out.items() if k.startswith("table_")]
+        assert len(tables) == 6 and all(v == "ok" for v in tables), (rank, out)
         assert out["restored"] is True
         assert "NCCL takes only tensors on the rank's device" in out["device"], out["device"]
         assert "all_reduce got a tensor (2, 3) float32 on cpu" in out["device"]

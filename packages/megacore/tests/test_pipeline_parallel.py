@@ -63,9 +63,9 @@ class _Token:
     pass
 
 
-def _schedule(recorder, data_iterator, model, num_microbatches, **kwargs):
+def _schedule(recorder, data_iterator, model, num_microbatches, schedule=None, **kwargs):
     """The layout's schedule over the test's microbatch shape."""
-    return pipe.get_forward_backward_func()(
+    return pipe.get_forward_backward_func(schedule)(
         forward_step_func=recorder.forward_step,
         data_iterator=data_iterator,
         model=model,
@@ -76,7 +76,7 @@ def _schedule(recorder, data_iterator, model, num_microbatches, **kwargs):
     )
 
 
-def _train(cfg, tp_size, pp, vpp, num_microbatches):
+def _train(cfg, tp_size, pp, vpp, num_microbatches, schedule=None):
     """Train STEPS steps; return per-step losses (last stage), full weights, recorder."""
     ps.initialize_model_parallel(tp_size, pp, vpp)
     tp.model_parallel_manual_seed(0)
@@ -93,6 +93,7 @@ def _train(cfg, tp_size, pp, vpp, num_microbatches):
             [iter(data) for _ in chunks] if vpp else iter(data),
             chunks if vpp else chunks[0],
             num_microbatches,
+            schedule,
             hidden_size=cfg.hidden,
             finalize_model_grads_func=pipe.finalize_model_grads,
         )
@@ -122,23 +123,26 @@ def _train(cfg, tp_size, pp, vpp, num_microbatches):
 
 
 LAYOUTS = {
-    # name: (tp, pp, vpp, microbatches)
-    "pp2": (1, 2, None, 4),
-    "pp4": (1, 4, None, 8),
-    "pp2_vpp2": (1, 2, 2, 4),
-    "tp2_pp2": (2, 2, None, 6),
-    "pp4_vpp2": (1, 4, 2, 8),
+    # name: (tp, pp, vpp, microbatches, schedule)
+    "pp2": (1, 2, None, 4, None),
+    "pp4": (1, 4, None, 8, None),
+    "pp2_vpp2": (1, 2, 2, 4, None),
+    "tp2_pp2": (2, 2, None, 6, None),
+    "pp4_vpp2": (1, 4, 2, 8, None),
+    "pp2_zb": (1, 2, None, 5, "zb-h1"),
+    "pp4_zb": (1, 4, None, 8, "zb-h1"),
+    "tp2_pp2_zb": (2, 2, None, 6, "zb-h1"),
 }
 
 
 def _pipelines_against_one_process():
     cfg = TinyConfig(layers=8)
     out = {}
-    for name, (tp_size, pp, vpp, m) in LAYOUTS.items():
+    for name, (tp_size, pp, vpp, m, schedule) in LAYOUTS.items():
         reference = _train(
             cfg, 1, 1, None, m
         )  # one process accumulating over the same microbatches
-        got = _train(cfg, tp_size, pp, vpp, m)
+        got = _train(cfg, tp_size, pp, vpp, m, schedule)
         ref_w = reference["weights"]
         diffs = {}
         for pname, w in got["weights"].items():
@@ -161,7 +165,7 @@ def _pipelines_against_one_process():
 def test_pipeline_layouts_equal_one_process():
     results = run_distributed(_pipelines_against_one_process, world_size=4, timeout=400)
     for rank, out in enumerate(results):
-        for name, (_, pp, _, _) in LAYOUTS.items():
+        for name, (_, pp, _, _, _) in LAYOUTS.items():
             r = out[name]
             where = f"rank {rank}, layout {name}"
             last_stage = r["pp_rank"] == pp - 1
@@ -178,10 +182,14 @@ def test_pipeline_layouts_equal_one_process():
             # The tied embedding's two copies stay equal on both ends.
             first_stage = r["pp_rank"] == 0
             assert r["tied_equal"] is (True if first_stage or last_stage else None), where
-        # 1F1B with 8 microbatches over 4 stages: rank r keeps pp - r microbatches alive.
-        pp4 = out["pp4"]
-        assert pp4["peak_live"] == 4 - pp4["pp_rank"], rank
-        assert out["pp2"]["peak_live"] == 2 - out["pp2"]["pp_rank"], rank
+        # 1F1B with 8 microbatches over 4 stages: rank r keeps pp - r microbatches alive
+        # between forward and backward; so does ZB-H1 (its weight gradients keep less).
+        for name, pp in (("pp4", 4), ("pp2", 2), ("pp4_zb", 4), ("pp2_zb", 2)):
+            assert out[name]["peak_live"] == pp - out[name]["pp_rank"], (rank, name)
+        zb = out["pp4_zb"]
+        assert " ".join(map(repr, zb["order"])) == " ".join(
+            repr(s) for s in pipe.order_zb_h1(8, 4, zb["pp_rank"]) if s.kind != "W"
+        ), rank
         # The interleaved run executed the expected (microbatch, chunk) order.
         vp = out["pp2_vpp2"]
         assert " ".join(map(repr, vp["order"])) == INTERLEAVED_ORDER[vp["pp_rank"]], rank
@@ -204,11 +212,40 @@ def test_interleaved_table_and_refusals():
     assert _compute(pipe.schedule_1f1b(2, 4, 0)) == "F0 F1 B0 B1"
     # Megatron's batches at pp=2: each is the mirror image of the neighbour's of the same
     # index (send_forward_recv_backward on one side, send_backward_recv_forward on the other).
+    # Each transfer is its own batch at pp=2 (next and previous are one peer), each send
+    # right after its step, each receive where the neighbour sends: the last stage asks
+    # for F1's input before its first backward, so it arrives while B0 runs.
     assert " ".join(map(repr, pipe.schedule_1f1b(3, 2, 0))) == (
-        "F0 [>next F0] F1 [>next F1 <next B0] B0 F2 [>next F2 <next B1] B1 [<next B2] B2"
+        "F0 [>next F0] F1 [>next F1] [<next B0] B0 F2 [>next F2] [<next B1] B1 [<next B2] B2"
     )
     assert " ".join(map(repr, pipe.schedule_1f1b(3, 2, 1))) == (
-        "[<prev F0] F0 B0 [<prev F1 >prev B0] F1 B1 [<prev F2 >prev B1] F2 B2 [>prev B2]"
+        "[<prev F0] F0 [<prev F1] B0 [>prev B0] F1 B1 [<prev F2] [>prev B1] F2 B2 [>prev B2]"
+    )
+    # With both neighbours a batch carries one direction: a middle stage passes F1's output
+    # on and takes F2's input together (Megatron's send_forward_recv_forward).
+    assert repr(pipe.schedule_1f1b(4, 4, 1)[:4]) == ("[[<prev F0], F0, [>next F0 <prev F1], F1]")
+    # ZB-H1 at pp 4: rank r runs pp - r forwards, then B, W, F; the last rank defers its
+    # first three Ws to the end (Qi et al.'s figure), and the tables' clock shows the
+    # bubble at a third of 1F1B's.
+    assert _compute(pipe.schedule_zb_h1(6, 4, 3)) == (
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"
+    )
+    assert _compute(pipe.schedule_zb_h1(6, 4, 0)) == (
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5"
+    )
+    orders = {
+        "1f1b": ([pipe.order_1f1b(16, 4, r) for r in range(4)], 1, pipe.COSTS),
+        "interleaved": (
+            [pipe.order_interleaved(16, 4, r, 2) for r in range(4)],
+            2,
+            pipe.COSTS,
+        ),
+        "zb-h1": ([pipe.order_zb_h1(16, 4, r) for r in range(4)], 1, pipe.SPLIT_COSTS),
+    }
+    bubbles = {k: pipe.bubble(*v) for k, v in orders.items()}
+    assert bubbles == {"1f1b": 3 / 16, "interleaved": 3 / 32, "zb-h1": 3 / 48}
+    assert pipe.schedule_zb_h1(4, 2, 1, forward_only=True) == pipe.schedule_1f1b(
+        4, 2, 1, forward_only=True
     )
     with pytest.raises(
         ValueError, match=r"num_microbatches \(6\) to be a multiple of .* \(4\); use 8"
@@ -293,8 +330,9 @@ def test_schedule_tables_meet_nccl_rules(forward_only):
     """Every rank's table against its neighbours', for many shapes, without processes."""
     for pp in (2, 3, 4, 8):
         for m in (1, 2, 3, 4, 5, 8, 16):
-            tables = [pipe.schedule_1f1b(m, pp, r, forward_only) for r in range(pp)]
-            assert _run_tables(tables, pp, 1) > 0
+            for make in (pipe.schedule_1f1b, pipe.schedule_zb_h1):
+                tables = [make(m, pp, r, forward_only) for r in range(pp)]
+                assert _run_tables(tables, pp, 1) > 0
         for vpp in (2, 3, 4):
             for m in (pp, 2 * pp, 3 * pp):
                 tables = [pipe.schedule_interleaved(m, pp, r, vpp, forward_only) for r in range(pp)]

@@ -35,6 +35,12 @@ LAYOUTS = {
         "parallel.use_distributed_optimizer=true",
         'model.recompute="selective"',
     ],
+    "tp2-pp2-dp2-zb-h1-distopt": [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        'parallel.pipeline_schedule="zb-h1"',
+        "parallel.use_distributed_optimizer=true",
+    ],
     "dp8-distopt-overlap": [
         "parallel.use_distributed_optimizer=true",
         "parallel.overlap_param_gather=true",

@@ -39,6 +39,21 @@ LAYOUTS = {
     "dp8-selective": ['model.recompute="selective"'],
     # 1F1B over four stages with data parallelism: middle stages talk to both neighbours.
     "pp4-dp2": ["parallel.pipeline_model_parallel_size=4"],
+    # ZB-H1: backwards split into B and W, under TP with sequence parallelism, the
+    # distributed optimizer's overlapped gradient hooks, clipping and recompute.
+    "tp2-pp2-dp2-zb-h1-seqpar-distopt-selective": [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        'parallel.pipeline_schedule="zb-h1"',
+        "parallel.sequence_parallel=true",
+        "parallel.use_distributed_optimizer=true",
+        'model.recompute="selective"',
+    ],
+    "pp4-dp2-zb-h1-full": [
+        "parallel.pipeline_model_parallel_size=4",
+        'parallel.pipeline_schedule="zb-h1"',
+        'model.recompute="full"',
+    ],
     "tp4-pp2-distopt-recompute-distributed": [
         "parallel.tensor_model_parallel_size=4",
         "parallel.pipeline_model_parallel_size=2",

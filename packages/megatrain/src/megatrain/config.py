@@ -21,6 +21,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
 class ConfigError(ValueError):
     """A config file or override that cannot run; the message names the field and what is wrong."""
 
@@ -88,6 +91,10 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
+    # "1f1b", "interleaved" (the one with virtual stages) or "zb-h1" (backwards split into
+    # input and weight gradients, the weight gradients filling the bubble); None = the
+    # layout's: interleaved with virtual stages, else 1f1b.
+    pipeline_schedule: str | None = None
     # None = whatever the world gives: world size / (tp x pp).
     data_parallel_size: int | None = None
     sequence_parallel: bool = False
@@ -319,6 +326,38 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_schedule(config: "Config") -> None:
+    """parallel.pipeline_schedule against the layout and the features a split backward
+    (zb-h1) cannot serve."""
+    p = config.parallel
+    schedule, vpp = p.pipeline_schedule, p.virtual_pipeline_model_parallel_size or 1
+    if schedule is None:
+        return
+    _need(
+        schedule in PIPELINE_SCHEDULES,
+        f"parallel.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}",
+    )
+    _need(
+        (schedule == "interleaved") == (vpp > 1),
+        f"parallel.pipeline_schedule = {schedule!r} with "
+        f"parallel.virtual_pipeline_model_parallel_size = {vpp}: the interleaved schedule is "
+        "the one for virtual stages (size > 1), and only it"
+        + ("; set the virtual size or another schedule" if schedule == "interleaved" else ""),
+    )
+    if schedule == "zb-h1":
+        _need(
+            p.pipeline_model_parallel_size > 1,
+            "parallel.pipeline_schedule = 'zb-h1' needs pipeline stages: "
+            f"parallel.pipeline_model_parallel_size is {p.pipeline_model_parallel_size}",
+        )
+        _need(
+            not config.training.compile,
+            "parallel.pipeline_schedule = 'zb-h1' with training.compile = true: a compiled "
+            "layer's backward is traced once, so its weight gradients cannot be deferred to "
+            "the W step; turn one of them off",
+        )
+
+
 def validate(config: Config, world_size: int | None = None) -> int:
     """Check every size the layout depends on; return the data-parallel size.
 
@@ -405,6 +444,7 @@ def validate(config: Config, world_size: int | None = None) -> int:
             f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs "
             f"parallel.pipeline_model_parallel_size > 1, got {pp}",
         )
+    _check_schedule(config)
     chunks = pp * (vpp or 1)
     _need(
         m.num_layers % chunks == 0,

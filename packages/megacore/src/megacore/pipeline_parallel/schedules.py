@@ -34,228 +34,20 @@ from torch.autograd import Variable
 
 from megacore import parallel_state as ps
 from megacore.pipeline_parallel.p2p_communication import communicate
-
-
-@dataclass(frozen=True)
-class Step:
-    """Compute: the forward ("F") or backward ("B") of one microbatch on one model chunk."""
-
-    kind: str  # "F" forward or "B" backward
-    microbatch: int
-    chunk: int = 0
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-
-
-@dataclass(frozen=True)
-class Comm:
-    """One batch of sends and receives posted together (one NCCL group).
-
-    Each field names the compute step whose tensor moves: `send_next` the forward
-    whose output goes on, `recv_prev` the forward whose input arrives,
-    `send_prev` the backward whose input gradient goes back, `recv_next` the
-    backward whose output gradient arrives.
-    """
-
-    send_next: Step | None = None
-    recv_prev: Step | None = None
-    send_prev: Step | None = None
-    recv_next: Step | None = None
-
-    def __repr__(self) -> str:
-        parts = [
-            f"{label} {step!r}"
-            for label, step in (
-                (">next", self.send_next),
-                ("<prev", self.recv_prev),
-                (">prev", self.send_prev),
-                ("<next", self.recv_next),
-            )
-            if step is not None
-        ]
-        return "[" + " ".join(parts) + "]"
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """A `Comm` before its receives are bound: which directions receive, not yet what."""
-
-    send_next: Step | None = None
-    send_prev: Step | None = None
-    recv_prev: bool = False
-    recv_next: bool = False
-
-
-def compute_steps(table: list) -> list[Step]:
-    """The forwards and backwards of a table, in order, without its communication."""
-    return [item for item in table if isinstance(item, Step)]
-
-
-class _Stages:
-    """Which steps of this rank talk to a neighbour: the first stage has no input to
-    receive nor gradient to send, the last no output to send nor gradient to receive."""
-
-    def __init__(self, pipeline_size: int, pipeline_rank: int, num_chunks: int = 1):
-        self.first_rank, self.last_rank = pipeline_rank == 0, pipeline_rank == pipeline_size - 1
-        self.last_chunk = num_chunks - 1
-
-    def is_first(self, step: Step) -> bool:
-        return self.first_rank and step.chunk == 0
-
-    def is_last(self, step: Step) -> bool:
-        return self.last_rank and step.chunk == self.last_chunk
-
-    def send(self, step: Step) -> _Batch:
-        """The batch that sends what `step` produced (empty when it goes nowhere)."""
-        if step.kind == "F":
-            return _Batch(send_next=None if self.is_last(step) else step)
-        return _Batch(send_prev=None if self.is_first(step) else step)
-
-
-def _bind(items: list, forwards: list[Step], backwards: list[Step], stages: _Stages) -> list:
-    """Name what each receive brings.
-
-    A neighbour sends its tensors in the order of its own steps, which is the
-    order of ours (every rank runs microbatches and chunks in the same order),
-    so the n-th activation received is the input of our n-th forward that needs
-    one, and likewise for gradients.  Empty batches are dropped.
-    """
-    inputs = iter([s for s in forwards if not stages.is_first(s)])
-    grads = iter([s for s in backwards if not stages.is_last(s)])
-    table = []
-    for item in items:
-        if isinstance(item, Step):
-            table.append(item)
-            continue
-        comm = Comm(
-            send_next=item.send_next,
-            recv_prev=next(inputs) if item.recv_prev else None,
-            send_prev=item.send_prev,
-            recv_next=next(grads) if item.recv_next else None,
-        )
-        if comm != Comm():
-            table.append(comm)
-    return table
-
-
-def schedule_no_pipelining(num_microbatches: int, forward_only: bool = False) -> list[Step]:
-    """Forward and backward of each microbatch in turn (gradient accumulation)."""
-    steps = []
-    for m in range(num_microbatches):
-        steps.append(Step("F", m))
-        if not forward_only:
-            steps.append(Step("B", m))
-    return steps
-
-
-def schedule_1f1b(
-    num_microbatches: int, pipeline_size: int, pipeline_rank: int, forward_only: bool = False
-) -> list:
-    """Warm-up of pp - rank - 1 forwards, then one forward one backward, then cool-down.
-
-    Communication is Megatron's: in the steady state a forward's output goes out
-    in one batch with the receive of the next backward's gradient, and a
-    backward's input gradient in one batch with the receive of the next forward's
-    input, so each batch meets the neighbour's mirror image (NCCL needs that).
-    """
-    stages = _Stages(pipeline_size, pipeline_rank)
-    takes_input, takes_grad = not stages.first_rank, not stages.last_rank
-    forwards = [Step("F", m) for m in range(num_microbatches)]
-    backwards = [Step("B", m) for m in range(num_microbatches)]
-    items: list = []
-    if forward_only:
-        for f in forwards:
-            items += [_Batch(recv_prev=takes_input), f, stages.send(f)]
-        return _bind(items, forwards, backwards, stages)
-    warmup = min(pipeline_size - pipeline_rank - 1, num_microbatches)
-    remaining = num_microbatches - warmup
-    for f in forwards[:warmup]:
-        items += [_Batch(recv_prev=takes_input), f, stages.send(f)]
-    if remaining:
-        items.append(_Batch(recv_prev=takes_input))
-    for i in range(remaining):
-        f, b = forwards[warmup + i], backwards[i]
-        items += [f, _Batch(send_next=stages.send(f).send_next, recv_next=takes_grad), b]
-        last = i == remaining - 1
-        items.append(_Batch(send_prev=stages.send(b).send_prev, recv_prev=takes_input and not last))
-    for b in backwards[remaining:]:
-        items += [_Batch(recv_next=takes_grad), b, stages.send(b)]
-    return _bind(items, forwards, backwards, stages)
-
-
-def check_interleaved_microbatches(num_microbatches: int, pipeline_size: int) -> None:
-    if num_microbatches % pipeline_size:
-        raise ValueError(
-            f"the interleaved schedule needs num_microbatches ({num_microbatches}) to be a "
-            f"multiple of pipeline_model_parallel_size ({pipeline_size}); use "
-            f"{(num_microbatches // pipeline_size + 1) * pipeline_size} or no virtual stages"
-        )
-
-
-def _interleaved_step(kind: str, k: int, pp: int, vpp: int) -> Step:
-    """The k-th forward or backward: microbatch (k // (pp vpp)) pp + k % pp on chunk
-    (k // pp) % vpp, the chunks in reverse for backwards."""
-    chunk = (k // pp) % vpp
-    microbatch = (k // (pp * vpp)) * pp + k % pp
-    return Step(kind, microbatch, chunk if kind == "F" else vpp - 1 - chunk)
-
-
-def schedule_interleaved(
-    num_microbatches: int,
-    pipeline_size: int,
-    pipeline_rank: int,
-    num_chunks: int,
-    forward_only: bool = False,
-) -> list:
-    """Interleaved 1F1B over `num_chunks` model chunks per rank (Megatron's order).
-
-    Warm-up is 2 (pp - rank - 1) + (vpp - 1) pp forwards, or all of them when
-    num_microbatches == pp.  In the steady state a forward and a backward run,
-    then one batch sends both results and receives both next inputs.  When a
-    receive is needed follows Megatron: the first rank runs pp - 1 steps ahead of
-    the last, so whether the last rank's output comes round to it now is read
-    off the step pp - 1 back (and the same for gradients on the last rank).
-    """
-    check_interleaved_microbatches(num_microbatches, pipeline_size)
-    pp, vpp, rank = pipeline_size, num_chunks, pipeline_rank
-    stages = _Stages(pp, rank, vpp)
-    total = num_microbatches * vpp
-
-    def F(k):
-        return _interleaved_step("F", k, pp, vpp)
-
-    def B(k):
-        return _interleaved_step("B", k, pp, vpp)
-
-    forwards, backwards = [F(k) for k in range(total)], [B(k) for k in range(total)]
-    all_warmup = forward_only or num_microbatches == pp
-    warmup = total if all_warmup else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
-    remaining = total - warmup
-
-    items: list = [_Batch(recv_prev=not stages.first_rank)]
-    for k in range(warmup):
-        items.append(F(k))
-        recv_prev = not (stages.first_rank and F(k + 1).chunk == 0) and k < total - 1
-        recv_next = k == warmup - 1 and not all_warmup and not stages.last_rank
-        items.append(_Batch(stages.send(F(k)).send_next, None, recv_prev, recv_next))
-    for k in range(remaining):
-        items += [F(warmup + k), B(k)]
-        recv_prev = k < remaining - 1 and not (
-            stages.first_rank and F(warmup + k - (pp - 1)).chunk == vpp - 1
-        )
-        recv_next = not (stages.last_rank and B(k - (pp - 1)).chunk == 0)
-        send_next, send_prev = stages.send(F(warmup + k)).send_next, stages.send(B(k)).send_prev
-        items.append(_Batch(send_next, send_prev, recv_prev, recv_next))
-    if not forward_only:
-        if all_warmup:
-            items.append(_Batch(recv_next=not stages.last_rank))
-        for k in range(remaining, total):
-            items.append(B(k))
-            recv_next = not (stages.last_rank and B(k + 1).chunk == vpp - 1) and k < total - 1
-            items.append(_Batch(send_prev=stages.send(B(k)).send_prev, recv_next=recv_next))
-    return _bind(items, forwards, backwards if not forward_only else [], stages)
-
+from megacore.pipeline_parallel.tables import (
+    Comm,
+    Step,
+    compute_steps,
+    schedule_1f1b,
+    schedule_interleaved,
+    schedule_no_pipelining,
+    schedule_zb_h1,
+)
+from megacore.tensor_parallel.weight_grad import (
+    apply_weight_grads,
+    deferring_weight_grads,
+    split_backward,
+)
 
 _current: list = [None]  # the table item running now, for error messages
 
@@ -303,6 +95,7 @@ class _Run:
     no_sync_func: Callable
     grad_scale_func: Callable | None
     collect_non_loss_data: bool = False
+    split: bool = False  # backwards split into B (input gradient) and W (weight gradients)
 
 
 def _execute(run: _Run, table: list, interleaved: bool) -> list:
@@ -313,6 +106,12 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
     while the gradient for its next backward is still arriving.  Batches complete in
     the order they were posted (one stream per communicator under NCCL), and a sent
     output is freed once its batch has completed.
+
+    Split backwards (ZB-H1): forwards and B steps run under `split_backward()`, a B step
+    keeps its linears' weight gradients (`deferring_weight_grads`) and its W step computes
+    them.  Data-parallel hooks then see a weight's gradient at W and the other parameters'
+    at B, so every B runs under no_sync and only the last microbatch's W steps sync; the
+    parameters no W touches are reduced when the schedule finishes (finish_grad_sync).
     """
     steps = compute_steps(table)
     received: dict[Step, torch.Tensor] = {}  # activations (F steps) and gradients (B steps)
@@ -324,11 +123,16 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
     # Gradients sync over data parallel only in the chunk's last microbatch: every other
     # forward and backward runs under no_sync (torch's DDP decides in forward).
     last_backward = {s.chunk: s.microbatch for s in steps if s.kind == "B"}
+    deferred: dict[tuple[int, int], list] = {}  # split: each B's weight gradients, for its W
 
     def sync_context(step: Step):
-        if run.forward_only or last_backward.get(step.chunk) == step.microbatch:
+        last = last_backward.get(step.chunk) == step.microbatch
+        if run.forward_only or (last and not (run.split and step.kind == "B")):
             return contextlib.nullcontext()
         return run.no_sync_func(run.chunks[step.chunk])
+
+    def split_context():
+        return split_backward() if run.split else contextlib.nullcontext()
 
     losses = []
     comm = {"tensor_shape": run.tensor_shape, "dtype": run.dtype}
@@ -399,7 +203,7 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
                         "set_input_tensor(tensor) method to take the previous stage's activation"
                     )
                 grad_mode = torch.no_grad() if run.forward_only else contextlib.nullcontext()
-                with grad_mode, sync_context(step):
+                with grad_mode, sync_context(step), split_context():
                     output, loss_func = run.forward_step_func(run.data_iterators[step.chunk], chunk)
                     if last and run.collect_non_loss_data:
                         losses.append(loss_func(output, non_loss_data=True))
@@ -411,15 +215,23 @@ def _execute(run: _Run, table: list, interleaved: bool) -> list:
                     outputs[key] = output
                 if not run.forward_only:
                     inputs[key] = input_tensor
-            else:
+            elif step.kind == "B":
                 grad = None if last else wait_for(step)
                 input_tensor, output = inputs.pop(key), outputs.pop(key)
                 if last and run.grad_scale_func is not None:
                     output = run.grad_scale_func(output)
-                with sync_context(step):
-                    custom_backward(output, grad)
+                if run.split:
+                    with sync_context(step), split_backward(), deferring_weight_grads() as later:
+                        custom_backward(output, grad)
+                    deferred[key] = later
+                else:
+                    with sync_context(step):
+                        custom_backward(output, grad)
                 if not first:
                     input_grads[step] = input_tensor.grad
+            else:  # W: the weight gradients its B deferred
+                with sync_context(step):
+                    apply_weight_grads(deferred.pop(key))
         complete(len(in_flight))
     finally:
         _current[0] = None
@@ -489,6 +301,14 @@ def _forward_backward(
         table = schedule_no_pipelining(num_microbatches, forward_only)
     elif kind == "1f1b":
         table = schedule_1f1b(num_microbatches, pp, rank, forward_only)
+    elif kind == "zb-h1":
+        if any(isinstance(c, nn.parallel.DistributedDataParallel) for c in chunks):
+            raise ValueError(
+                "pipeline schedule zb-h1: torch's DistributedDataParallel reduces gradients "
+                "from autograd hooks that the deferred weight gradients (W) bypass; wrap the "
+                "model in megacore.distributed.DistributedDataParallel"
+            )
+        table = schedule_zb_h1(num_microbatches, pp, rank, forward_only)
     else:
         table = schedule_interleaved(num_microbatches, pp, rank, vpp, forward_only)
     if hidden_size is None:  # a Megatron-style model carries it in its config
@@ -513,6 +333,7 @@ def _forward_backward(
         no_sync_func=no_sync_func or _default_no_sync,
         grad_scale_func=grad_scale_func,
         collect_non_loss_data=collect_non_loss_data,
+        split=kind == "zb-h1",
     )
     losses = _execute(run, table, interleaved=kind == "interleaved")
     if finalize_model_grads_func is not None and not forward_only:
@@ -535,10 +356,38 @@ def forward_backward_pipelining_with_interleaving(**kwargs) -> list:
     return _forward_backward("interleaved", **kwargs)
 
 
-def get_forward_backward_func() -> Callable[..., list]:
-    """The schedule for the current layout, all called with the same keyword arguments."""
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+def forward_backward_zero_bubble(**kwargs) -> list:
+    """ZB-H1: 1F1B with each backward split into B and W, the Ws filling the bubble."""
+    return _forward_backward("zb-h1", **kwargs)
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+def get_forward_backward_func(schedule: str | None = None) -> Callable[..., list]:
+    """The schedule for the current layout, all called with the same keyword arguments.
+
+    `schedule`: "1f1b", "interleaved" or "zb-h1"; None takes the layout's (interleaved
+    when there are virtual stages, else 1F1B).  Without pipeline stages every schedule
+    is plain gradient accumulation.
+    """
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(
+            f"pipeline schedule: unknown schedule {schedule!r}; expected one of {SCHEDULES}"
+        )
+    if schedule is None:
+        schedule = "interleaved" if vpp > 1 else "1f1b"
+    if (schedule == "interleaved") != (vpp > 1):
+        raise ValueError(
+            f"pipeline schedule {schedule!r} with a virtual pipeline size of {vpp}: the "
+            "interleaved schedule is the one for virtual stages (size > 1), and only it"
+        )
+    if pp == 1:
         return forward_backward_no_pipelining
-    if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
-        return forward_backward_pipelining_with_interleaving
-    return forward_backward_pipelining_without_interleaving
+    return {
+        "1f1b": forward_backward_pipelining_without_interleaving,
+        "interleaved": forward_backward_pipelining_with_interleaving,
+        "zb-h1": forward_backward_zero_bubble,
+    }[schedule]

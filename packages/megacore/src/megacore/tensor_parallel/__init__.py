@@ -41,14 +41,22 @@ from megacore.tensor_parallel.utils import (
     vocab_range,
     vocab_size_with_padding,
 )
+from megacore.tensor_parallel.weight_grad import (
+    apply_weight_grads,
+    deferring_weight_grads,
+    linear,
+    split_backward,
+)
 
 __all__ = [
     "ColumnParallelLinear",
     "RNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "apply_weight_grads",
     "checkpoint",
     "copy_to_tensor_model_parallel_region",
+    "deferring_weight_grads",
     "divide",
     "divide_by_tp",
     "gather_from_sequence_parallel_region",
@@ -56,6 +64,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "get_rng_tracker",
     "init_method_normal",
+    "linear",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
     "param_is_not_tensor_parallel_duplicate",
@@ -66,6 +75,7 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     "set_tensor_model_parallel_attributes",
     "shard_of",
+    "split_backward",
     "split_tensor_along_last_dim",
     "sync_sequence_parallel_grads",
     "unshard",

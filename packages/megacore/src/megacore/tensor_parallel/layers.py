@@ -42,6 +42,7 @@ from megacore.tensor_parallel.utils import (
     shard_of,
     vocab_range,
 )
+from megacore.tensor_parallel.weight_grad import linear
 
 # init_method(tensor) fills `tensor` in place; it must also accept `generator=` (a
 # torch.Generator) to be used by a layer given a generator.
@@ -200,7 +201,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(input_)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias)
+        out = linear(x, weight, bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out)
         return out, (self.bias if self.skip_bias_add else None)
@@ -272,7 +273,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out)
         else:

@@ -58,7 +58,7 @@ def forward_backward(
     (a fine-tuning task brings its own)."""
     t = run.config.training
     interleaved = len(run.chunks) > 1
-    infos = pipe.get_forward_backward_func()(
+    infos = pipe.get_forward_backward_func(run.config.parallel.pipeline_schedule)(
         forward_step_func=forward_step or _forward_step,
         data_iterator=[iter(microbatches) for _ in run.chunks]
         if interleaved

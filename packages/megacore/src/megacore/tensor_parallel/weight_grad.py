@@ -1,0 +1,111 @@
+"""The linear layers' weight gradients, computed in the backward or deferred to a later step.
+
+Zero-bubble pipeline schedules split a backward in two: the input gradient (B),
+which the previous stage waits for, and the weight gradients (W), which no one
+waits for and can fill the schedule's idle time.  Every weight matrix of a
+megacore model is used through `linear`, so the split needs nothing of the
+model:
+
+- Inside `split_backward()` (forward and backward of a split step), `linear`
+  records what it needs for the weight gradient: its input and the weight.
+- Inside `deferring_weight_grads()` (the B step) a linear's backward returns
+  the input gradient (and the bias gradient, a cheap sum) and keeps
+  (weight, input, output gradient) in the list the context yields, instead of
+  computing the weight gradient.
+- `apply_weight_grads(pending)` (the W step) computes those weight gradients,
+  sums them per weight, and hands each weight its sum through autograd, so
+  `param.grad` accumulates and post-accumulate hooks (the data-parallel
+  gradient buffers) fire exactly as in a plain backward.
+
+Outside both contexts `linear` is `torch.nn.functional.linear`: the plain path
+is untouched.  Recompute works: a checkpointed layer re-runs its forward inside
+the B step, where `split_backward()` is on again.  The deferred tensors (each
+linear's input and output gradient) are what a zero-bubble schedule holds
+between B and W.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+_split = [False]  # inside split_backward(): linears record for deferral
+_pending: list[list | None] = [None]  # inside deferring_weight_grads(): where they go
+
+
+@contextlib.contextmanager
+def split_backward() -> Iterator[None]:
+    """Linears called inside can have their weight gradients deferred."""
+    previous, _split[0] = _split[0], True
+    try:
+        yield
+    finally:
+        _split[0] = previous
+
+
+@contextlib.contextmanager
+def deferring_weight_grads() -> Iterator[list]:
+    """Backwards inside keep the weight gradients of linears built under `split_backward()`
+    in the yielded list (for `apply_weight_grads`) instead of computing them."""
+    pending: list = []
+    previous, _pending[0] = _pending[0], pending
+    try:
+        yield pending
+    finally:
+        _pending[0] = previous
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x A^T + b, as `F.linear`; under `split_backward()` its weight gradient can be deferred."""
+    if not _split[0] or not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    # The weight enters detached: a backward never reaches it (its gradient hooks would fire
+    # with no gradient); its gradient goes in through autograd from `apply_weight_grads`.
+    return _Linear.apply(x, weight.detach(), bias, _Weight(weight))
+
+
+class _Weight:
+    """The weight as the model holds it (a parameter, or a cast of one), out of autograd's view."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, held: _Weight):
+        ctx.save_for_backward(x, weight)
+        ctx.held, ctx.has_bias = held, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        needs_x, _, needs_bias, _ = ctx.needs_input_grad
+        grad_x = grad.matmul(weight) if needs_x else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and needs_bias else None
+        deferred = (ctx.held.tensor, x, grad)
+        if _pending[0] is not None:
+            _pending[0].append(deferred)
+        else:  # split_backward() without deferral: the weight gradient now
+            apply_weight_grads([deferred])
+        return grad_x, None, grad_bias, None
+
+
+def apply_weight_grads(pending: list) -> None:
+    """Compute the deferred weight gradients and accumulate them (module doc)."""
+    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for weight, x, grad in pending:
+        g = _weight_grad(x, grad)
+        if id(weight) in sums:
+            g = sums[id(weight)][1] + g
+        sums[id(weight)] = (weight, g)
+    pending.clear()
+    if sums:
+        weights, grads = zip(*sums.values(), strict=True)
+        torch.autograd.backward(list(weights), list(grads))
