@@ -41,6 +41,12 @@ LAYOUTS = {
         'parallel.pipeline_schedule="zb-h1"',
         "parallel.use_distributed_optimizer=true",
     ],
+    "pp4-dp2": ["parallel.pipeline_model_parallel_size=4"],
+    "pp4-dp2-zb-h1-selective": [
+        "parallel.pipeline_model_parallel_size=4",
+        'parallel.pipeline_schedule="zb-h1"',
+        'model.recompute="selective"',
+    ],
     "dp8-distopt-overlap": [
         "parallel.use_distributed_optimizer=true",
         "parallel.overlap_param_gather=true",

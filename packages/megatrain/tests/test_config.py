@@ -121,6 +121,40 @@ def test_validate_names_the_numbers():
         validate(load_config(None, ["parallel.overlap_param_gather=true"]), 1)
 
 
+def test_pipeline_schedule_refusals_name_both_fields():
+    def check(*overrides):
+        base = ["parallel.pipeline_model_parallel_size=2", "model.num_layers=4"]
+        return validate(load_config(None, [*base, *overrides]), 2)
+
+    for schedule in ("1f1b", "zb-h1", None):
+        named = [] if schedule is None else [f"parallel.pipeline_schedule={schedule!r}"]
+        check(*named)  # accepted without virtual stages
+    check(
+        'parallel.pipeline_schedule="interleaved"',
+        "parallel.virtual_pipeline_model_parallel_size=2",
+    )
+    refusals = {
+        ('parallel.pipeline_schedule="gpipe"',): r"pipeline_schedule must be one of .*'zb-h1'",
+        ('parallel.pipeline_schedule="interleaved"',): r"'interleaved' with "
+        r"parallel.virtual_pipeline_model_parallel_size = 1: .*set the virtual size",
+        (
+            'parallel.pipeline_schedule="zb-h1"',
+            "parallel.virtual_pipeline_model_parallel_size=2",
+        ): r"'zb-h1' with parallel.virtual_pipeline_model_parallel_size = 2",
+        (
+            'parallel.pipeline_schedule="1f1b"',
+            "parallel.virtual_pipeline_model_parallel_size=2",
+        ): r"'1f1b' with parallel.virtual_pipeline_model_parallel_size = 2",
+        ('parallel.pipeline_schedule="zb-h1"', "training.compile=true"): r"'zb-h1' with "
+        r"training.compile = true: .*turn one of them off",
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            check(*overrides)
+    with pytest.raises(ConfigError, match=r"'zb-h1' needs pipeline stages: .*size is 1"):
+        validate(load_config(None, ['parallel.pipeline_schedule="zb-h1"']), 1)
+
+
 def test_learning_rate_warmup_then_cosine_or_linear():
     kw = {"lr": 1.0, "min_lr": 0.1, "warmup_iters": 10, "decay_iters": 110}
     assert [learning_rate(i, **kw) for i in (0, 4, 9)] == [0.1, 0.5, 1.0]

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
+from megatrain.accounting import weight_grad_inputs_per_layer
 from megatrain.cli import main
 from megatrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
 from megatrain.memory import GPU_MEMORY, memory_breakdown
@@ -90,6 +91,13 @@ def test_pipeline_formula_is_megacores_schedule_tables():
                 assert formula == pytest.approx(table), (pp, vpp, m, heavy)
             else:
                 assert table * (1 - 1e-9) <= formula <= 1.06 * table, (pp, vpp, m, heavy)
+    # ZB-H1 (m >= pp): fill (F + max(0, B - W)) / (F + B + W) of the tables, a third of
+    # 1F1B's at F = B = W; never below the forwards' fill, F per stage.
+    for pp, m in [(2, 2), (2, 5), (4, 8), (4, 16), (8, 16)]:
+        for fwd, bwd, weight in ((1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (1.0, 2.4, 1.4)):
+            table = schedule_seconds(m, [fwd] * pp, [bwd] * pp, weight=[weight] * pp)
+            fill = (fwd + max(0.0, bwd - 2 * weight)) / (fwd + bwd)
+            assert pipeline_seconds([fwd + bwd] * pp, m, fill=fill) == pytest.approx(table)
 
 
 def _tiny(kind: str = "gpt", precision: str = "fp32") -> Config:
@@ -214,6 +222,43 @@ def test_bandwidth_inside_and_between_nodes():
     flat = estimate(config, one, V100, profile, 50257)
     interleaved = estimate(config, replace(one, vpp=4), V100, profile, 50257)
     assert interleaved.time["pp_bubble"] < flat.time["pp_bubble"]
+
+
+def test_plan_weighs_zero_bubble_against_its_memory():
+    """ZB-H1 cuts the bubble (to 0.65 of 1F1B's here: only the dense GEMMs' weight gradients
+    move to W, the attention core's and the element-wise backward stay in B), and its last
+    stage keeps pp - 1 microbatches' weight-gradient inputs: the plan lists it, and it
+    ranks above its 1F1B twin where the memory is there."""
+    config = paper_config(8, global_batch=64)
+    profile = hardware.builtin_profile()
+    base = Layout(tp=8, pp=4, dp=1, micro_batch=2, recompute="selective")
+    flat = estimate(config, base, V100, profile, 50257)
+    zb = estimate(config, replace(base, schedule="zb-h1"), V100, profile, 50257)
+    assert 0.5 < zb.time["pp_bubble"] / flat.time["pp_bubble"] < 0.8
+    assert zb.time["compute"] == flat.time["compute"] and zb.time["total"] < flat.time["total"]
+    config_zb = apply_layout(config, zb.layout)
+    assert config_zb.parallel.pipeline_schedule == "zb-h1"
+    last = memory_breakdown(config_zb, vocab_size=50257, data_parallel_size=1, stage=3)
+    last_1f1b = memory_breakdown(
+        apply_layout(config, base), vocab_size=50257, data_parallel_size=1, stage=3
+    )
+    per_layer = weight_grad_inputs_per_layer(config_zb)
+    layers = config.model.num_layers // 4
+    assert last["activations"] - last_1f1b["activations"] == pytest.approx(3 * layers * per_layer)
+    first = memory_breakdown(config_zb, vocab_size=50257, data_parallel_size=1, stage=0)
+    assert (
+        first["activations"]
+        == memory_breakdown(
+            apply_layout(config, base), vocab_size=50257, data_parallel_size=1, stage=0
+        )["activations"]
+    )
+    assert 'parallel.pipeline_schedule="zb-h1"' in zb.layout.overrides()
+    result = plan(config, 32, V100, profile, 50257)
+    schedules = {e.layout.schedule for e in result.ranked if e.layout.pp > 1}
+    assert {"1f1b", "zb-h1", "interleaved"} <= schedules
+    best_zb = next(e for e in result.ranked if e.layout.schedule == "zb-h1")
+    twin = result.position(replace(best_zb.layout, schedule="1f1b"))
+    assert twin is None or twin > result.position(best_zb.layout)
 
 
 def test_gpu_table_is_memory_py_s_and_takes_more_gpus(tmp_path):

@@ -49,6 +49,11 @@ LAYOUTS = {
         "parallel.use_distributed_optimizer=true",
         'model.recompute="selective"',
     ],
+    "tp2-pp4-zb-h1": [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=4",
+        'parallel.pipeline_schedule="zb-h1"',
+    ],
     "pp4-dp2-zb-h1-full": [
         "parallel.pipeline_model_parallel_size=4",
         'parallel.pipeline_schedule="zb-h1"',

@@ -305,6 +305,25 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     return s * b * h * (dense + core)
 
 
+def weight_grad_inputs_per_layer(config: Config) -> float:
+    """Bytes one layer holds for one microbatch between ZB-H1's B and W steps: each dense
+    GEMM's input and output gradient, from which W computes the weight gradient (16-bit).
+
+    Per s b h, with t tp, g key/value groups, a heads, f the FFN size: the full-width
+    tensors (the QKV and MLP inputs, all-gathered under sequence parallelism, and the
+    projection's and the MLP's output gradients before they are reduced) 4, plus the
+    TP-split ones: QKV's output gradient (1 + 2 g/a), the projection's input 1, the MLP's
+    up gradients (f/h, twice with SwiGLU) and its down input f/h, each / t.
+    """
+    m, p, t = config.model, config.parallel, config.training
+    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    groups = m.num_query_groups or a
+    f = config.ffn_hidden_size / h
+    up = 2 if config.model_switch("swiglu") else 1
+    split = (1 + 2 * groups / a) + 1 + up * f + f
+    return 2 * s * b * h * (4 + split / p.tensor_model_parallel_size)
+
+
 __all__ = [
     "BERT",
     "GPT",
@@ -328,4 +347,5 @@ __all__ = [
     "recomputed_flops",
     "state_bytes_per_parameter",
     "transformer_forward_flops",
+    "weight_grad_inputs_per_layer",
 ]

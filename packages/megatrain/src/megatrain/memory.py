@@ -10,7 +10,11 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
 - **Activations**: Korthikanti et al. 2022's bytes per layer per microbatch
   (`accounting.activations_per_layer`: none, selective, full) times the stage's layers
   times the microbatches in flight: under 1F1B stage 0 holds pp of them (interleaved:
-  times 1 + (pp - 1) / (pp vpp)), the last stage one; without pipelining one.  Stage 0
+  times 1 + (pp - 1) / (pp vpp)), the last stage one; without pipelining one.  ZB-H1
+  holds as many between forward and B, and stage r besides keeps r microbatches' weight
+  gradient inputs (`accounting.weight_grad_inputs_per_layer`, each about a microbatch's
+  activations without recompute) until their deferred W: the first stage as under 1F1B,
+  the last one close to pp microbatches, and recompute saves nothing on those.  Stage 0
   adds the embedding dropout mask (s b h per microbatch, / t with sequence parallelism);
   the last stage the output layer's input, the final LayerNorm's and the fp32 logits the
   loss keeps (the paper's 4 s b h / t (1 + v / h)).  Under "full" the layer being
@@ -29,6 +33,7 @@ from megatrain.accounting import (
     activations_per_layer,
     parameters_per_gpu,
     state_bytes_per_parameter,
+    weight_grad_inputs_per_layer,
 )
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
@@ -82,6 +87,10 @@ def memory_breakdown(
         # ... but never more microbatches than the iteration has
         in_flight = min(in_flight, t.global_batch_size // (b * dp) or 1)
     activations = in_flight * per_microbatch
+    if pp > 1 and p.pipeline_schedule == "zb-h1":  # stage r defers r microbatches' Ws
+        microbatches = t.global_batch_size // (b * dp) or 1
+        deferred = min(stage, microbatches - 1)
+        activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
     if recompute == "full":  # the layer being recomputed holds all of its activations
         activations += activations_per_layer(config, "none")
     if stage == pp - 1:  # one microbatch reaches the loss at a time

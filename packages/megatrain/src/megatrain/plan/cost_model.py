@@ -35,10 +35,13 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   activation and its gradient, per model chunk), an iteration of m microbatches takes
   m max T_r + (sum T_r - max T_r) / vpp: the slowest stage paces the steady state, the
   fill and drain cross every other stage once, vpp times faster when interleaved
-  ((p - 1) / (m vpp) of the steady state when the stages are equal).  `schedule_seconds`
-  runs megacore's own schedule tables with these times: the tests hold the two equal when
-  the stages are equal or the last one (output layer and loss) is the slowest, and the
-  formula at most 6% above the tables when the first one is 10% slower.
+  ((p - 1) / (m vpp) of the steady state when the stages are equal).  ZB-H1 fills the
+  drain with deferred weight gradients: (sum T_r - max T_r) (F + max(0, B - W)) / T, F,
+  B and W the forward, input-gradient and weight-gradient shares of a layer's time T (a
+  third of 1F1B's bubble when the three are equal; the fill, F per stage, stays).  `schedule_seconds` runs
+  megacore's own schedule tables with these times: the tests hold the two equal when the
+  stages are equal or the last one (output layer and loss) is the slowest, and the formula
+  at most 6% above the tables when the first one is 10% slower.
 - **Data parallelism**: the fp32 gradients' all-reduce over dp (reduce-scatter, and an
   all-gather of the 16-bit weights, under the distributed optimizer); with
   `overlap_grad_reduce` it runs behind the last microbatch's backward and only what is
@@ -52,7 +55,7 @@ and the peak of every GPU.
 
 from dataclasses import dataclass, field, replace
 
-from megacore.pipeline_parallel import compute_steps, schedule_1f1b, schedule_interleaved
+from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
 from megatrain.accounting import MASKED_LM_PROB, activations_per_layer, flops_per_iteration
 from megatrain.config import Config
 from megatrain.memory import HEADROOM, memory_breakdown
@@ -79,6 +82,7 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    schedule: str = "1f1b"  # the pipeline schedule: 1f1b, interleaved (vpp > 1) or zb-h1
 
     @property
     def gpus(self) -> int:
@@ -88,6 +92,8 @@ class Layout:
         parts = [f"tp {self.tp}", f"pp {self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp {self.vpp}")
+        if self.schedule == "zb-h1" and self.pp > 1:
+            parts.append("zb-h1")
         parts += [f"dp {self.dp}", f"mb {self.micro_batch}", f"recompute {self.recompute}"]
         if self.sequence_parallel:
             parts.append("sp")
@@ -101,6 +107,8 @@ class Layout:
             f"parallel.tensor_model_parallel_size={self.tp}",
             f"parallel.pipeline_model_parallel_size={self.pp}",
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
+            "parallel.pipeline_schedule="
+            + (f'"{self.schedule}"' if self.pp > 1 else "none"),
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
             f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
             f"training.micro_batch_size={self.micro_batch}",
@@ -111,11 +119,13 @@ class Layout:
 def layout_of(config: Config, dp: int) -> Layout:
     """The layout a config runs at on tp x pp x dp GPUs."""
     p = config.parallel
+    vpp = p.virtual_pipeline_model_parallel_size or 1
     return Layout(
         tp=p.tensor_model_parallel_size,
         pp=p.pipeline_model_parallel_size,
         dp=dp,
-        vpp=p.virtual_pipeline_model_parallel_size or 1,
+        vpp=vpp,
+        schedule=p.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b"),
         micro_batch=config.training.micro_batch_size,
         recompute=config.model.recompute,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
@@ -134,6 +144,7 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+            pipeline_schedule=layout.schedule if layout.pp > 1 else None,
             data_parallel_size=layout.dp,
             sequence_parallel=layout.sequence_parallel,
             use_distributed_optimizer=layout.distributed_optimizer,
@@ -210,12 +221,8 @@ def layer_seconds(config: Config, layout: Layout, costs: Costs, bandwidth: float
     s, b, tp = t.seq_length, layout.micro_batch, layout.tp
     h, a, f = m.hidden_size, m.num_attention_heads, config.ffn_hidden_size
     tokens, head = s * b, h // a
-    dense = [
-        costs.gemm_fwd_bwd(tokens, 3 * h / tp, h),  # QKV
-        costs.gemm_fwd_bwd(tokens, h, h / tp),  # projection
-        costs.gemm_fwd_bwd(tokens, f / tp, h),  # MLP up
-        costs.gemm_fwd_bwd(tokens, h, f / tp),  # MLP down
-    ]
+    shapes = _dense_shapes(h, f, tp)
+    dense = [costs.gemm_fwd_bwd(tokens, n, k) for k, n in shapes]
     heads = b * a / tp
     core = [costs.gemm_fwd_bwd(s, s, head, heads), costs.gemm_fwd_bwd(s, head, s, heads)]
     scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
@@ -228,6 +235,8 @@ def layer_seconds(config: Config, layout: Layout, costs: Costs, bandwidth: float
         one_way = 2 * costs.collective("all_reduce", activation, tp, bandwidth)
     forward = sum(g[0] for g in dense) + sum(g[0] for g in core) + ops
     backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + 2 * ops
+    # The dense weights' gradients: what ZB-H1 defers to its W steps.
+    weight = sum(costs.gemm(k, n, tokens) for k, n in shapes)
     recompute = {
         "none": 0.0,
         "selective": sum(g[0] for g in core) + core_ops,
@@ -239,7 +248,14 @@ def layer_seconds(config: Config, layout: Layout, costs: Costs, bandwidth: float
         "compute": forward + backward + recompute,
         "tp_comm": comm,
         "backward": backward + recompute,
+        "weight_grads": weight,
     }
+
+
+def _dense_shapes(h: int, f: int, tp: int) -> list[tuple[float, float]]:
+    """(input, output) sizes of a layer's dense GEMMs on one TP rank: QKV, the projection,
+    the MLP's up and down."""
+    return [(h, 3 * h / tp), (h / tp, h), (h, f / tp), (f / tp, h)]
 
 
 def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: float):
@@ -267,60 +283,48 @@ def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: f
     return embed, head
 
 
-def pipeline_seconds(stage_seconds: list[float], microbatches: int, vpp: int = 1) -> float:
-    """One iteration of 1F1B (vpp 1) or interleaved 1F1B, stage r taking stage_seconds[r]
-    per microbatch (all its chunks, forward and backward): m max + (sum - max) / vpp."""
+def pipeline_seconds(
+    stage_seconds: list[float], microbatches: int, vpp: int = 1, fill: float | None = None
+) -> float:
+    """One iteration of 1F1B (vpp 1), interleaved 1F1B or ZB-H1, stage r taking
+    stage_seconds[r] per microbatch (all its chunks, forward and backward):
+    m max + (sum - max) x fill, where fill is 1 / vpp, or for ZB-H1 (F + max(0, B - W)) /
+    (F + B + W) of a microbatch's time (forward, input gradient, weight gradient)."""
     slowest = max(stage_seconds)
-    return microbatches * slowest + (sum(stage_seconds) - slowest) / vpp
+    fill = 1 / vpp if fill is None else fill
+    return microbatches * slowest + (sum(stage_seconds) - slowest) * fill
 
 
 def schedule_seconds(
-    microbatches: int, forward: list[float], backward: list[float], vpp: int = 1
+    microbatches: int,
+    forward: list[float],
+    backward: list[float],
+    vpp: int = 1,
+    weight: list[float] | None = None,
 ) -> float:
-    """One iteration run by megacore's schedule tables (1F1B, or interleaved at vpp > 1):
-    rank r spends forward[r] / vpp on the forward of one chunk of a microbatch and
-    backward[r] / vpp on its backward, and starts a step once its input has been produced
-    (communication free).  For checking `pipeline_seconds`."""
+    """One iteration run by megacore's schedule tables (1F1B, interleaved at vpp > 1, or
+    ZB-H1 when `weight` gives the weight-gradient share of each backward): rank r spends
+    forward[r] / vpp on the forward of one chunk of a microbatch and backward[r] / vpp on
+    its backward (of which weight[r] in W), and starts a step once its input has been
+    produced (communication free).  For checking `pipeline_seconds`."""
     pp = len(forward)
-    tables = [
-        compute_steps(
-            schedule_interleaved(microbatches, pp, r, vpp)
-            if vpp > 1
-            else schedule_1f1b(microbatches, pp, r)
-        )
-        for r in range(pp)
-    ]
-    finished: dict = {}
+    if weight is not None:
+        orders = [order_zb_h1(microbatches, pp, r) for r in range(pp)]
+    elif vpp > 1:
+        orders = [order_interleaved(microbatches, pp, r, vpp) for r in range(pp)]
+    else:
+        orders = [order_1f1b(microbatches, pp, r) for r in range(pp)]
+    w = weight or [0.0] * pp
 
-    def needs(rank: int, step) -> tuple | None:
-        mb, chunk = step.microbatch, step.chunk
-        if step.kind == "F":
-            if rank > 0:
-                return ("F", mb, chunk, rank - 1)
-            return ("F", mb, chunk - 1, pp - 1) if chunk > 0 else None
-        if rank < pp - 1:
-            return ("B", mb, chunk, rank + 1)
-        return ("B", mb, chunk + 1, 0) if chunk < vpp - 1 else ("F", mb, chunk, rank)
+    def cost(rank: int, step) -> float:
+        return {
+            "F": forward[rank] / vpp,
+            "B": (backward[rank] - w[rank]) / vpp,
+            "W": w[rank],
+        }[step.kind]
 
-    clock, position = [0.0] * pp, [0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            while position[r] < len(tables[r]):
-                step = tables[r][position[r]]
-                dependency = needs(r, step)
-                if dependency is not None and dependency not in finished:
-                    break
-                ready = finished[dependency] if dependency is not None else 0.0
-                took = (forward[r] if step.kind == "F" else backward[r]) / vpp
-                clock[r] = max(clock[r], ready) + took
-                finished[(step.kind, step.microbatch, step.chunk, r)] = clock[r]
-                position[r] += 1
-                progress = True
-    if any(position[r] < len(tables[r]) for r in range(pp)):
-        raise RuntimeError("schedule_seconds: the tables wait on each other")
-    return max(clock)
+    times = timeline(orders, vpp, cost)
+    return max(end for _, end in times.values())
 
 
 def memory_per_gpu(config: Config, vocab: int, dp: int) -> dict:
@@ -382,7 +386,14 @@ def estimate(
     totals = [sum(s.values()) for s in stages]
     slowest = stages[totals.index(max(totals))]
     time = {k: microbatches * slowest[k] for k in ("compute", "tp_comm", "pp_p2p")}
-    time["pp_bubble"] = pipeline_seconds(totals, microbatches, vpp) - microbatches * max(totals)
+    fill = None
+    if layout.schedule == "zb-h1":  # the deferred weight gradients fill the drain
+        forward = layer["compute"] - layer["backward"]
+        input_grads = layer["backward"] - layer["weight_grads"]
+        fill = (forward + max(0.0, input_grads - layer["weight_grads"])) / layer["compute"]
+    time["pp_bubble"] = (
+        pipeline_seconds(totals, microbatches, vpp, fill) - microbatches * max(totals)
+    )
 
     # Data parallelism and the optimizer, for the stage holding the most parameters.
     params = memory["parameters"]

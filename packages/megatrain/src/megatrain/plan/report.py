@@ -63,7 +63,7 @@ def plan_dict(plan: Plan, top: int) -> dict:
 
 
 _LAYOUT = (
-    f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4} {'mb':>3} {'m':>4} {'recompute':<9} "
+    f"{'#':>3} {'tp':>3} {'pp':>3} {'sched':<5} {'dp':>4} {'mb':>3} {'m':>4} {'recompute':<9} "
     f"{'sp':<3} {'dopt':<4}"
 )
 _MEMORY = f"{'weight':>6} {'grad':>5} {'optim':>5} {'activ':>5} {'total':>5}"
@@ -75,11 +75,18 @@ _GROUPS = (
 )
 
 
+def _schedule(layout) -> str:
+    """The pipeline schedule in the table: 1f1b, zb-h1, or vpp<n> for interleaved."""
+    if layout.pp == 1:
+        return "-"
+    return f"vpp{layout.vpp}" if layout.vpp > 1 else layout.schedule
+
+
 def _row(rank: int, e: Estimate) -> str:
     layout, mem, time = e.layout, e.memory, e.time
     flag = {True: "yes", False: "no"}
     return (
-        f"{rank:>3} {layout.tp:>3} {layout.pp:>3} {layout.vpp if layout.vpp > 1 else '-':>3} "
+        f"{rank:>3} {layout.tp:>3} {layout.pp:>3} {_schedule(layout):<5} "
         f"{layout.dp:>4} {layout.micro_batch:>3} {e.notes['microbatches']:>4} "
         f"{layout.recompute:<9} {flag[layout.sequence_parallel]:<3} "
         f"{flag[layout.distributed_optimizer]:<4} | "

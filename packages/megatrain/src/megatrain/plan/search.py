@@ -68,17 +68,26 @@ def candidates(config: Config, gpus: int, global_batch: int):
                 vpps = [1]
                 if pp > 1:
                     vpps += [v for v in _divisors(m.num_layers // pp, MAX_VPP) if v > 1]
-                for vpp in vpps:
+                for vpp, schedule in _schedules(pp, vpps):
                     for recompute in RECOMPUTE_CHOICES:
                         for sp in (False, True) if tp > 1 else (False,):
                             for distopt in (False, True) if dp > 1 else (False,):
-                                layout = Layout(tp, pp, dp, vpp, mb, recompute, sp, distopt)
+                                layout = Layout(
+                                    tp, pp, dp, vpp, mb, recompute, sp, distopt, schedule
+                                )
                                 try:
                                     validate(apply_layout(config, layout, global_batch), gpus)
                                 except ConfigError as e:
                                     yield layout, e
                                     continue
                                 yield layout, None
+
+
+def _schedules(pp: int, vpps: list[int]) -> list[tuple[int, str]]:
+    """(vpp, schedule) pairs: interleaved with virtual stages, 1F1B or ZB-H1 without."""
+    if pp == 1:
+        return [(1, "1f1b")]
+    return [(1, "1f1b"), (1, "zb-h1")] + [(v, "interleaved") for v in vpps if v > 1]
 
 
 def plan(
