@@ -212,18 +212,18 @@ def test_interleaved_table_and_refusals():
     assert _compute(pipe.schedule_1f1b(2, 4, 0)) == "F0 F1 B0 B1"
     # Megatron's batches at pp=2: each is the mirror image of the neighbour's of the same
     # index (send_forward_recv_backward on one side, send_backward_recv_forward on the other).
-    # Each transfer is its own batch at pp=2 (next and previous are one peer), each send
-    # right after its step, each receive where the neighbour sends: the last stage asks
-    # for F1's input before its first backward, so it arrives while B0 runs.
+    # Each transfer is a batch of its own, each send right after its step, each receive as
+    # early as the order of transfers allows: the last stage asks for F1's input before it
+    # starts F0, so it arrives while F0 and B0 run.
     assert " ".join(map(repr, pipe.schedule_1f1b(3, 2, 0))) == (
-        "F0 [>next F0] F1 [>next F1] [<next B0] B0 F2 [>next F2] [<next B1] B1 [<next B2] B2"
+        "F0 [>next F0] F1 [>next F1] [<next B0] B0 F2 [>next F2] [<next B1] [<next B2] B1 B2"
     )
     assert " ".join(map(repr, pipe.schedule_1f1b(3, 2, 1))) == (
-        "[<prev F0] F0 [<prev F1] B0 [>prev B0] F1 B1 [<prev F2] [>prev B1] F2 B2 [>prev B2]"
+        "[<prev F0] [<prev F1] F0 B0 [>prev B0] [<prev F2] F1 B1 [>prev B1] F2 B2 [>prev B2]"
     )
-    # With both neighbours a batch carries one direction: a middle stage passes F1's output
-    # on and takes F2's input together (Megatron's send_forward_recv_forward).
-    assert repr(pipe.schedule_1f1b(4, 4, 1)[:4]) == ("[[<prev F0], F0, [>next F0 <prev F1], F1]")
+    assert repr(pipe.schedule_1f1b(4, 4, 1)[:6]) == (
+        "[[<prev F0], [<prev F1], F0, [>next F0], [<prev F2], F1]"
+    )
     # ZB-H1 at pp 4: rank r runs pp - r forwards, then B, W, F; the last rank defers its
     # first three Ws to the end (Qi et al.'s figure), and the tables' clock shows the
     # bubble at a third of 1F1B's.
@@ -279,9 +279,11 @@ def _batch_with(comm, rank, pp, vpp, peer):
 
 
 def _run_tables(tables, pp, vpp):
-    """Play the tables as NCCL would: a batch completes once each peer has posted its batch
-    of the same index with this rank, which must mirror it; a compute step needs its received
-    input.  Returns the number of batches; raises on a mismatch or a deadlock."""
+    """Play the tables as the NCCL-rules checker runs them, which is stricter than NCCL: a
+    rank posting a batch waits until each peer has posted its batch of the same index with
+    it, which must mirror it; only then are the batch's transfers issued, and a tensor
+    arrives once its sender's batch has been issued; a compute step needs its input to have
+    arrived.  Returns the number of batches; raises on a mismatch or a deadlock."""
     at = [0] * pp
     posted: dict[tuple[int, int], dict[int, int]] = {}  # (rank, item) -> peer -> batch index
     count: dict[tuple[int, int], int] = {}
@@ -296,7 +298,8 @@ def _run_tables(tables, pp, vpp):
                     needs = (item.kind == "F" and not (r == 0 and item.chunk == 0)) or (
                         item.kind == "B" and not (r == pp - 1 and item.chunk == vpp - 1)
                     )
-                    assert not needs or item in arrived[r], (r, item, "input not received")
+                    if needs and item not in arrived[r]:
+                        break  # its input is still on the way
                     at[r] += 1
                     moved = True
                     continue
@@ -318,7 +321,11 @@ def _run_tables(tables, pp, vpp):
                         a = [(k, s) for d, k, s in mine if d == mine_op]
                         b = [(k, s) for d, k, s in theirs if d == their_op]
                         assert a == b, (r, p, mine, theirs)
-                arrived[r].update(s for s in (item.recv_prev, item.recv_next) if s is not None)
+                # Issued: what it sends arrives at the neighbours.
+                for p in peers:
+                    arrived[p].update(
+                        s for d, _, s in _batch_with(item, r, pp, vpp, p) if d == "send"
+                    )
                 at[r] += 1
                 moved = True
         assert moved, f"deadlock: {[tables[r][at[r]] for r in range(pp) if at[r] < len(tables[r])]}"
@@ -356,6 +363,31 @@ def test_schedule_tables_meet_nccl_rules(forward_only):
     if not forward_only:
         with pytest.raises(AssertionError):
             _run_tables(old, 2, 1)
+        # ... and what the checker caught in a real run: the same transfers with a send and
+        # an early receive to two different peers fused into one batch (Megatron's
+        # send_forward_recv_forward): around the interleaved ring each such batch waits for
+        # the next, and the player reports the cycle.
+        fused = [_fuse_directions(pipe.schedule_interleaved(8, 4, r, 2)) for r in range(4)]
+        with pytest.raises(AssertionError, match="deadlock"):
+            _run_tables(fused, 4, 2)
+
+
+def _fuse_directions(table: list) -> list:
+    """Merge each transfer into the batch before it when both go one direction to two
+    different peers (send to next with receive from previous, or the other two)."""
+    direction = {"send_next": 0, "recv_prev": 0, "send_prev": 1, "recv_next": 1}
+    out: list = []
+    for item in table:
+        if isinstance(item, pipe.Comm) and out and isinstance(out[-1], pipe.Comm):
+            mine = {k: v for k, v in vars(item).items() if v is not None}
+            last = {k: v for k, v in vars(out[-1]).items() if v is not None}
+            (field,) = mine
+            (other,) = last if len(last) == 1 else (field,)
+            if other != field and direction[field] == direction[other]:
+                out[-1] = pipe.Comm(**last, **mine)
+                continue
+        out.append(item)
+    return out
 
 
 def test_layer_assignment():
@@ -492,15 +524,35 @@ def _evaluate_forward_only():
         forward_only=True,
         collect_non_loss_data=True,
     )
+    # ZB-H1 evaluates with 1F1B's forward table: the same loss.
+    zb = _schedule(
+        _Recorder(), iter(data), chunk, 4, "zb-h1", hidden_size=cfg.hidden, forward_only=True
+    )
+    refusals = []
+    for schedule, model in (("interleaved", chunk), ("gpipe", chunk), ("zb-h1", _TorchDDP())):
+        try:
+            _schedule(_Recorder(), iter(data), model, 4, schedule, hidden_size=cfg.hidden)
+            refusals.append(None)
+        except ValueError as e:
+            refusals.append(str(e))
     last = ps.is_pipeline_last_stage()
     ps.destroy_model_parallel()
     return {
+        "zb_loss": sum(i["loss"].item() for i in zb) / 4 if last else None,
+        "refusals": refusals,
         "loss": sum(i["loss"].item() for i in infos) / 4 if last else None,
         "reference": reference,
         "peak_live": recorder.peak,
         "order": " ".join(map(repr, recorder.order)),
         "collected": collected,
     }
+
+
+class _TorchDDP(torch.nn.parallel.DistributedDataParallel):
+    """Stands for torch's DDP in a type check (not built: no process group needed)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
 
 
 def _p2p_ddp_and_eval():
@@ -532,6 +584,11 @@ def test_p2p_no_pipelining_and_forward_only():
         ev = out["eval"]
         if rank == 3:
             assert ev["loss"] == pytest.approx(ev["reference"], abs=1e-6)
+            assert ev["zb_loss"] == ev["loss"]
+        interleaved, unknown, torch_ddp = ev["refusals"]
+        assert "'interleaved' with a virtual pipeline size of 1" in interleaved
+        assert "unknown schedule 'gpipe'" in unknown
+        assert "zb-h1: torch's DistributedDataParallel" in torch_ddp
         assert ev["peak_live"] == 0  # no graph kept in evaluation
         assert ev["order"] == "F0 F1 F2 F3"
         assert ev["collected"] == ([("collected", ())] * 4 if rank == 3 else [])

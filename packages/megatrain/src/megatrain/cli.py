@@ -350,8 +350,9 @@ def plan_command(
 ):  # fmt: skip
     """Rank the layouts of --config on --gpus GPUs by predicted step time.
 
-    Every tp x pp x dp = --gpus with each virtual pipeline size, micro batch, recompute
-    mode, sequence parallelism and distributed optimizer that `megatrain run` accepts;
+    Every tp x pp x dp = --gpus with each pipeline schedule (1F1B, ZB-H1, interleaved at
+    each virtual pipeline size), micro batch, recompute mode, sequence parallelism and
+    distributed optimizer that `megatrain run` accepts;
     each with its memory per GPU (weights, gradients, optimizer state, activations of the
     fullest pipeline stage), its step time (compute, TP communication, pipeline bubble and
     point-to-point, exposed data-parallel communication, optimizer) and MFU; the best

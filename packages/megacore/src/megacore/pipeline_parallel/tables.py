@@ -9,25 +9,30 @@ in two parts:
    (`order_1f1b`, `order_interleaved`, `order_zb_h1`).
 2. **Where the communication goes**, the same for every schedule
    (`bind_communication`): the orders are played on a clock (`timeline`, a
-   forward costs 1, a backward 2, or 1 + 1 when split into B and W), each send
-   is posted right after the step that produced its tensor, and each receive at
-   the point where the clock says the tensor was sent (after the receiver's
-   last step that ended by then).  So a forward's output leaves as soon as it
-   exists, and a neighbour's next input is already being received while this
-   rank computes: Megatron-LM's overlap_p2p_comm, for every schedule.
+   forward costs 1, a backward 2, or 1 + 1 when split into B and W), which
+   orders every transfer by the time its tensor is sent.  Each send is posted
+   right after the step that produced its tensor, and each receive right after
+   this rank's previous transfer in that order, as early as the order allows.
+   So a forward's output leaves as soon as it exists, and a neighbour's next
+   input is already being received while this rank computes: Megatron-LM's
+   overlap_p2p_comm, for every schedule.
 
 NCCL runs a batch only when each peer runs a batch holding the matching
 operations, and the batches between two ranks in the order they were posted.
-Both ranks of a pair post their messages in the order of one key (the time the
-clock sent it, then activations before gradients, then the sender), so the k-th
-batch a rank posts with a neighbour always mirrors the neighbour's k-th.  A
-batch holds the operations posted at one point that go one direction
-(forward-direction: send to next, receive from previous; backward-direction the
-other two) with at most one per peer, so each batch is matched by exactly one
-batch of each peer.  Because the receives follow a valid playing of the
-tables, no rank ever waits on a batch its peer can only post later: even a rank
-that blocks at every batch until its peer posts the match (stricter than NCCL)
-finishes.  `megacore.testing.nccl_semantics` holds real runs to that rule.
+Each transfer is a batch of its own, so the forward-direction and
+backward-direction exchanges are never fused and each batch is matched by
+exactly one batch of its peer.  Both ranks of a pair post their transfers in
+the order of one key (the time the clock sent the tensor, then activations
+before gradients, then the sender), so the k-th batch a rank posts with a
+neighbour always mirrors the neighbour's k-th.  Every rank posts its transfers
+in the order of their keys, and a tensor's key is later than those of every
+tensor it was made from, so no rank ever waits on a batch its peer can only
+post later: even a rank that blocks at every batch until its peer posts the
+match (stricter than NCCL, whose transfers on one communicator also run in the
+order posted) finishes.  (Two transfers to different peers in one batch would
+break this: the batch would wait for both, and a cycle of such batches around
+the pipeline can hang.)
+`megacore.testing.nccl_semantics` holds real runs to that rule.
 
 **ZB-H1** (Qi et al., 2023, "Zero Bubble Pipeline Parallelism") splits each
 backward into B, the input gradient the previous stage waits for, and W, the
@@ -38,6 +43,7 @@ F = B = W its bubble is (pp - 1) / (3 m), a third of 1F1B's, and no rank holds
 more than pp microbatches between F and W, 1F1B's peak (rank 0's).
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -271,9 +277,6 @@ def bubble(orders: list[list[Step]], num_chunks: int = 1, costs=COSTS) -> float:
 
 # -- communication --------------------------------------------------------------------------
 
-_FIELDS_PEER = {"send_next": "next", "recv_next": "next", "send_prev": "prev", "recv_prev": "prev"}
-_FORWARD_DIRECTION = {"send_next", "recv_prev"}
-
 
 def bind_communication(
     orders: list[list[Step]], rank: int, num_chunks: int = 1, costs=COSTS
@@ -295,29 +298,19 @@ def bind_communication(
             if to[0] == rank:
                 ops.append((key, "recv_prev" if step.kind == "F" else "recv_next", to[1]))
     ops.sort(key=lambda op: op[0])
-    # Post each op after the last of this rank's steps that ended by its time.
+    # A send goes right after the step that made its tensor; a receive as early as the order
+    # allows, right after this rank's previous transfer.
     at: dict[int, list] = {}
+    position = 0
     for key, field, step in ops:
-        position = sum(1 for end in ends if end <= key[0])
+        if field.startswith("send"):
+            position = sum(1 for end in ends if end <= key[0])
         at.setdefault(position, []).append((field, step))
     table: list = []
     for position in range(len(ends) + 1):
         if position:
             table.append(orders[rank][position - 1])
-        batch: dict[str, Step] = {}
-        for field, step in at.get(position, []):
-            peers = {_FIELDS_PEER[f] for f in batch}
-            if pp == 2:  # next and previous are the same rank
-                peers = {"next", "prev"} if batch else set()
-            turned = batch and (field in _FORWARD_DIRECTION) != (
-                next(iter(batch)) in _FORWARD_DIRECTION
-            )
-            if turned or _FIELDS_PEER[field] in peers:
-                table.append(Comm(**batch))
-                batch = {}
-            batch[field] = step
-        if batch:
-            table.append(Comm(**batch))
+        table += [Comm(**{field: step}) for field, step in at.get(position, [])]
     return table
 
 
@@ -333,10 +326,7 @@ def schedule_1f1b(
     num_microbatches: int, pipeline_size: int, pipeline_rank: int, forward_only: bool = False
 ) -> list:
     """1F1B (`order_1f1b`) with each transfer posted as early as it can be."""
-    orders = [
-        order_1f1b(num_microbatches, pipeline_size, r, forward_only) for r in range(pipeline_size)
-    ]
-    return bind_communication(orders, pipeline_rank)
+    return list(_table("1f1b", num_microbatches, pipeline_size, pipeline_rank, 1, forward_only))
 
 
 def schedule_interleaved(
@@ -348,11 +338,11 @@ def schedule_interleaved(
 ) -> list:
     """Interleaved 1F1B (`order_interleaved`) with each transfer posted as early as it can be:
     a chunk's output leaves before the backward that follows it."""
-    orders = [
-        order_interleaved(num_microbatches, pipeline_size, r, num_chunks, forward_only)
-        for r in range(pipeline_size)
-    ]
-    return bind_communication(orders, pipeline_rank, num_chunks)
+    return list(
+        _table(
+            "interleaved", num_microbatches, pipeline_size, pipeline_rank, num_chunks, forward_only
+        )
+    )
 
 
 def schedule_zb_h1(
@@ -360,7 +350,19 @@ def schedule_zb_h1(
 ) -> list:
     """ZB-H1 (`order_zb_h1`): backwards split into B and W, weight gradients deferred into
     1F1B's bubble.  Forward-only it is 1F1B's forward-only table."""
-    orders = [
-        order_zb_h1(num_microbatches, pipeline_size, r, forward_only) for r in range(pipeline_size)
-    ]
-    return bind_communication(orders, pipeline_rank, costs=SPLIT_COSTS)
+    return list(_table("zb-h1", num_microbatches, pipeline_size, pipeline_rank, 1, forward_only))
+
+
+@functools.lru_cache(maxsize=64)
+def _table(
+    schedule: str, microbatches: int, pp: int, rank: int, vpp: int, forward_only: bool
+) -> tuple:
+    """A rank's table, made once per shape: placing the transfers plays every rank's order."""
+    if schedule == "interleaved":
+        orders = [order_interleaved(microbatches, pp, r, vpp, forward_only) for r in range(pp)]
+        return tuple(bind_communication(orders, rank, vpp))
+    if schedule == "zb-h1":
+        orders = [order_zb_h1(microbatches, pp, r, forward_only) for r in range(pp)]
+        return tuple(bind_communication(orders, rank, costs=SPLIT_COSTS))
+    orders = [order_1f1b(microbatches, pp, r, forward_only) for r in range(pp)]
+    return tuple(bind_communication(orders, rank))

@@ -20,10 +20,17 @@ so a swapped pair would deliver an activation as a gradient).  A mismatch
 fails at once on both ranks, naming the two ranks, both batches and the
 pipeline schedule step each was at; a peer that never posts its batch (a
 deadlock) fails after `timeout` seconds with what that peer is waiting on.
-This is stricter than NCCL in one way, on purpose: a batch must be matched by
+This is stricter than NCCL in two ways, on purpose: a batch must be matched by
 exactly one batch of the peer, where NCCL might let one group's operations
-drain across two of the peer's.  Every tensor handed to a p2p operation or a
-collective must be on `device` (the rank's training device) and contiguous.
+drain across two of the peer's; and a rank posting a batch waits until every
+peer has posted its match, where NCCL returns at once and only orders the
+transfers on the communicator's stream.  So the overlapped schedules, which
+post forward-direction and backward-direction batches separately and ahead of
+the compute that needs them, pass only if their batches meet in the same order
+on both sides of every pair whichever direction they carry, and no rank's
+early receive waits on a send its peer can post only later.  Every tensor
+handed to a p2p operation or a collective must be on `device` (the rank's
+training device) and contiguous.
 
 The batches are compared through the job's TCP store, so the check costs a
 few store round trips per batch and nothing per collective but a look at the
