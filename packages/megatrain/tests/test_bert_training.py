@@ -47,6 +47,12 @@ LAYOUTS = {
         'parallel.pipeline_schedule="zb-h1"',
         'model.recompute="selective"',
     ],
+    # Interleaved over four stages needs 8 layers: checked against an 8-layer reference.
+    "pp4-vpp2-dp2-8-layers": [
+        "model.num_layers=8",
+        "parallel.pipeline_model_parallel_size=4",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+    ],
     "dp8-distopt-overlap": [
         "parallel.use_distributed_optimizer=true",
         "parallel.overlap_param_gather=true",
@@ -95,7 +101,10 @@ def _config(corpus, out, order, overrides=()):
 
 
 def _one_process(corpus, out):
-    return {order: train(_config(corpus, f"{out}/{order}", order)) for order in ORDERS}
+    runs = {order: train(_config(corpus, f"{out}/{order}", order)) for order in ORDERS}
+    deep = ["model.num_layers=8"]
+    runs["pre_ln-8-layers"] = train(_config(corpus, f"{out}/pre_ln-8", "pre_ln", deep))
+    return runs
 
 
 def _layouts(corpus, out):
@@ -132,7 +141,7 @@ def test_bert_layouts_match_one_process(corpus, one_process, tmp_path):
     runs = run_distributed(_layouts, 8, args=(corpus, str(tmp_path)), timeout=600)[0]
     assert len(runs) == len(LAYOUTS) + len(POST_LN_LAYOUTS)
     for (order, name), run in runs.items():
-        reference = one_process[order]
+        reference = one_process[f"{order}-8-layers" if "8-layers" in name else order]
         for key in ("loss", "mlm_loss", "sop_loss"):
             for a, b in zip(run[key], reference[key], strict=True):
                 assert abs(a - b) < FP32_TOL, (order, name, key, run[key], reference[key])

@@ -38,10 +38,11 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   ((p - 1) / (m vpp) of the steady state when the stages are equal).  ZB-H1 fills the
   drain with deferred weight gradients: (sum T_r - max T_r) (F + max(0, B - W)) / T, F,
   B and W the forward, input-gradient and weight-gradient shares of a layer's time T (a
-  third of 1F1B's bubble when the three are equal; the fill, F per stage, stays).  `schedule_seconds` runs
-  megacore's own schedule tables with these times: the tests hold the two equal when the
-  stages are equal or the last one (output layer and loss) is the slowest, and the formula
-  at most 6% above the tables when the first one is 10% slower.
+  third of 1F1B's bubble when the three are equal; the fill, F per stage, stays).
+  `schedule_seconds` runs megacore's own schedule tables with these times: the tests hold
+  the two equal when the stages are equal or the last one (output layer and loss) is the
+  slowest (and for ZB-H1 at equal stages), and the formula at most 6% above the tables
+  when the first one is 10% slower.
 - **Data parallelism**: the fp32 gradients' all-reduce over dp (reduce-scatter, and an
   all-gather of the 16-bit weights, under the distributed optimizer); with
   `overlap_grad_reduce` it runs behind the last microbatch's backward and only what is
@@ -107,8 +108,7 @@ class Layout:
             f"parallel.tensor_model_parallel_size={self.tp}",
             f"parallel.pipeline_model_parallel_size={self.pp}",
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
-            "parallel.pipeline_schedule="
-            + (f'"{self.schedule}"' if self.pp > 1 else "none"),
+            "parallel.pipeline_schedule=" + (f'"{self.schedule}"' if self.pp > 1 else "none"),
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
             f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
             f"training.micro_batch_size={self.micro_batch}",
@@ -391,8 +391,8 @@ def estimate(
         forward = layer["compute"] - layer["backward"]
         input_grads = layer["backward"] - layer["weight_grads"]
         fill = (forward + max(0.0, input_grads - layer["weight_grads"])) / layer["compute"]
-    time["pp_bubble"] = (
-        pipeline_seconds(totals, microbatches, vpp, fill) - microbatches * max(totals)
+    time["pp_bubble"] = pipeline_seconds(totals, microbatches, vpp, fill) - microbatches * max(
+        totals
     )
 
     # Data parallelism and the optimizer, for the stage holding the most parameters.
