@@ -529,7 +529,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(
-        f"\nGPT-2 {LAYERS}x{HIDDEN}, {HEADS} heads, seq {SEQ}, vocab {VOCAB}, batch {BATCH}, fp32, "
+        f"\n{'Llama' if args.model == 'llama' else 'GPT-2'} {LAYERS}x{HIDDEN}, {HEADS} heads, "
+        f"seq {SEQ}, vocab {VOCAB}, batch {BATCH}, fp32, "
         f"{torch.get_num_threads()} threads on {cpu_model()}; peak (measured fp32 matmul) "
         f"{peak:.3f} TFLOP/s (best of {', '.join(f'{x:.3f}' for x in peaks)})"
     )
