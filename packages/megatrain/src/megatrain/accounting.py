@@ -55,11 +55,16 @@ def layer_parameters(cfg: TransformerConfig) -> int:
 
 def layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
     """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
-    row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1)."""
+    row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1), and
+    the key/value projection whole when there are fewer key/value groups than TP ranks."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv, mlp, column_biases, norm = _layer_shapes(cfg)
     split = h * qkv + h * h + mlp * h * f + column_biases
     replicated = (2 * h if cfg.add_bias else 0) + 2 * norm  # proj and fc2 biases, two norms
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    if groups < tp:  # the key/value projection (and its bias) whole on every rank
+        kv = 2 * groups * (h // cfg.num_attention_heads) * (h + (1 if cfg.add_bias else 0))
+        split, replicated = split - kv, replicated + kv
     return split // tp + replicated
 
 
@@ -297,7 +302,8 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     if recompute == "full":
         split_input = sp or (p.distribute_saved_activations and tp > 1)
         return 2 * s * b * h / (tp if split_input else 1)
-    groups = m.num_query_groups or a
+    # k and v: g groups split over tp, or one whole group per rank when g < tp
+    groups = max(m.num_query_groups or a, tp)
     f_tensors = 8 if config.model_switch("swiglu") else 4
     split = 4 + 4 * groups / a + f_tensors * config.ffn_hidden_size / h
     dense = (10 + split) / tp if sp else 10 + split / tp
@@ -317,7 +323,7 @@ def weight_grad_inputs_per_layer(config: Config) -> float:
     """
     m, p, t = config.model, config.parallel, config.training
     s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
-    groups = m.num_query_groups or a
+    groups = max(m.num_query_groups or a, p.tensor_model_parallel_size)  # one per rank when fewer
     f = config.ffn_hidden_size / h
     up = 2 if config.model_switch("swiglu") else 1
     split = (1 + 2 * groups / a) + 1 + up * f + f

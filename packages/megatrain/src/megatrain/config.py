@@ -428,10 +428,10 @@ def validate(config: Config, world_size: int | None = None) -> int:
             f"model.num_query_groups ({groups})",
         )
         _need(
-            groups % tp == 0,
-            f"model.num_query_groups ({groups}) is not divisible by "
-            f"parallel.tensor_model_parallel_size ({tp}): each TP rank holds whole key/value "
-            "groups",
+            groups % tp == 0 or tp % groups == 0,
+            f"model.num_query_groups ({groups}) and parallel.tensor_model_parallel_size ({tp}): "
+            "one must divide the other (each TP rank holds whole key/value groups; with fewer "
+            "groups than TP ranks each group is replicated on tp / groups ranks)",
         )
     _need(
         config.ffn_hidden_size % tp == 0,

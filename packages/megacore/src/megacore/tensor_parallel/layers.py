@@ -347,8 +347,10 @@ def sync_sequence_parallel_grads(module: nn.Module) -> None:
 
     Under sequence parallelism a replicated parameter used on a sequence shard
     (LayerNorm weights, the row-parallel bias) gets only its shard's share of the
-    gradient on each rank.  Call after backward, before clipping and the step.
-    Model code marks such parameters with `param.sequence_parallel = True`.
+    gradient on each rank; so does any replicated parameter each rank uses for part of
+    the work (grouped-query attention's key/value projection with fewer groups than
+    ranks).  Call after backward, before clipping and the step.  Model code marks such
+    parameters with `param.sequence_parallel = True`.
     """
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return

@@ -4,9 +4,10 @@ Our Llama (model.kind "llama": `GPTModel` with RMSNorm, rotary positions, SwiGLU
 grouped-query attention, no biases) and `transformers.LlamaForCausalLM` compute the same
 function; only the storage differs:
 
-- our QKV rows are laid out per key/value group as [q of each of its heads, k, v] (so a
-  contiguous tensor-parallel slice is whole groups), HF's as three matrices q_proj, k_proj,
-  v_proj;
+- with grouped-query attention our queries are `attention.q` (HF's q_proj) and the keys and
+  values one `attention.kv`, laid out per group [k, v] (so a contiguous tensor-parallel
+  slice is whole groups); without it one `attention.qkv` per head [q k v], as GPT-2's; HF's
+  are three matrices q_proj, k_proj, v_proj;
 - our SwiGLU's gate and up projections are `mlp.gate` and `mlp.fc1`, HF's gate_proj and
   up_proj; down_proj is our `mlp.fc2`;
 - our vocabulary is padded to a multiple of 128 x tp (padding logits masked out); HF's has
@@ -32,6 +33,8 @@ from megatrain.config import Config
 from megatrain.hf.common import (
     HFFormatError,
     checked_padding,
+    qkv_from_hf,
+    qkv_to_hf,
     run_model_config,
     save_weights,
     write_hf_tokenizer,
@@ -54,22 +57,32 @@ LAYER_PARAMS = {  # ours -> HF's, under model.layers.N.
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
-def qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """HF's q [heads d, h], k and v [groups d, h] -> our rows, per group [its q heads, k, v]."""
-    h = q.shape[1]
-    q = q.reshape(groups, -1, k.shape[0] // groups, h)
-    k, v = (t.reshape(groups, 1, -1, h) for t in (k, v))
-    return torch.cat([q, k, v], dim=1).reshape(-1, h)
+def kv_from_hf(k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """HF's k and v [groups d, h] -> our `kv` rows, per group [k, v]."""
+    h = k.shape[1]
+    return torch.stack([k.reshape(groups, -1, h), v.reshape(groups, -1, h)], dim=1).reshape(-1, h)
 
 
-def qkv_to_hf(qkv: torch.Tensor, heads: int, groups: int):
-    """The inverse of `qkv_from_hf`: (q, k, v)."""
-    h = qkv.shape[1]
-    per_group = heads // groups
-    grouped = qkv.reshape(groups, per_group + 2, -1, h)
-    d = grouped.shape[2]
-    q = grouped[:, :per_group].reshape(heads * d, h)
-    return q, grouped[:, per_group].reshape(groups * d, h), grouped[:, per_group + 1].reshape(-1, h)
+def kv_to_hf(kv: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `kv_from_hf`: (k, v)."""
+    h = kv.shape[1]
+    grouped = kv.reshape(groups, 2, -1, h)
+    return grouped[:, 0].reshape(-1, h), grouped[:, 1].reshape(-1, h)
+
+
+def _attention_from_hf(q, k, v, heads: int, groups: int) -> dict[str, torch.Tensor]:
+    """Our attention weights from HF's q, k, v: per head [q k v] rows in one `qkv` without
+    grouped-query attention, else `q` as HF's and `kv` per group [k v]."""
+    if groups == heads:
+        return {"qkv.weight": qkv_from_hf(torch.cat([q, k, v]), heads)}
+    return {"q.weight": q, "kv.weight": kv_from_hf(k, v, groups)}
+
+
+def _attention_to_hf(weights: dict, prefix: str, heads: int, groups: int):
+    """The inverse of `_attention_from_hf`: (q, k, v)."""
+    if groups == heads:
+        return qkv_to_hf(weights[prefix + "qkv.weight"], heads).chunk(3)
+    return (weights[prefix + "q.weight"], *kv_to_hf(weights[prefix + "kv.weight"], groups))
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -241,7 +254,8 @@ def from_hf_state(hf: dict, c: dict, padded_vocab: int) -> dict[str, torch.Tenso
         for ours, theirs in LAYER_PARAMS.items():
             out[f"layers.{i}.{ours}"] = hf[layer + theirs]
         q, k, v = (hf[layer + name] for name in QKV)
-        out[f"layers.{i}.attention.qkv.weight"] = qkv_from_hf(q, k, v, c["groups"])
+        for name, t in _attention_from_hf(q, k, v, c["heads"], c["groups"]).items():
+            out[f"layers.{i}.attention.{name}"] = t
     return {n: t.contiguous() for n, t in out.items()}
 
 
@@ -257,8 +271,8 @@ def to_hf_state(weights: dict, m: dict, vocab: int) -> dict[str, torch.Tensor]:
         layer = f"model.layers.{i}."
         for ours, theirs in LAYER_PARAMS.items():
             out[layer + theirs] = weights[f"layers.{i}.{ours}"]
-        qkv = weights[f"layers.{i}.attention.qkv.weight"]
-        for name, t in zip(QKV, qkv_to_hf(qkv, m["num_attention_heads"], groups), strict=True):
+        qkv = _attention_to_hf(weights, f"layers.{i}.attention.", m["num_attention_heads"], groups)
+        for name, t in zip(QKV, qkv, strict=True):
             out[layer + name] = t
     return {n: t.contiguous() for n, t in out.items()}
 

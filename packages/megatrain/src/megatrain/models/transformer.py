@@ -22,9 +22,11 @@ setting of `TransformerConfig`:
   heads share key/value heads), `add_bias` False (no biases in the linears) and
   `tie_output` False (an output layer of its own).  Their defaults are GPT-2's.
 
-Attention heads are split over TP ranks (QKV column-parallel, laid out per key/value group
-as [q of each of its heads, k, v] -- per head [q k v] without grouped-query attention -- so a
-contiguous slice is whole groups; projection row-parallel); the MLP of ffn_hidden_size (4h)
+Attention heads are split over TP ranks (QKV column-parallel, laid out per head as [q k v];
+with grouped-query attention the queries and the key/value groups are two column-parallel
+linears, `q` and `kv` (per group [k v]), and with fewer groups than TP ranks each rank holds
+its heads' group whole: `kv` is then replicated, each rank projects its group only, and the
+ranks sharing a group sum its gradient; projection row-parallel); the MLP of ffn_hidden_size (4h)
 is column- then row-parallel (SwiGLU: gate and up two column-parallel linears, so each is a
 contiguous split that checkpoints reshard).  Activations are [sequence, batch,
 hidden].  Every piece is drawn from its own CPU `torch.Generator` (word embeddings
@@ -258,8 +260,55 @@ def _layer_norm_in(cfg: TransformerConfig, place: dict) -> nn.LayerNorm:
     return _layer_norm(cfg, place["device"], place["params_dtype"])
 
 
+class ReplicatedKV(nn.Module):
+    """Grouped-query attention's key/value projection when there are fewer groups than TP
+    ranks (tp a multiple of the groups): the whole [2 groups d, h] weight (per group [k v],
+    as the column-parallel `kv`, so checkpoints reshard between the two) on every rank,
+    which projects only the group of its query heads.  The ranks sharing a group each
+    compute part of its gradient: the weight is marked `sequence_parallel`, so
+    `sync_sequence_parallel_grads` sums it over TP like the other replicated parameters
+    whose gradients are partial, and its input's gradient is summed as a column-parallel
+    linear's is (all-reduce, or reduce-scatter under sequence parallelism)."""
+
+    def __init__(self, cfg: "TransformerConfig", size: int, place: dict, parallel: ParallelContext):
+        super().__init__()
+        world, rank, groups = parallel.tp_size, parallel.tp_rank, cfg.num_query_groups
+        if world % groups:
+            raise ValueError(
+                f"num_query_groups ({groups}) and tensor_model_parallel_size ({world}): one must "
+                "divide the other (each TP rank holds whole key/value groups)"
+            )
+        rows = size // groups
+        group = rank // (world // groups)
+        self.rows = slice(group * rows, (group + 1) * rows)
+        self.sequence_parallel = cfg.sequence_parallel and world > 1
+        weight = torch.empty(
+            size, cfg.hidden_size, device=place["device"], dtype=place["params_dtype"]
+        )
+        if place["perform_initialization"]:  # the full weight, drawn as `kv` draws it
+            master = torch.empty(size, cfg.hidden_size, dtype=torch.float32)
+            tp.init_method_normal(cfg.init_method_std)(master, generator=place["generator"])
+            weight.copy_(master)
+        self.weight = nn.Parameter(weight)
+        self.weight.sequence_parallel = True  # partial on each rank: summed over TP
+        self.bias = None
+        if cfg.add_bias:
+            self.bias = nn.Parameter(
+                torch.zeros(size, device=place["device"], dtype=place["params_dtype"])
+            )
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            x = tp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+        else:
+            x = tp.copy_to_tensor_model_parallel_region(x)
+        bias = None if self.bias is None else self.bias[self.rows]
+        return tp.linear(x, self.weight[self.rows], bias), None
+
+
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: TransformerConfig, place: dict):
+    def __init__(self, cfg: TransformerConfig, place: dict, parallel: ParallelContext):
         super().__init__()
         h, sp = cfg.hidden_size, cfg.sequence_parallel
         self.cfg = cfg
@@ -267,17 +316,26 @@ class ParallelAttention(nn.Module):
         self.core_attention = self._core
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
         self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
-        self.groups_local = tp.divide_by_tp(cfg.num_query_groups, "num_query_groups")
         std = cfg.init_method_std
-        qkv_size = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.head_dim
-        self.qkv = tp.ColumnParallelLinear(
-            h,
-            qkv_size,
-            bias=cfg.add_bias,
-            sequence_parallel=sp,
-            init_method=tp.init_method_normal(std),
-            **place,
-        )
+        groups, d = cfg.num_query_groups, self.head_dim
+
+        def column(size: int) -> tp.ColumnParallelLinear:
+            init = tp.init_method_normal(std)
+            return tp.ColumnParallelLinear(
+                h, size, bias=cfg.add_bias, sequence_parallel=sp, init_method=init, **place
+            )
+
+        if groups == cfg.num_attention_heads:
+            self.groups_local = self.heads_local
+            self.qkv = column(3 * h)
+        else:  # grouped-query attention: the queries, then each group's key and value
+            self.q = column(h)
+            if groups % parallel.tp_size == 0:
+                self.groups_local = groups // parallel.tp_size
+                self.kv = column(2 * groups * d)
+            else:  # fewer groups than TP ranks
+                self.groups_local = 1
+                self.kv = ReplicatedKV(cfg, 2 * groups * d, place, parallel)
         self.proj = tp.RowParallelLinear(
             h,
             h,
@@ -325,16 +383,18 @@ class ParallelAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The projected output without its bias, and that bias (for bias_dropout_add).
         `mask`: keys to attend [b, 1, 1, s] (True = attend), for bidirectional attention."""
-        qkv, _ = self.qkv(x)
-        s, b = qkv.shape[:2]
-        if self.groups_local == self.heads_local:
+        d = self.head_dim
+        if hasattr(self, "qkv"):
+            qkv, _ = self.qkv(x)
+            s, b = qkv.shape[:2]
             # [s, b, heads, 3, d] -> three of [b, heads, s, d]
-            q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
-        else:  # per group [q of each head, k, v] -> q [b, heads, s, d], k, v [b, groups, s, d]
-            per_group = self.heads_local // self.groups_local
-            grouped = qkv.view(s, b, self.groups_local, per_group + 2, self.head_dim)
-            q = grouped[:, :, :, :per_group].reshape(s, b, self.heads_local, self.head_dim)
-            q, k, v = q.permute(1, 2, 0, 3), *grouped[:, :, :, per_group:].permute(3, 1, 2, 0, 4)
+            q, k, v = qkv.view(s, b, self.heads_local, 3, d).permute(3, 1, 2, 0, 4)
+        else:  # q [b, heads, s, d]; k, v [b, groups, s, d] from per group [k, v]
+            q, _ = self.q(x)
+            kv, _ = self.kv(x)
+            s, b = q.shape[:2]
+            q = q.view(s, b, self.heads_local, d).permute(1, 2, 0, 3)
+            k, v = kv.view(s, b, self.groups_local, 2, d).permute(3, 1, 2, 0, 4)
         if self.cfg.position_embedding == "rope":
             offset = cache.offset if cache is not None else 0
             cfg = self.cfg
@@ -398,14 +458,18 @@ class ParallelMLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """One block, its parameters placed by `place` (`_placement`); its weights are drawn
-    from the placement's generator in order (qkv, proj, fc1, fc2).  `block_order` "pre_ln":
-    x + f(LN(x)); "post_ln": LN(x + f(x)) (the original BERT)."""
+    from the placement's generator in order (qkv, or q and kv; proj; gate; fc1; fc2).
+    `parallel`: the rank's place in the layout (None: megacore's process groups).
+    `block_order` "pre_ln": x + f(LN(x)); "post_ln": LN(x + f(x)) (the original BERT)."""
 
-    def __init__(self, cfg: TransformerConfig, place: dict):
+    def __init__(
+        self, cfg: TransformerConfig, place: dict, parallel: ParallelContext | None = None
+    ):
         super().__init__()
         self.cfg = cfg
         self.ln1 = _layer_norm_in(cfg, place)
-        self.attention = ParallelAttention(cfg, place)
+        parallel = parallel or ParallelContext.from_process_groups()
+        self.attention = ParallelAttention(cfg, place, parallel)
         self.ln2 = _layer_norm_in(cfg, place)
         self.mlp = ParallelMLP(cfg, place)
 
@@ -488,7 +552,9 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerLayer(
-                    cfg, _placement(_cpu_generator(seed + 1 + i), device, dtype, initialize)
+                    cfg,
+                    _placement(_cpu_generator(seed + 1 + i), device, dtype, initialize),
+                    self.parallel,
                 )
                 for i in self.layer_ids
             }
