@@ -1,23 +1,16 @@
-"""Pipeline schedules behind one entry point, `get_forward_backward_func()`.
+"""Pipeline schedules behind one entry point, `get_forward_backward_func(schedule)`.
 
-Each schedule is a table per rank, made by a plain function
-(`schedule_no_pipelining`, `schedule_1f1b`, `schedule_interleaved`) and run by
-one executor.  A table holds compute steps, `Step("F" | "B", microbatch,
-chunk)`, and communication steps, `Comm`: one batch of sends and receives
-posted together, naming the step whose tensor each moves.  The tables can be
-printed and tested on their own; the executor only follows them.
-
-The batches are Megatron's (warm-up forwards, steady one-forward-one-backward,
-cool-down backwards, with `send_forward_recv_backward` and
-`send_backward_recv_forward` fused in the steady state), so that the k-th
-batch a rank posts with a neighbour is the mirror image of the neighbour's
-k-th batch with it.  That is what NCCL needs: it runs a send only when the
-peer's matching receive runs, batches to one peer run in order, and two ranks
-that each send first and receive afterwards wait on each other forever.  Gloo
-buffers sends and would hide such a schedule; `megacore.testing.nccl_semantics`
+Each schedule is a table per rank (`tables.py`: `schedule_no_pipelining`,
+`schedule_1f1b`, `schedule_interleaved`, `schedule_zb_h1`) of compute steps,
+`Step("F" | "B" | "W", microbatch, chunk)`, and communication steps, `Comm`,
+each posted as one batch; one executor here follows them.  The tables place
+every transfer so that the k-th batch a rank posts with a neighbour mirrors the
+neighbour's k-th, which NCCL needs (it runs a send only when the peer's
+matching receive runs, and batches to one peer in order); gloo buffers sends
+and would hide a table that breaks this, so `megacore.testing.nccl_semantics`
 holds the tests to NCCL's rule.  An output that has been sent is freed (its
-storage replaced by one element, its autograd graph kept), so under 1F1B a
-rank holds activations of at most pp - rank microbatches.
+storage replaced by one element, its autograd graph kept), so under 1F1B a rank
+holds activations of at most pp - rank microbatches.
 
 `forward_step_func(data_iterator, model) -> (output, loss_func)` and
 `loss_func(output) -> (loss, info_dict)` follow Megatron-LM; the loss is divided
