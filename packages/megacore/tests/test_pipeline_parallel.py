@@ -247,6 +247,22 @@ def test_interleaved_table_and_refusals():
     assert pipe.schedule_zb_h1(4, 2, 1, forward_only=True) == pipe.schedule_1f1b(
         4, 2, 1, forward_only=True
     )
+    # ZB-H1's memory: rank r holds at most pp - r microbatches between F and B (1F1B's), and
+    # at most pp between F and W (1F1B's peak, rank 0's): r of them wait only for their W.
+    for pp in (2, 4, 8):
+        for m in (1, pp - 1, pp, 2 * pp, 16):
+            for r in range(pp):
+                order = pipe.order_zb_h1(m, pp, r)
+                assert sorted(map(repr, order)) == sorted(
+                    f"{k}{i}" for k in "FBW" for i in range(m)
+                ), (pp, m, r)
+                live = {"F": 0, "B": 0, "W": 0}
+                to_b = to_w = 0
+                for step in order:
+                    live[step.kind] += 1
+                    to_b = max(to_b, live["F"] - live["B"])
+                    to_w = max(to_w, live["F"] - live["W"])
+                assert to_b == min(pp - r, m) and to_w <= pp, (pp, m, r, to_b, to_w)
     with pytest.raises(
         ValueError, match=r"num_microbatches \(6\) to be a multiple of .* \(4\); use 8"
     ):
