@@ -43,6 +43,7 @@ F = B = W its bubble is (pp - 1) / (3 m), a third of 1F1B's, and no rank holds
 more than pp microbatches between F and W, 1F1B's peak (rank 0's).
 """
 
+import bisect
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -304,7 +305,7 @@ def bind_communication(
     position = 0
     for key, field, step in ops:
         if field.startswith("send"):
-            position = sum(1 for end in ends if end <= key[0])
+            position = bisect.bisect_right(ends, key[0])  # the ends rise: a rank runs in order
         at.setdefault(position, []).append((field, step))
     table: list = []
     for position in range(len(ends) + 1):
