@@ -139,26 +139,19 @@ def hf_gpt2_config(config, vocab_size: int):
 
 
 def hf_llama_config(config, vocab_size: int):
-    """transformers' Llama of our Llama config's shape (GQA, SwiGLU, RMSNorm, rope, untied)."""
+    """transformers' Llama of our Llama config's shape (GQA, SwiGLU, RMSNorm, rope and its
+    scaling, untied), as `megatrain export-hf` writes it (SDPA attention)."""
+    import dataclasses
+
     import transformers
 
-    m = config.model
-    return transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        rms_norm_eps=m.layernorm_epsilon,
-        initializer_range=m.init_method_std,
-        attention_dropout=m.attention_dropout,
-        tie_word_embeddings=not config.model_switch("untie_embeddings_and_output_weights"),
-        bos_token_id=EOD,
-        eos_token_id=EOD,
-        attn_implementation="sdpa",
-    )
+    from megatrain.config import MODEL_SWITCHES
+    from megatrain.hf.llama import llama_config_fields
+
+    m = dataclasses.asdict(config.model) | {n: config.model_switch(n) for n in MODEL_SWITCHES}
+    m["ffn_hidden_size"] = config.ffn_hidden_size
+    fields = llama_config_fields(m, vocab_size, EOD, EOD, "float32")
+    return transformers.LlamaConfig(**fields, attn_implementation="sdpa")
 
 
 class HFTrainer:

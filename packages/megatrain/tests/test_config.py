@@ -122,6 +122,11 @@ def test_validate_names_the_numbers():
 
 
 def test_pipeline_schedule_refusals_name_both_fields():
+    from megacore.pipeline_parallel import SCHEDULES
+    from megatrain.config import PIPELINE_SCHEDULES
+
+    assert PIPELINE_SCHEDULES == SCHEDULES  # the config's names are the executor's
+
     def check(*overrides):
         base = ["parallel.pipeline_model_parallel_size=2", "model.num_layers=4"]
         return validate(load_config(None, [*base, *overrides]), 2)

@@ -21,6 +21,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+# megacore.pipeline_parallel.SCHEDULES, named here so reading a config needs no torch (a
+# test holds the two equal).
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 
 
@@ -38,6 +40,9 @@ NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 # What each kind takes where its [model] section leaves a switch unset (None): normalization,
 # position_embedding_type, swiglu, add_bias_linear, untie_embeddings_and_output_weights.
+# The [model] switches that make a Llama of the same transformer, in KIND_DEFAULTS' order.
+MODEL_SWITCHES = ("normalization", "position_embedding_type", "swiglu", "add_bias_linear",
+                  "untie_embeddings_and_output_weights")  # fmt: skip
 KIND_DEFAULTS = {
     "gpt": ("layernorm", "learned_absolute", False, True, False),
     "bert": ("layernorm", "learned_absolute", False, True, False),
@@ -213,9 +218,7 @@ class Config:
         value = getattr(self.model, name)
         if value is not None:
             return value
-        names = ("normalization", "position_embedding_type", "swiglu", "add_bias_linear",
-                 "untie_embeddings_and_output_weights")  # fmt: skip
-        return KIND_DEFAULTS[self.model.kind][names.index(name)]
+        return KIND_DEFAULTS[self.model.kind][MODEL_SWITCHES.index(name)]
 
     @property
     def model_parallel_size(self) -> int:

@@ -50,6 +50,7 @@ from megatrain.hf.common import (
     qkv_from_hf,
     qkv_to_hf,
     read_hf_weights,
+    read_json,
     run_model_config,
     save_weights,
     write_imported,
@@ -323,13 +324,6 @@ def export_bert(
 # --- import -------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f"{path}: not valid JSON ({e})") from e
-
-
 def bert_model_type(config: dict) -> str | None:
     """ "bert" or "megatron-bert" for a BERT config.json (by model_type, else by its
     architectures), None for anything else."""
@@ -359,7 +353,7 @@ def read_bert_config(hf_dir: Path) -> tuple[dict, str]:
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise HFFormatError(f"{config_file} does not exist: expected a Hugging Face BERT model")
-    config = _read_json(config_file)
+    config = read_json(config_file)
     model_type = bert_model_type(config)
     if model_type is None:
         raise HFFormatError(
@@ -389,7 +383,7 @@ def _from_vocab_txt(vocab: Path, hf_dir: Path) -> bytes:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     settings_file = hf_dir / "tokenizer_config.json"
-    settings = _read_json(settings_file) if settings_file.is_file() else {}
+    settings = read_json(settings_file) if settings_file.is_file() else {}
     tok = Tokenizer(models.WordPiece.from_file(str(vocab), unk_token=UNK_TOKEN))
     tok.normalizer = normalizers.BertNormalizer(
         lowercase=bool(settings.get("do_lower_case", True)),

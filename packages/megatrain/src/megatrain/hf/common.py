@@ -21,6 +21,14 @@ class HFFormatError(ValueError):
     """A Hugging Face directory that is not a GPT-2 we can import; names the file and field."""
 
 
+def read_json(path: Path) -> dict:
+    """A JSON file of an HF directory; invalid JSON is refused naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFFormatError(f"{path}: not valid JSON ({e})") from e
+
+
 def qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows (of a weight [3h, h] or a bias [3h]) from per head [q k v] to [q all; k all; v all]."""
     return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)

@@ -20,7 +20,6 @@ checkpoint of iteration 0 holding the weights only, which `megatrain run --load`
 fine-tunes from.  transformers (the `hf` extra) is imported by export only.
 """
 
-import json
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from megatrain.hf.common import (
     qkv_from_hf,
     qkv_to_hf,
     read_hf_weights,
+    read_json,
     run_model_config,
     save_weights,
     write_hf_tokenizer,
@@ -199,10 +199,7 @@ def read_hf_config(hf_dir: Path) -> dict:
             f"{config_file} does not exist: expected a Hugging Face GPT-2 model directory "
             "(config.json, model.safetensors or pytorch_model.bin, tokenizer files)"
         )
-    try:
-        config = {**GPT2_DEFAULTS, **json.loads(config_file.read_text())}
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f"{config_file}: not valid JSON ({e})") from e
+    config = {**GPT2_DEFAULTS, **read_json(config_file)}
     for field, accepted in GPT2_REQUIRED.items():
         if config.get(field) not in accepted:
             raise HFFormatError(

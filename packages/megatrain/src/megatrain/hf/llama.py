@@ -35,6 +35,7 @@ from megatrain.hf.common import (
     checked_padding,
     qkv_from_hf,
     qkv_to_hf,
+    read_json,
     run_model_config,
     save_weights,
     write_hf_tokenizer,
@@ -96,10 +97,7 @@ def read_hf_config(hf_dir: Path) -> dict:
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise HFFormatError(f"{config_file} does not exist: expected a Hugging Face model")
-    try:
-        c = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f"{config_file}: not valid JSON ({e})") from e
+    c = read_json(config_file)
 
     def refuse(field: str, why: str):
         raise HFFormatError(f"{config_file}: {field} is {c.get(field)!r}: {why}")
@@ -324,18 +322,12 @@ def import_llama(hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path 
     return write_imported(out_ckpt, config, weights, tokenizer_bytes, eos, imported)
 
 
-def export_llama(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str):
-    """Write a Llama checkpoint's `meta` and full `state` as a transformers LlamaForCausalLM
-    directory `out`, in `dtype`."""
+def llama_config_fields(m: dict, vocab: int, bos: int, eos: int, dtype: str) -> dict:
+    """transformers.LlamaConfig's fields for our [model] section `m` (switches resolved), in
+    the rope spelling of the installed transformers (5: `rope_parameters`; 4: `rope_theta`
+    and `rope_scaling`)."""
     import transformers
 
-    m = run_model_config(meta)
-    vocab = int(meta["vocab_size"])
-    tok_info = meta.get("tokenizer") or {}
-    if "eod_id" not in tok_info:
-        raise CheckpointError(f"{tokenizer_file.parent / 'meta.json'}: tokenizer has no eod_id")
-    eos = int(tok_info["eod_id"])
-    bos = (meta.get("imported_from") or {}).get("bos_token_id", eos)
     rope = {"rope_type": "default", "rope_theta": m["rotary_base"]}
     if m["rope_scaling_factor"]:
         rope = {
@@ -362,15 +354,29 @@ def export_llama(meta: dict, state: dict, tokenizer_file: Path, out: str | Path,
         "eos_token_id": eos,
         "architectures": ["LlamaForCausalLM"],
     }
-    major = int(transformers.__version__.split(".")[0])
-    if major >= 5:
+    if int(transformers.__version__.split(".")[0]) >= 5:
         fields["rope_parameters"] = rope
         fields["dtype"] = dtype
     else:
         fields["rope_theta"] = rope.pop("rope_theta")
         fields["rope_scaling"] = None if rope["rope_type"] == "default" else rope
         fields["torch_dtype"] = dtype
-    config = transformers.LlamaConfig(**fields)
+    return fields
+
+
+def export_llama(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str):
+    """Write a Llama checkpoint's `meta` and full `state` as a transformers LlamaForCausalLM
+    directory `out`, in `dtype`."""
+    import transformers
+
+    m = run_model_config(meta)
+    vocab = int(meta["vocab_size"])
+    tok_info = meta.get("tokenizer") or {}
+    if "eod_id" not in tok_info:
+        raise CheckpointError(f"{tokenizer_file.parent / 'meta.json'}: tokenizer has no eod_id")
+    eos = int(tok_info["eod_id"])
+    bos = (meta.get("imported_from") or {}).get("bos_token_id", eos)
+    config = transformers.LlamaConfig(**llama_config_fields(m, vocab, bos, eos, dtype))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
