@@ -21,14 +21,24 @@ def _global_batch(cfg, dp, step):
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _train(cfg, tp_size, dp, overlap=None):
-    """STEPS SGD steps; overlap=None is one process over the whole global batch."""
+def _train(cfg, tp_size, dp, overlap=None, fusion=False):
+    """STEPS SGD steps; overlap=None is one process over the whole global batch.  `fusion`:
+    gradient-accumulation fusion (the linears' GEMMs write main_grad)."""
     ps.initialize_model_parallel(tp_size)
     tp.model_parallel_manual_seed(0)
     model = TinyStack(cfg)
     ddp = None
     if overlap is not None:
-        ddp = DistributedDataParallel(model, overlap_grad_reduce=overlap, bucket_size=3000)
+        ddp = DistributedDataParallel(
+            model,
+            overlap_grad_reduce=overlap,
+            bucket_size=3000,
+            gradient_accumulation_fusion=fusion,
+        )
+    # Which parameters got a param.grad from autograd (the rest went straight to main_grad).
+    through_autograd = set()
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: through_autograd.add(name))
     rank = ps.get_data_parallel_rank() if ddp else 0
     real_all_reduce, calls, forwards, finalizing = dist.all_reduce, [], [0], [False]
 
@@ -80,6 +90,14 @@ def _train(cfg, tp_size, dp, overlap=None):
         "weights": weights,
         "calls": calls,
         "buckets": len(ddp.buckets) if ddp else 0,
+        "through_autograd": through_autograd,
+        "linear_weights": {
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, tp.ColumnParallelLinear | tp.RowParallelLinear)
+            and m.weight is not None  # not an output layer handed the tied embeddings
+            for n in [f"{n}.weight"]
+        },
     }
 
 
@@ -88,12 +106,12 @@ def _data_parallel_layouts():
     out = {}
     for tp_size, dp in ((1, 4), (2, 2)):
         reference = _train(cfg, 1, dp)
-        for overlap in (False, True):
-            got = _train(cfg, tp_size, dp, overlap)
+        for overlap, fusion in ((False, False), (True, False), (False, True), (True, True)):
+            got = _train(cfg, tp_size, dp, overlap, fusion)
             # Each rank has the mean over its own microbatches; 4 ranks = tp x dp copies.
             losses = torch.tensor(got["losses"])
             dist.all_reduce(losses)
-            out[(tp_size, dp, overlap)] = {
+            out[(tp_size, dp, overlap, fusion)] = {
                 "loss_diff": (losses / 4 - torch.tensor(reference["losses"])).abs().max().item(),
                 "weight_diff": max(
                     (w - reference["weights"][n]).abs().max().item()
@@ -102,14 +120,16 @@ def _data_parallel_layouts():
                 "calls": sorted(set(got["calls"])),
                 "n_calls": len(got["calls"]),
                 "buckets": got["buckets"],
+                "linear_weights": got["linear_weights"],
+                "through_autograd": got["through_autograd"],
             }
     return out
 
 
 def test_data_parallel_equals_one_process():
     for out in run_distributed(_data_parallel_layouts, world_size=4, timeout=300):
-        for (tp_size, dp, overlap), r in out.items():
-            where = f"tp={tp_size} dp={dp} overlap={overlap}"
+        for (tp_size, dp, overlap, fusion), r in out.items():
+            where = f"tp={tp_size} dp={dp} overlap={overlap} fusion={fusion}"
             assert r["loss_diff"] < 1e-5, where
             assert r["weight_diff"] < 1e-5, where
             assert r["buckets"] > 1, where  # the test exercises several buckets
@@ -117,3 +137,9 @@ def test_data_parallel_equals_one_process():
             # launched during backward when overlapping, at the end otherwise.
             assert r["calls"] == [(MICROBATCHES, "backward" if overlap else "finalize")], where
             assert r["n_calls"] == STEPS * r["buckets"], where
+            # Fused, no linear layer's weight gradient goes through autograd (the others do).
+            assert r["linear_weights"] and r["through_autograd"], where
+            if fusion:
+                assert not r["through_autograd"] & r["linear_weights"], where
+            else:
+                assert r["through_autograd"] >= r["linear_weights"], where

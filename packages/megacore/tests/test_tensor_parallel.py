@@ -237,6 +237,66 @@ def _cross_entropy_at(size):
     return out
 
 
+def _linear_cross_entropy_at(size):
+    """The fused output layer + loss against F.linear and F.cross_entropy on the full vocabulary:
+    padding ids, several chunks and a partial one, per-token upstream weights, huge logits."""
+    ps.initialize_model_parallel(tensor_model_parallel_size=size)
+    rank = ps.get_tensor_model_parallel_rank()
+    true_vocab, h = 37, 8
+    vocab = tp.vocab_size_with_padding(true_vocab, size, multiple=5)
+    per = vocab // size
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 3, h, generator=g)
+    x[0, 0] *= 500  # logits in the thousands: a naive exp would overflow
+    weight = torch.randn(vocab, h, generator=g)
+    targets = torch.randint(0, true_vocab, (6, 3), generator=g)
+    targets.view(-1)[:size] = torch.arange(size) * per  # a target in every shard
+    weights = torch.rand(6, 3, generator=g)
+
+    full_x, full_w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logits = F.linear(full_x, full_w)
+    logits = logits.masked_fill(torch.arange(vocab) >= true_vocab, float("-inf"))
+    expected = F.cross_entropy(logits.view(-1, vocab), targets.view(-1), reduction="none")
+    (expected.view(6, 3) * weights).sum().backward()
+
+    mine = weight[rank * per : (rank + 1) * per].clone().requires_grad_(True)
+    mine_x = x.clone().requires_grad_(True)
+    loss = tp.linear_vocab_parallel_cross_entropy(
+        tp.copy_to_tensor_model_parallel_region(mine_x),
+        mine,
+        targets,
+        true_vocab_size=true_vocab,
+        chunk_tokens=4,  # 18 tokens: chunks of 4, 4, 4, 4 and 2
+    )
+    (loss * weights).sum().backward()
+
+    # bf16 against the unfused bf16 path (the logits made in bf16, the loss in fp32).
+    low_w = mine.detach().to(torch.bfloat16).requires_grad_(True)
+    low_x = x.to(torch.bfloat16).requires_grad_(True)
+    fused = tp.linear_vocab_parallel_cross_entropy(
+        tp.copy_to_tensor_model_parallel_region(low_x), low_w, targets,
+        true_vocab_size=true_vocab, chunk_tokens=4,
+    )  # fmt: skip
+    fused.sum().backward()
+    ref_w = low_w.detach().clone().requires_grad_(True)
+    ref_x = low_x.detach().clone().requires_grad_(True)
+    ref_logits = F.linear(tp.copy_to_tensor_model_parallel_region(ref_x), ref_w)
+    padding = torch.arange(rank * per, (rank + 1) * per) >= true_vocab
+    ref_logits = ref_logits.masked_fill(padding, float("-inf"))
+    tp.vocab_parallel_cross_entropy(ref_logits.float(), targets).sum().backward()
+    out = {
+        "loss": (loss - expected.view(6, 3)).abs().max().item(),
+        "grad_x": (mine_x.grad - full_x.grad).abs().max().item(),
+        "grad_w": (mine.grad - full_w.grad[rank * per : (rank + 1) * per]).abs().max().item(),
+        "padding_grad_zero": bool((mine.grad[padding] == 0).all()),
+        "bf16": (str(fused.dtype), str(low_w.grad.dtype), str(low_x.grad.dtype)),
+        "bf16_grad_w": ((low_w.grad - ref_w.grad).abs().max() / ref_w.grad.abs().max()).item(),
+        "bf16_grad_x": ((low_x.grad - ref_x.grad).abs().max() / ref_x.grad.abs().max()).item(),
+    }
+    ps.destroy_model_parallel()
+    return out
+
+
 def _strided_init_at_tp2():
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     torch.manual_seed(5)
@@ -322,6 +382,7 @@ def _checkpoint_bitwise_at_tp2():
 def _cross_entropy_rng_and_checkpoint():
     return {
         "ce": {size: _cross_entropy_at(size) for size in (1, 2, 4)},
+        "linear_ce": {size: _linear_cross_entropy_at(size) for size in (1, 2, 4)},
         "strided_init": _strided_init_at_tp2(),
         "rng": _rng_streams_at_tp2(),
         "checkpoint": _checkpoint_bitwise_at_tp2(),
@@ -336,6 +397,13 @@ def test_cross_entropy_rng_and_checkpointing():
             assert ce["loss"] < 1e-4, (size, ce)  # fp32 against float32 F.cross_entropy
             assert ce["grad"] < 1e-6, (size, ce)
             assert ce["bf16"] == ("torch.bfloat16", torch.float32)
+        for size, ce in out["linear_ce"].items():
+            # fp32 rounding of losses and gradients of size ~500 (the scaled token).
+            assert ce["loss"] < 2e-5 and ce["grad_x"] < 2e-5 and ce["grad_w"] < 2e-5, (size, ce)
+            assert ce["padding_grad_zero"], size
+            assert ce["bf16"] == ("torch.float32", "torch.bfloat16", "torch.bfloat16"), size
+            # bf16: the chunks' weight gradients are summed in fp32, one GEMM's way (2e-5 seen).
+            assert ce["bf16_grad_w"] < 2e-3 and ce["bf16_grad_x"] < 2e-3, (size, ce)
         assert out["strided_init"]
         assert out["rng"] == {
             "outside_same": True,

@@ -160,6 +160,19 @@ def test_pipeline_schedule_refusals_name_both_fields():
         validate(load_config(None, ['parallel.pipeline_schedule="zb-h1"']), 1)
 
 
+def test_speed_lever_refusals_name_the_fields():
+    with pytest.raises(ConfigError, match=r"fused_linear_cross_entropy = true is for GPT and "):
+        validate(
+            load_config(None, ['model.kind="bert"', "training.fused_linear_cross_entropy=true"])
+        )
+    both = ["training.gradient_accumulation_fusion=true", "training.compile=true"]
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_fusion = true with training"):
+        validate(load_config(None, both))
+    for kind in ("gpt", "llama"):  # accepted
+        levers = ["training.fused_linear_cross_entropy=true", both[0]]
+        validate(load_config(None, [f"model.kind={kind!r}", *levers]))
+
+
 def test_learning_rate_warmup_then_cosine_or_linear():
     kw = {"lr": 1.0, "min_lr": 0.1, "warmup_iters": 10, "decay_iters": 110}
     assert [learning_rate(i, **kw) for i in (0, 4, 9)] == [0.1, 0.5, 1.0]

@@ -61,7 +61,14 @@ LLAMA = [
 # One key/value head for eight queries trains more sharply: a smaller rate keeps fp32's
 # layout differences (3e-6 in the first gradients) below the tolerance for three steps.
 MQA = ["model.num_query_groups=1", "optimizer.lr=0.001"]
+# The speed levers of issue 33: the output layer and loss fused, weight gradients into main_grad.
+LEVERS = ["training.fused_linear_cross_entropy=true", "training.gradient_accumulation_fusion=true"]
 LAYOUTS = {
+    "levers-tp2-dp4-seqpar": [  # the untied output layer's own weight
+        *LEVERS,
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+    ],
     "tp2-pp2-dp2-distopt": [  # two key/value groups per TP rank
         "parallel.tensor_model_parallel_size=2",
         "parallel.pipeline_model_parallel_size=2",
@@ -194,6 +201,7 @@ def _one_process(corpus, out):
     runs["mqa"] = train(_config(corpus, f"{out}/mqa", MQA))
     for mode in ("selective", "full"):
         runs[mode] = train(_config(corpus, f"{out}/{mode}", [f'model.recompute="{mode}"']))
+    runs["levers"] = train(_config(corpus, f"{out}/levers", LEVERS))
     from megacore import parallel_state as ps
     from megatrain.models import build_model_chunks, model_config
 
@@ -246,7 +254,7 @@ def test_llama_learns_and_recompute_takes_the_same_steps(one_process):
     reference = one_process["reference"]
     assert all(math.isfinite(x) for x in reference["loss"])
     assert reference["loss"][-1] < reference["loss"][0] - 0.02
-    for mode in ("selective", "full"):
+    for mode in ("selective", "full", "levers"):
         _same_steps(one_process[mode], reference, mode)
 
 

@@ -21,8 +21,18 @@ VOCAB = 200  # padded to 256 at tp 1 and 2, 512 at tp 4: the padding logits are 
 STEPS = 3
 # fp32 summation order only: losses and valid loss absolute, gradient norms relative.
 FP32_TOL = 2e-5
+# The speed levers that change how, not what, a step computes (issue 33).
+LEVERS = ["training.fused_linear_cross_entropy=true", "training.gradient_accumulation_fusion=true"]
 LAYOUTS = {
     # name: overrides; every layout sees the same global batch of 16 sequences per step
+    # The levers at tp 2, sequence-parallel, on a last stage holding the tied embeddings' copy.
+    "levers-tp2-pp2-dp2-seqpar-distopt": [
+        *LEVERS,
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        "parallel.use_distributed_optimizer=true",
+    ],
     "tp2-pp2-dp2-distopt-overlap": [
         "parallel.tensor_model_parallel_size=2",
         "parallel.pipeline_model_parallel_size=2",
@@ -127,7 +137,8 @@ def _one_process(corpus, out):
             ["training.train_iters=80", "training.eval_interval=40", "optimizer.lr=0.01"],
         )
     )
-    return reference, bf16, fp16, learn, deep
+    levers = train(_config(corpus, f"{out}/levers", LEVERS))
+    return reference, bf16, fp16, learn, deep, levers
 
 
 def _layouts(corpus, out):
@@ -151,8 +162,12 @@ def test_layouts_match_one_process(corpus, one_process, tmp_path):
     assert reference["loss"][-1] < reference["loss"][0] - 0.02
 
 
+def test_levers_take_the_same_steps_in_one_process(one_process):
+    assert_same_steps(one_process[5], one_process[0], "levers", FP32_TOL)
+
+
 def test_tiny_gpt_learns_and_bf16_fp16_follow_fp32(one_process):
-    reference, bf16, fp16, learn, _ = one_process
+    reference, bf16, fp16, learn, *_ = one_process
     # Uniform over the 200 real tokens is ln 200 = 5.3; a sequence is predictable after its
     # first two tokens, so a model that learns goes far below.  Measured at step 80: valid 2.20,
     # the last 10 training losses about 2.3 on average.

@@ -144,6 +144,13 @@ class TrainingConfig:
     # torch.compile each transformer layer (fuses bias + GeLU and bias + dropout + residual);
     # the same numbers as without, after a compile of a few seconds to minutes at start.
     compile: bool = False
+    # GPT and Llama: the output layer and its cross entropy as one chunked op that never holds
+    # the [tokens, vocab] fp32 logits; one more output-layer GEMM in backward (recomputed
+    # logits), the same numbers.
+    fused_linear_cross_entropy: bool = False
+    # The linears' weight-gradient GEMMs add straight into the data-parallel gradient buffer
+    # (main_grad) instead of making param.grad and adding it (Megatron-LM's flag).
+    gradient_accumulation_fusion: bool = False
     seed: int = 1234
     eval_interval: int = 100
     eval_iters: int = 10
@@ -403,6 +410,18 @@ def validate(config: Config, world_size: int | None = None) -> int:
         m.rope_scaling_factor == 0 or m.rope_high_freq_factor > m.rope_low_freq_factor,
         f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be above "
         f"model.rope_low_freq_factor ({m.rope_low_freq_factor})",
+    )
+    _need(
+        not (t.gradient_accumulation_fusion and t.compile),
+        "training.gradient_accumulation_fusion = true with training.compile = true: a compiled "
+        "layer's backward cannot hand its weight gradients to the data-parallel buffer's "
+        "hook; turn one of them off",
+    )
+    _need(
+        m.kind != "bert" or not t.fused_linear_cross_entropy,
+        "training.fused_linear_cross_entropy = true is for GPT and Llama: BERT's masked-LM "
+        "head (a transform and a bias of its own) already computes logits for the masked "
+        "tokens only",
     )
     d = config.data
     _need(

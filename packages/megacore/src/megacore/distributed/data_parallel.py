@@ -28,9 +28,12 @@ its parameters' buckets, so the communication overlaps the next forward.  What
 reads the parameters another way first (a checkpoint) calls `finish_param_sync()`.
 
 The gradient hook is Megatron-LM's param hook: the add into `main_grad` is the
-only pass accumulation takes (no per-step copy into the buffer); skipping it
-needs the weight-gradient GEMM to write `main_grad` itself (Megatron's
-gradient_accumulation_fusion), a change to the layers' backward.
+only pass accumulation takes (no per-step copy into the buffer).  With
+`gradient_accumulation_fusion=True` (Megatron-LM's flag) even that goes: each
+parameter gets `main_grad_written`, and the column- and row-parallel linears'
+backward (`tensor_parallel.linear(..., accumulate=True)`) adds their weight
+gradient into `main_grad` in the GEMM itself and calls it instead of producing
+`param.grad`; every other parameter (biases, norms, embeddings) keeps the hook.
 """
 
 import contextlib
@@ -109,6 +112,7 @@ class DistributedDataParallel(nn.Module):
         bucket_size: int = 40_000_000,
         data_parallel_group: dist.ProcessGroup | None = None,
         overlap_param_gather: bool = False,
+        gradient_accumulation_fusion: bool = False,
     ):
         super().__init__()
         if bucket_size < 1:
@@ -141,6 +145,8 @@ class DistributedDataParallel(nn.Module):
         self.buckets = [b for buffer in self.buffers for b in buffer.buckets]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        for p in params:
+            p.main_grad_written = self._main_grad_written if gradient_accumulation_fusion else None
         if overlap_param_gather:
             self._hooks += [
                 m.register_forward_pre_hook(self._params_needed)
@@ -195,6 +201,10 @@ class DistributedDataParallel(nn.Module):
     def _grad_ready(self, param: nn.Parameter) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
+        self._main_grad_written(param)
+
+    def _main_grad_written(self, param: nn.Parameter) -> None:
+        """`param`'s gradient of this backward is in main_grad: reduce its bucket once full."""
         if not (self.sync_enabled and self.overlap_grad_reduce):
             return
         bucket = self._bucket_of[id(param)]

@@ -4,7 +4,10 @@ Megatron-LM's public names, so code and habits carry over.  Activations are
 [sequence, batch, hidden]; sequence parallelism shards the first dimension.
 """
 
-from megacore.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megacore.tensor_parallel.cross_entropy import (
+    linear_vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
 from megacore.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -65,6 +68,7 @@ __all__ = [
     "get_rng_tracker",
     "init_method_normal",
     "linear",
+    "linear_vocab_parallel_cross_entropy",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
     "param_is_not_tensor_parallel_duplicate",

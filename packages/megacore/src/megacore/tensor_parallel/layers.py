@@ -196,15 +196,20 @@ class ColumnParallelLinear(nn.Module):
                 f"ColumnParallelLinear: weight passed to forward has shape {tuple(weight.shape)}, "
                 f"expected {(self.output_size_per_partition, self.input_size)}"
             )
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tensor_model_parallel_region(input_)
+        x = self.parallel_input(input_)
         bias = None if self.skip_bias_add else self.bias
-        out = linear(x, weight, bias)
+        # Its own weight may take gradient-accumulation fusion; a passed one (tied) may not.
+        out = linear(x, weight, bias, accumulate=weight is self.weight)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out)
         return out, (self.bias if self.skip_bias_add else None)
+
+    def parallel_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """The input as this rank's matmul takes it: copied into the tensor-parallel region
+        (its gradient all-reduced), or gathered from the sequence-parallel one."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        return copy_to_tensor_model_parallel_region(input_)
 
     def extra_repr(self) -> str:
         return (
@@ -273,7 +278,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        out = linear(x, self.weight)
+        out = linear(x, self.weight, accumulate=True)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out)
         else:

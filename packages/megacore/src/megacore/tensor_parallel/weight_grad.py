@@ -18,10 +18,18 @@ model:
   gradient buffers) fire exactly as in a plain backward.
 
 Outside both contexts `linear` is `torch.nn.functional.linear`: the plain path
-is untouched.  Recompute works: a checkpointed layer re-runs its forward inside
-the B step, where `split_backward()` is on again.  The deferred tensors (each
-linear's input and output gradient) are what a zero-bubble schedule holds
-between B and W.
+is untouched, except for a layer's own weight (`accumulate=True`) that the
+data-parallel wrapper marked for gradient-accumulation fusion
+(`main_grad_written` set): its backward adds the weight gradient straight into
+`main_grad` (one GEMM with beta 1; no `param.grad`, no separate add pass) and
+calls `main_grad_written(param)` where the gradient hook would have run.  Only a
+layer's own weight: a weight also used elsewhere (tied embeddings) gets its
+other gradient through autograd, after the bucket may have been reduced.  Under
+`split_backward()` the deferral wins (W hands its sums in through autograd).
+
+Recompute works: a checkpointed layer re-runs its forward inside the B step,
+where `split_backward()` is on again.  The deferred tensors (each linear's input
+and output gradient) are what a zero-bubble schedule holds between B and W.
 """
 
 import contextlib
@@ -56,9 +64,21 @@ def deferring_weight_grads() -> Iterator[list]:
         _pending[0] = previous
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x A^T + b, as `F.linear`; under `split_backward()` its weight gradient can be deferred."""
-    if not _split[0] or not torch.is_grad_enabled() or not weight.requires_grad:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    accumulate: bool = False,
+):
+    """x A^T + b, as `F.linear`; under `split_backward()` its weight gradient can be deferred.
+    `accumulate`: `weight` is the caller's own parameter, used nowhere else in the step, so
+    its gradient may go straight into `main_grad` (module doc)."""
+    if not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    if not _split[0]:
+        if accumulate and getattr(weight, "main_grad_written", None) is not None:
+            return _LinearIntoMainGrad.apply(x, weight.detach(), bias, _Weight(weight))
         return F.linear(x, weight, bias)
     # The weight enters detached: a backward never reaches it (its gradient hooks would fire
     # with no gradient); its gradient goes in through autograd from `apply_weight_grads`.
@@ -95,6 +115,49 @@ class _Linear(torch.autograd.Function):
         else:  # split_backward() without deferral: the weight gradient now
             apply_weight_grads([deferred])
         return grad_x, None, grad_bias, None
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, held: _Weight):
+        ctx.save_for_backward(x, weight)
+        ctx.held, ctx.has_bias = held, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        needs_x, _, needs_bias, _ = ctx.needs_input_grad
+        grad_x = grad.matmul(weight) if needs_x else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and needs_bias else None
+        param = ctx.held.tensor
+        _accumulate(
+            param.main_grad,
+            grad.reshape(-1, grad.shape[-1]).t(),
+            x.reshape(-1, x.shape[-1]),
+        )
+        param.main_grad_written(param)
+        return grad_x, None, grad_bias, None
+
+
+_mixed_dtype_addmm = {}  # device type -> whether addmm(out_dtype=) runs there
+
+
+def _accumulate(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """main_grad += a @ b in one GEMM; bf16/fp16 operands into an fp32 main_grad through
+    addmm's out_dtype where the device has it (CUDA), else a GEMM and an add."""
+    if a.dtype == main_grad.dtype:
+        main_grad.addmm_(a, b)
+        return
+    device = main_grad.device.type
+    if _mixed_dtype_addmm.get(device, True):
+        try:
+            torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+            _mixed_dtype_addmm[device] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _mixed_dtype_addmm[device] = False  # not on this device or torch: the two-pass way
+    main_grad.add_(a @ b)
 
 
 def apply_weight_grads(pending: list) -> None:

@@ -63,6 +63,7 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         num_query_groups=m.num_query_groups,
         add_bias=config.model_switch("add_bias_linear"),
         tie_output=not config.model_switch("untie_embeddings_and_output_weights"),
+        fused_linear_cross_entropy=config.training.fused_linear_cross_entropy,
     )
 
 

@@ -73,7 +73,16 @@ class GPTModel(LanguageModel):
             cache.offset += tokens.shape[1]
         if not self.post_process:
             return x
-        logits, _ = self.output_layer(x, weight=self.tied_output_weight())
+        weight = self.tied_output_weight()
+        if labels is not None and self.config.fused_linear_cross_entropy:
+            losses = tp.linear_vocab_parallel_cross_entropy(
+                self.output_layer.parallel_input(x),
+                self.output_layer.weight if weight is None else weight,
+                labels.t(),
+                true_vocab_size=self.config.true_vocab_size,
+            )
+            return losses.t()  # [b, s]
+        logits, _ = self.output_layer(x, weight=weight)
         logits = self.mask_padding(logits)
         if labels is None:
             return logits

@@ -87,6 +87,9 @@ class TransformerConfig:
     num_query_groups: int | None = None  # None: one key/value head per head
     add_bias: bool = True
     tie_output: bool = True
+    # The output layer and the loss in one chunked op that never holds the [tokens, vocab]
+    # logits (`tp.linear_vocab_parallel_cross_entropy`); GPT and Llama, when labels are given.
+    fused_linear_cross_entropy: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -91,6 +91,7 @@ def prepare_training(
             use_distributed_optimizer=p.use_distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
             bucket_size=p.bucket_size,
+            gradient_accumulation_fusion=t.gradient_accumulation_fusion,
         )
         for c in chunks
     ]
