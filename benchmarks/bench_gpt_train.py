@@ -333,6 +333,13 @@ def main() -> None:
         default="gpt",
         help="GPT-2 beside GPT2LMHeadModel, or a Llama beside LlamaForCausalLM",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a config override for our side, e.g. training.gradient_accumulation_fusion=true",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
@@ -369,6 +376,7 @@ def main() -> None:
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",
             *(LLAMA if args.model == "llama" else []),
+            *args.set,
         ],
     )
 
@@ -488,6 +496,7 @@ def main() -> None:
                 "order": f"warm-up ours x{args.warmup}, HF x{args.warmup}; then timed blocks "
                 f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
                 "ours": "megatrain.run.step.train_step(build_run(config)), 1-process gloo group",
+                "ours_overrides": args.set,
                 "hf": f"{type(hf.model).__name__} (sdpa) + AdamW (decay on 2-D params) + "
                 "clip_grad_norm_ 1.0, same lr schedule; loss = F.cross_entropy(logits, our "
                 "loader's labels)",

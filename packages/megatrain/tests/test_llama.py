@@ -62,7 +62,11 @@ LLAMA = [
 # layout differences (3e-6 in the first gradients) below the tolerance for three steps.
 MQA = ["model.num_query_groups=1", "optimizer.lr=0.001"]
 # The speed levers of issue 33: the output layer and loss fused, weight gradients into main_grad.
-LEVERS = ["training.fused_linear_cross_entropy=true", "training.gradient_accumulation_fusion=true"]
+LEVERS = [
+    "training.fused_linear_cross_entropy=true",
+    "training.gradient_accumulation_fusion=true",
+    "training.one_sync_per_iteration=true",
+]
 LAYOUTS = {
     "levers-tp2-dp4-seqpar": [  # the untied output layer's own weight
         *LEVERS,

@@ -22,7 +22,11 @@ STEPS = 3
 # fp32 summation order only: losses and valid loss absolute, gradient norms relative.
 FP32_TOL = 2e-5
 # The speed levers that change how, not what, a step computes (issue 33).
-LEVERS = ["training.fused_linear_cross_entropy=true", "training.gradient_accumulation_fusion=true"]
+LEVERS = [
+    "training.fused_linear_cross_entropy=true",
+    "training.gradient_accumulation_fusion=true",
+    "training.one_sync_per_iteration=true",
+]
 LAYOUTS = {
     # name: overrides; every layout sees the same global batch of 16 sequences per step
     # The levers at tp 2, sequence-parallel, on a last stage holding the tied embeddings' copy.
@@ -138,7 +142,63 @@ def _one_process(corpus, out):
         )
     )
     levers = train(_config(corpus, f"{out}/levers", LEVERS))
-    return reference, bf16, fp16, learn, deep, levers
+    # fp16 from a loss scale of 2^20: the first steps overflow and are skipped, on the host's
+    # word (plain) and on the device's (one sync per iteration).
+    overflow = [
+        "training.precision='fp16'",
+        "training.train_iters=6",
+        "optimizer.initial_loss_scale=1048576",
+        "optimizer.hysteresis=1",
+    ]
+    skipping = {
+        name: train(_config(corpus, f"{out}/overflow-{name}", [*overflow, *extra]))
+        for name, extra in (("plain", []), ("one_sync", [LEVERS[-1]]))
+    }
+    reads = _host_reads_per_step(corpus, out)
+    return reference, bf16, fp16, learn, deep, levers, reads, skipping
+
+
+def _host_reads_per_step(corpus, out) -> dict:
+    """How often a step reads a tensor's value on the host (item, tolist, bool, float, int:
+    each a device sync on a GPU), the loop's stop flag included: plain, and with
+    training.one_sync_per_iteration."""
+    import contextlib
+
+    import torch
+
+    from megacore import parallel_state as ps
+    from megatrain.run.loop import StopSignal
+    from megatrain.run.setup import build_run
+    from megatrain.run.step import train_step
+
+    reads, counts = [], {}
+    methods = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def counting(name, original):
+        def method(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name, extra in (("plain", []), ("one_sync", ["training.one_sync_per_iteration=true"])):
+        run = build_run(_config(corpus, f"{out}/reads-{name}", extra), torch.device("cpu"))
+        stop = StopSignal()
+        try:
+            train_step(run, stop.flag(run.device))  # a first step builds the optimizer state
+            flag = stop.flag(run.device)
+            with contextlib.ExitStack() as patches:
+                for m in methods:
+                    original = getattr(torch.Tensor, m)
+                    setattr(torch.Tensor, m, counting(m, original))
+                    patches.callback(setattr, torch.Tensor, m, original)
+                step = train_step(run, flag)
+            counts[name] = (list(reads), step["stop"])
+            reads.clear()
+        finally:
+            stop.restore()
+            ps.destroy_model_parallel()
+    return counts
 
 
 def _layouts(corpus, out):
@@ -164,6 +224,23 @@ def test_layouts_match_one_process(corpus, one_process, tmp_path):
 
 def test_levers_take_the_same_steps_in_one_process(one_process):
     assert_same_steps(one_process[5], one_process[0], "levers", FP32_TOL)
+
+
+def test_one_sync_per_iteration_reads_the_device_once(one_process):
+    reads = one_process[6]
+    # Plain: the loss and the optimizer's norm and inf/nan flag (tolist), the stop agreement
+    # (item), and on a CPU foreach AdamW's step counts (item, one per parameter).
+    plain, stop = reads["plain"]
+    assert plain[:2] == ["tolist", "tolist"] and plain.count("item") > 1 and stop == 0.0, plain
+    assert reads["one_sync"] == (["tolist"], 0.0), reads
+    plain, one_sync = one_process[7]["plain"], one_process[7]["one_sync"]
+    skipped = [g is None for g in plain["grad_norm"]]
+    assert any(skipped) and not skipped[-1], plain["grad_norm"]  # skips, then steps again
+    assert [g is None for g in one_sync["grad_norm"]] == skipped, one_sync["grad_norm"]
+    for a, b in zip(one_sync["grad_norm"], plain["grad_norm"], strict=True):
+        assert a is b is None or abs(a - b) < 2e-4 * b, (one_sync["grad_norm"], plain)
+    for a, b in zip(one_sync["loss"], plain["loss"], strict=True):
+        assert abs(a - b) < 2e-4, (one_sync["loss"], plain["loss"])  # fp16: 5e-5 seen
 
 
 def test_tiny_gpt_learns_and_bf16_fp16_follow_fp32(one_process):

@@ -151,6 +151,11 @@ class TrainingConfig:
     # The linears' weight-gradient GEMMs add straight into the data-parallel gradient buffer
     # (main_grad) instead of making param.grad and adding it (Megatron-LM's flag).
     gradient_accumulation_fusion: bool = False
+    # Read the device once an iteration (the loss, the gradient norm and inf/nan flag, the
+    # stop agreement together) instead of three times; the optimizer then runs torch's fused
+    # AdamW, which skips a step on the device.  A signal is acted on one iteration later
+    # when it arrives during logging or evaluation.
+    one_sync_per_iteration: bool = False
     seed: int = 1234
     eval_interval: int = 100
     eval_iters: int = 10

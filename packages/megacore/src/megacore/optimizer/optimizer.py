@@ -73,6 +73,9 @@ class OptimizerConfig:
     # The speed path (module docstring); False gives the plain per-tensor path.
     fused_adam: bool = True
     fused_grad_norm: bool = True
+    # `step_on_device()`: a step that reads nothing from the device (torch's fused AdamW,
+    # which skips on a device-side inf/nan flag, on any device).
+    step_on_device: bool = False
 
     def __post_init__(self):
         if self.fp16 and self.bf16:
@@ -164,7 +167,11 @@ class MegatronOptimizer:
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
-            **_adam_implementation(config.fused_adam, decay + no_decay),
+            **(
+                {"fused": True}
+                if config.step_on_device
+                else _adam_implementation(config.fused_adam, decay + no_decay)
+            ),
         )
         self.grad_scaler = None
         if config.fp16:
@@ -260,6 +267,58 @@ class MegatronOptimizer:
         for chunk in self.ddp_chunks:
             chunk.all_gather_params()  # returns at once under overlap_param_gather
         return True, grad_norm, num_zeros
+
+    @torch.no_grad()
+    def step_on_device(self) -> torch.Tensor:
+        """`step()` without reading the device: [grad norm, 1.0 if any rank's gradients hold
+        inf or nan else 0.0] as a device tensor, for the caller to read with whatever else it
+        reads (its iteration's one host sync) and hand to `settle_step`.
+
+        The same step as `step()` with `fused_grad_norm`: the clip coefficient is applied on the
+        device (multiplying by exactly 1 when under the limit), and fused AdamW skips the update
+        on the device-side flag (moments and step counts untouched), so a step with inf or nan
+        leaves the masters, and so the model, as they were.  Needs `step_on_device=True`.
+        """
+        if not self.config.step_on_device:
+            raise ValueError(
+                "MegatronOptimizer.step_on_device needs OptimizerConfig(step_on_device=True)"
+            )
+        self.finish_param_sync()
+        grads = self._masters_take_grads()
+        if self.grad_scaler and grads:
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
+        counted, others = [], []
+        for s in self.shards:
+            if s.master.grad is not None:
+                (counted if counts_once(s.master) else others).append(s.master.grad)
+        stats = grad_stats(counted, others, groups=self._norm_groups())
+        norm, found_inf = stats[0].sqrt(), (stats[1] > 0).float()
+        if self.config.clip_grad > 0 and grads:
+            coeff = (self.config.clip_grad / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coeff.to(grads[0].device))
+        self.optimizer.found_inf = (
+            found_inf.to(self.shards[0].master.device) if self.shards else None
+        )
+        self.optimizer.step()
+        owned = [s for s in self.shards if s.owns_master]
+        if owned:
+            torch._foreach_copy_(
+                [s.param.detach().view(-1)[s.start : s.end] for s in owned],
+                [s.master for s in owned],
+            )
+        for chunk in self.ddp_chunks:
+            chunk.all_gather_params()
+        return torch.stack([norm, found_inf])
+
+    def settle_step(self, grad_norm: float, found_inf: float) -> tuple[bool, float | None, None]:
+        """What `step()` returns, from the values `step_on_device` left on the device; updates
+        the loss scale and the count of skipped steps."""
+        if self.grad_scaler:
+            self.grad_scaler.update(bool(found_inf))
+        if found_inf:
+            self.num_skipped_steps += 1
+            return False, None, None
+        return True, grad_norm, None
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers `step()` left running (overlap_param_gather).

@@ -59,9 +59,17 @@ class StopSignal:
 
     def agreed(self, device) -> bool:
         """Whether any rank got a signal (a collective, so every rank stops at the same step)."""
+        return self.settle(self.flag(device).item())
+
+    def flag(self, device) -> torch.Tensor:
+        """The highest signal any rank got, all-reduced on `device` and not read yet (for a
+        step that reads it with its own values: `settle` takes what was read)."""
         flag = torch.tensor([float(self.signum or 0)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum = int(flag.item())
+        return flag
+
+    def settle(self, value: float) -> bool:
+        signum = int(value)
         if signum and signum != self.signum:
             self.signum, self.received = signum, signal.Signals(signum).name
         return bool(signum)
@@ -157,7 +165,9 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     loop_start, first_iteration = interval_start, run.iteration
     names = STATISTICS[run.kind]
     while run.iteration < t.train_iters:
-        step = train_step(run)
+        # One read per iteration: the stop agreement goes with the step's own values (a signal
+        # during this iteration's logging or evaluation then stops the next one).
+        step = train_step(run, stop.flag(run.device) if t.one_sync_per_iteration else None)
         guard.check(step["loss"], run.iteration)
         for n in names:  # GPT: the loss; BERT: also its parts and the SOP accuracy
             run.history.setdefault(n, []).append(step[n])
@@ -196,7 +206,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             pace = elapsed / (run.iteration - first_iteration)
             record["eta_s"] = pace * (t.train_iters - run.iteration)
             log.record(record)
-        stopping = stop.agreed(run.device)
+        stopping = stop.settle(step["stop"]) if "stop" in step else stop.agreed(run.device)
         if t.exit_interval and run.iteration % t.exit_interval == 0:
             stopping, stop.received = True, stop.received or f"exit_interval {t.exit_interval}"
         if (

@@ -113,6 +113,7 @@ def prepare_training(
             loss_scale_window=o.loss_scale_window,
             hysteresis=o.hysteresis,
             use_distributed_optimizer=p.use_distributed_optimizer,
+            step_on_device=t.one_sync_per_iteration,
         ),
         chunks,
     )

@@ -51,11 +51,13 @@ def forward_backward(
     forward_only: bool = False,
     forward_step=None,
     names: tuple[str, ...] | None = None,
-) -> dict:
+    read: bool = True,
+) -> dict | torch.Tensor:
     """Run one global batch through the pipeline; return its mean loss and the model's other
     statistics ({"loss": ..., BERT: "mlm_loss", "sop_loss", "sop_accuracy"}), as floats on
-    every rank.  `forward_step` and the statistics' `names` default to the model kind's
-    (a fine-tuning task brings its own)."""
+    every rank (`read=False`: as one device tensor in `names`' order, not read yet).
+    `forward_step` and the statistics' `names` default to the model kind's (a fine-tuning
+    task brings its own)."""
     t = run.config.training
     interleaved = len(run.chunks) > 1
     infos = pipe.get_forward_backward_func(run.config.parallel.pipeline_schedule)(
@@ -83,7 +85,7 @@ def forward_backward(
         total /= run.dp_size
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return dict(zip(names, total.tolist(), strict=True))
+    return dict(zip(names, total.tolist(), strict=True)) if read else total
 
 
 # What each model's last stage reports per microbatch ("loss" is what is trained).
@@ -125,14 +127,32 @@ def lr_for(config: Config, iteration: int) -> float:
     )
 
 
-def train_step(run: Run) -> dict:
-    """One iteration; returns its loss, grad norm and learning rate."""
+def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
+    """One iteration; returns its loss, grad norm and learning rate.
+
+    With `training.one_sync_per_iteration` the loss, the optimizer's norm and inf/nan flag,
+    and `stop_flag` (the loop's stop agreement, already all-reduced; returned as "stop") stay
+    on the device until one read at the end; otherwise each is read where it is made."""
     lr = lr_for(run.config, run.iteration)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     micro = [to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
-    stats = forward_backward(run, micro)
-    ok, grad_norm, _ = run.optimizer.step()
+    if run.config.training.one_sync_per_iteration:
+        totals = forward_backward(run, micro, read=False)
+        parts = [totals, run.optimizer.step_on_device()]
+        if stop_flag is not None:
+            parts.append(stop_flag.to(totals.device, totals.dtype))
+        values = torch.cat(parts).tolist()  # the iteration's one host sync
+        names = STATISTICS[run.kind]
+        stats = dict(zip(names, values[: len(names)], strict=True))
+        ok, grad_norm, _ = run.optimizer.settle_step(*values[len(names) : len(names) + 2])
+        if stop_flag is not None:
+            stats["stop"] = values[-1]
+    else:
+        stats = forward_backward(run, micro)
+        ok, grad_norm, _ = run.optimizer.step()
+        if stop_flag is not None:
+            stats["stop"] = stop_flag.item()
     run.optimizer.zero_grad()
     run.iteration += 1
     return {**stats, "lr": lr, "grad_norm": grad_norm, "ok": ok}
