@@ -68,13 +68,10 @@ def _plain_losses(model: GPTModel, tokens, labels) -> torch.Tensor:
         qkv = F.linear(layer.ln1(x), att.qkv.weight, att.qkv.bias)
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, att.heads_local, 3, att.head_dim).permute(3, 1, 2, 0, 4)
-        if cfg.attention_dropout:
-            with tp.get_rng_tracker().fork():
-                core = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=cfg.attention_dropout, is_causal=True
-                )
-        else:
-            core = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # One TP rank: the default stream draws the attention dropout (no tracker fork).
+        core = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=cfg.attention_dropout, is_causal=True
+        )
         core = core.permute(2, 0, 1, 3).reshape(s, b, -1)
         x = x + F.dropout(F.linear(core, att.proj.weight, att.proj.bias), p, p > 0)
         hidden = F.gelu(F.linear(layer.ln2(x), mlp.fc1.weight, mlp.fc1.bias), approximate="tanh")
@@ -138,6 +135,26 @@ def test_compile_equals_eager(one_process):
             apply_recompute(compiled, recompute)
             apply_recompute(eager, recompute)
             _assert_same(_step(compiled), _step(eager), atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")
+def test_compiled_layer_is_one_graph_with_dropout_at_one_tp_rank(one_process):
+    """At tp 1 the attention dropout draws from the default stream (no generator swap, which
+    dynamo cannot trace): a training layer with dropout compiles to one graph, no break."""
+    torch._dynamo.reset()
+    tp.model_parallel_manual_seed(0)  # the tracker a tp > 1 layer would fork
+    try:
+        for dropout in (0.1, 0.0):
+            (model,) = build_gpt_chunks(_cfg(dropout), 1234, device="cpu")
+            layer = model.layers["0"]
+            x = torch.randn(S, B, 32, requires_grad=True)
+            explained = torch._dynamo.explain(layer)(x)
+            assert explained.graph_count == 1 and explained.graph_break_count == 0, (
+                dropout,
+                [str(b.reason)[:200] for b in explained.break_reasons],
+            )
     finally:
         torch._dynamo.reset()
 

@@ -314,7 +314,7 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig, place: dict, parallel: ParallelContext):
         super().__init__()
         h, sp = cfg.hidden_size, cfg.sequence_parallel
-        self.cfg = cfg
+        self.cfg, self.tp_size = cfg, parallel.tp_size
         # The attention core as called; `parallelize.apply_recompute` swaps in a checkpointed one.
         self.core_attention = self._core
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
@@ -359,8 +359,13 @@ class ParallelAttention(nn.Module):
         p = self.cfg.attention_dropout if self.training else 0.0
         causal = self.cfg.causal
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        if not p:  # no random numbers needed (so none need seeding, e.g. for evaluation)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
+        # No random numbers needed (so none need seeding, e.g. for evaluation); or one TP rank,
+        # whose heads the default stream serves: no generator swap, which torch.compile cannot
+        # trace (it would cut the compiled layer in three around the attention).
+        if not p or self.tp_size == 1:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
+            )
         with tp.get_rng_tracker().fork():  # local heads: another mask on each TP rank
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
