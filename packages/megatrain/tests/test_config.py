@@ -171,6 +171,25 @@ def test_speed_lever_refusals_name_the_fields():
     for kind in ("gpt", "llama"):  # accepted
         levers = ["training.fused_linear_cross_entropy=true", both[0]]
         validate(load_config(None, [f"model.kind={kind!r}", *levers]))
+    fp8 = "training.precision='fp8'"
+    refusals = {
+        (fp8, both[0]): r"'fp8' with training.gradient_accumulation_fusion = true: torchao",
+        (fp8, "parallel.pipeline_model_parallel_size=2", "parallel.pipeline_schedule='zb-h1'"): (
+            r"'fp8' with parallel.pipeline_schedule = 'zb-h1'"
+        ),
+        ("training.fp8_emulate=true",): r"fp8_emulate = true with training.precision = 'fp32'",
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config(None, list(overrides)), 2)
+    # Where float8 GEMMs cannot run, the run stops before any weight is built, saying why.
+    import torch
+
+    from megacore import tensor_parallel as tp
+
+    with pytest.raises(RuntimeError, match=r"fp8 training needs an NVIDIA GPU .* on 'cpu'"):
+        tp.check_float8_available(torch.device("cpu"), emulate=False)
+    tp.check_float8_available(torch.device("cpu"), emulate=True)  # torchao's emulation runs
 
 
 def test_learning_rate_warmup_then_cosine_or_linear():

@@ -27,6 +27,10 @@ LEVERS = [
     "training.gradient_accumulation_fusion=true",
     "training.one_sync_per_iteration=true",
 ]
+# torchao's float8 training through its emulation (float8 casts and scales, high-precision
+# matmuls): the numbers of training.precision = "fp8" on a CPU.
+FP8 = ["training.precision='fp8'", "training.fp8_emulate=true"]
+FP8_TP2 = [*FP8, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {
     # name: overrides; every layout sees the same global batch of 16 sequences per step
     # The levers at tp 2, sequence-parallel, on a last stage holding the tied embeddings' copy.
@@ -155,7 +159,8 @@ def _one_process(corpus, out):
         for name, extra in (("plain", []), ("one_sync", [LEVERS[-1]]))
     }
     reads = _host_reads_per_step(corpus, out)
-    return reference, bf16, fp16, learn, deep, levers, reads, skipping
+    fp8 = train(_config(corpus, f"{out}/fp8", FP8))
+    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8
 
 
 def _host_reads_per_step(corpus, out) -> dict:
@@ -202,7 +207,8 @@ def _host_reads_per_step(corpus, out) -> dict:
 
 
 def _layouts(corpus, out):
-    return {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
+    runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
+    return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2))
 
 
 @pytest.fixture(scope="module")
@@ -213,13 +219,21 @@ def one_process(corpus, tmp_path_factory):
 
 def test_layouts_match_one_process(corpus, one_process, tmp_path):
     reference, deep = one_process[0], one_process[4]
-    runs = run_distributed(_layouts, 8, args=(corpus, str(tmp_path)), timeout=420)[0]
+    runs, fp8_tp2 = run_distributed(_layouts, 8, args=(corpus, str(tmp_path)), timeout=420)[0]
     assert len(reference["loss"]) == STEPS
     assert reference["valid"][-1][0] == STEPS
     for name, run in runs.items():
         assert_same_steps(run, deep if "8-layers" in name else reference, name, FP32_TOL)
     # The steps did something: a wrong gradient would show in the losses after step 0.
     assert reference["loss"][-1] < reference["loss"][0] - 0.02
+    _assert_follows(fp8_tp2, reference, one_process[1], "fp8 at tp 2, sequence-parallel")
+
+
+def _assert_follows(run, reference, bf16, name, tol=0.05):
+    """A low-precision run takes fp32's steps within `tol`, and is not bf16's (it is active)."""
+    for a, b in zip(run["loss"], reference["loss"], strict=True):
+        assert abs(a - b) < tol, (name, run["loss"], reference["loss"])
+    assert run["loss"] != bf16["loss"], name
 
 
 def test_levers_take_the_same_steps_in_one_process(one_process):
@@ -241,6 +255,11 @@ def test_one_sync_per_iteration_reads_the_device_once(one_process):
         assert a is b is None or abs(a - b) < 2e-4 * b, (one_sync["grad_norm"], plain)
     for a, b in zip(one_sync["loss"], plain["loss"], strict=True):
         assert abs(a - b) < 2e-4, (one_sync["loss"], plain["loss"])  # fp16: 5e-5 seen
+
+
+def test_fp8_follows_fp32_as_bf16_does(one_process):
+    reference, bf16 = one_process[0], one_process[1]
+    _assert_follows(one_process[8], reference, bf16, "fp8 (torchao's emulation)")
 
 
 def test_tiny_gpt_learns_and_bf16_fp16_follow_fp32(one_process):

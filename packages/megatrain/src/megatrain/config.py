@@ -140,7 +140,12 @@ class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 8
     train_iters: int = 100
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    # fp32 | bf16 | fp16 | fp8 (bf16 with the layers' GEMMs in float8 through torchao's float8
+    # training: an H100-class GPU and torchao, `megatrain[gpu]`).
+    precision: str = "fp32"
+    # fp8 through torchao's emulation: the float8 casts and scales, the matmuls in high
+    # precision; any device, for checking the numbers without the speed.
+    fp8_emulate: bool = False
     # torch.compile each transformer layer (fuses bias + GeLU and bias + dropout + residual);
     # the same numbers as without, after a compile of a few seconds to minutes at start.
     compile: bool = False
@@ -249,7 +254,7 @@ _SECTION_TYPES = {
 CHOICES = {
     ("model", "recompute"): RECOMPUTE_CHOICES,
     ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
-    ("training", "precision"): ("fp32", "bf16", "fp16"),
+    ("training", "precision"): ("fp32", "bf16", "fp16", "fp8"),
 }
 
 
@@ -421,6 +426,22 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "training.gradient_accumulation_fusion = true with training.compile = true: a compiled "
         "layer's backward cannot hand its weight gradients to the data-parallel buffer's "
         "hook; turn one of them off",
+    )
+    if t.precision == "fp8":
+        _need(
+            not t.gradient_accumulation_fusion,
+            "training.precision = 'fp8' with training.gradient_accumulation_fusion = true: "
+            "torchao's float8 GEMMs make their own weight gradients; turn the fusion off",
+        )
+        _need(
+            p.pipeline_schedule != "zb-h1",
+            "training.precision = 'fp8' with parallel.pipeline_schedule = 'zb-h1': the deferred "
+            "weight gradients would be bf16 GEMMs; choose 1f1b or interleaved",
+        )
+    _need(
+        not t.fp8_emulate or t.precision == "fp8",
+        f"training.fp8_emulate = true with training.precision = {t.precision!r}: it emulates "
+        "fp8 only",
     )
     _need(
         m.kind != "bert" or not t.fused_linear_cross_entropy,

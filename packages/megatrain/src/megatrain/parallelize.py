@@ -4,7 +4,8 @@ The model classes (`models/`) compute one chunk of the transformer; what layout 
 reaches them as a `ParallelContext` (tensor- and pipeline-parallel rank and size, virtual
 stages), never by reading or changing process-group globals.  This module builds a rank's
 chunks for a layout (`build_chunks`) and changes built chunks in place: activation
-recompute (`apply_recompute`) and torch.compile (`apply_compile`), in the spirit of
+recompute (`apply_recompute`), float8 GEMMs (`apply_float8`) and torch.compile
+(`apply_compile`), in the spirit of
 torchtitan's `parallelize_*` functions.  The tensor-parallel layers themselves are
 megacore's Megatron layers (column/row-parallel linear, vocabulary-parallel embedding),
 which take their groups from megacore's process-group state.
@@ -151,4 +152,19 @@ def apply_compile(chunk):
     """
     for layer in chunk.layers.values():
         layer.compile(options={"fallback_random": True})
+    return chunk
+
+
+def apply_float8(chunk, recipe: "tp.Float8Recipe"):
+    """The GEMMs of every column- and row-parallel linear inside `chunk`'s transformer layers in
+    float8 (`training.precision = "fp8"`), in place; returns it.
+
+    The layers only, as torchtitan's float8 converter leaves the output layer: the logits
+    (and the tied embeddings they share a weight with) stay bf16, where float8's few
+    mantissa bits would cost the most.  A linear whose dimensions are not multiples of 16
+    keeps bf16 (`Float8Recipe.applies_to`)."""
+    for layer in chunk.layers.values():
+        for module in layer.modules():
+            if isinstance(module, tp.ColumnParallelLinear | tp.RowParallelLinear):
+                module.float8 = recipe
     return chunk

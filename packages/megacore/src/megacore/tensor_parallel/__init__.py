@@ -8,6 +8,7 @@ from megacore.tensor_parallel.cross_entropy import (
     linear_vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy,
 )
+from megacore.tensor_parallel.float8 import Float8Recipe, check_float8_available
 from megacore.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -53,10 +54,12 @@ from megacore.tensor_parallel.weight_grad import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "Float8Recipe",
     "RNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "apply_weight_grads",
+    "check_float8_available",
     "checkpoint",
     "copy_to_tensor_model_parallel_region",
     "deferring_weight_grads",

@@ -160,6 +160,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
+        self.float8 = None  # a tensor_parallel.float8.Float8Recipe: the GEMMs in float8
         self.sequence_parallel = sequence_parallel and world > 1
         self.output_size_per_partition = (
             divide(
@@ -198,8 +199,10 @@ class ColumnParallelLinear(nn.Module):
             )
         x = self.parallel_input(input_)
         bias = None if self.skip_bias_add else self.bias
-        # Its own weight may take gradient-accumulation fusion; a passed one (tied) may not.
-        out = linear(x, weight, bias, accumulate=weight is self.weight)
+        # Its own weight may take gradient-accumulation fusion or float8; a passed one (tied)
+        # may not.
+        own = weight is self.weight
+        out = linear(x, weight, bias, accumulate=own, float8=self.float8 if own else None)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out)
         return out, (self.bias if self.skip_bias_add else None)
@@ -255,6 +258,7 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
+        self.float8 = None  # a tensor_parallel.float8.Float8Recipe: the GEMMs in float8
         self.sequence_parallel = sequence_parallel and world > 1
         self.input_size_per_partition = (
             divide(
@@ -278,7 +282,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        out = linear(x, self.weight, accumulate=True)
+        out = linear(x, self.weight, accumulate=True, float8=self.float8)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out)
         else:

@@ -38,6 +38,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from megacore.tensor_parallel.float8 import Float8Recipe
+
 _split = [False]  # inside split_backward(): linears record for deferral
 _pending: list[list | None] = [None]  # inside deferring_weight_grads(): where they go
 
@@ -70,10 +72,14 @@ def linear(
     bias: torch.Tensor | None = None,
     *,
     accumulate: bool = False,
+    float8: Float8Recipe | None = None,
 ):
     """x A^T + b, as `F.linear`; under `split_backward()` its weight gradient can be deferred.
     `accumulate`: `weight` is the caller's own parameter, used nowhere else in the step, so
-    its gradient may go straight into `main_grad` (module doc)."""
+    its gradient may go straight into `main_grad` (module doc).  `float8`: the GEMMs in float8
+    (`tensor_parallel.float8`; not combined with deferral or fusion, which megatrain refuses)."""
+    if float8 is not None and float8.applies_to(weight):
+        return float8.linear(x, weight, bias)
     if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     if not _split[0]:

@@ -19,9 +19,15 @@ from megatrain.data.corpus import Corpus, open_run_corpus
 from megatrain.data.samples import GPTBatches
 from megatrain.models import build_model_chunks, model_config
 from megatrain.models.transformer import TransformerConfig
-from megatrain.parallelize import apply_compile
+from megatrain.parallelize import apply_compile, apply_float8
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 keeps bf16 parameters and activations; the layers' GEMMs run in float8.
+PRECISION_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
 
 
 @dataclass
@@ -81,6 +87,8 @@ def prepare_training(
     DDP (or the distributed optimizer's buffers), the tensor-parallel dropout seeds set, and
     the optimizer over them.  Shared by pretraining and fine-tuning (megaeval)."""
     p, t, o = config.parallel, config.training, config.optimizer
+    if t.precision == "fp8":
+        chunks = [apply_float8(c, tp.Float8Recipe(emulate=t.fp8_emulate)) for c in chunks]
     if t.compile:
         chunks = [apply_compile(c) for c in chunks]
     chunks = [
@@ -106,7 +114,7 @@ def prepare_training(
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
             fp16=t.precision == "fp16",
-            bf16=t.precision == "bf16",
+            bf16=t.precision in ("bf16", "fp8"),
             loss_scale=o.loss_scale,
             initial_loss_scale=o.initial_loss_scale,
             min_loss_scale=o.min_loss_scale,
@@ -138,6 +146,8 @@ def build_run(config: Config, device: torch.device) -> Run:
     valid_corpus = open_run_corpus(config, "valid", verify)
     transformer = model_config(config, train_corpus.vocab_size)
     dtype = PRECISION_DTYPES[t.precision]
+    if t.precision == "fp8":  # before any weight is built
+        tp.check_float8_available(device, t.fp8_emulate)
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
     chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
