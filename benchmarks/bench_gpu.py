@@ -1,8 +1,9 @@
-"""GPT-2 1.2B training on one GPU: megatrain's training step beside Hugging Face's GPT-2.
+"""GPT-2 1.2B on one GPU: megatrain's training step beside HF's, megatron-core's, torchtitan's.
 
     make bench-gpu                                   # the paper's 1.2B, bf16, one GPU
     python benchmarks/bench_gpu.py --micro-batch 4 --recompute none --out bench-results/gpu.json
     python benchmarks/bench_gpu.py --small --out bench-results/gpu-small.json   # on a CPU
+    python benchmarks/bench_gpu.py --config pipelines/models/llama3-8b.toml --layers 4
 
 The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
 1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
@@ -24,14 +25,26 @@ betas, eps, decay and clipping, on the very same batches. Each model runs alone:
 `--warmup` steps, `--iters` timed steps (`torch.cuda.synchronize()` before and after each),
 then freed, so `torch.cuda.max_memory_allocated` is its own peak.
 
+After them, each of `--peers` (default both; benchmarks/peers/) alone in the same way on the
+same batches: megatron-core's own GPTModel (local layer spec, no Transformer Engine) with its
+DistributedDataParallel and get_megatron_optimizer, and torchtitan's Llama 3 (the same model
+for a Llama config, a FLOP-matched Llama for GPT-2) with its parallelize_llama and
+build_optimizers; each module's doc says exactly what runs.  A peer whose package does not import
+(scripts/fetch_gpu_wheels.py and scripts/install_gpu_wheels.sh install them) or that fails is
+recorded as skipped with the reason, and the others' numbers stay.
+
 Reported per model: tokens/s (median step; mean), ms/step, model TFLOP/s, MFU (model FLOPs,
 72 B s l h^2 (1 + s/6h + V/12lh), whatever is recomputed) and HFU (with the recomputed
 work: 96 B s l h^2 (1 + s/6h + V/16lh) under full recompute) against one device's dense
 bf16 peak (`megatrain.run.metrics.device_peak_tflops`; on a CPU the best of two measured fp32
 matmul rates), peak memory, losses; and ours / HF tokens/s (median and fastest step).
+Each model's MFU counts its own model FLOPs (the same as ours but for the FLOP-matched Llama's
+rounding).  Its losses are checked: the first near ln(vocab) (random tokens; within
+`LOSS_TOLERANCE`) and the largest difference from ours over the steps.
 """
 
 import argparse
+import copy
 import gc
 import json
 import math
@@ -39,9 +52,13 @@ import os
 import platform
 import tempfile
 import time
+import traceback
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+import peers
 import torch
 import torch.distributed as dist
 from bench_gpt_train import (
@@ -73,6 +90,18 @@ CONFIG = ROOT / "pipelines" / "models" / "gpt2-1.2b.toml"
 # A shape a 2-core CPU trains in seconds a step: the same code path, smaller matrices.
 SMALL = {"layers": 4, "hidden": 256, "heads": 4, "seq": 256, "vocab": 8192, "micro_batch": 4}
 GIB = 2**30
+# The speed levers of ours (docs/training.md), on unless --no-levers; gradient-accumulation
+# fusion is left out under --compile, which it does not combine with.
+LEVERS = (
+    "training.fused_linear_cross_entropy=true",
+    "training.gradient_accumulation_fusion=true",
+    "training.one_sync_per_iteration=true",
+)
+# How far a first loss may lie from ln(vocab) on random tokens: GPT-2's init (std 0.02) starts
+# within 0.01 nats of it, torchtitan's (logits of std ~1) about 0.5 above it.
+LOSS_TOLERANCE = 1.0
+# The peers' packages (and the kernels packages shipped with them), versions recorded.
+PEER_PACKAGES = ("megatron-core", "torchtitan", "torchao", "liger-kernel")
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,7 +124,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help=f"a CPU-sized shape: {SMALL}")
     for name in ("layers", "hidden", "heads", "seq", "vocab"):
         parser.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--groups", type=int, default=None, help="a Llama's key/value heads")
+    parser.add_argument("--ffn", type=int, default=None, help="the MLP's hidden width")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face model")
+    parser.add_argument(
+        "--no-levers",
+        dest="levers",
+        action="store_false",
+        help="ours without the speed levers (fused linear + cross entropy, gradient-accumulation "
+        "fusion, one host sync per iteration)",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="ours once more with training.precision='fp8' (torchao's float8 training) as "
+        "'megatrain-fp8'; recorded as skipped with the reason where float8 cannot run",
+    )
+    parser.add_argument(
+        "--fp8-emulate", action="store_true", help="--fp8 through torchao's emulation (any device)"
+    )
+    parser.add_argument(
+        "--peers",
+        default=",".join(peers.PEERS),
+        help=f"comma-separated, of {', '.join(peers.PEERS)}, or 'none' (default: all; one "
+        "that does not import is recorded as skipped)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="profile one more step of ours: top ops by time"
     )
@@ -118,6 +171,11 @@ def parse_args() -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.precision is None:
         args.precision = "bf16" if args.device == "cuda" else "fp32"
+    args.peers = [] if args.peers == "none" else args.peers.split(",")
+    if unknown := set(args.peers) - set(peers.PEERS):
+        parser.error(
+            f"--peers: unknown {', '.join(sorted(unknown))}; known: {', '.join(peers.PEERS)}"
+        )
     return args
 
 
@@ -141,10 +199,13 @@ def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
     o += [f"training.micro_batch_size={micro}", f"training.global_batch_size={micro}"]
     if args.compile:
         o.append("training.compile=true")
+    if args.levers:
+        o += [lever for lever in LEVERS if not (args.compile and "accumulation" in lever)]
     if args.recompute != "auto":
         o.append(f'model.recompute="{args.recompute}"')
     for name, field in (("layers", "num_layers"), ("hidden", "hidden_size"),
-                        ("heads", "num_attention_heads"), ("vocab", "vocab_size")):  # fmt: skip
+                        ("heads", "num_attention_heads"), ("vocab", "vocab_size"),
+                        ("groups", "num_query_groups"), ("ffn", "ffn_hidden_size")):  # fmt: skip
         if getattr(args, name) is not None:
             o.append(f"model.{field}={getattr(args, name)}")
     if args.seq is not None:
@@ -228,6 +289,26 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
     }
 
 
+def measure_fp8(config, device: torch.device, args: argparse.Namespace) -> dict:
+    """Ours again with the layers' GEMMs in float8 (bf16 otherwise), or why it cannot run."""
+    fp8 = copy.deepcopy(config)
+    fp8.training.precision = "fp8"
+    fp8.training.fp8_emulate = args.fp8_emulate
+    fp8.training.gradient_accumulation_fusion = False  # torchao makes its weight gradients
+    try:
+        result = measure_ours(fp8, device, args)
+    except (RuntimeError, ImportError) as e:
+        traceback.print_exc()
+        return {"skipped": True, "reason": f"{type(e).__name__}: {e}"}
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    result["precision"] = "fp8 (torchao float8 training" + (
+        ", emulated)" if args.fp8_emulate else ")"
+    )
+    return result
+
+
 def measure_hf(config, corpus: Path, vocab_padded: int, device, args) -> dict:
     """GPT2LMHeadModel (or LlamaForCausalLM) of the same shape on the same batches; freed on
     return."""
@@ -257,6 +338,71 @@ def measure_hf(config, corpus: Path, vocab_padded: int, device, args) -> dict:
         "class": type(hf.model).__name__,
         "precision": "fp32 weights, torch.autocast(bf16)" if low else "fp32",
         "digests": hf.batches.digests,
+    }
+
+
+def measure_peer(name: str, config, corpus: Path, model_config, device, args) -> dict:
+    """Peer `name` (benchmarks/peers) on the same batches, timed as ours; freed on return."""
+    t = config.training
+    before = reset_memory(device)
+    batches = Recorder(
+        loader(corpus, config.model.vocab_size, t.seq_length, t.micro_batch_size, args.seed)
+    )
+    trainer = peers.build(name, config, model_config, batches, device, args.precision, args.seed)
+    try:
+        seconds, losses = run_steps(trainer.step, args.warmup, args.iters, device, name)
+    finally:
+        trainer.close()
+    return {
+        "seconds": seconds,
+        "losses": losses,
+        "model_config": trainer.model_config,  # its own model FLOPs
+        "recompute": trainer.recompute,
+        "peak_memory_gib": peak_memory(device),
+        "memory_before_gib": before,
+        "parameters": trainer.parameters,
+        "precision": trainer.precision,
+        "description": trainer.description,
+        **trainer.details,
+        "digests": batches.digests,
+    }
+
+
+def run_peers(config, corpus: Path, model_config, device, args, ours_digests) -> dict:
+    """Each of `args.peers` alone; one that does not import or fails is recorded as skipped with
+    the reason, so the others' numbers stay."""
+    results = {}
+    for name in args.peers:
+        reason = peers.unavailable(name)
+        if reason is None:
+            try:
+                result = measure_peer(name, config, corpus, model_config, device, args)
+                if result["digests"] != ours_digests:
+                    raise RuntimeError(f"{name} was trained on other batches than ours")
+                results[name] = result
+            except Exception as e:
+                traceback.print_exc()
+                reason = f"failed: {type(e).__name__}: {e}"
+            reset_memory(device)
+        if reason is not None:
+            print(f"{name} skipped: {reason}", flush=True)
+            results[name] = {"skipped": True, "reason": reason}
+    return results
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def loss_check(losses: list[float], ours: list[float], ln_vocab: float) -> dict:
+    return {
+        "first_loss_minus_ln_vocab": losses[0] - ln_vocab,
+        "first_loss_near_ln_vocab": abs(losses[0] - ln_vocab) < LOSS_TOLERANCE,
+        "tolerance": LOSS_TOLERANCE,
+        "max_abs_diff_vs_megatrain": max(abs(a - b) for a, b in zip(losses, ours, strict=True)),
     }
 
 
@@ -297,11 +443,15 @@ def main() -> None:
         results["megatrain"] = measure_ours(config, device, args)
         ps.destroy_model_parallel()
         model_config = results["megatrain"].pop("model_config")
+        if args.fp8 or args.fp8_emulate:
+            results["megatrain-fp8"] = measure_fp8(config, device, args)
         if not args.no_hf:
             results["hf"] = measure_hf(config, corpus, model_config.vocab_size, device, args)
             if results["hf"]["digests"] != results["megatrain"]["digests"]:
                 raise RuntimeError("the two models were trained on different batches")
             reset_memory(device)
+        ours_digests = results["megatrain"]["digests"]
+        results |= run_peers(config, corpus, model_config, device, args, ours_digests)
         if device.type == "cpu" and not args.peak_tflops:
             peaks.append(measured_matmul_tflops())
             peak = max(peaks)
@@ -312,29 +462,46 @@ def main() -> None:
         dist.destroy_process_group()
         tmp.cleanup()
 
-    flops = gpt_model_flops_per_iteration(model_config, batch, seq)  # the same work on both sides
-    for r in results.values():  # plus what each side recomputes
-        r["hardware_flops"] = gpt_hardware_flops_per_iteration(
-            model_config, batch, seq, r["recompute"]
-        )
+    flops = gpt_model_flops_per_iteration(model_config, batch, seq)  # ours (HF's: the same model)
+    ln_vocab = math.log(m.vocab_size)
     tokens = batch * seq
     report = {}
     for name, r in results.items():
-        summary = summarize(r["seconds"], r["losses"], flops, peak, tokens, r["hardware_flops"])
+        if r.get("skipped"):
+            report[name] = r
+            continue
+        run_config = r.pop("model_config", model_config)  # a FLOP-matched peer's own
+        r["model_flops_per_step"] = gpt_model_flops_per_iteration(run_config, batch, seq)
+        r["hardware_flops"] = gpt_hardware_flops_per_iteration(  # plus what it recomputes
+            run_config, batch, seq, r["recompute"]
+        )
+        summary = summarize(
+            r["seconds"], r["losses"], r["model_flops_per_step"], peak, tokens, r["hardware_flops"]
+        )
         extra = {k: v for k, v in r.items() if k not in ("seconds", "losses", "digests")}
-        report[name] = {**summary, **extra, "batches_checked": len(r["digests"])}
+        checks = loss_check(r["losses"], results["megatrain"]["losses"], ln_vocab)
+        report[name] = {
+            **summary,
+            **extra,
+            "loss_check": checks,
+            "batches_checked": len(r["digests"]),
+        }
     record = {
         "benchmark": "gpu",
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
             "platform": platform.platform(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "transformers": transformers.__version__,
+            "peer_packages": {name: package_version(name) for name in PEER_PACKAGES},
             "torch_threads": torch.get_num_threads(),
         },
         "shape": {
             "config": str(config_path(args.config)),
+            "kind": m.kind,
+            "num_query_groups": model_config.num_query_groups,
             "num_layers": m.num_layers,
             "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads,
@@ -348,6 +515,14 @@ def main() -> None:
             "precision": args.precision,
             "recompute": m.recompute,
             "compile": t.compile,
+            "levers": {
+                name: getattr(t, name)
+                for name in (
+                    "fused_linear_cross_entropy",
+                    "gradient_accumulation_fusion",
+                    "one_sync_per_iteration",
+                )
+            },
             "hidden_dropout": m.hidden_dropout,
             "attention_dropout": m.attention_dropout,
             "parameters_formula": gpt_parameters(model_config),
@@ -359,11 +534,12 @@ def main() -> None:
             "timing": "perf_counter around each step, torch.cuda.synchronize() before and after"
             if device.type == "cuda"
             else "perf_counter around each step",
-            "order": "ours alone (build, warm-up, timed, freed), then HF alone",
+            "order": "ours alone (build, warm-up, timed, freed), then HF alone, then each peer "
+            f"alone ({', '.join(args.peers) or 'none'})",
             "batches": "a GPTBatches over a synthetic corpus of random tokens"
-            if args.no_hf
-            else "identical: two GPTBatches over one synthetic corpus and seed; the digests "
-            "of every batch were compared",
+            if sum("skipped" not in r for r in report.values()) == 1
+            else "identical: one GPTBatches per model over one synthetic corpus and seed; the "
+            "digests of every batch were compared with ours",
             "model_flops_per_step": flops,
             "model_flops_formula": (
                 "72 B s l h^2 (1 + s/6h + V/12lh) (gpt_model_flops_per_iteration; a Llama's "
@@ -376,7 +552,7 @@ def main() -> None:
             "peak_tflops_measurements": peaks,
             "peak_source": peak_source,
         },
-        "ln_vocab": math.log(m.vocab_size),
+        "ln_vocab": ln_vocab,
         **report,
     }
     if "hf" in report:
@@ -402,24 +578,32 @@ def config_path(path: Path) -> Path:
 
 def print_table(record: dict) -> None:
     s, method = record["shape"], record["method"]
+    kind = "Llama" if s["kind"] == "llama" else "GPT-2"
     print(
-        f"\nGPT-2 {s['num_layers']}x{s['hidden_size']}, {s['num_attention_heads']} heads, seq "
+        f"\n{kind} {s['num_layers']}x{s['hidden_size']}, {s['num_attention_heads']} heads, seq "
         f"{s['seq_length']}, vocab {s['vocab_size_padded']}, micro batch {s['micro_batch_size']}, "
         f"{s['precision']}, recompute {s['recompute']} on {record['machine']['device']}; "
         f"peak {method['peak_tflops']:.3g} TFLOP/s ({method['peak_source']})"
     )
-    print(f"  {'model':9s} {'tokens/s':>10s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} "
-          f"{'HFU':>6s} {'peak GiB':>9s} {'first loss':>10s}")  # fmt: skip
-    for name in ("megatrain", "hf"):
+    print(f"  {'model':13s} {'tokens/s':>10s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} "
+          f"{'HFU':>6s} {'peak GiB':>9s} {'first loss':>10s} {'vs ours':>8s}")  # fmt: skip
+    for name in ("megatrain", "megatrain-fp8", "hf", *peers.PEERS):
         r = record.get(name)
         if r is None:
             continue
+        if r.get("skipped"):
+            print(f"  {name:13s} skipped: {r['reason'][:150]}")
+            continue
         memory = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
         print(
-            f"  {name:9s} {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:9.1f} "
+            f"  {name:13s} {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:9.1f} "
             f"{r['model_tflops']:8.3g} {r['mfu']:6.1%} {r['hfu']:6.1%} {memory:>9s} "
-            f"{r['losses'][0]:10.4f}"
+            f"{r['losses'][0]:10.4f} {r['loss_check']['max_abs_diff_vs_megatrain']:8.4f}"
         )
+    print("  (vs ours: the largest difference of its loss from ours over the steps)")
+    for name in peers.PEERS:
+        if "description" in record.get(name, {}):
+            print(f"  {name}: {record[name]['description']}")
     if "ratio_tokens_per_s_ours_over_hf" in record:
         print(
             f"  ours / HF tokens/s: {record['ratio_tokens_per_s_ours_over_hf']:.3f} (median step), "

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # The single-GPU paths on a CUDA machine, NCCL as the backend: train (bf16, tp=pp=dp=1), resume,
 # evaluate (WikiText-103, LAMBADA), generate, export to HF and back, the tests that need CUDA,
-# then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it.
+# then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it;
+# then `make bench-gpu` beside the peers (megatron-core, torchtitan): GPT-2 1.2B (ours also in
+# fp8), and Llama 3 8B's shape at 4 layers.
 #
 #   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
 #
 # Runs from the source tree (PYTHONPATH), so it needs no `make install` on a GPU image that already
-# has torch, numpy, click, pyarrow, safetensors, tokenizers, tqdm, matplotlib and tensorboard.
+# has torch, numpy, click, pyarrow, safetensors, tokenizers, tqdm, matplotlib, tensorboard and
+# transformers.  The peers install offline from wheels/gpu (scripts/fetch_gpu_wheels.py wrote it
+# on a machine with a package index; it is ignored by git, so carry it with the tree) into
+# OUTDIR/peers-site, which only the benchmark steps see; without them each peer is recorded as
+# skipped in the JSON.  Everything is written under OUTDIR (gpu.json, gpu-llama.json, the logs).
+# To fit the whole script in 10 minutes on one H100 (an estimate: the benchmark steps have not been
+# timed there yet), the benchmarks time 10 steps a model after 3 of warm-up (the default is 20),
+# the Llama 5 after 2.
 # Each step prints PASS/FAIL; the exit code is the number of failed steps.
 set -uo pipefail
 OUT=${1:-gpu-check}
@@ -14,7 +23,7 @@ mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
 PY=$(command -v "${PYTHON:-python3}")
 [[ $PY == /* ]] || PY="$PWD/$PY"  # absolute, but not resolved: a venv's python is a link
-export PYTHONPATH="packages/megacore/src:packages/megatrain/src:packages/megaeval/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="packages/megacommon/src:packages/megacore/src:packages/megatrain/src:packages/megaeval/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 CORPUS=${CORPUS:-data/corpus/default}
 # The console scripts, without installing the packages (`timeout` runs programs, not functions).
@@ -62,4 +71,21 @@ if timeout 240 megatrain run --nproc-per-node 2 "${TRAIN[@]}" training.train_ite
 else
     echo "SKIP pp2-nccl-one-gpu: $(grep -m1 -iE 'duplicate gpu|error' "$OUT/pp2-nccl.log" | cut -c1-200)"
 fi
+
+# The benchmark through `make bench-gpu`: its `install` prerequisite (a venv, from a package index)
+# is stood in for by a stamped folder whose python runs this one (a wrapper, not a link: a venv's
+# python found through a link loses its venv), the source tree being on PYTHONPATH.
+SITE="$OUT/peers-site"
+step install-peers 120 env PYTHON="$PY" bash scripts/install_gpu_wheels.sh "$SITE"
+mkdir -p "$OUT/venv/bin"
+printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" >"$OUT/venv/bin/python"
+chmod +x "$OUT/venv/bin/python"
+touch "$OUT/venv/.installed"
+BENCH=(env PYTHONPATH="$SITE:$PYTHONPATH" make --no-print-directory bench-gpu VENV="$OUT/venv")
+step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --out $OUT/gpu.json"
+step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models/llama3-8b.toml \
+    --layers 4 --warmup 2 --iters 5 --out $OUT/gpu-llama.json"
+for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed
+    awk '/^(GPT-2|Llama) [0-9]+x[0-9]+/,/^wrote /' "$OUT/$name.log"
+done
 exit "$failed"

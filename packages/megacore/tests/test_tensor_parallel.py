@@ -402,8 +402,9 @@ def test_cross_entropy_rng_and_checkpointing():
             assert ce["loss"] < 2e-5 and ce["grad_x"] < 2e-5 and ce["grad_w"] < 2e-5, (size, ce)
             assert ce["padding_grad_zero"], size
             assert ce["bf16"] == ("torch.float32", "torch.bfloat16", "torch.bfloat16"), size
-            # bf16: the chunks' weight gradients are summed in fp32, one GEMM's way (2e-5 seen).
-            assert ce["bf16_grad_w"] < 2e-3 and ce["bf16_grad_x"] < 2e-3, (size, ce)
+            # bf16: the chunks' weight gradients summed in fp32, then rounded once, as one GEMM
+            # does; the two roundings may part by one bf16 step (2^-8 = 3.9e-3) at most.
+            assert ce["bf16_grad_w"] < 8e-3 and ce["bf16_grad_x"] < 8e-3, (size, ce)
         assert out["strided_init"]
         assert out["rng"] == {
             "outside_same": True,

@@ -257,6 +257,12 @@ class MegatronOptimizer:
             if coeff < 1.0:
                 torch._foreach_mul_(grads, coeff)
         num_zeros = self._count_zeros(groups) if self.config.log_num_zeros_in_grad else None
+        self._adam_into_model()
+        return True, grad_norm, num_zeros
+
+    def _adam_into_model(self) -> None:
+        """AdamW on the masters, the masters copied into the model (when they are copies), and
+        with sharding the all-gather (left running under overlap_param_gather)."""
         self.optimizer.step()
         owned = [s for s in self.shards if s.owns_master]
         if owned:
@@ -265,8 +271,15 @@ class MegatronOptimizer:
                 [s.master for s in owned],
             )
         for chunk in self.ddp_chunks:
-            chunk.all_gather_params()  # returns at once under overlap_param_gather
-        return True, grad_norm, num_zeros
+            chunk.all_gather_params()
+
+    def _counted_and_other_grads(self) -> tuple[list, list]:
+        """The masters' gradients that enter the norm on this rank, and the rest."""
+        counted, others = [], []
+        for s in self.shards:
+            if s.master.grad is not None:
+                (counted if counts_once(s.master) else others).append(s.master.grad)
+        return counted, others
 
     @torch.no_grad()
     def step_on_device(self) -> torch.Tensor:
@@ -287,10 +300,7 @@ class MegatronOptimizer:
         grads = self._masters_take_grads()
         if self.grad_scaler and grads:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-        counted, others = [], []
-        for s in self.shards:
-            if s.master.grad is not None:
-                (counted if counts_once(s.master) else others).append(s.master.grad)
+        counted, others = self._counted_and_other_grads()
         stats = grad_stats(counted, others, groups=self._norm_groups())
         norm, found_inf = stats[0].sqrt(), (stats[1] > 0).float()
         if self.config.clip_grad > 0 and grads:
@@ -299,15 +309,7 @@ class MegatronOptimizer:
         self.optimizer.found_inf = (
             found_inf.to(self.shards[0].master.device) if self.shards else None
         )
-        self.optimizer.step()
-        owned = [s for s in self.shards if s.owns_master]
-        if owned:
-            torch._foreach_copy_(
-                [s.param.detach().view(-1)[s.start : s.end] for s in owned],
-                [s.master for s in owned],
-            )
-        for chunk in self.ddp_chunks:
-            chunk.all_gather_params()
+        self._adam_into_model()
         return torch.stack([norm, found_inf])
 
     def settle_step(self, grad_norm: float, found_inf: float) -> tuple[bool, float | None, None]:
@@ -355,10 +357,7 @@ class MegatronOptimizer:
             # One foreach pass; torch._amp_foreach_non_finite_check_and_unscale_ would also
             # flag inf/nan, but the norms below do that anyway.
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-        counted, others = [], []
-        for s in self.shards:
-            if s.master.grad is not None:
-                (counted if counts_once(s.master) else others).append(s.master.grad)
+        counted, others = self._counted_and_other_grads()
         value, bad = grad_stats(counted, others, groups=groups).tolist()  # the one sync
         return bad > 0, norm_of(value, 2.0)
 

@@ -84,18 +84,19 @@ def linear(
         return F.linear(x, weight, bias)
     if not _split[0]:
         if accumulate and getattr(weight, "main_grad_written", None) is not None:
-            return _LinearIntoMainGrad.apply(x, weight.detach(), bias, _Weight(weight))
+            return _Linear.apply(x, weight.detach(), bias, _Weight(weight, _into_main_grad))
         return F.linear(x, weight, bias)
     # The weight enters detached: a backward never reaches it (its gradient hooks would fire
     # with no gradient); its gradient goes in through autograd from `apply_weight_grads`.
-    return _Linear.apply(x, weight.detach(), bias, _Weight(weight))
+    return _Linear.apply(x, weight.detach(), bias, _Weight(weight, _defer))
 
 
 class _Weight:
-    """The weight as the model holds it (a parameter, or a cast of one), out of autograd's view."""
+    """The weight as the model holds it (a parameter, or a cast of one), out of autograd's
+    view, and what its backward does with the weight gradient's operands (`take`)."""
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, take):
+        self.tensor, self.take = tensor, take
 
 
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -103,6 +104,9 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 class _Linear(torch.autograd.Function):
+    """F.linear whose backward returns the input and bias gradients and hands the weight
+    gradient's operands to `held.take(weight, x, grad)` instead of returning it."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, held: _Weight):
         ctx.save_for_backward(x, weight)
@@ -115,35 +119,20 @@ class _Linear(torch.autograd.Function):
         needs_x, _, needs_bias, _ = ctx.needs_input_grad
         grad_x = grad.matmul(weight) if needs_x else None
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and needs_bias else None
-        deferred = (ctx.held.tensor, x, grad)
-        if _pending[0] is not None:
-            _pending[0].append(deferred)
-        else:  # split_backward() without deferral: the weight gradient now
-            apply_weight_grads([deferred])
+        ctx.held.take(ctx.held.tensor, x, grad)
         return grad_x, None, grad_bias, None
 
 
-class _LinearIntoMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, held: _Weight):
-        ctx.save_for_backward(x, weight)
-        ctx.held, ctx.has_bias = held, bias is not None
-        return F.linear(x, weight, bias)
+def _defer(weight: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
+    if _pending[0] is not None:
+        _pending[0].append((weight, x, grad))
+    else:  # split_backward() without deferral: the weight gradient now
+        apply_weight_grads([(weight, x, grad)])
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        needs_x, _, needs_bias, _ = ctx.needs_input_grad
-        grad_x = grad.matmul(weight) if needs_x else None
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and needs_bias else None
-        param = ctx.held.tensor
-        _accumulate(
-            param.main_grad,
-            grad.reshape(-1, grad.shape[-1]).t(),
-            x.reshape(-1, x.shape[-1]),
-        )
-        param.main_grad_written(param)
-        return grad_x, None, grad_bias, None
+
+def _into_main_grad(param: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
+    _accumulate(param.main_grad, grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    param.main_grad_written(param)
 
 
 _mixed_dtype_addmm = {}  # device type -> whether addmm(out_dtype=) runs there

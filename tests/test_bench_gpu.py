@@ -1,0 +1,78 @@
+"""benchmarks/bench_gpu.py on a CPU at a tiny shape: ours and HF train on the same batches, the
+record says when it was made, and a peer that cannot run is recorded as skipped with its reason
+while the others' numbers stay.
+
+The run blocks the peers' packages itself, so it is the same where they are installed: one as
+not installed (megatron-core), one as installed but failing in its runner (torchtitan).  Where
+they are installed, a second test trains both at the same tiny shape.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--small", "--iters", "2", "--warmup", "1", "--layers", "2", "--hidden", "64", "--heads",
+        "2", "--seq", "64", "--vocab", "512", "--peak-tflops", "1"]  # fmt: skip
+# bench_gpu.py as `python benchmarks/bench_gpu.py ARGS` runs it, with megatron-core not
+# importable and torchtitan importable but its runner raising.
+BLOCKED_PEERS = """
+import runpy, sys, types
+sys.path.insert(0, "benchmarks")
+sys.modules["megatron"] = None
+sys.modules["torchtitan"] = types.ModuleType("torchtitan")
+runner = sys.modules["peers.torchtitan"] = types.ModuleType("peers.torchtitan")
+def build(*args, **kwargs):
+    raise RuntimeError("a runner that breaks")
+runner.build = build
+sys.argv = ["benchmarks/bench_gpu.py", *sys.argv[1:]]
+runpy.run_path("benchmarks/bench_gpu.py", run_name="__main__")
+"""
+
+
+def bench(tmp_path: Path, *args: str, code: str | None = None) -> dict:
+    out = tmp_path / "gpu.json"
+    launch = ["-c", code] if code else ["benchmarks/bench_gpu.py"]
+    cmd = [sys.executable, *launch, *TINY, *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_reason(tmp_path):
+    record = bench(tmp_path, "--fp8-emulate", code=BLOCKED_PEERS)
+    datetime.fromisoformat(record["when"])
+    # Ours again in fp8 (torchao's emulation here), its loss beside ours in the JSON.
+    fp8 = record["megatrain-fp8"]
+    assert "skipped" not in fp8, fp8.get("reason")
+    assert fp8["precision"].startswith("fp8") and len(fp8["losses"]) == 3
+    assert 0 < fp8["loss_check"]["max_abs_diff_vs_megatrain"] < 0.1
+    assert all(record["shape"]["levers"].values())  # ours ran with the speed levers
+    for name in ("megatrain", "hf"):
+        r = record[name]
+        assert len(r["losses"]) == 3 and r["batches_checked"] == 3 and r["tokens_per_s_median"] > 0
+        assert r["loss_check"]["first_loss_near_ln_vocab"], r["losses"]
+    assert record["hf"]["loss_check"]["max_abs_diff_vs_megatrain"] < 0.2
+    missing, broken = record["megatron-core"], record["torchtitan"]
+    assert missing["skipped"] and "megatron.core does not import" in missing["reason"]
+    assert broken["skipped"] and broken["reason"] == "failed: RuntimeError: a runner that breaks"
+
+
+@pytest.mark.skipif(
+    not (importlib.util.find_spec("megatron") and importlib.util.find_spec("torchtitan")),
+    reason="megatron-core and torchtitan are not installed (scripts/fetch_gpu_wheels.py)",
+)
+def test_peers_train_on_our_batches_where_installed(tmp_path):
+    record = bench(tmp_path, "--no-hf")
+    for name in ("megatron-core", "torchtitan"):
+        r = record[name]
+        assert "skipped" not in r, r.get("reason")
+        assert len(r["losses"]) == 3 and r["batches_checked"] == 3
+        assert r["loss_check"]["first_loss_near_ln_vocab"], r["losses"]
+    assert record["megatron-core"]["parameters"] == record["megatrain"]["parameters"]
+    assert record["megatron-core"]["loss_check"]["max_abs_diff_vs_megatrain"] < 0.2
