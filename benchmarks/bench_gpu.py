@@ -257,6 +257,59 @@ def peak_memory(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
 
 
+# SDPA's backends, by the aten op that runs each (the CPU's flash kernel included).
+ATTENTION_BACKENDS = {
+    "flash": "aten::_scaled_dot_product_flash_attention",
+    "cudnn": "aten::_scaled_dot_product_cudnn_attention",
+    "efficient": "aten::_scaled_dot_product_efficient_attention",
+    "math": "aten::_scaled_dot_product_attention_math",
+}
+# Kernel (GPU) or op (CPU) names of matrix multiplies and of attention.
+GEMM_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm",
+              "_scaled_mm")  # fmt: skip
+ATTENTION_NAMES = ("flash", "fmha", "attention", "sdpa")
+
+
+def kernel_shares(step, cuda: bool) -> dict:
+    """One more step under the profiler: which SDPA backend ran (by its aten op) and the share
+    of the step's device time (a CPU's op time) in matmul and in attention kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    backends = sorted(
+        name
+        for name, op in ATTENTION_BACKENDS.items()
+        if any(e.key == op or e.key.startswith(op + "_for_") for e in events)
+    )
+    if cuda:  # the kernels themselves, so no time counts twice through the ops above them
+        timed = [
+            (e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA
+        ]
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in events]
+    total = sum(t for _, t in timed) or 1
+    attention = sum(t for k, t in timed if any(n in k.lower() for n in ATTENTION_NAMES))
+    gemm = sum(
+        t
+        for k, t in timed
+        if any(n in k.lower() for n in GEMM_NAMES)
+        and not any(n in k.lower() for n in ATTENTION_NAMES)
+    )
+    return {
+        "sdpa_backends": backends,
+        "matmul_share": round(gemm / total, 4),
+        "attention_share": round(attention / total, 4),
+        "matmul_and_attention_share": round((gemm + attention) / total, 4),
+        "timed": "GPU kernels' time" if cuda else "CPU ops' self time",
+    }
+
+
 def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict:
     """megatrain's step, as `megatrain run` takes it; the run is freed on return."""
     before = reset_memory(device)
@@ -271,6 +324,8 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
         for row in profile:
             ms, share, calls = row["self_ms"], row["share"], row["calls"]
             print(f"  {ms:9.2f} ms {share:6.1%} {calls:6d}  {row['op'][:90]}")
+        kernels = kernel_shares(lambda: train_step(run), cuda=device.type == "cuda")
+        print(f"  kernels: {kernels}")
     return {
         "seconds": seconds,
         "losses": losses,
@@ -285,7 +340,7 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
         if args.precision == "fp32"
         else f"{args.precision} parameters, fp32 masters (MegatronOptimizer)",
         "digests": run.train_data.digests,
-        **({"profile_top_ops": profile} if profile else {}),
+        **({"profile_top_ops": profile, "profile_kernels": kernels} if profile else {}),
     }
 
 

@@ -82,7 +82,7 @@ printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" >"$OUT/venv/bin/python"
 chmod +x "$OUT/venv/bin/python"
 touch "$OUT/venv/.installed"
 BENCH=(env PYTHONPATH="$SITE:$PYTHONPATH" make --no-print-directory bench-gpu VENV="$OUT/venv")
-step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --out $OUT/gpu.json"
+step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --profile --out $OUT/gpu.json"
 step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models/llama3-8b.toml \
     --layers 4 --warmup 2 --iters 5 --out $OUT/gpu-llama.json"
 for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed

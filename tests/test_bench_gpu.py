@@ -45,7 +45,7 @@ def bench(tmp_path: Path, *args: str, code: str | None = None) -> dict:
 
 
 def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_reason(tmp_path):
-    record = bench(tmp_path, "--fp8-emulate", code=BLOCKED_PEERS)
+    record = bench(tmp_path, "--fp8-emulate", "--profile", code=BLOCKED_PEERS)
     datetime.fromisoformat(record["when"])
     # Ours again in fp8 (torchao's emulation here), its loss beside ours in the JSON.
     fp8 = record["megatrain-fp8"]
@@ -53,6 +53,11 @@ def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_r
     assert fp8["precision"].startswith("fp8") and len(fp8["losses"]) == 3
     assert 0 < fp8["loss_check"]["max_abs_diff_vs_megatrain"] < 0.1
     assert all(record["shape"]["levers"].values())  # ours ran with the speed levers
+    # The profiled step names the SDPA backend that ran (the CPU's flash kernel here) and the
+    # share of the step in matmuls and attention.
+    kernels = record["megatrain"]["profile_kernels"]
+    assert kernels["sdpa_backends"] == ["flash"], kernels
+    assert 0 < kernels["attention_share"] < kernels["matmul_and_attention_share"] < 1, kernels
     for name in ("megatrain", "hf"):
         r = record[name]
         assert len(r["losses"]) == 3 and r["batches_checked"] == 3 and r["tokens_per_s_median"] > 0

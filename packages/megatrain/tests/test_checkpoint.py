@@ -248,7 +248,7 @@ class _Exploit:
         return (os.system, (f"touch {self.path}",))
 
 
-def _sigterm_at_iteration_2(corpus, out):
+def _sigterm_at_iteration_2(corpus, out, *overrides):
     import signal
 
     import torch.distributed as dist
@@ -257,21 +257,26 @@ def _sigterm_at_iteration_2(corpus, out):
 
     real_step = loop.train_step
 
-    def step(run):
-        result = real_step(run)
+    def step(run, **kwargs):
+        result = real_step(run, **kwargs)
         if run.iteration == 2 and dist.get_rank() == 1:  # one rank only: they must agree
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
     loop.train_step = step
-    return train(_config(corpus, out, f"checkpoint.save={out + '/ckpt'!r}"))
+    return train(_config(corpus, out, f"checkpoint.save={out + '/ckpt'!r}", *overrides))
 
 
-def test_sigterm_saves_then_stops(corpus, tmp_path):
-    history = run_distributed(_sigterm_at_iteration_2, 2, args=(corpus, str(tmp_path)))[0]
-    assert history["stopped_at"] == 2 and len(history["loss"]) == 2
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000002"
-    assert read_meta(find_checkpoint(tmp_path / "ckpt"))["iteration"] == 2
+@pytest.mark.parametrize("one_sync", [False, True])
+def test_sigterm_saves_then_stops(corpus, tmp_path, one_sync):
+    # A signal after iteration 2's step: the plain loop agrees on it at once; with one sync per
+    # iteration the agreement travels with the next step's read, so iteration 3 is the last.
+    overrides = ["training.one_sync_per_iteration=true"] if one_sync else []
+    history = run_distributed(_sigterm_at_iteration_2, 2, args=(corpus, str(tmp_path), *overrides))
+    last = 3 if one_sync else 2
+    assert history[0]["stopped_at"] == last and len(history[0]["loss"]) == last
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"iter_000000{last}"
+    assert read_meta(find_checkpoint(tmp_path / "ckpt"))["iteration"] == last
 
 
 def test_flat_ranges_are_boxes():

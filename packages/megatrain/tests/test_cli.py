@@ -69,7 +69,7 @@ def test_help_and_unknown_command():
         (["model.num_heads=4"], "unknown field model.num_heads"),
         (["trainig.train_iters=4"], "unknown section [trainig]"),
         (["training.train_iters=lots"], "training.train_iters: expected int, got 'lots'"),
-        (['training.precision="fp8"'], "expected one of fp32, bf16, fp16, got 'fp8'"),
+        (['training.precision="fp4"'], "expected one of fp32, bf16, fp16, fp8, got 'fp4'"),
         (["training.train_iters"], "expected section.field=value"),
         (["model.vocab_size=50257"], "vocab_size"),
         (["data.corpus=/no/such/corpus"], "/no/such/corpus/manifest.json"),

@@ -167,7 +167,8 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     while run.iteration < t.train_iters:
         # One read per iteration: the stop agreement goes with the step's own values (a signal
         # during this iteration's logging or evaluation then stops the next one).
-        step = train_step(run, stop.flag(run.device) if t.one_sync_per_iteration else None)
+        flag = {"stop_flag": stop.flag(run.device)} if t.one_sync_per_iteration else {}
+        step = train_step(run, **flag)
         guard.check(step["loss"], run.iteration)
         for n in names:  # GPT: the loss; BERT: also its parts and the SOP accuracy
             run.history.setdefault(n, []).append(step[n])
