@@ -92,11 +92,9 @@ SMALL = {"layers": 4, "hidden": 256, "heads": 4, "seq": 256, "vocab": 8192, "mic
 GIB = 2**30
 # The speed levers of ours (docs/training.md), on unless --no-levers; gradient-accumulation
 # fusion is left out under --compile, which it does not combine with.
-LEVERS = (
-    "training.fused_linear_cross_entropy=true",
-    "training.gradient_accumulation_fusion=true",
-    "training.one_sync_per_iteration=true",
-)
+LEVER_FIELDS = ("fused_linear_cross_entropy", "gradient_accumulation_fusion",
+                "one_sync_per_iteration")  # fmt: skip
+LEVERS = tuple(f"training.{name}=true" for name in LEVER_FIELDS)
 # How far a first loss may lie from ln(vocab) on random tokens: GPT-2's init (std 0.02) starts
 # within 0.01 nats of it, torchtitan's (logits of std ~1) about 0.5 above it.
 LOSS_TOLERANCE = 1.0
@@ -571,14 +569,7 @@ def main() -> None:
             "precision": args.precision,
             "recompute": m.recompute,
             "compile": t.compile,
-            "levers": {
-                name: getattr(t, name)
-                for name in (
-                    "fused_linear_cross_entropy",
-                    "gradient_accumulation_fusion",
-                    "one_sync_per_iteration",
-                )
-            },
+            "levers": {name: getattr(t, name) for name in LEVER_FIELDS},
             "hidden_dropout": m.hidden_dropout,
             "attention_dropout": m.attention_dropout,
             "parameters_formula": gpt_parameters(model_config),

@@ -417,6 +417,24 @@ def test_cross_entropy_rng_and_checkpointing():
             assert ckpt[name] == {"loss": True, "grads": True, "rng_after": True}, name
 
 
+def test_gradient_accumulation_into_an_fp32_main_grad_from_bf16_operands():
+    """The fused weight-gradient accumulation, bf16 GEMM operands into an fp32 main_grad: the
+    CPU has no addmm(out_dtype=), so this is the GEMM-then-add fallback, remembered per device;
+    same-dtype operands take one addmm_."""
+    from megacore.tensor_parallel import weight_grad
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(8, 32, generator=g), torch.randn(32, 16, generator=g)
+    start = torch.randn(8, 16, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        main_grad = start.clone()
+        weight_grad._accumulate(main_grad, a.to(dtype), b.to(dtype))
+        expected = start + (a.to(dtype) @ b.to(dtype)).float()
+        assert main_grad.dtype == torch.float32
+        torch.testing.assert_close(main_grad, expected, rtol=0, atol=1e-5)
+    assert weight_grad._mixed_dtype_addmm == {"cpu": False}
+
+
 def test_shard_helpers_round_trip():
     full = torch.arange(24.0).view(12, 2)
     for world in (1, 2, 4):

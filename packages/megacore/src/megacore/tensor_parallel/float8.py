@@ -56,7 +56,7 @@ def check_float8_available(device: torch.device, emulate: bool) -> None:
     except ImportError as e:
         raise RuntimeError(
             "fp8 training needs torchao's float8 training (pip install 'megatrain[gpu]', "
-            f"or torchao >= 0.14 beside your torch): {e}"
+            f"or torchao >= 0.12 beside your torch): {e}"
         ) from e
     if emulate:
         return
