@@ -93,11 +93,12 @@ def test_no_weight_decay_on_biases_and_norms():
 def test_adam_kernel_choice():
     model = nn.Linear(4, 8)
     fast = MegatronOptimizer(OptimizerConfig(), [model]).optimizer.defaults
-    assert (fast["foreach"], fast["fused"]) == (True, None)  # on CPU: foreach
+    assert (fast["foreach"], fast["fused"]) == (None, True)  # the CPU has the fused kernel
     plain = MegatronOptimizer(OptimizerConfig(fused_adam=False), [model]).optimizer.defaults
     assert plain["foreach"] is False
-    on_gpu = SimpleNamespace(is_cuda=True)  # what the choice looks at
-    assert _adam_implementation(True, [on_gpu, on_gpu]) == {"fused": True}
+    on = {kind: SimpleNamespace(device=torch.device(kind)) for kind in ("cuda", "cpu", "meta")}
+    assert _adam_implementation(True, [on["cuda"], on["cuda"]]) == {"fused": True}
+    assert _adam_implementation(True, [on["cuda"], on["meta"]]) == {"foreach": True}
 
 
 def test_overlap_param_gather_needs_the_distributed_optimizer():

@@ -238,8 +238,9 @@ def _cross_entropy_at(size):
 
 
 def _linear_cross_entropy_at(size):
-    """The fused output layer + loss against F.linear and F.cross_entropy on the full vocabulary:
-    padding ids, several chunks and a partial one, per-token upstream weights, huge logits."""
+    """The fused output layer + mean loss against F.linear and F.cross_entropy on the full
+    vocabulary: padding ids, several chunks and a partial one, an upstream gradient other
+    than 1, huge logits; and without grad mode, the loss alone."""
     ps.initialize_model_parallel(tensor_model_parallel_size=size)
     rank = ps.get_tensor_model_parallel_rank()
     true_vocab, h = 37, 8
@@ -251,13 +252,13 @@ def _linear_cross_entropy_at(size):
     weight = torch.randn(vocab, h, generator=g)
     targets = torch.randint(0, true_vocab, (6, 3), generator=g)
     targets.view(-1)[:size] = torch.arange(size) * per  # a target in every shard
-    weights = torch.rand(6, 3, generator=g)
+    upstream = 2.5  # e.g. a loss scale over the number of microbatches
 
     full_x, full_w = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     logits = F.linear(full_x, full_w)
     logits = logits.masked_fill(torch.arange(vocab) >= true_vocab, float("-inf"))
-    expected = F.cross_entropy(logits.view(-1, vocab), targets.view(-1), reduction="none")
-    (expected.view(6, 3) * weights).sum().backward()
+    expected = F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
+    (expected * upstream).backward()
 
     mine = weight[rank * per : (rank + 1) * per].clone().requires_grad_(True)
     mine_x = x.clone().requires_grad_(True)
@@ -268,7 +269,11 @@ def _linear_cross_entropy_at(size):
         true_vocab_size=true_vocab,
         chunk_tokens=4,  # 18 tokens: chunks of 4, 4, 4, 4 and 2
     )
-    (loss * weights).sum().backward()
+    (loss * upstream).backward()
+    with torch.no_grad():  # evaluation: the same loss, in chunks of other sizes
+        no_grad = tp.linear_vocab_parallel_cross_entropy(
+            mine_x, mine, targets, true_vocab_size=true_vocab, chunk_tokens=7
+        )
 
     # bf16 against the unfused bf16 path (the logits made in bf16, the loss in fp32).
     low_w = mine.detach().to(torch.bfloat16).requires_grad_(True)
@@ -277,19 +282,26 @@ def _linear_cross_entropy_at(size):
         tp.copy_to_tensor_model_parallel_region(low_x), low_w, targets,
         true_vocab_size=true_vocab, chunk_tokens=4,
     )  # fmt: skip
-    fused.sum().backward()
+    (fused * upstream).backward()
     ref_w = low_w.detach().clone().requires_grad_(True)
     ref_x = low_x.detach().clone().requires_grad_(True)
     ref_logits = F.linear(tp.copy_to_tensor_model_parallel_region(ref_x), ref_w)
     padding = torch.arange(rank * per, (rank + 1) * per) >= true_vocab
     ref_logits = ref_logits.masked_fill(padding, float("-inf"))
-    tp.vocab_parallel_cross_entropy(ref_logits.float(), targets).sum().backward()
+    ref = tp.vocab_parallel_cross_entropy(ref_logits.float(), targets).mean()
+    (ref * upstream).backward()
     out = {
-        "loss": (loss - expected.view(6, 3)).abs().max().item(),
-        "grad_x": (mine_x.grad - full_x.grad).abs().max().item(),
-        "grad_w": (mine.grad - full_w.grad[rank * per : (rank + 1) * per]).abs().max().item(),
+        "shape": tuple(loss.shape),
+        "loss": (loss - expected).abs().item(),
+        "no_grad": (no_grad - expected).abs().item(),
+        "grad_x": ((mine_x.grad - full_x.grad).abs().max() / full_x.grad.abs().max()).item(),
+        "grad_w": (
+            (mine.grad - full_w.grad[rank * per : (rank + 1) * per]).abs().max()
+            / full_w.grad.abs().max()
+        ).item(),
         "padding_grad_zero": bool((mine.grad[padding] == 0).all()),
         "bf16": (str(fused.dtype), str(low_w.grad.dtype), str(low_x.grad.dtype)),
+        "bf16_loss": (fused - ref).abs().item(),
         "bf16_grad_w": ((low_w.grad - ref_w.grad).abs().max() / ref_w.grad.abs().max()).item(),
         "bf16_grad_x": ((low_x.grad - ref_x.grad).abs().max() / ref_x.grad.abs().max()).item(),
     }
@@ -398,8 +410,12 @@ def test_cross_entropy_rng_and_checkpointing():
             assert ce["grad"] < 1e-6, (size, ce)
             assert ce["bf16"] == ("torch.bfloat16", torch.float32)
         for size, ce in out["linear_ce"].items():
-            # fp32 rounding of losses and gradients of size ~500 (the scaled token).
-            assert ce["loss"] < 2e-5 and ce["grad_x"] < 2e-5 and ce["grad_w"] < 2e-5, (size, ce)
+            # fp32 rounding of a loss and gradients of size ~100 (the scaled token); the
+            # gradients relative to their largest entry.
+            assert ce["shape"] == (), (size, ce)
+            assert ce["loss"] < 2e-5 and ce["no_grad"] < 2e-5, (size, ce)
+            assert ce["grad_x"] < 2e-6 and ce["grad_w"] < 2e-6, (size, ce)
+            assert ce["bf16_loss"] < 1e-5, (size, ce)
             assert ce["padding_grad_zero"], size
             assert ce["bf16"] == ("torch.float32", "torch.bfloat16", "torch.bfloat16"), size
             # bf16: the chunks' weight gradients summed in fp32, then rounded once, as one GEMM

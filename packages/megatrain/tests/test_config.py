@@ -165,6 +165,9 @@ def test_speed_lever_refusals_name_the_fields():
         validate(
             load_config(None, ['model.kind="bert"', "training.fused_linear_cross_entropy=true"])
         )
+    fp16 = ["training.precision='fp16'", "training.fused_linear_cross_entropy=true"]
+    with pytest.raises(ConfigError, match=r"fused_linear_cross_entropy = true with training.prec"):
+        validate(load_config(None, fp16))
     both = ["training.gradient_accumulation_fusion=true", "training.compile=true"]
     with pytest.raises(ConfigError, match=r"gradient_accumulation_fusion = true with training"):
         validate(load_config(None, both))

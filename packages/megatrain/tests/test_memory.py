@@ -101,6 +101,25 @@ def test_the_355m_estimate_by_hand():
     assert estimate_memory_per_gpu(config, "none") / GIB == pytest.approx(28.9, abs=0.05)
 
 
+def test_the_fused_loss_holds_gradients_not_logits():
+    """The 355M's last stage with the fused linear + cross entropy: instead of the fp32
+    logits, the output layer's input and its gradient, the weight's fp32 gradient and one
+    GPU chunk (2^26 / v tokens) of fp32 logits."""
+    config, vocab = _shipped("gpt2-355m")
+    config.training.precision = "bf16"  # fp16 is refused with the fused loss
+    s, b, h, v = 1024, 8, 1024, 50304
+    plain = memory_breakdown(config, "selective", vocab_size=vocab)
+    config.training.fused_linear_cross_entropy = True
+    fused = memory_breakdown(config, "selective", vocab_size=vocab)
+    chunk = 4 * (2**26 // v) * v
+    held = 4 * s * b * h + 4 * v * h + chunk
+    assert fused["activations"] - plain["activations"] == pytest.approx(
+        held - 4 * s * b * h * (1 + v / h)
+    )
+    # 1.5 GiB of fp32 logits for 0.2 GiB of weight gradient and a 0.25 GiB chunk.
+    assert fused["activations"] < plain["activations"] - GIB
+
+
 def test_layouts_that_save_memory_estimate_less():
     config, vocab = _shipped("gpt2-8.3b")  # tp 8, full recompute
     base = memory_breakdown(config, "selective", vocab_size=vocab)

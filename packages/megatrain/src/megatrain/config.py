@@ -150,8 +150,9 @@ class TrainingConfig:
     # the same numbers as without, after a compile of a few seconds to minutes at start.
     compile: bool = False
     # GPT and Llama: the output layer and its cross entropy as one chunked op that never holds
-    # the [tokens, vocab] fp32 logits; one more output-layer GEMM in backward (recomputed
-    # logits), the same numbers.
+    # the [tokens, vocab] fp32 logits and makes the output layer's gradients in the forward
+    # (held until backward: [tokens, h] and [vocab / tp, h] fp32); the same numbers.  Not
+    # with fp16 (the gradients would be rounded before loss scaling).
     fused_linear_cross_entropy: bool = False
     # The linears' weight-gradient GEMMs add straight into the data-parallel gradient buffer
     # (main_grad) instead of making param.grad and adding it (Megatron-LM's flag).
@@ -442,6 +443,12 @@ def validate(config: Config, world_size: int | None = None) -> int:
         not t.fp8_emulate or t.precision == "fp8",
         f"training.fp8_emulate = true with training.precision = {t.precision!r}: it emulates "
         "fp8 only",
+    )
+    _need(
+        t.precision != "fp16" or not t.fused_linear_cross_entropy,
+        "training.fused_linear_cross_entropy = true with training.precision = 'fp16': it makes "
+        "the output layer's gradients in the forward, rounded to fp16 before the loss scale "
+        "that keeps them representable is applied; use bf16",
     )
     _need(
         m.kind != "bert" or not t.fused_linear_cross_entropy,

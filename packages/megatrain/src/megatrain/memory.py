@@ -17,7 +17,9 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   the last one close to pp microbatches, and recompute saves nothing on those.  Stage 0
   adds the embedding dropout mask (s b h per microbatch, / t with sequence parallelism);
   the last stage the output layer's input, the final LayerNorm's and the fp32 logits the
-  loss keeps (the paper's 4 s b h / t (1 + v / h)).  Under "full" the layer being
+  loss keeps (the paper's 4 s b h / t (1 + v / h)); with `training.fused_linear_cross_entropy`
+  instead the output layer's input and its gradient (4 s b h), its weight's fp32 gradient
+  (4 v h / t) and one chunk's fp32 logits.  Under "full" the layer being
   recomputed holds one layer's "none" activations besides.  fp32 activations count
   twice the 16-bit bytes.
 
@@ -28,6 +30,9 @@ memory-efficient) keep only their output and a row statistic, so "none" is an
 upper bound there and the choice it leads to a safe one.
 """
 
+import torch
+
+from megacore.tensor_parallel import default_chunk_tokens
 from megatrain.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
@@ -38,6 +43,8 @@ from megatrain.accounting import (
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
 from megatrain.plan.hardware import GIB as GIB  # re-exported: sizes in GiB
+
+CUDA = torch.device("cuda")  # the estimate is for GPUs: their chunk of the fused loss
 from megatrain.plan.hardware import load_gpus
 
 # Memory of the GPUs configs are sized for: the GPU table of `megatrain plan` (plan/gpus.toml).
@@ -93,12 +100,19 @@ def memory_breakdown(
         activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
     if recompute == "full":  # the layer being recomputed holds all of its activations
         activations += activations_per_layer(config, "none")
-    if stage == pp - 1:  # one microbatch reaches the loss at a time
+    fp32_bytes = 0.0  # held in fp32 whatever the precision
+    if stage == pp - 1 and t.fused_linear_cross_entropy:
+        # The output layer's input and its gradient, made in the forward (s b h each, whole
+        # under sequence parallelism), the weight's fp32 gradient and one chunk's fp32 logits.
+        activations += 4 * s * b * h
+        fp32_bytes = 4 * v * h / tp + 4 * min(s * b, default_chunk_tokens(v // tp, CUDA)) * v / tp
+    elif stage == pp - 1:  # one microbatch reaches the loss at a time
         # BERT's masked LM takes the logits of the predicted tokens only.
         predicted = 1.0 if cfg.causal else MASKED_LM_PROB
         activations += 4 * s * b * h / tp * (1 + v / h) * predicted
     if t.precision == "fp32":
         activations *= 2
+    activations += fp32_bytes
     return {
         "parameters": params,
         **held,

@@ -17,7 +17,7 @@ keeps master copies of:
   to the model, and with sharding an all-gather of the updated parameters.
 
 The speed path, each part switchable and tested equal to the plain one:
-`fused_adam` runs torch's fused AdamW on CUDA (foreach elsewhere) instead of
+`fused_adam` runs torch's fused AdamW on CUDA and CPU (foreach elsewhere) instead of
 its per-tensor loop; `fused_grad_norm` takes the inf/nan check and the norm
 from one `torch._foreach_norm` pass, all-reduces them as one tensor per group
 and reads that tensor once, the step's only host sync (the plain path syncs
@@ -119,12 +119,17 @@ def _unique_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     return list(dict.fromkeys(params))
 
 
+# The devices with torch's fused AdamW kernel (one pass over each tensor for the whole update;
+# the CPU's since torch 2.4, 4x faster there than foreach, which falls back to a per-tensor loop).
+FUSED_ADAM_DEVICES = ("cuda", "cpu")
+
+
 def _adam_implementation(fast: bool, masters: list[torch.Tensor]) -> dict:
-    """torch AdamW's kernel choice: fused (one kernel for every tensor) when all masters are
-    on CUDA, foreach (a few kernels per group) elsewhere; `fast=False`: the per-tensor loop."""
+    """torch AdamW's kernel choice: fused when every master is on a device with the fused
+    kernel, foreach (a few kernels per group) elsewhere; `fast=False`: the per-tensor loop."""
     if not fast:
         return {"foreach": False}
-    if masters and all(m.is_cuda for m in masters):
+    if masters and all(m.device.type in FUSED_ADAM_DEVICES for m in masters):
         return {"fused": True}
     return {"foreach": True}
 

@@ -5,6 +5,7 @@ Megatron-LM's public names, so code and habits carry over.  Activations are
 """
 
 from megacore.tensor_parallel.cross_entropy import (
+    default_chunk_tokens,
     linear_vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "get_rng_tracker",
     "init_method_normal",
     "linear",
+    "default_chunk_tokens",
     "linear_vocab_parallel_cross_entropy",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",

@@ -5,12 +5,17 @@ of per-token scalars replace a gather of [tokens, vocab]: the max logit (for
 stability), the target's logit (only the rank owning the id contributes), and
 the sum of exp(logit - max).  Backward is softmax minus one-hot, computed on the
 local slice from what the forward kept.
+
+`linear_vocab_parallel_cross_entropy` folds the output layer in as well: it never holds
+the logits of more than a chunk of tokens, and returns the mean loss with its gradients
+already made.
 """
 
 import torch
 import torch.distributed as dist
 
 from megacore import parallel_state
+from megacore.collectives import all_gather_flat
 from megacore.tensor_parallel.utils import vocab_range
 
 
@@ -89,66 +94,80 @@ def _chunk_logits(x, weight, start, true_vocab):
     return logits
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Per-token cross entropy of x W^T, a chunk of tokens at a time: the forward keeps only
-    each token's log-sum-exp, the backward computes each chunk's logits again."""
+def _global_log_sum_exp(lse, target_logit, group, world):
+    """Each token's log-sum-exp and target logit over every rank's vocabulary slice: one
+    all-gather of both (the target's logit is 0 on the ranks that do not own it)."""
+    mine = torch.stack([lse, target_logit])
+    every = mine.new_empty(world * 2, mine.size(1))
+    all_gather_flat(every, mine, group=group)
+    every = every.view(world, 2, -1)
+    return every[:, 0].logsumexp(0), every[:, 1].sum(0)
+
+
+class _LinearCrossEntropyMean(torch.autograd.Function):
+    """The mean cross entropy of x W^T over tokens, a chunk of tokens at a time, its gradients
+    made in the forward: each chunk's logits become, in place, softmax minus one-hot, and
+    then the chunk's input gradient and its share of the weight gradient.  The backward only
+    scales them by the loss's upstream gradient (a scalar: why the op returns the mean)."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, chunk_tokens, true_vocab):
+    def forward(ctx, x, weight, target, chunk_tokens, true_vocab, need_x, need_w):
         group = parallel_state.get_tensor_model_parallel_group()
         world = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
-        rows = weight.size(0)
-        start, end = vocab_range(rows * world, rank, world)
-        outside = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(outside, 0)
-        lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
-        target_logit = torch.empty_like(lse)
-        for c in range(0, x.size(0), chunk_tokens):
-            logits = _chunk_logits(x[c : c + chunk_tokens], weight, start, true_vocab)
-            picked = logits.gather(1, local_target[c : c + chunk_tokens, None]).squeeze(1)
-            target_logit[c : c + chunk_tokens] = picked
-            lse[c : c + chunk_tokens] = logits.logsumexp(-1)
-        target_logit.masked_fill_(outside, 0.0)
-        if world > 1:
-            # The ranks' log-sum-exps combine as a log-sum-exp: two all-reduces for all chunks.
-            top = lse.clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            both = torch.stack([(lse - top).exp(), target_logit])
-            dist.all_reduce(both, group=group)
-            lse = top + both[0].log()
-            target_logit = both[1]
-        ctx.save_for_backward(x, weight, lse, outside, local_target)
-        ctx.chunk_tokens, ctx.start, ctx.true_vocab = chunk_tokens, start, true_vocab
-        return lse - target_logit
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        x, weight, lse, outside, local_target = ctx.saved_tensors
-        step = ctx.chunk_tokens
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        start, _ = vocab_range(weight.size(0) * world, rank, world)
+        tokens = x.size(0)
+        losses = torch.empty(tokens, dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if need_x else None
         # Summed over chunks in fp32 whatever the weight's dtype, as one GEMM would sum them.
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for c in range(0, x.size(0), step):
-            xc = x[c : c + step]
-            grad = _chunk_logits(xc, weight, ctx.start, ctx.true_vocab)
-            grad.sub_(lse[c : c + step, None]).exp_()  # the softmax
-            inside = (~outside[c : c + step]).to(grad.dtype)
-            grad.scatter_add_(1, local_target[c : c + step, None], -inside[:, None])
-            grad.mul_(grad_loss[c : c + step, None])
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        for c in range(0, tokens, chunk_tokens):
+            xc, tc = x[c : c + chunk_tokens], target[c : c + chunk_tokens]
+            inside = (tc >= start) & (tc < start + weight.size(0))
+            local = (tc - start).masked_fill(~inside, 0)[:, None]
+            logits = _chunk_logits(xc, weight, start, true_vocab)
+            picked = logits.gather(1, local).squeeze(1).masked_fill_(~inside, 0.0)
+            # A slice of nothing but padding has max -inf: shift by a finite number instead.
+            top = logits.amax(-1).clamp_min_(torch.finfo(torch.float32).min)
+            exp = logits.sub_(top[:, None]).exp_()  # in place: the logits are not needed again
+            lse = top + exp.sum(-1).log()
+            if world > 1:
+                lse, picked = _global_log_sum_exp(lse, picked, group, world)
+            losses[c : c + chunk_tokens] = lse - picked
+            if grad_x is None and grad_w is None:
+                continue
+            # d mean / d logits: (the softmax over the whole vocabulary - one-hot) / tokens.
+            grad = exp.mul_((top - lse).exp_().div_(tokens)[:, None])
+            grad.scatter_add_(1, local, inside[:, None].to(grad.dtype).mul_(-1.0 / tokens))
             grad = grad.to(x.dtype)
             if grad_x is not None:
-                grad_x[c : c + step] = grad @ weight
+                torch.mm(grad, weight, out=grad_x[c : c + chunk_tokens])
             if grad_w is None:
                 continue
             if grad.dtype == torch.float32:
                 grad_w.addmm_(grad.t(), xc)
             else:
                 grad_w += (grad.t() @ xc).float()
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return losses.mean()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        if grad_x is not None:
+            grad_x = grad_x * grad_loss.to(grad_x.dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * grad_loss).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def default_chunk_tokens(rows: int, device: torch.device) -> int:
+    """Tokens per chunk of `rows` logits each: about 2^26 fp32 logits (256 MiB) a chunk on a
+    GPU; 2^21 (8 MiB) elsewhere, which stays in the CPU's caches and under glibc's mmap
+    threshold (larger buffers are mapped afresh, and page-faulted in, on every use)."""
+    budget = 2**26 if device.type == "cuda" else 2**21
+    return max(64, budget // rows)
 
 
 def linear_vocab_parallel_cross_entropy(
@@ -159,18 +178,22 @@ def linear_vocab_parallel_cross_entropy(
     true_vocab_size: int | None = None,
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Per-token loss of the output layer and cross entropy in one: never holds the [tokens,
-    vocab / tp] logits, only a chunk of tokens' worth of them.
+    """The output layer and the mean cross entropy over tokens in one (0-d fp32): never holds
+    the [tokens, vocab / tp] logits, only a chunk of tokens' worth of them.
 
     `x` [..., h] is the output layer's input as this rank sees it (after the layer's input
     mapping: copied into, or gathered from the sequence-parallel, tensor-parallel region),
     `weight` [vocab / tp, h] this rank's rows, `target` [...] global vocabulary ids; the ids
-    at and above `true_vocab_size` are padding, never predicted.  The forward keeps each
-    token's log-sum-exp (combined over TP ranks by two all-reduces for all chunks); the
-    backward computes each chunk's logits again (one more output-layer GEMM, cut-cross-entropy's
-    trade) and turns them into the input and weight gradients at once.  Equal to
-    `vocab_parallel_cross_entropy(F.linear(x, weight).float(), target)` in value and gradient.
-    `chunk_tokens`: tokens per chunk (None: about 2^26 fp32 logits a chunk).
+    at and above `true_vocab_size` are padding, never predicted.  Each chunk's log-sum-exp
+    is combined over TP ranks by one all-gather.  When a gradient is wanted (grad mode on,
+    `x` or `weight` requiring it), the forward also makes the input and weight gradients
+    (Liger-Kernel's trade: no second output-layer GEMM, as cut-cross-entropy's recompute
+    needs, but the gradients are held from forward to backward: [tokens, h] in x's dtype
+    and [vocab / tp, h] in fp32).  Their rounding in a 16-bit dtype happens before the loss
+    scale is known, so fp16 training (its loss scale keeps small gradients representable)
+    must not use it.  Equal to `vocab_parallel_cross_entropy(F.linear(x, weight).float(),
+    target).mean()` in value and gradient.
+    `chunk_tokens`: tokens per chunk (None: `default_chunk_tokens`).
     """
     if x.shape[:-1] != target.shape or weight.size(-1) != x.size(-1):
         raise ValueError(
@@ -179,11 +202,16 @@ def linear_vocab_parallel_cross_entropy(
             "must be [..., h], [vocab / tp, h] and [...]"
         )
     if chunk_tokens is None:
-        chunk_tokens = max(256, 2**26 // weight.size(0))
+        chunk_tokens = default_chunk_tokens(weight.size(0), x.device)
     if chunk_tokens < 1:
         raise ValueError(f"linear_vocab_parallel_cross_entropy: chunk_tokens={chunk_tokens} < 1")
-    flat = x.reshape(-1, x.size(-1))
-    losses = _LinearCrossEntropy.apply(
-        flat, weight, target.reshape(-1), chunk_tokens, true_vocab_size
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropyMean.apply(
+        x.reshape(-1, x.size(-1)),
+        weight,
+        target.reshape(-1),
+        chunk_tokens,
+        true_vocab_size,
+        grad and x.requires_grad,
+        grad and weight.requires_grad,
     )
-    return losses.view(target.shape)

@@ -40,7 +40,8 @@ __all__ = [
 
 class GPTModel(LanguageModel):
     """The whole GPT-2, or one pipeline chunk: `forward(tokens, labels)` gives the loss per token
-    [b, s] on the last stage, the activations [s, b, h] before it, and logits (this rank's
+    [b, s] on the last stage (with `fused_linear_cross_entropy`: their mean, 0-d, its
+    gradients made in the forward), the activations [s, b, h] before it, and logits (this rank's
     vocabulary slice, [s, b, v/tp]) when `labels` is None.  See `LanguageModel` for how it
     is built."""
 
@@ -75,13 +76,12 @@ class GPTModel(LanguageModel):
             return x
         weight = self.tied_output_weight()
         if labels is not None and self.config.fused_linear_cross_entropy:
-            losses = tp.linear_vocab_parallel_cross_entropy(
+            return tp.linear_vocab_parallel_cross_entropy(  # the mean, 0-d
                 self.output_layer.parallel_input(x),
                 self.output_layer.weight if weight is None else weight,
                 labels.t(),
                 true_vocab_size=self.config.true_vocab_size,
             )
-            return losses.t()  # [b, s]
         logits, _ = self.output_layer(x, weight=weight)
         logits = self.mask_padding(logits)
         if labels is None:
