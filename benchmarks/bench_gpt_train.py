@@ -24,9 +24,6 @@ step each: both models share the process's malloc, and HF's step (which makes
 ~0.4 GB of short-lived temporaries and page-faults them in) ran ~20% slower
 right after one of ours than after one of its own; `--block 1` shows that.
 
-Ours runs with `CPU_LEVERS` (the fused linear + cross entropy, off by default in `megatrain
-run`; `--no-levers` leaves it out) and any `--set` overrides; both are recorded.
-
 Reported per model: tokens/s (median over the timed steps; total tokens / total
 time; the fastest step), ms/step, model TFLOP/s of the median step by the paper's
 count (`gpt_model_flops_per_iteration`; no recompute, so HFU = MFU; the same formula
@@ -72,12 +69,6 @@ VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 8192, 6, 384, 6, 256, 8
 # --model llama: the same depth and width as a Llama (6 heads sharing 2 key/value heads,
 # SwiGLU of 1024, about 8h/3, RMSNorm, rotary positions, no biases, an untied output layer).
 LLAMA = ['model.kind="llama"', "model.num_query_groups=2", "model.ffn_hidden_size=1024"]
-# The speed lever of ours that pays on a CPU, on unless --no-levers: the output layer and its
-# loss in chunks of tokens that stay in the caches (and clear of glibc's mmap threshold, so no
-# buffer is page-faulted in afresh every step).  Gradient-accumulation fusion costs here (no
-# GEMM on the CPU adds an fp32 product into main_grad in place of a separate add) and one sync
-# per iteration saves nothing without a device to wait for.
-CPU_LEVERS = ["training.fused_linear_cross_entropy=true"]
 
 
 # -- a synthetic corpus, written by megatrain.testing.write_corpus in megadata's format ----------
@@ -343,12 +334,6 @@ def main() -> None:
         help="GPT-2 beside GPT2LMHeadModel, or a Llama beside LlamaForCausalLM",
     )
     parser.add_argument(
-        "--no-levers",
-        dest="levers",
-        action="store_false",
-        help="ours without its CPU speed lever (the fused linear + cross entropy)",
-    )
-    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -391,7 +376,6 @@ def main() -> None:
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",
             *(LLAMA if args.model == "llama" else []),
-            *(CPU_LEVERS if args.levers else []),
             *args.set,
         ],
     )
@@ -512,7 +496,6 @@ def main() -> None:
                 "order": f"warm-up ours x{args.warmup}, HF x{args.warmup}; then timed blocks "
                 f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
                 "ours": "megatrain.run.step.train_step(build_run(config)), 1-process gloo group",
-                "ours_levers": CPU_LEVERS if args.levers else [],
                 "ours_overrides": args.set,
                 "hf": f"{type(hf.model).__name__} (sdpa) + AdamW (decay on 2-D params) + "
                 "clip_grad_norm_ 1.0, same lr schedule; loss = F.cross_entropy(logits, our "

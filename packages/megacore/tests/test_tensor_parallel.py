@@ -444,7 +444,7 @@ def test_gradient_accumulation_into_an_fp32_main_grad_from_bf16_operands():
     start = torch.randn(8, 16, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         main_grad = start.clone()
-        weight_grad._accumulate(main_grad, a.to(dtype), b.to(dtype))
+        weight_grad.accumulate_gemm(main_grad, a.to(dtype), b.to(dtype))
         expected = start + (a.to(dtype) @ b.to(dtype)).float()
         assert main_grad.dtype == torch.float32
         torch.testing.assert_close(main_grad, expected, rtol=0, atol=1e-5)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megacore import parallel_state
 from megacore.collectives import all_gather_flat
 from megacore.tensor_parallel.utils import vocab_range
+from megacore.tensor_parallel.weight_grad import accumulate_gemm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -142,12 +143,8 @@ class _LinearCrossEntropyMean(torch.autograd.Function):
             grad = grad.to(x.dtype)
             if grad_x is not None:
                 torch.mm(grad, weight, out=grad_x[c : c + chunk_tokens])
-            if grad_w is None:
-                continue
-            if grad.dtype == torch.float32:
-                grad_w.addmm_(grad.t(), xc)
-            else:
-                grad_w += (grad.t() @ xc).float()
+            if grad_w is not None:
+                accumulate_gemm(grad_w, grad.t(), xc)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return losses.mean()

@@ -131,16 +131,16 @@ def _defer(weight: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _into_main_grad(param: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
-    _accumulate(param.main_grad, grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    accumulate_gemm(param.main_grad, grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
     param.main_grad_written(param)
 
 
 _mixed_dtype_addmm = {}  # device type -> whether addmm(out_dtype=) runs there
 
 
-def _accumulate(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """main_grad += a @ b in one GEMM; bf16/fp16 operands into an fp32 main_grad through
-    addmm's out_dtype where the device has it (CUDA), else a GEMM and an add."""
+def accumulate_gemm(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """main_grad += a @ b in one GEMM; bf16/fp16 operands into an fp32 main_grad (or any fp32
+    sum) through addmm's out_dtype where the device has it (CUDA), else a GEMM and an add."""
     if a.dtype == main_grad.dtype:
         main_grad.addmm_(a, b)
         return
