@@ -2,11 +2,12 @@
 # The single-GPU paths on a CUDA machine, NCCL as the backend: train (bf16, tp=pp=dp=1), resume,
 # evaluate (WikiText-103, LAMBADA), generate, export to HF and back, the tests that need CUDA,
 # then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it;
-# then `make bench-gpu` beside the peers (megatron-core, torchtitan): GPT-2 1.2B (ours also in
-# fp8), and Llama 3 8B's shape at 4 layers.
+# before all of them `make bench-gpu` beside the peers (megatron-core, torchtitan): GPT-2 1.2B
+# (ours also in fp8), and Llama 3 8B's shape at 4 layers.
 #
 #   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
 #
+# The benchmarks run first: a GPU session is short, and they are what no CPU can measure.
 # Runs from the source tree (PYTHONPATH), so it needs no `make install` on a GPU image that already
 # has torch, numpy, click, pyarrow, safetensors, tokenizers, tqdm, matplotlib, tensorboard and
 # transformers.  The peers install offline from wheels/gpu (scripts/fetch_gpu_wheels.py wrote it
@@ -51,6 +52,23 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $OUT/NAME.log, report
 "$PY" -c 'import torch; c = torch.cuda.is_available(); print("torch", torch.__version__, "cuda",
   torch.version.cuda, torch.cuda.get_device_name(0) if c else "(no GPU)", "nccl", c and torch.cuda.nccl.version())'
 
+# The benchmark through `make bench-gpu`: its `install` prerequisite (a venv, from a package index)
+# is stood in for by a stamped folder whose python runs this one (a wrapper, not a link: a venv's
+# python found through a link loses its venv), the source tree being on PYTHONPATH.
+SITE="$OUT/peers-site"
+step install-peers 120 env PYTHON="$PY" bash scripts/install_gpu_wheels.sh "$SITE"
+mkdir -p "$OUT/venv/bin"
+printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" >"$OUT/venv/bin/python"
+chmod +x "$OUT/venv/bin/python"
+touch "$OUT/venv/.installed"
+BENCH=(env PYTHONPATH="$SITE:$PYTHONPATH" make --no-print-directory bench-gpu VENV="$OUT/venv")
+step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --profile --out $OUT/gpu.json"
+step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models/llama3-8b.toml \
+    --layers 4 --warmup 2 --iters 5 --out $OUT/gpu-llama.json"
+for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed
+    awk '/^(GPT-2|Llama) [0-9]+x[0-9]+/,/^wrote /' "$OUT/$name.log"
+done
+
 RUN="$OUT/run"
 TRAIN=(--config pipelines/models/gpt2-tiny.toml "data.corpus=\"$CORPUS\"" "training.output_dir=\"$RUN\""
     training.precision=\"bf16\" training.eval_interval=20 logging.log_interval=10)
@@ -72,20 +90,4 @@ else
     echo "SKIP pp2-nccl-one-gpu: $(grep -m1 -iE 'duplicate gpu|error' "$OUT/pp2-nccl.log" | cut -c1-200)"
 fi
 
-# The benchmark through `make bench-gpu`: its `install` prerequisite (a venv, from a package index)
-# is stood in for by a stamped folder whose python runs this one (a wrapper, not a link: a venv's
-# python found through a link loses its venv), the source tree being on PYTHONPATH.
-SITE="$OUT/peers-site"
-step install-peers 120 env PYTHON="$PY" bash scripts/install_gpu_wheels.sh "$SITE"
-mkdir -p "$OUT/venv/bin"
-printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" >"$OUT/venv/bin/python"
-chmod +x "$OUT/venv/bin/python"
-touch "$OUT/venv/.installed"
-BENCH=(env PYTHONPATH="$SITE:$PYTHONPATH" make --no-print-directory bench-gpu VENV="$OUT/venv")
-step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --profile --out $OUT/gpu.json"
-step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models/llama3-8b.toml \
-    --layers 4 --warmup 2 --iters 5 --out $OUT/gpu-llama.json"
-for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed
-    awk '/^(GPT-2|Llama) [0-9]+x[0-9]+/,/^wrote /' "$OUT/$name.log"
-done
 exit "$failed"

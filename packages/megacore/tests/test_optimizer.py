@@ -16,6 +16,7 @@ from megacore.optimizer import (
     OptimizerConfig,
 )
 from megacore.optimizer.optimizer import _adam_implementation
+from megacore.testing import run_distributed
 
 
 def test_defaults_are_the_papers():
@@ -99,6 +100,55 @@ def test_adam_kernel_choice():
     on = {kind: SimpleNamespace(device=torch.device(kind)) for kind in ("cuda", "cpu", "meta")}
     assert _adam_implementation(True, [on["cuda"], on["cuda"]]) == {"fused": True}
     assert _adam_implementation(True, [on["cuda"], on["meta"]]) == {"foreach": True}
+
+
+def _train_clipping(step_name: str, **settings) -> tuple[list, list, bool]:
+    """Four steps of a small model whose gradients are clipped on the 1st, 2nd and 4th (a
+    limit of 0.05) and not on the 3rd: its weights, the gradient norms, and whether a
+    grad_scale was left on torch's optimizer after a step."""
+    from megacore import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    data = [torch.randn(4, 6) for _ in range(4)]
+    opt = MegatronOptimizer(OptimizerConfig(lr=0.1, **settings), [model])
+    norms, left = [], False
+    for x, limit in zip(data, [0.05, 0.05, 1e6, 0.05], strict=True):
+        opt.config.clip_grad = limit
+        model(x).square().sum().backward()
+        if step_name == "step_on_device":
+            norm, found_inf = opt.step_on_device().tolist()
+            norms.append(opt.settle_step(norm, found_inf)[1])
+        else:
+            norms.append(opt.step()[1])
+        left |= getattr(opt.optimizer, "grad_scale", None) is not None
+        opt.zero_grad()
+    ps.destroy_model_parallel()
+    return [p.detach().clone() for p in model.parameters()], norms, left
+
+
+def _clipping_paths() -> dict:
+    return {
+        "plain": _train_clipping("step", fused_adam=False, fused_grad_norm=False),
+        "step": _train_clipping("step"),
+        "step_on_device": _train_clipping("step_on_device", step_on_device=True),
+    }
+
+
+def test_clipping_folded_into_fused_adam_equals_the_plain_path():
+    """Fused AdamW takes the clip coefficient as its grad_scale (no multiply pass of its own):
+    the same weights as the per-tensor path over steps that clip and one that does not, by
+    `step()` and by `step_on_device()`, and the scale is not left for the next step."""
+    (out,) = run_distributed(_clipping_paths, world_size=1)
+    plain, plain_norms, _ = out["plain"]
+    assert plain_norms[0] > 0.05 and plain_norms[2] < 1e6  # clipped, then not
+    for name in ("step", "step_on_device"):
+        weights, norms, left = out[name]
+        assert not left, name
+        assert norms == pytest.approx(plain_norms, rel=1e-5), name
+        for a, b in zip(weights, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_overlap_param_gather_needs_the_distributed_optimizer():

@@ -260,15 +260,27 @@ class MegatronOptimizer:
         elif self.config.clip_grad > 0:
             coeff = clip_coefficient(grad_norm, self.config.clip_grad)
             if coeff < 1.0:
-                torch._foreach_mul_(grads, coeff)
+                self._clip(grads, torch.tensor(coeff, dtype=torch.float32))
         num_zeros = self._count_zeros(groups) if self.config.log_num_zeros_in_grad else None
         self._adam_into_model()
         return True, grad_norm, num_zeros
+
+    def _clip(self, grads: list[torch.Tensor], coeff: torch.Tensor) -> None:
+        """The gradients times the clip coefficient (a 0-d tensor): with fused AdamW, its
+        `grad_scale` (1 / coeff), which the kernel divides each gradient by as it reads it,
+        so clipping costs no pass over the gradients of its own (the scaled gradients are
+        written back, as the multiply would leave them); else one foreach multiply."""
+        coeff = coeff.to(grads[0].device)
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.grad_scale = coeff.reciprocal()
+        else:
+            torch._foreach_mul_(grads, coeff)
 
     def _adam_into_model(self) -> None:
         """AdamW on the masters, the masters copied into the model (when they are copies), and
         with sharding the all-gather (left running under overlap_param_gather)."""
         self.optimizer.step()
+        self.optimizer.grad_scale = None  # this step's clip only
         owned = [s for s in self.shards if s.owns_master]
         if owned:
             torch._foreach_copy_(
@@ -309,8 +321,7 @@ class MegatronOptimizer:
         stats = grad_stats(counted, others, groups=self._norm_groups())
         norm, found_inf = stats[0].sqrt(), (stats[1] > 0).float()
         if self.config.clip_grad > 0 and grads:
-            coeff = (self.config.clip_grad / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coeff.to(grads[0].device))
+            self._clip(grads, (self.config.clip_grad / (norm + 1e-6)).clamp(max=1.0))
         self.optimizer.found_inf = (
             found_inf.to(self.shards[0].master.device) if self.shards else None
         )
