@@ -43,9 +43,9 @@ from megatrain.accounting import (
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
 from megatrain.plan.hardware import GIB as GIB  # re-exported: sizes in GiB
+from megatrain.plan.hardware import load_gpus
 
 CUDA = torch.device("cuda")  # the estimate is for GPUs: their chunk of the fused loss
-from megatrain.plan.hardware import load_gpus
 
 # Memory of the GPUs configs are sized for: the GPU table of `megatrain plan` (plan/gpus.toml).
 GPU_MEMORY = {key: gpu.memory_bytes for key, gpu in load_gpus().items()}

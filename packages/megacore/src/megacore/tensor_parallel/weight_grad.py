@@ -131,7 +131,8 @@ def _defer(weight: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _into_main_grad(param: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
-    accumulate_gemm(param.main_grad, grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    accumulate_gemm(param.main_grad, grad.t(), x)
     param.main_grad_written(param)
 
 
