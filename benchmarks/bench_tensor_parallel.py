@@ -5,7 +5,9 @@
 Runs the paper's MLP (column- then row-parallel, Fig. 3a) forward+backward at
 each TP size that fits the machine, on gloo (CPU) or NCCL (GPU, --backend nccl),
 and `vocab_parallel_cross_entropy` against `torch.nn.functional.cross_entropy`
-at TP=1.  Writes one JSON record with the timings and the machine they came from.
+at TP=1, then the output layer with it: `F.linear` and the loss against the fused
+`linear_vocab_parallel_cross_entropy`.  Writes one JSON record with the timings and
+the machine they came from.
 """
 
 import argparse
@@ -61,7 +63,7 @@ def _mlp_rank(tp_size, hidden, seq, batch, warmup, iters):
     }
 
 
-def _cross_entropy_rank(tokens, vocab, warmup, iters):
+def _cross_entropy_rank(tokens, vocab, hidden, warmup, iters):
     parallel_state.initialize_model_parallel()
     device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
     logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
@@ -73,8 +75,32 @@ def _cross_entropy_rank(tokens, vocab, warmup, iters):
         iters,
     )
     torch_ce = _timed(lambda: F.cross_entropy(logits, target).backward(), device, warmup, iters)
+    # The output layer and the loss, forward and backward: F.linear then the loss above, and
+    # the fused op (training.fused_linear_cross_entropy), which never holds the logits.
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    weight = (torch.randn(vocab, hidden, device=device) * 0.02).requires_grad_(True)
+
+    def unfused():
+        loss = tensor_parallel.vocab_parallel_cross_entropy(F.linear(x, weight), target)
+        loss.mean().backward()
+
+    def fused():
+        tensor_parallel.linear_vocab_parallel_cross_entropy(x, weight, target).backward()
+
+    linear_unfused = _timed(unfused, device, warmup, iters)
+    linear_fused = _timed(fused, device, warmup, iters)
     parallel_state.destroy_model_parallel()
-    return {"tokens": tokens, "vocab": vocab, "ours_ms": ours * 1e3, "torch_ms": torch_ce * 1e3}
+    return {
+        "tokens": tokens,
+        "vocab": vocab,
+        "ours_ms": ours * 1e3,
+        "torch_ms": torch_ce * 1e3,
+        "with_output_layer": {
+            "hidden": hidden,
+            "unfused_ms": linear_unfused * 1e3,
+            "fused_ms": linear_fused * 1e3,
+        },
+    }
 
 
 def main() -> None:
@@ -98,7 +124,7 @@ def main() -> None:
     ce = run_distributed(
         _cross_entropy_rank,
         1,
-        (args.seq * args.batch, args.vocab, 1, args.iters),
+        (args.seq * args.batch, args.vocab, args.hidden, 1, args.iters),
         backend=args.backend,
         timeout=600,
     )[0]

@@ -270,6 +270,8 @@ class MegatronOptimizer:
         `grad_scale` (1 / coeff), which the kernel divides each gradient by as it reads it,
         so clipping costs no pass over the gradients of its own (the scaled gradients are
         written back, as the multiply would leave them); else one foreach multiply."""
+        if not grads:  # a rank without gradients to clip
+            return
         coeff = coeff.to(grads[0].device)
         if self.optimizer.defaults.get("fused"):
             self.optimizer.grad_scale = coeff.reciprocal()
