@@ -79,7 +79,7 @@ from megatrain.accounting import (
     gpt_model_flops_per_iteration,
     gpt_parameters,
 )
-from megatrain.config import load_config
+from megatrain.config import load_config, validate
 from megatrain.memory import cheapest_recompute
 from megatrain.run.metrics import device_peak_tflops, measured_matmul_tflops
 from megatrain.run.setup import build_run
@@ -140,6 +140,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--fp8-emulate", action="store_true", help="--fp8 through torchao's emulation (any device)"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="ours once more with training.cuda_graphs (each layer a CUDA graph) as "
+        "'megatrain-cuda-graphs'; recorded as skipped with the reason where it cannot run",
     )
     parser.add_argument(
         "--peers",
@@ -343,23 +349,36 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
     }
 
 
-def measure_fp8(config, device: torch.device, args: argparse.Namespace) -> dict:
-    """Ours again with the layers' GEMMs in float8 (bf16 otherwise), or why it cannot run."""
-    fp8 = copy.deepcopy(config)
-    fp8.training.precision = "fp8"
-    fp8.training.fp8_emulate = args.fp8_emulate
-    fp8.training.gradient_accumulation_fusion = False  # torchao makes its weight gradients
+def measure_variant(config, device: torch.device, args: argparse.Namespace, **fields) -> dict:
+    """Ours again with the `training` fields changed, or why it cannot run."""
+    variant = copy.deepcopy(config)
+    for name, value in fields.items():
+        setattr(variant.training, name, value)
     try:
-        result = measure_ours(fp8, device, args)
-    except (RuntimeError, ImportError) as e:
+        validate(variant, 1)
+        return measure_ours(variant, device, args)
+    except (RuntimeError, ImportError, ValueError) as e:  # ConfigError is a ValueError
         traceback.print_exc()
         return {"skipped": True, "reason": f"{type(e).__name__}: {e}"}
     finally:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-    result["precision"] = "fp8 (torchao float8 training" + (
-        ", emulated)" if args.fp8_emulate else ")"
+
+
+def measure_fp8(config, device: torch.device, args: argparse.Namespace) -> dict:
+    """Ours again with the layers' GEMMs in float8 (bf16 otherwise), or why it cannot run."""
+    result = measure_variant(
+        config,
+        device,
+        args,
+        precision="fp8",
+        fp8_emulate=args.fp8_emulate,
+        gradient_accumulation_fusion=False,  # torchao makes its weight gradients
     )
+    if not result.get("skipped"):
+        result["precision"] = "fp8 (torchao float8 training" + (
+            ", emulated)" if args.fp8_emulate else ")"
+        )
     return result
 
 
@@ -499,6 +518,10 @@ def main() -> None:
         model_config = results["megatrain"].pop("model_config")
         if args.fp8 or args.fp8_emulate:
             results["megatrain-fp8"] = measure_fp8(config, device, args)
+        if args.cuda_graphs:
+            results["megatrain-cuda-graphs"] = measure_variant(
+                config, device, args, cuda_graphs=True
+            )
         if not args.no_hf:
             results["hf"] = measure_hf(config, corpus, model_config.vocab_size, device, args)
             if results["hf"]["digests"] != results["megatrain"]["digests"]:
@@ -632,18 +655,18 @@ def print_table(record: dict) -> None:
         f"{s['precision']}, recompute {s['recompute']} on {record['machine']['device']}; "
         f"peak {method['peak_tflops']:.3g} TFLOP/s ({method['peak_source']})"
     )
-    print(f"  {'model':13s} {'tokens/s':>10s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} "
+    print(f"  {'model':21s} {'tokens/s':>10s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'peak GiB':>9s} {'first loss':>10s} {'vs ours':>8s}")  # fmt: skip
-    for name in ("megatrain", "megatrain-fp8", "hf", *peers.PEERS):
+    for name in ("megatrain", "megatrain-fp8", "megatrain-cuda-graphs", "hf", *peers.PEERS):
         r = record.get(name)
         if r is None:
             continue
         if r.get("skipped"):
-            print(f"  {name:13s} skipped: {r['reason'][:150]}")
+            print(f"  {name:21s} skipped: {r['reason'][:150]}")
             continue
         memory = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
         print(
-            f"  {name:13s} {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:9.1f} "
+            f"  {name:21s} {r['tokens_per_s_median']:10.0f} {r['ms_per_step_median']:9.1f} "
             f"{r['model_tflops']:8.3g} {r['mfu']:6.1%} {r['hfu']:6.1%} {memory:>9s} "
             f"{r['losses'][0]:10.4f} {r['loss_check']['max_abs_diff_vs_megatrain']:8.4f}"
         )

@@ -3,7 +3,7 @@
 # evaluate (WikiText-103, LAMBADA), generate, export to HF and back, the tests that need CUDA,
 # then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it;
 # before all of them `make bench-gpu` beside the peers (megatron-core, torchtitan): GPT-2 1.2B
-# (ours also in fp8), and Llama 3 8B's shape at 4 layers.
+# (ours also in fp8 and with CUDA graphs), and Llama 3 8B's shape at 4 layers.
 #
 #   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
 #
@@ -62,7 +62,7 @@ printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" >"$OUT/venv/bin/python"
 chmod +x "$OUT/venv/bin/python"
 touch "$OUT/venv/.installed"
 BENCH=(env PYTHONPATH="$SITE:$PYTHONPATH" make --no-print-directory bench-gpu VENV="$OUT/venv")
-step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --profile --out $OUT/gpu.json"
+step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --cuda-graphs --profile --out $OUT/gpu.json"
 step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models/llama3-8b.toml \
     --layers 4 --warmup 2 --iters 5 --out $OUT/gpu-llama.json"
 for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed
@@ -80,7 +80,8 @@ step lambada 300 megaeval lambada --ckpt "$RUN/ckpt" --data "$CORPUS/eval/lambad
 step generate 300 megatrain generate --ckpt "$RUN/ckpt" --prompt "The" --max-new-tokens 20
 step export-hf 300 megatrain export-hf --ckpt "$RUN/ckpt" --out "$RUN/hf"
 step import-hf 300 megatrain import-hf "$RUN/hf" --out "$RUN/reimported"
-step cuda-tests 600 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_speed_path.py \
+step cuda-tests 600 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_cuda_graphs.py \
+    packages/megacore/tests/test_cuda_graphs_emulation.py packages/megatrain/tests/test_speed_path.py \
     packages/megatrain/tests/test_construction.py
 # NCCL with two ranks on one GPU: refused by some NCCL versions ("Duplicate GPU"); reported, not counted.
 if timeout 240 megatrain run --nproc-per-node 2 "${TRAIN[@]}" training.train_iters=20 \

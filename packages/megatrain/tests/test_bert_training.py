@@ -16,7 +16,7 @@ import pytest
 from megacore.testing import run_distributed
 from megatrain.config import load_config
 from megatrain.run.loop import train
-from megatrain.testing import english_texts, write_bert_text_corpus
+from megatrain.testing import cuda_graphs_on_cpu, english_texts, write_bert_text_corpus
 
 STEPS = 3
 FP32_TOL = 2e-5  # as the GPT layouts: fp32 summation order only
@@ -52,6 +52,12 @@ LAYOUTS = {
         "model.num_layers=8",
         "parallel.pipeline_model_parallel_size=4",
         "parallel.virtual_pipeline_model_parallel_size=2",
+    ],
+    # Each layer a CUDA graph (emulated on the CPU), the key-padding mask its second input.
+    "graphs-tp2-dp4-seqpar": [
+        "training.cuda_graphs=true",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
     ],
     "dp8-distopt-overlap": [
         "parallel.use_distributed_optimizer=true",
@@ -109,12 +115,17 @@ def _one_process(corpus, out):
 
 def _layouts(corpus, out):
     runs = {}
+    with cuda_graphs_on_cpu():
+        _train_layouts(corpus, out, runs)
+    return runs
+
+
+def _train_layouts(corpus, out, runs):
     for order in ORDERS:
         for name, overrides in LAYOUTS.items():
             if order == "post_ln" and name not in POST_LN_LAYOUTS:
                 continue
             runs[order, name] = train(_config(corpus, f"{out}/{order}-{name}", order, overrides))
-    return runs
 
 
 @pytest.fixture(scope="module")

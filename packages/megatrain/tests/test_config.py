@@ -195,6 +195,36 @@ def test_speed_lever_refusals_name_the_fields():
     tp.check_float8_available(torch.device("cpu"), emulate=True)  # torchao's emulation runs
 
 
+def test_cuda_graphs_refusals_name_the_fields():
+    graphs = "training.cuda_graphs=true"
+    refusals = {
+        ("parallel.pipeline_model_parallel_size=2",): r"cuda_graphs = true with parallel.pipeline"
+        r"_model_parallel_size = 2: a layer's graph holds the activations of one microbatch",
+        ('model.recompute="selective"',): r"with model.recompute = 'selective': recompute swaps",
+        ("training.compile=true",): r"with training.compile = true: choose one",
+        ("parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true"): (
+            r"with parallel.overlap_param_gather = true: its forward hooks"
+        ),
+        ("training.precision='fp8'",): r"with training.precision = 'fp8'",
+        ("parallel.tensor_model_parallel_size=2", "model.attention_dropout=0.1"): (
+            r"with model.attention_dropout = 0.1 at this layout: those masks differ between "
+            r"tensor-parallel ranks"
+        ),
+        ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+         "model.hidden_dropout=0.1", "model.attention_dropout=0.0"): (
+            r"with model.hidden_dropout = 0.1 at this layout"
+        ),
+    }  # fmt: skip
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config(None, [graphs, *overrides]))
+    # Accepted: dropout at one TP rank; TP and sequence parallelism without dropout.
+    validate(load_config(None, [graphs, "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]))
+    no_dropout = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
+    tp2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    validate(load_config(None, [graphs, *no_dropout, *tp2]))
+
+
 def test_learning_rate_warmup_then_cosine_or_linear():
     kw = {"lr": 1.0, "min_lr": 0.1, "warmup_iters": 10, "decay_iters": 110}
     assert [learning_rate(i, **kw) for i in (0, 4, 9)] == [0.1, 0.5, 1.0]

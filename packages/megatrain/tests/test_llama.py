@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from megacore.testing import run_distributed
 from megatrain.config import ConfigError, load_config, validate
 from megatrain.run.loop import train
-from megatrain.testing import assert_same_steps, write_counting_corpus
+from megatrain.testing import assert_same_steps, cuda_graphs_on_cpu, write_counting_corpus
 
 VOCAB = 200
 STEPS = 3
@@ -72,6 +72,14 @@ LAYOUTS = {
         *LEVERS,
         "parallel.tensor_model_parallel_size=2",
         "parallel.sequence_parallel=true",
+    ],
+    # Each layer a CUDA graph (emulated on the CPU): rotary tables, GQA, SwiGLU inside.
+    "graphs-levers-tp2-dp4-seqpar-overlap": [
+        *LEVERS,
+        "training.cuda_graphs=true",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        "parallel.overlap_grad_reduce=true",
     ],
     "tp2-pp2-dp2-distopt": [  # two key/value groups per TP rank
         "parallel.tensor_model_parallel_size=2",
@@ -220,7 +228,8 @@ def _one_process(corpus, out):
 
 
 def _layouts(corpus, out):
-    runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
+    with cuda_graphs_on_cpu():
+        runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
     # Stopped after 2 steps with a save; step 3 at another layout (tp 4: the groups resharded,
     # the distributed optimizer's state read into a plain one), then at the saving layout.
     ckpt, saving = f"{out}/ckpt", LAYOUTS["tp2-pp2-dp2-distopt"]

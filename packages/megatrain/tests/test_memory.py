@@ -120,6 +120,25 @@ def test_the_fused_loss_holds_gradients_not_logits():
     assert fused["activations"] < plain["activations"] - GIB
 
 
+def test_cuda_graphs_hold_static_inputs_outputs_and_unfused_gradients():
+    """The 355M with each layer a CUDA graph: every layer's input copy and output (16-bit
+    [s, b, h] each), and the weights' 16-bit gradients unless they go into main_grad."""
+    from megatrain.accounting import layer_parameters_per_rank
+    from megatrain.models import model_config
+
+    config, vocab = _shipped("gpt2-355m")
+    config.training.precision = "bf16"
+    s, b, h, n = 1024, 8, 1024, 24
+    plain = memory_breakdown(config, "none", vocab_size=vocab)["activations"]
+    config.training.cuda_graphs = True
+    graphs = memory_breakdown(config, "none", vocab_size=vocab)["activations"]
+    grads = n * layer_parameters_per_rank(model_config(config, vocab), 1) * 2
+    assert graphs - plain == pytest.approx(n * 4 * s * b * h + grads)
+    config.training.gradient_accumulation_fusion = True
+    fused = memory_breakdown(config, "none", vocab_size=vocab)["activations"]
+    assert fused - plain == pytest.approx(n * 4 * s * b * h)
+
+
 def test_layouts_that_save_memory_estimate_less():
     config, vocab = _shipped("gpt2-8.3b")  # tp 8, full recompute
     base = memory_breakdown(config, "selective", vocab_size=vocab)

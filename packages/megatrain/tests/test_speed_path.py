@@ -10,7 +10,6 @@ with sequence parallelism, where the collectives sit inside the compiled graph.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacore import parallel_state as ps
@@ -40,21 +39,6 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
     return tokens, labels
-
-
-@pytest.fixture
-def one_process(tmp_path):
-    """tp = pp = 1 in this process: a gloo world of one."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(
-            "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rendezvous'}"
-        )
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def _plain_losses(model: GPTModel, tokens, labels) -> torch.Tensor:
@@ -103,7 +87,7 @@ def _assert_same(a, b, atol):
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_fused_bias_structure_is_the_plain_math(one_process, dropout, recompute):
+def test_fused_bias_structure_is_the_plain_math(gloo_world_of_one, dropout, recompute):
     model = apply_recompute(GPTModel(_cfg(dropout, recompute), seed=1234, device="cpu"), recompute)
     layer = model.layers["0"]
     assert layer.mlp.fc1.skip_bias_add and layer.mlp.fc2.skip_bias_add
@@ -116,7 +100,7 @@ def test_fused_bias_structure_is_the_plain_math(one_process, dropout, recompute)
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")  # inductor's own
-def test_compile_equals_eager(one_process):
+def test_compile_equals_eager(gloo_world_of_one):
     """training.compile: the compiled layers give eager's losses and gradients, with dropout
     (the same masks from the same seed) and without, under full recompute (checkpoint around
     the compiled layer) and none; one graph serves both layers (no recompile per layer)."""
@@ -140,7 +124,7 @@ def test_compile_equals_eager(one_process):
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")
-def test_compiled_layer_is_one_graph_with_dropout_at_one_tp_rank(one_process):
+def test_compiled_layer_is_one_graph_with_dropout_at_one_tp_rank(gloo_world_of_one):
     """At tp 1 the attention dropout draws from the default stream (no generator swap, which
     dynamo cannot trace): a training layer with dropout compiles to one graph, no break."""
     torch._dynamo.reset()
@@ -203,7 +187,7 @@ def test_training_compile_is_a_checked_boolean():
         load_config(None, ["training.compile=1"])
 
 
-def test_training_attention_is_the_flash_eligible_call(one_process, monkeypatch):
+def test_training_attention_is_the_flash_eligible_call(gloo_world_of_one, monkeypatch):
     """Flash attention (bf16/fp16 on CUDA) takes no attn_mask, 4-D [b, heads, s, d] inputs,
     head_dim <= 256 and a last dimension of stride 1: what training passes, recompute or not."""
     calls = []
@@ -226,7 +210,7 @@ def test_training_attention_is_the_flash_eligible_call(one_process, monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention needs a CUDA GPU")
-def test_flash_attention_runs_the_training_forward(one_process):
+def test_flash_attention_runs_the_training_forward(gloo_world_of_one):
     """With SDPA held to the flash kernel (an error if the call were not eligible), a bf16
     model trains a step on the GPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -15,7 +15,7 @@ import pytest
 from megacore.testing import run_distributed
 from megatrain.config import load_config
 from megatrain.run.loop import train
-from megatrain.testing import assert_same_steps, write_counting_corpus
+from megatrain.testing import assert_same_steps, cuda_graphs_on_cpu, write_counting_corpus
 
 VOCAB = 200  # padded to 256 at tp 1 and 2, 512 at tp 4: the padding logits are masked
 STEPS = 3
@@ -40,6 +40,16 @@ LAYOUTS = {
         "parallel.pipeline_model_parallel_size=2",
         "parallel.sequence_parallel=true",
         "parallel.use_distributed_optimizer=true",
+    ],
+    # Each layer a CUDA graph (megacore's emulation of the capture's static memory on the CPU),
+    # with the weight gradients fused into main_grad and reductions overlapping the backward.
+    "graphs-levers-tp2-dp4-seqpar-distopt-overlap": [
+        *LEVERS,
+        "training.cuda_graphs=true",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        "parallel.use_distributed_optimizer=true",
+        "parallel.overlap_grad_reduce=true",
     ],
     "tp2-pp2-dp2-distopt-overlap": [
         "parallel.tensor_model_parallel_size=2",
@@ -160,7 +170,16 @@ def _one_process(corpus, out):
     }
     reads = _host_reads_per_step(corpus, out)
     fp8 = train(_config(corpus, f"{out}/fp8", FP8))
-    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8
+    # With dropout: the graphed layers draw the masks eager layers draw (the capture's draws
+    # are undone by seeding after it), and the fused weights' gradients overlap as without.
+    dropout = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", *LEVERS[:2]]
+    dropout += ["parallel.overlap_grad_reduce=true"]
+    with cuda_graphs_on_cpu():
+        graphs = {
+            name: train(_config(corpus, f"{out}/dropout-{name}", [*dropout, *extra]))
+            for name, extra in (("eager", []), ("graphs", ["training.cuda_graphs=true"]))
+        }
+    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8, graphs
 
 
 def _host_reads_per_step(corpus, out) -> dict:
@@ -207,7 +226,8 @@ def _host_reads_per_step(corpus, out) -> dict:
 
 
 def _layouts(corpus, out):
-    runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
+    with cuda_graphs_on_cpu():
+        runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
     return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2))
 
 
@@ -255,6 +275,15 @@ def test_one_sync_per_iteration_reads_the_device_once(one_process):
         assert a is b is None or abs(a - b) < 2e-4 * b, (one_sync["grad_norm"], plain)
     for a, b in zip(one_sync["loss"], plain["loss"], strict=True):
         assert abs(a - b) < 2e-4, (one_sync["loss"], plain["loss"])  # fp16: 5e-5 seen
+
+
+def test_cuda_graphs_take_the_same_steps_with_dropout(one_process):
+    graphs = one_process[9]
+    # Bitwise: the same kernels in the same order, and the same masks.
+    assert graphs["graphs"]["loss"] == graphs["eager"]["loss"], graphs
+    assert graphs["graphs"]["grad_norm"] == graphs["eager"]["grad_norm"], graphs
+    assert graphs["graphs"]["valid"] == graphs["eager"]["valid"], graphs
+    assert graphs["eager"]["loss"] != one_process[5]["loss"]  # the dropout is on
 
 
 def test_fp8_follows_fp32_as_bf16_does(one_process):

@@ -162,6 +162,11 @@ class TrainingConfig:
     # AdamW, which skips a step on the device.  A signal is acted on one iteration later
     # when it arrives during logging or evaluation.
     one_sync_per_iteration: bool = False
+    # Each transformer layer's forward and backward as CUDA graphs (torch.cuda.
+    # make_graphed_callables: one launch a layer and pass instead of one per kernel), for a
+    # one-stage layout with static shapes; the layers' graphs hold one microbatch's
+    # activations for good.  CUDA only.
+    cuda_graphs: bool = False
     seed: int = 1234
     eval_interval: int = 100
     eval_iters: int = 10
@@ -379,6 +384,53 @@ def _check_schedule(config: "Config") -> None:
         )
 
 
+def _check_cuda_graphs(config: Config) -> None:
+    """What a captured layer cannot do: Python that must run on every pass (the RNG
+    tracker's generator swaps, recompute, the parameter gathers' hooks), a second microbatch
+    in flight (its graph holds one microbatch's activations), or another graph (compile)."""
+    m, p, t = config.model, config.parallel, config.training
+    why = "training.cuda_graphs = true"
+    _need(
+        p.pipeline_model_parallel_size == 1,
+        f"{why} with parallel.pipeline_model_parallel_size = "
+        f"{p.pipeline_model_parallel_size}: a layer's graph holds the activations of one "
+        "microbatch, and a pipeline schedule keeps several in flight; use one stage",
+    )
+    _need(
+        m.recompute == "none",
+        f"{why} with model.recompute = {m.recompute!r}: recompute swaps generator states in "
+        "Python, which a replayed graph does not run; set model.recompute = 'none'",
+    )
+    _need(
+        not t.compile,
+        f"{why} with training.compile = true: choose one (compile's own CUDA graphs are not "
+        "wired in)",
+    )
+    _need(
+        not p.overlap_param_gather,
+        f"{why} with parallel.overlap_param_gather = true: its forward hooks, which wait for "
+        "the parameters' all-gather, would not run inside a replayed layer",
+    )
+    _need(
+        t.precision != "fp8",
+        f"{why} with training.precision = 'fp8': float8 under graphs is not proven yet",
+    )
+    forked = [
+        f"{name} = {value}"
+        for name, value, forks in (
+            ("model.attention_dropout", m.attention_dropout, p.tensor_model_parallel_size > 1),
+            ("model.hidden_dropout", m.hidden_dropout, p.sequence_parallel),
+        )
+        if value and forks
+    ]
+    _need(
+        not forked,
+        f"{why} with {' and '.join(forked)} at this layout: those masks differ between "
+        "tensor-parallel ranks, drawn by swapping generator states in Python, which a "
+        "replayed graph does not run; set them to 0 (as Llama pretraining does)",
+    )
+
+
 def validate(config: Config, world_size: int | None = None) -> int:
     """Check every size the layout depends on; return the data-parallel size.
 
@@ -428,6 +480,8 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "layer's backward cannot hand its weight gradients to the data-parallel buffer's "
         "hook; turn one of them off",
     )
+    if t.cuda_graphs:
+        _check_cuda_graphs(config)
     if t.precision == "fp8":
         _need(
             not t.gradient_accumulation_fusion,

@@ -19,7 +19,9 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   the last stage the output layer's input, the final LayerNorm's and the fp32 logits the
   loss keeps (the paper's 4 s b h / t (1 + v / h)); with `training.fused_linear_cross_entropy`
   instead the output layer's input and its gradient (4 s b h), its weight's fp32 gradient
-  (4 v h / t) and one chunk's fp32 logits.  Under "full" the layer being
+  (4 v h / t) and one chunk's fp32 logits.  With `training.cuda_graphs` each layer adds its
+  static input copy and output (4 s b h, / t with sequence parallelism) and, without
+  gradient-accumulation fusion, its weights' gradients.  Under "full" the layer being
   recomputed holds one layer's "none" activations besides.  fp32 activations count
   twice the 16-bit bytes.
 
@@ -36,6 +38,7 @@ from megacore.tensor_parallel import default_chunk_tokens
 from megatrain.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
+    layer_parameters_per_rank,
     parameters_per_gpu,
     state_bytes_per_parameter,
     weight_grad_inputs_per_layer,
@@ -110,6 +113,12 @@ def memory_breakdown(
         # BERT's masked LM takes the logits of the predicted tokens only.
         predicted = 1.0 if cfg.causal else MASKED_LM_PROB
         activations += 4 * s * b * h / tp * (1 + v / h) * predicted
+    if t.cuda_graphs:  # the graphs' static memory besides the activations they keep
+        layers = cfg.num_layers // pp
+        # Each layer's input copy and output, [s, b, h] (/ t under sequence parallelism) each.
+        activations += layers * 4 * s * b * h / (tp if sp else 1)
+        if not t.gradient_accumulation_fusion:  # the weights' gradients, static too
+            activations += layers * layer_parameters_per_rank(cfg, tp) * 2
     if t.precision == "fp32":
         activations *= 2
     activations += fp32_bytes

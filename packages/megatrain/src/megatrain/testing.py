@@ -1,7 +1,8 @@
 """Corpora in megadata's format (`megacommon.corpus_format`, the writer megadata's shard stage
 uses), written directly, for the tests of megatrain and megaeval (megatrain reads files, not
-megadata)."""
+megadata); and `cuda_graphs_on_cpu`, for training with `training.cuda_graphs` on a CPU."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -237,3 +238,20 @@ def assert_same_steps(run: dict, reference: dict, name: str, tol: float) -> None
         assert abs(a - b) < tol * b, (name, run["grad_norm"], reference["grad_norm"])
     (it, valid), (ref_it, ref_valid) = run["valid"][-1], reference["valid"][-1]
     assert it == ref_it and abs(valid - ref_valid) < tol, name
+
+
+@contextlib.contextmanager
+def cuda_graphs_on_cpu():
+    """`training.cuda_graphs` on any device: megacore's emulation of make_graphed_callables
+    (static inputs, outputs and gradients, NaN warm-up gradients) stands in for the capture,
+    and the CUDA-only check lets the run through.  The GPU check runs the real capture."""
+    from megacore.testing.cuda_graphs import emulate_make_graphed_callables
+    from megatrain import parallelize
+
+    saved = parallelize.make_graphed_callables, parallelize.check_cuda_graphs
+    parallelize.make_graphed_callables = emulate_make_graphed_callables
+    parallelize.check_cuda_graphs = lambda device: None
+    try:
+        yield
+    finally:
+        parallelize.make_graphed_callables, parallelize.check_cuda_graphs = saved

@@ -199,6 +199,8 @@ class DistributedDataParallel(nn.Module):
             self.sync_enabled = previous
 
     def _grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # an autograd node that handed no gradient (a graphed layer's
+            return  # fused weights: their gradient is in main_grad, announced by the layer)
         param.main_grad.add_(param.grad)
         param.grad = None
         self._main_grad_written(param)

@@ -8,9 +8,13 @@
   `run_distributed` turns it on for every rank unless told not to.
 - `count_tp_collectives` (collectives.py): count the tensor-parallel collectives a
   forward and backward issue, by kind.
+- `emulate_make_graphed_callables` (cuda_graphs.py): torch.cuda.make_graphed_callables'
+  static memory on any device, its hazards made loud (NaN warm-up gradients, outputs and
+  activations replaced by the next replay).
 """
 
 from megacore.testing.collectives import count_tp_collectives
+from megacore.testing.cuda_graphs import emulate_make_graphed_callables
 from megacore.testing.nccl import NCCLSemanticsError, nccl_semantics
 from megacore.testing.processes import DistributedTestError, run_distributed
 
@@ -18,6 +22,7 @@ __all__ = [
     "DistributedTestError",
     "NCCLSemanticsError",
     "count_tp_collectives",
+    "emulate_make_graphed_callables",
     "nccl_semantics",
     "run_distributed",
 ]

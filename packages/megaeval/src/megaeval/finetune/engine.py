@@ -158,6 +158,8 @@ def _config(meta: dict, task, settings: Settings, rows: tuple, train_size: int) 
     t.seed = settings.seed
     m.hidden_dropout = m.attention_dropout = settings.dropout
     m.recompute = "none"
+    # Fine-tuning's batches are the task's, not the pretraining shapes the graphs were for.
+    t.cuda_graphs = False
     o.lr, o.min_lr, o.lr_decay_style = lr, 0.0, "linear"
     o.lr_warmup_iters = int(settings.warmup * t.train_iters)
     o.lr_decay_iters = t.train_iters

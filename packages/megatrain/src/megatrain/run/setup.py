@@ -14,6 +14,7 @@ from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
 from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, OptimizerConfig
+from megatrain import parallelize
 from megatrain.config import Config, validate
 from megatrain.data.corpus import Corpus, open_run_corpus
 from megatrain.data.samples import GPTBatches
@@ -103,6 +104,11 @@ def prepare_training(
         )
         for c in chunks
     ]
+    if t.cuda_graphs:  # after DDP (the distributed optimizer moves the parameters)
+        chunks = [
+            parallelize.apply_cuda_graphs(c, t.seq_length, t.micro_batch_size, dtype)
+            for c in chunks
+        ]
     # Dropout masks: the same on the TP ranks of a stage, different between stages.
     tp.model_parallel_manual_seed(t.seed + 100 * ps.get_pipeline_model_parallel_rank())
     optimizer = MegatronOptimizer(
@@ -148,6 +154,8 @@ def build_run(config: Config, device: torch.device) -> Run:
     dtype = PRECISION_DTYPES[t.precision]
     if t.precision == "fp8":  # before any weight is built
         tp.check_float8_available(device, t.fp8_emulate)
+    if t.cuda_graphs:
+        parallelize.check_cuda_graphs(device)
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
     chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
