@@ -45,7 +45,8 @@ def bench(tmp_path: Path, *args: str, code: str | None = None) -> dict:
 
 
 def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_reason(tmp_path):
-    record = bench(tmp_path, "--fp8-emulate", "--profile", "--cuda-graphs", code=BLOCKED_PEERS)
+    graphs = ["--cuda-graphs", "--recompute", "none"]  # graphs refuse recompute
+    record = bench(tmp_path, "--fp8-emulate", "--profile", *graphs, code=BLOCKED_PEERS)
     # Ours with CUDA graphs cannot run on a CPU: recorded as skipped, saying why.
     graphs = record["megatrain-cuda-graphs"]
     assert graphs["skipped"] and "cuda_graphs = true needs a CUDA device" in graphs["reason"]
