@@ -348,12 +348,36 @@ def _rng_streams_at_tp2():
     tp.model_parallel_manual_seed(99)
     _masks((64,), inside=False)
     without_fork = _masks((64,), inside=False)
+    # A fork inside a fork of the same state changes nothing: the draws go on in order.
+    tracker = tp.get_rng_tracker()
+    tp.model_parallel_manual_seed(5)
+    with tracker.fork():
+        flat = (torch.rand(4), torch.rand(4))
+    tp.model_parallel_manual_seed(5)
+    with tracker.fork():
+        first = torch.rand(4)
+        with tracker.fork():
+            nested = (first, torch.rand(4))
+    # A checkpoint taken inside a fork, after draws there, recomputes inside it: the backward
+    # draws the mask the forward drew (not the tracker's state from before the fork).
+    x = torch.ones(64, requires_grad=True)
+    with tracker.fork():
+        torch.rand(8)
+        y = tp.checkpoint(lambda t: _dropout_in_fork(t), False, x)
+    y.sum().backward()
     ps.destroy_model_parallel()
     return {
         "outside_same": torch.equal(outside[0], outside[1]),
         "inside_differ": not torch.equal(inside[0], inside[1]),
         "fork_leaves_default_stream": torch.equal(after_fork, without_fork),
+        "nested_fork_goes_on": all(map(torch.equal, flat, nested)),
+        "recompute_in_the_fork": torch.equal(x.grad, y.detach()),
     }
+
+
+def _dropout_in_fork(t):
+    with tp.get_rng_tracker().fork():
+        return F.dropout(t, 0.5)
 
 
 def _checkpoint_bitwise_at_tp2():
@@ -426,6 +450,8 @@ def test_cross_entropy_rng_and_checkpointing():
             "outside_same": True,
             "inside_differ": True,
             "fork_leaves_default_stream": True,
+            "nested_fork_goes_on": True,
+            "recompute_in_the_fork": True,
         }
         ckpt = out["checkpoint"]
         assert ckpt["other_seed_changes_loss"] and ckpt["dropout_matters"]

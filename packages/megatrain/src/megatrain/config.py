@@ -415,19 +415,16 @@ def _check_cuda_graphs(config: Config) -> None:
         t.precision != "fp8",
         f"{why} with training.precision = 'fp8': float8 under graphs is not proven yet",
     )
-    forked = [
-        f"{name} = {value}"
-        for name, value, forks in (
-            ("model.attention_dropout", m.attention_dropout, p.tensor_model_parallel_size > 1),
-            ("model.hidden_dropout", m.hidden_dropout, p.sequence_parallel),
-        )
-        if value and forks
-    ]
+    # Under sequence parallelism every draw in a layer is per TP rank and one fork around
+    # the layer (outside its graph) serves them; without it the attention's per-rank masks
+    # and the hidden states' shared ones alternate inside the layer.
     _need(
-        not forked,
-        f"{why} with {' and '.join(forked)} at this layout: those masks differ between "
-        "tensor-parallel ranks, drawn by swapping generator states in Python, which a "
-        "replayed graph does not run; set them to 0 (as Llama pretraining does)",
+        not (m.attention_dropout and p.tensor_model_parallel_size > 1 and not p.sequence_parallel),
+        f"{why} with model.attention_dropout = {m.attention_dropout} at tp "
+        f"{p.tensor_model_parallel_size} without sequence parallelism: the attention's masks "
+        "differ between tensor-parallel ranks and the hidden states' do not, so the layer "
+        "swaps generator states in Python, which a replayed graph does not run; turn on "
+        "parallel.sequence_parallel or set model.attention_dropout = 0",
     )
 
 

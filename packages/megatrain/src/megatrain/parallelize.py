@@ -11,6 +11,7 @@ megacore's Megatron layers (column/row-parallel linear, vocabulary-parallel embe
 which take their groups from megacore's process-group state.
 """
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -143,9 +144,10 @@ def apply_compile(chunk):
     dropout + residual fused; the matmuls and attention stay library kernels), compiled once
     and reused by every layer, and full recompute's `tp.checkpoint` stays outside it, calling
     the compiled layer in forward and again in backward.  Dynamo breaks the graph at what it
-    cannot trace, the RNG tracker's fork (generator state swaps), selective recompute's
-    checkpoint, and runs those eagerly, so the dropout masks and the recompute are the
-    eager ones.  With tp > 1 the tensor-parallel collectives sit in the same graph.
+    cannot trace, the RNG tracker's fork (generator state swaps: at tp > 1 without sequence
+    parallelism; with it the fork is around the layer, outside the graph), selective
+    recompute's checkpoint, and runs those eagerly, so the dropout masks and the recompute
+    are the eager ones.  With tp > 1 the tensor-parallel collectives sit in the same graph.
     `Module.compile` keeps the parameter names (no `_orig_mod.` prefix), so checkpoints do
     not change.  `fallback_random`: dropout draws from torch's generators as in eager, so a
     seed gives the same masks with compile on or off (inductor's own in-kernel random
@@ -212,9 +214,10 @@ def apply_cuda_graphs(ddp_chunk, seq_length: int, micro_batch_size: int, dtype: 
     - other parameters get their gradients from the graph's backward through autograd and
       the buffer's usual hook.
 
-    Warm-up and capture run the layers' forward and backward on samples: their gradients
-    are cleared from the buffer after, and the caller seeds the generators afterwards, so
-    the first step draws what it would have without graphs.  A layer in eval mode, under
+    Warm-up and capture run the layers' forward and backward on samples (after the caller
+    seeded the generators): their gradients are cleared from the buffer after, and the
+    caller seeds the generators again, so the first step draws what it would have without
+    graphs.  A layer in eval mode, under
     no_grad, or asked for a KV cache runs its own eager forward.
     """
     chunk = ddp_chunk.module
@@ -235,7 +238,13 @@ def apply_cuda_graphs(ddp_chunk, seq_length: int, micro_batch_size: int, dtype: 
         x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
         return (x,) if cfg.causal else (x, mask.clone())
 
-    with ddp_chunk.no_sync():  # the warm-up's gradients start no reduction
+    # The layers' draws all per rank (sequence parallelism): captured inside the fork that
+    # `in_rank_stream` puts around each graphed layer in training, so none swaps inside.
+    forked = chunk.in_rank_stream(layers[0]) is not layers[0]
+    with (
+        ddp_chunk.no_sync(),  # the warm-up's gradients start no reduction
+        tp.get_rng_tracker().fork() if forked else contextlib.nullcontext(),
+    ):
         make_graphed_callables(
             tuple(layers), tuple(sample() for _ in layers), allow_unused_input=True
         )

@@ -13,7 +13,10 @@ One user seed gives two kinds of streams:
 The tracker swaps the CPU generator and, when CUDA is available, the current
 device's generator, so the same code is right on CPU (gloo) and GPU.
 `checkpoint` saves and restores all of these so the recomputed forward draws
-exactly the masks the first forward drew.  Megatron's names
+exactly the masks the first forward drew.  A fork inside a fork of the same state changes
+nothing, so a caller may fork once around a block whose draws are all per rank (a layer
+under sequence parallelism) and the forks inside it cost no generator swaps; a checkpoint
+taken inside such a fork recomputes inside it too.  Megatron's names
 (`get_cuda_rng_tracker`, `model_parallel_cuda_manual_seed`) are kept as aliases.
 """
 
@@ -62,6 +65,7 @@ class RNGStatesTracker:
     def reset(self) -> None:
         self.states_: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.seeds_: set[int] = set()
+        self.active: str | None = None  # the state the generators draw from now (fork)
 
     def get_states(self) -> dict:
         return dict(self.states_)
@@ -77,20 +81,30 @@ class RNGStatesTracker:
         self.seeds_.add(seed)
         self.states_[name] = _seeded_states(seed)
 
-    @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG):
+        """A block drawing from state `name`.  Inside a fork of the same state (a caller that
+        forked around a whole layer) it changes nothing: a plain nullcontext, which
+        torch.compile traces, where a generator swap would cut the graph."""
         if name not in self.states_:
             raise RuntimeError(
                 f"RNG tracker: no state {name!r}; call "
                 "megacore.tensor_parallel.model_parallel_manual_seed(seed) first"
             )
-        outside = _get_states()
+        if self.active == name:
+            return contextlib.nullcontext()
+        return self._swapped(name)
+
+    @contextlib.contextmanager
+    def _swapped(self, name: str):
+        outside, outside_active = _get_states(), self.active
         _set_states(self.states_[name])
+        self.active = name
         try:
             yield
         finally:
             self.states_[name] = _get_states()
             _set_states(outside)
+            self.active = outside_active
 
 
 _TRACKER = RNGStatesTracker()
@@ -152,6 +166,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.distribute = distribute_saved_activations
         ctx.fwd_states = _get_states()
         ctx.fwd_tracker_states = _TRACKER.get_states()
+        ctx.fwd_active = _TRACKER.active  # forked around the call: the recompute is too
         with torch.no_grad():
             outputs = function(*args)
         tensors = [a if torch.is_tensor(a) else None for a in args]
@@ -184,14 +199,17 @@ class CheckpointFunction(torch.autograd.Function):
             args[slot] = detached
 
         after_states, after_tracker = _get_states(), _TRACKER.get_states()
+        after_active = _TRACKER.active
         _set_states(ctx.fwd_states)
         _TRACKER.set_states(ctx.fwd_tracker_states)
+        _TRACKER.active = ctx.fwd_active
         try:
             with torch.enable_grad():
                 outputs = ctx.function(*args)
         finally:
             _set_states(after_states)
             _TRACKER.set_states(after_tracker)
+            _TRACKER.active = after_active
 
         if torch.is_tensor(outputs):
             outputs = (outputs,)

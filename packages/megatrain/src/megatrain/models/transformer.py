@@ -40,7 +40,7 @@ untouched, so building a model changes no random state.
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -366,7 +366,9 @@ class ParallelAttention(nn.Module):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
             )
-        with tp.get_rng_tracker().fork():  # local heads: another mask on each TP rank
+        # Local heads: another mask on each TP rank.  Under sequence parallelism the layer's
+        # caller has forked around the whole layer and this fork is a no-op (no swap).
+        with tp.get_rng_tracker().fork():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
             )
@@ -498,6 +500,11 @@ class TransformerLayer(nn.Module):
         x = bias_dropout_add(out, bias, x, p, self.training, sp)
         out, bias = self.mlp(self.ln2(x))
         return bias_dropout_add(out, bias, x, p, self.training, sp)
+
+
+def _forked(layer, *args):
+    with tp.get_rng_tracker().fork():
+        return layer(*args)
 
 
 class LanguageModel(nn.Module):
@@ -661,17 +668,30 @@ class LanguageModel(nn.Module):
     ) -> torch.Tensor:
         """The chunk's layers, then the final LayerNorm on a last pre_ln stage."""
         for i, layer in self.layers.items():
+            call = self.in_rank_stream(layer)
             if self.checkpointed_layer is not None and self.training:
-                x = self.checkpointed_layer(layer, x, mask)
+                x = self.checkpointed_layer(call, x, mask)
             elif cache is None:
                 # No layer id when there is no cache to key: under training.compile one
                 # compiled graph then serves every layer (an id would recompile per layer).
-                x = layer(x, mask)
+                x = call(x, mask)
             else:
                 x = layer(x, mask, cache, int(i))
         if self.post_process and self.config.block_order == "pre_ln":
             x = self.final_layernorm(x)
         return x
+
+    def in_rank_stream(self, layer):
+        """`layer`, or `layer` called inside the TP ranks' own random stream when every draw
+        in a training layer is per rank: under sequence parallelism at tp > 1 the attention
+        dropout falls on the rank's heads and the hidden dropout on its tokens.  One fork
+        around the layer then replaces one per draw inside it (those become no-ops, the same
+        masks in the same order), so a compiled or graphed layer holds no generator swap."""
+        cfg = self.config
+        per_rank = cfg.sequence_parallel and self.parallel.tp_size > 1
+        if not (self.training and per_rank and (cfg.hidden_dropout or cfg.attention_dropout)):
+            return layer
+        return partial(_forked, layer)
 
     def tied_output_weight(self) -> torch.Tensor | None:
         """The word embeddings (this rank's vocabulary rows), for the tied output layer; None

@@ -104,13 +104,15 @@ def prepare_training(
         )
         for c in chunks
     ]
+    # Dropout masks: the same on the TP ranks of a stage, different between stages.
+    seed = t.seed + 100 * ps.get_pipeline_model_parallel_rank()
+    tp.model_parallel_manual_seed(seed)
     if t.cuda_graphs:  # after DDP (the distributed optimizer moves the parameters)
         chunks = [
             parallelize.apply_cuda_graphs(c, t.seq_length, t.micro_batch_size, dtype)
             for c in chunks
         ]
-    # Dropout masks: the same on the TP ranks of a stage, different between stages.
-    tp.model_parallel_manual_seed(t.seed + 100 * ps.get_pipeline_model_parallel_rank())
+        tp.model_parallel_manual_seed(seed)  # undo the capture's draws
     optimizer = MegatronOptimizer(
         OptimizerConfig(
             lr=o.lr,
