@@ -174,10 +174,19 @@ def _one_process(corpus, out):
     # are undone by seeding after it), and the fused weights' gradients overlap as without.
     dropout = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", *LEVERS[:2]]
     dropout += ["parallel.overlap_grad_reduce=true"]
+    ckpt = f"{out}/dropout-ckpt"
+    stop = ["training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
+    load = [f"checkpoint.load={ckpt!r}"]
     with cuda_graphs_on_cpu():
         graphs = {
             name: train(_config(corpus, f"{out}/dropout-{name}", [*dropout, *extra]))
-            for name, extra in (("eager", []), ("graphs", ["training.cuda_graphs=true"]))
+            for name, extra in (
+                ("eager", []),
+                ("graphs", ["training.cuda_graphs=true"]),
+                # Stopped after 2 steps with a save, then resumed: graphs captured anew.
+                ("first", ["training.cuda_graphs=true", *stop]),
+                ("second", ["training.cuda_graphs=true", *load]),
+            )
         }
     return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8, graphs
 
@@ -284,6 +293,10 @@ def test_cuda_graphs_take_the_same_steps_with_dropout(one_process):
     assert graphs["graphs"]["grad_norm"] == graphs["eager"]["grad_norm"], graphs
     assert graphs["graphs"]["valid"] == graphs["eager"]["valid"], graphs
     assert graphs["eager"]["loss"] != one_process[5]["loss"]  # the dropout is on
+    first, second = graphs["first"], graphs["second"]
+    assert first["stopped_at"] == 2 and len(first["loss"]) == 2
+    assert first["loss"] + second["loss"] == graphs["graphs"]["loss"]  # resumed bitwise
+    assert first["grad_norm"] + second["grad_norm"] == graphs["graphs"]["grad_norm"]
 
 
 def test_fp8_follows_fp32_as_bf16_does(one_process):
