@@ -99,6 +99,17 @@ def test_bad_config_is_refused_before_workers_start(corpus, monkeypatch, overrid
     assert message in result.output, result.output
 
 
+def test_cuda_graphs_without_a_gpu_are_refused_before_workers_start(corpus, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(launch, "launch", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["run", "--config", str(TINY), f'data.corpus="{corpus}"', "training.cuda_graphs=true"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "training.cuda_graphs = true needs a CUDA device; this run is on cpu" in result.output
+
+
 def test_unknown_key_in_config_file(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "launch", None)
     bad = tmp_path / "bad.toml"

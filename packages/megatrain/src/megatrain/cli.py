@@ -127,6 +127,10 @@ def run_command(
         import torch
 
         preflight.check_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if config.training.cuda_graphs:  # the workers train on CUDA when there is one
+            from megatrain.parallelize import check_cuda_graphs
+
+            check_cuda_graphs(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         warning = None if no_plan_check else preflight.plan_warning(config, nproc * nnodes)
         if warning:
             click.echo(f"megatrain run: warning: {warning}", err=True)

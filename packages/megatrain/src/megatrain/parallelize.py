@@ -217,8 +217,8 @@ def apply_cuda_graphs(ddp_chunk, seq_length: int, micro_batch_size: int, dtype: 
     Warm-up and capture run the layers' forward and backward on samples (after the caller
     seeded the generators): their gradients are cleared from the buffer after, and the
     caller seeds the generators again, so the first step draws what it would have without
-    graphs.  A layer in eval mode, under
-    no_grad, or asked for a KV cache runs its own eager forward.
+    graphs.  A layer in eval mode, under no_grad, or asked for a KV cache runs its own eager
+    forward.
     """
     chunk = ddp_chunk.module
     cfg, layers = chunk.config, list(chunk.layers.values())
