@@ -8,6 +8,7 @@ several (tp, pp, vpp, dp) layouts; one 1-rank spawn gives the reference, and
 also shows the model learns and that bf16 follows fp32.
 """
 
+import json
 import math
 
 import pytest
@@ -108,11 +109,20 @@ def corpus(tmp_path_factory):
     return str(write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB))
 
 
+@pytest.fixture(scope="module")
+def blend(corpus, tmp_path_factory):
+    """data.blend of `corpus` (30%) and a second counting corpus of the same tokenizer (70%)."""
+    other = write_counting_corpus(tmp_path_factory.mktemp("corpus-b"), VOCAB, seed=1)
+    return json.dumps([[0.3, corpus], [0.7, str(other)]])
+
+
 def _config(corpus, out, overrides=()):
+    """The tiny run; `corpus` is a directory or, as JSON, a data.blend value."""
+    data = f"data.blend={corpus}" if corpus.startswith("[") else f"data.corpus={corpus!r}"
     return load_config(
         None,
         [
-            f"data.corpus={corpus!r}",
+            data,
             f"training.output_dir={out!r}",
             "model.num_layers=4",
             "model.hidden_size=32",
@@ -137,7 +147,22 @@ def _config(corpus, out, overrides=()):
     )
 
 
-def _one_process(corpus, out):
+def _blend_runs(blend, out):
+    """A blend: uninterrupted, and stopped after 2 steps with a save and resumed; with the
+    blend_samples of each log record."""
+    ckpt = f"{out}/blend-ckpt"
+    runs = {
+        "reference": train(_config(blend, f"{out}/blend")),
+        "first": train(_config(blend, f"{out}/blend-first", ["training.exit_interval=2",
+                                                             f"checkpoint.save={ckpt!r}"])),
+        "second": train(_config(blend, f"{out}/blend-first", [f"checkpoint.load={ckpt!r}"])),
+    }  # fmt: skip
+    with open(f"{out}/blend/log.jsonl") as f:
+        runs["logged"] = [r["blend_samples"] for r in map(json.loads, f) if "loss" in r]
+    return runs
+
+
+def _one_process(corpus, blend, out):
     reference = train(_config(corpus, f"{out}/reference"))
     bf16 = train(_config(corpus, f"{out}/bf16", ['training.precision="bf16"']))
     fp16 = train(
@@ -188,7 +213,8 @@ def _one_process(corpus, out):
                 ("second", ["training.cuda_graphs=true", *load]),
             )
         }
-    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8, graphs
+    blended = _blend_runs(blend, out)
+    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8, graphs, blended
 
 
 def _host_reads_per_step(corpus, out) -> dict:
@@ -234,21 +260,28 @@ def _host_reads_per_step(corpus, out) -> dict:
     return counts
 
 
-def _layouts(corpus, out):
+def _layouts(corpus, blend, out):
     with cuda_graphs_on_cpu():
         runs = {name: train(_config(corpus, f"{out}/{name}", o)) for name, o in LAYOUTS.items()}
-    return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2))
+    blended = train(
+        _config(blend, f"{out}/blend-tp2-pp2-dp2", LAYOUTS["tp2-pp2-dp2-distopt-overlap"])
+    )
+    return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2)), blended
 
 
 @pytest.fixture(scope="module")
-def one_process(corpus, tmp_path_factory):
+def one_process(corpus, blend, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    return run_distributed(_one_process, 1, args=(corpus, str(out)), timeout=300)[0]
+    return run_distributed(_one_process, 1, args=(corpus, blend, str(out)), timeout=300)[0]
 
 
-def test_layouts_match_one_process(corpus, one_process, tmp_path):
+def test_layouts_match_one_process(corpus, blend, one_process, tmp_path):
     reference, deep = one_process[0], one_process[4]
-    runs, fp8_tp2 = run_distributed(_layouts, 8, args=(corpus, str(tmp_path)), timeout=420)[0]
+    runs, fp8_tp2, blended = run_distributed(
+        _layouts, 8, args=(corpus, blend, str(tmp_path)), timeout=420
+    )[0]
+    # A blend takes the same samples, so the same steps, at tp 2 x pp 2 x dp 2.
+    assert_same_steps(blended, one_process[10]["reference"], "blend tp2-pp2-dp2", FP32_TOL)
     assert len(reference["loss"]) == STEPS
     assert reference["valid"][-1][0] == STEPS
     for name, run in runs.items():
@@ -297,6 +330,22 @@ def test_cuda_graphs_take_the_same_steps_with_dropout(one_process):
     assert first["stopped_at"] == 2 and len(first["loss"]) == 2
     assert first["loss"] + second["loss"] == graphs["graphs"]["loss"]  # resumed bitwise
     assert first["grad_norm"] + second["grad_norm"] == graphs["graphs"]["grad_norm"]
+
+
+def test_blend_resumes_bitwise_and_logs_its_shares(one_process):
+    runs = one_process[10]
+    reference, first, second = runs["reference"], runs["first"], runs["second"]
+    assert first["stopped_at"] == 2
+    assert first["loss"] + second["loss"] == reference["loss"]
+    assert first["grad_norm"] + second["grad_norm"] == reference["grad_norm"]
+    assert second["valid"] == reference["valid"]
+    assert reference["loss"] != one_process[0]["loss"]  # other samples than one corpus's
+    # Every log step (log_interval 1, 16 samples a step): within a sample of 30/70.
+    names = list(runs["logged"][0])
+    assert len(runs["logged"]) == STEPS and len(names) == 2
+    for step, drawn in enumerate(runs["logged"], start=1):
+        assert sum(drawn.values()) == 16 * step
+        assert abs(drawn[names[0]] - 0.3 * 16 * step) < 1, runs["logged"]
 
 
 def test_fp8_follows_fp32_as_bf16_does(one_process):

@@ -178,9 +178,18 @@ class TrainingConfig:
     output_dir: str = "runs/default"
 
 
+DEFAULT_CORPUS = "data/corpus/default"  # what a run reads when data names no corpus
+
+
 @dataclass
 class DataConfig:
-    corpus: str = "data/corpus/default"
+    # One corpus directory (unset: DEFAULT_CORPUS, unless `blend` is set).
+    corpus: str | None = None
+    # A weighted blend in place of `corpus`: [[weight, directory], ...], the weights
+    # normalised (Megatron-LM's --data-path 0.3 wiki 0.7 web); megatrain.data.blend.
+    blend: list | None = None
+    # The valid split's blend, when it is not `blend`'s (or `corpus`'s) valid split.
+    valid_blend: list | None = None
     # Check every shard against its manifest sha256 before training (once per run: in
     # `megatrain run` before the workers start, or on each node's local rank 0 under
     # torchrun/Slurm), so a corrupted or half-copied shard stops the run at the start.
@@ -384,6 +393,21 @@ def _check_schedule(config: "Config") -> None:
         )
 
 
+def _check_data(config: Config) -> None:
+    """The blends' shape and weights (the corpora themselves are opened by preflight)."""
+    from megatrain.data.blend import check_blend
+
+    d = config.data
+    _need(
+        d.blend is None or d.corpus is None,
+        f"data.blend and data.corpus are both set (corpus {d.corpus!r}); a blend names all "
+        "the corpora a run reads: add the corpus to data.blend, or drop data.blend",
+    )
+    for name in ("blend", "valid_blend"):
+        if getattr(d, name) is not None:
+            check_blend(getattr(d, name), f"data.{name}")
+
+
 def _check_cuda_graphs(config: Config) -> None:
     """What a captured layer cannot do: Python that must run on every pass (the RNG
     tracker's generator swaps, recompute, the parameter gathers' hooks), a second microbatch
@@ -507,6 +531,7 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "head (a transform and a bias of its own) already computes logits for the masked "
         "tokens only",
     )
+    _check_data(config)
     d = config.data
     _need(
         0 < d.masked_lm_prob < 1, f"data.masked_lm_prob must be in (0, 1), got {d.masked_lm_prob}"

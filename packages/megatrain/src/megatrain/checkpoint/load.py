@@ -264,7 +264,7 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
     if saved_tok.get("sha256") not in (None, here_tok.get("sha256")):
         raise CheckpointError(
             f"{directory / 'meta.json'}: trained with tokenizer sha256 {saved_tok['sha256']}, "
-            f"the corpus {run.config.data.corpus} has {here_tok['sha256']}"
+            f"the corpus {run.train_data.corpus.path} has {here_tok['sha256']}"
         )
     mesh = tp_mesh(run.device)
     params = named_params(run.chunks, loading=True)

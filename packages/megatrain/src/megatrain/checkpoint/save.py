@@ -126,7 +126,9 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
         torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
         dist.barrier()
         if rank == 0:
-            corpus_tokenizer = Path(run.config.data.corpus) / "tokenizer.json"
+            # The corpus's (a blend's first: they share it), or where fine-tuning points.
+            source = run.config.data.corpus or run.train_data.corpus.path
+            corpus_tokenizer = Path(source) / "tokenizer.json"
             if corpus_tokenizer.is_file():
                 shutil.copyfile(corpus_tokenizer, tmp / "tokenizer.json")
             files = file_sizes(tmp)

@@ -29,7 +29,7 @@ from megacommon.corpus_format import (
     refuse,
 )
 from megacommon.files import sha256_file
-from megatrain.config import Config
+from megatrain.config import DEFAULT_CORPUS, Config
 
 SENTENCE_KINDS = ("bert-wordpiece",)  # tokenizer kinds whose corpora must hold sentence_ends
 
@@ -317,11 +317,14 @@ def open_corpus(
 TOKENIZER_KINDS = {"gpt": "gpt2-bpe", "bert": "bert-wordpiece", "llama": "gpt2-bpe"}
 
 
-def open_run_corpus(config: Config, split: str, verify: bool | None = None) -> Corpus:
-    """The corpus split of a run, refused when its tokenizer or vocabulary is not the model's
-    (and, when `verify` (default: data.verify_sha256), a shard whose sha256 differs)."""
+def open_run_corpus(
+    config: Config, split: str, verify: bool | None = None, path: str | None = None
+) -> Corpus:
+    """The corpus split of a run (or of `path`, one corpus of its blend), refused when its
+    tokenizer or vocabulary is not the model's (and, when `verify` (default:
+    data.verify_sha256), a shard whose sha256 differs)."""
     return open_corpus(
-        config.data.corpus,
+        path or config.data.corpus or DEFAULT_CORPUS,
         split,
         vocab_size=config.model.vocab_size or None,
         tokenizer_kind=TOKENIZER_KINDS[config.model.kind],

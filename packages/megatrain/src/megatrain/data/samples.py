@@ -141,6 +141,19 @@ class SampleBatches:
     def identity(self) -> dict[str, Any]:
         return {}
 
+    def data_identity(self) -> dict[str, Any]:
+        """What the position state says of the data it counts (checked when loaded)."""
+        return {
+            "split": self.corpus.split,
+            "corpus_docs": self.corpus.num_docs,
+            "corpus_tokens": self.corpus.num_tokens,
+            "corpus_fingerprint": self._fingerprint,
+        }
+
+    def log_fields(self) -> dict[str, Any]:
+        """Entries for the run's log records (a blend's samples per corpus)."""
+        return {}
+
     def _order(self, epoch: int) -> Any:
         if epoch not in self._epochs:
             # An iteration spans at most two epochs; older ones are never needed again.
@@ -175,10 +188,7 @@ class SampleBatches:
             "dp_size": self.dp_size,
             "seed": self.seed,
             "seq_len": self.seq_len,
-            "split": self.corpus.split,
-            "corpus_docs": self.corpus.num_docs,
-            "corpus_tokens": self.corpus.num_tokens,
-            "corpus_fingerprint": self._fingerprint,
+            **self.data_identity(),
             **self.identity(),
         }
 

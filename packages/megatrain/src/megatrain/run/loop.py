@@ -32,6 +32,7 @@ from megatrain.checkpoint.files import LATEST
 from megatrain.checkpoint.load import load_checkpoint
 from megatrain.checkpoint.save import save_checkpoint
 from megatrain.config import Config
+from megatrain.data.blend import BlendedBatches
 from megatrain.run import failures
 from megatrain.run.distributed import init_distributed
 from megatrain.run.metrics import RunLog, device_peak_tflops
@@ -160,6 +161,8 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
         f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {t.seq_length} tokens, "
         f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"
     )
+    if isinstance(run.train_data, BlendedBatches):  # what the run takes from each corpus
+        log.info(f"megatrain: {run.train_data.describe(t.train_iters * t.global_batch_size)}")
     guard = NonFiniteLossGuard(t.max_nonfinite_losses)
     interval, interval_start = [], time.perf_counter()
     loop_start, first_iteration = interval_start, run.iteration
@@ -192,6 +195,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
                 "tflops": tflops,
                 "mfu": tflops / peak,
                 "hfu": hardware_flops / elapsed / world / 1e12 / peak,
+                **run.train_data.log_fields(),
             }
         if run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters:
             record = record or {"iteration": run.iteration, "train_iters": t.train_iters}

@@ -142,10 +142,14 @@ class RunLog:
         self.jsonl.flush()
         if self.writer is not None:
             for key, value in record.items():
-                if key not in ("iteration", "train_iters") and isinstance(value, (int, float)):
-                    self.writer.add_scalar(
-                        key.replace("valid_", "valid/"), value, record["iteration"]
-                    )
+                if key in ("iteration", "train_iters"):
+                    continue
+                # A dict (a blend's samples per corpus) as one scalar per entry: key/name.
+                items = value.items() if isinstance(value, dict) else [(None, value)]
+                for name, v in items:
+                    if isinstance(v, (int, float)):
+                        tag = key.replace("valid_", "valid/") + (f"/{name}" if name else "")
+                        self.writer.add_scalar(tag, v, record["iteration"])
             self.writer.flush()
 
     def close(self) -> Path | None:

@@ -9,7 +9,7 @@ import tempfile
 
 from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 from megatrain.config import Config, ConfigError
-from megatrain.data.corpus import open_run_corpus
+from megatrain.data.blend import open_run_blend
 
 
 def default_nproc(config: Config, nnodes: int) -> int:
@@ -61,9 +61,10 @@ def check_restartable(config: Config) -> None:
 
 
 def check_inputs(config: Config) -> None:
-    """Refuse a missing or mismatched corpus or checkpoint here rather than in every worker."""
+    """Refuse a missing or mismatched corpus (of a blend: any, or tokenizers that differ) or
+    checkpoint here rather than in every worker."""
     for split in ("train", "valid"):
-        open_run_corpus(config, split)
+        open_run_blend(config, split)
     load, save = config.checkpoint.load, config.checkpoint.save
     if load and not (load == save and not os.path.exists(os.path.join(load, "latest"))):
         find_checkpoint(load)
@@ -93,7 +94,7 @@ def plan_warning(config: Config, world_size: int) -> str | None:
         return None
     from megatrain.plan.search import memory_warning
 
-    vocab = config.model.vocab_size or open_run_corpus(config, "train").vocab_size
+    vocab = config.model.vocab_size or open_run_blend(config, "train").first.vocab_size
     dp = world_size // config.model_parallel_size
     warning = memory_warning(config, dp, vocab, torch.cuda.get_device_properties(0).total_memory)
     if not warning:

@@ -16,7 +16,7 @@ from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, OptimizerConfig
 from megatrain import parallelize
 from megatrain.config import Config, validate
-from megatrain.data.corpus import Corpus, open_run_corpus
+from megatrain.data.blend import BlendedBatches, OpenBlend, open_run_blend
 from megatrain.data.samples import GPTBatches
 from megatrain.models import build_model_chunks, model_config
 from megatrain.models.transformer import TransformerConfig
@@ -39,8 +39,8 @@ class Run:
     model_config: TransformerConfig
     chunks: list
     optimizer: MegatronOptimizer
-    train_data: "GPTBatches"  # or bert_data.BertBatches
-    valid_corpus: "Corpus"
+    train_data: "GPTBatches"  # or bert_data.BertBatches, or a BlendedBatches of either
+    valid_data: "OpenBlend"  # the valid split's corpora (one, or a blend's)
     device: torch.device
     dtype: torch.dtype
     dp_size: int
@@ -57,28 +57,32 @@ class Run:
         return t.global_batch_size // (t.micro_batch_size * self.dp_size)
 
 
-def batches_for(config: Config, corpus: "Corpus", dp: int):
-    """This data-parallel rank's microbatches of a split, in the paper's order."""
+def batches_for(config: Config, data: "OpenBlend", dp: int):
+    """This data-parallel rank's microbatches of a split, in the paper's order (of a blend:
+    each corpus's samples in that order, interleaved by the blending rule)."""
     t, d = config.training, config.data
-    common = {
-        "seq_len": t.seq_length,
-        "seed": t.seed,
-        "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size,
-        "dp_rank": ps.get_data_parallel_rank(),
-        "dp_size": dp,
-    }
-    if config.model.kind == "bert":
-        from megatrain.data.bert import BertBatches
+    batch = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size}
+    rank = {"dp_rank": ps.get_data_parallel_rank(), "dp_size": dp}
 
-        return BertBatches(
-            corpus,
-            **common,
-            masked_lm_prob=d.masked_lm_prob,
-            max_ngram=d.max_ngram,
-            short_seq_prob=d.short_seq_prob,
-        )
-    return GPTBatches(corpus, **common)
+    def sampler(corpus, **slicing):
+        common = {"seq_len": t.seq_length, "seed": t.seed, **batch, **slicing}
+        if config.model.kind == "bert":
+            from megatrain.data.bert import BertBatches
+
+            return BertBatches(
+                corpus,
+                **common,
+                masked_lm_prob=d.masked_lm_prob,
+                max_ngram=d.max_ngram,
+                short_seq_prob=d.short_seq_prob,
+            )
+        return GPTBatches(corpus, **common)
+
+    if not data.is_blend:
+        return sampler(data.first, **rank)
+    # Each corpus's sampler only gives its samples; the blend slices them among the ranks.
+    sources = [sampler(c) for c in data.corpora]
+    return BlendedBatches(data.entries, sources, **batch, **rank)
 
 
 def prepare_training(
@@ -150,9 +154,9 @@ def build_run(config: Config, device: torch.device) -> Run:
     # Shards verified once per node (`megatrain run` itself verifies before its workers start
     # and hands them a config that says so).
     verify = config.data.verify_sha256 and int(os.environ.get("LOCAL_RANK", "0")) == 0
-    train_corpus = open_run_corpus(config, "train", verify)
-    valid_corpus = open_run_corpus(config, "valid", verify)
-    transformer = model_config(config, train_corpus.vocab_size)
+    train_corpora = open_run_blend(config, "train", verify)
+    valid_data = open_run_blend(config, "valid", verify)
+    transformer = model_config(config, train_corpora.first.vocab_size)
     dtype = PRECISION_DTYPES[t.precision]
     if t.precision == "fp8":  # before any weight is built
         tp.check_float8_available(device, t.fp8_emulate)
@@ -162,5 +166,5 @@ def build_run(config: Config, device: torch.device) -> Run:
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
     chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
     chunks, optimizer = prepare_training(config, chunks, dtype)
-    train_data = batches_for(config, train_corpus, dp)
-    return Run(config, transformer, chunks, optimizer, train_data, valid_corpus, device, dtype, dp)
+    train_data = batches_for(config, train_corpora, dp)
+    return Run(config, transformer, chunks, optimizer, train_data, valid_data, device, dtype, dp)

@@ -100,7 +100,7 @@ def evaluate(run: Run, statistics: bool = False) -> float | dict:
     """Mean loss over `eval_iters` global batches of the valid split, always from its start
     (with `statistics`, every statistic of `forward_backward`, averaged)."""
     t = run.config.training
-    batches = batches_for(run.config, run.valid_corpus, run.dp_size)
+    batches = batches_for(run.config, run.valid_data, run.dp_size)
     for c in run.chunks:
         c.eval()
     results = []
