@@ -2,18 +2,20 @@
 
 HF `tokenizers` spends most of its time on the Python side of a call and on splitting
 the text into pre-tokens, not on BPE or WordPiece (about 2.5 MB/s on one core for
-either).  Both of the corpus tokenizers only ever see a text through pre-tokens that
-never cross certain boundaries: GPT-2's byte-level BPE splits with GPT-2's regex (the
-pieces it matches are encoded independently), and BERT's WordPiece splits at whitespace
-(its normalizer changes characters but never moves a whitespace boundary).  So a text
-is cut at those boundaries here, each distinct piece is encoded by the tokenizer itself
-(in one batch per partition, then remembered by the worker), and a document's ids are
-the concatenation of its pieces' ids: the same ids as `Tokenizer.encode` (tested on
-the bundled corpus and on odd whitespace and special tokens), about 4x faster.
+either).  The corpus tokenizers only ever see a text through pre-tokens that never
+cross certain boundaries: GPT-2's byte-level BPE splits with GPT-2's regex, Llama 3's
+(megadata.llama3_tokenizer) with its own pattern (the pieces they match are encoded
+independently), and BERT's WordPiece splits at whitespace (its normalizer changes
+characters but never moves a whitespace boundary).  So a text is cut at those
+boundaries here, each distinct piece is encoded by the tokenizer itself (in one batch
+per partition, then remembered by the worker), and a document's ids are the
+concatenation of its pieces' ids: the same ids as `Tokenizer.encode` (tested on the
+bundled corpus and on odd whitespace and special tokens), about 4x faster.
 
-A tokenizer whose normalizer or pre-tokenizer is anything else, and a text that holds
-the content of an added token (`[SEP]`, `<|endoftext|>`), are encoded whole by the
-tokenizer, as before.
+The content of a special token written in a text (`<|endoftext|>`, `<|eot_id|>`,
+`[SEP]`) is encoded as text, never as the token (`encode_special_tokens`).  A tokenizer
+whose normalizer or pre-tokenizer is anything else, and a text that holds the content of
+an added token that is not special, are encoded whole by the tokenizer.
 
 Sentences (BERT corpora keep `sentence_ends`): a document is cut at the ends of its
 sentences as the splitter finds them, each piece stripped and encoded on its own, so a
@@ -43,6 +45,12 @@ CACHE_PIECES = 1 << 21  # pieces a worker remembers per tokenizer before startin
 
 # GPT-2's pre-tokenizer regex (HF `ByteLevel(use_regex=True)` uses the same one).
 _GPT2_PIECES = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Llama 3's split pattern (the `pat_str` of Meta's tokenizer.py; megadata.llama3_tokenizer
+# makes its tokenizer.json a `Split` on it, then `ByteLevel(use_regex=False)`).
+LLAMA3_PIECES = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Whitespace that Python's str.split() cuts at but BERT's normalizer deletes (control
 # characters), and the whitespace BERT's pre-tokenizer cuts at (\t \n \r, Zs, Zl, Zp).
 _NOT_BERT_SPACE = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
@@ -62,51 +70,106 @@ def bert_pieces(text: str) -> list[str]:
     return text.split()
 
 
+# Where Unicode has letters and digits (planes 4-13 are unassigned, 14 holds tags and
+# variation selectors, 15-16 private use) and where it has whitespace (the BMP only).
+_LETTERS_END, _SPACES_END = 0x40000, 0x10000
+
+
 @functools.cache
-def _gpt2_patterns() -> tuple[Callable, Callable]:
-    """(findall for any text, findall for a text of the Basic Multilingual Plane): GPT-2's
-    pattern in `regex`, and the same pattern in `re` with each class spelt out as the BMP
-    characters `regex` puts in it, which is the same on such a text and 2x faster (`re`
-    tests a class of BMP characters in one table lookup)."""
-    import regex
+def _classes() -> dict[str, list[tuple[int, int]]]:
+    """The code points that HF tokenizers' regex engine (Oniguruma, with its Unicode
+    tables) puts in \\s, \\p{L} and \\p{N}, as ranges [a, b): asked of the engine itself,
+    since Python's `regex` and `re` follow other Unicode versions (U+208F and the CJK of
+    plane 3 are letters to a recent `regex`, not to the tokenizers)."""
+    from tokenizers import Regex, pre_tokenizers
 
-    bmp = "".join(map(chr, range(0x10000)))  # lone surrogates included
+    every = "".join(map(chr, range(_LETTERS_END)))
+    every = every[:0xD800] + "\0" * 0x800 + every[0xE000:]  # no lone surrogate in Rust
+    ranges = {}
+    for name, end in ((r"\s", _SPACES_END), (r"\p{L}", _LETTERS_END), (r"\p{N}", _LETTERS_END)):
+        split = pre_tokenizers.Split(Regex(f"{name}+"), behavior="removed")
+        others = [span for _, span in split.pre_tokenize_str(every[:end])]
+        bounds = [0, *itertools.chain.from_iterable(others), end]  # the matches: the gaps
+        ranges[name] = [(a, b) for a, b in zip(bounds[::2], bounds[1::2], strict=True) if a < b]
+    return ranges
 
-    def bmp_class(pattern: str) -> str:
-        spans = (m.span() for m in regex.finditer(f"{pattern}+", bmp))
-        return "".join(f"{re.escape(bmp[a])}-{re.escape(bmp[b - 1])}" for a, b in spans)
 
-    space, letter, number = (bmp_class(p) for p in (r"\s", r"\p{L}", r"\p{N}"))
-    bmp_pieces = (
-        rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[{letter}]+| ?[{number}]+| ?[^{space}{letter}{number}]+"""
-        rf"""|[{space}]+(?![^{space}])|[{space}]+"""
-    )
-    return regex.compile(_GPT2_PIECES).findall, re.compile(bmp_pieces).findall
+@functools.cache
+def _patterns(pattern: str) -> tuple[Callable, Callable]:
+    """(findall for any text, findall for a text of the Basic Multilingual Plane): the
+    pattern in `re` with each of \\s, \\S, \\p{L} and \\p{N} spelt out as the characters the
+    tokenizers' engine puts in it (`_classes`), which cuts a text as the tokenizer's own
+    pre-tokenizer does; the second with the BMP's characters only, 2x faster (`re` tests a
+    class of BMP characters in one table lookup)."""
+
+    def spelt(end: int) -> Callable[[str], str]:
+        classes = {
+            name: "".join(
+                f"{re.escape(chr(a))}-{re.escape(chr(min(b, end) - 1))}"
+                for a, b in ranges
+                if a < end
+            )
+            for name, ranges in _classes().items()
+        }
+        classes[r"\S"] = "^" + classes[r"\s"]
+        out, inside = [], False  # inside a [...] class of the pattern
+        for part in re.findall(r"\\p\{.\}|\\.|.", pattern, flags=re.DOTALL):
+            if part in classes:
+                out.append(classes[part] if inside else f"[{classes[part]}]")
+            else:
+                inside = (inside or part == "[") and part != "]"
+                out.append(part)
+        return re.compile("".join(out)).findall
+
+    return spelt(0x110000), spelt(0x10000)
 
 
 _BEYOND_BMP = re.compile("[\U00010000-\U0010ffff]")
 
 
-def gpt2_pieces(text: str) -> list[str]:
-    """The pieces GPT-2's regex cuts the text into, as HF's ByteLevel pre-tokenizer does."""
-    any_pieces, bmp_pieces = _gpt2_patterns()
+def _pieces(pattern: str, text: str) -> list[str]:
+    any_pieces, bmp_pieces = _patterns(pattern)
     return any_pieces(text) if _BEYOND_BMP.search(text) else bmp_pieces(text)
 
 
-def _piece_splitter(tok: Tokenizer) -> Callable[[str], list[str]] | None:
-    """How `tok` may be cut without changing its ids, or None (encode texts whole)."""
-    spec = json.loads(tok.to_str())
+def gpt2_pieces(text: str) -> list[str]:
+    """The pieces GPT-2's regex cuts the text into, as HF's ByteLevel pre-tokenizer does."""
+    return _pieces(_GPT2_PIECES, text)
+
+
+def llama3_pieces(text: str) -> list[str]:
+    """The pieces Llama 3's pattern cuts the text into, as its `Split` pre-tokenizer does."""
+    return _pieces(LLAMA3_PIECES, text)
+
+
+def _piece_splitter(spec: dict) -> Callable[[str], list[str]] | None:
+    """How the tokenizer of `spec` (its tokenizer.json) may be cut without changing its
+    ids, or None (encode texts whole)."""
     pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
-    byte_level = pre.get("type") == "ByteLevel" and norm is None
-    if byte_level and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
+    if norm is None and _byte_level(pre, use_regex=True):
         return gpt2_pieces
+    if norm is None and pre.get("type") == "Sequence" and len(pre["pretokenizers"]) == 2:
+        split, byte_level = pre["pretokenizers"]
+        llama3 = {"Regex": LLAMA3_PIECES}, "Isolated", False
+        if (split.get("pattern"), split.get("behavior"), split.get("invert")) == llama3:
+            return llama3_pieces if _byte_level(byte_level, use_regex=False) else None
     if pre.get("type") == "BertPreTokenizer" and (norm is None or norm["type"] == "BertNormalizer"):
         return bert_pieces
     return None
 
 
+def _byte_level(pre: dict, use_regex: bool) -> bool:
+    """Whether `pre` is HF's ByteLevel pre-tokenizer without a prefix space."""
+    return (
+        pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True) == use_regex
+        and not pre.get("add_prefix_space", False)
+    )
+
+
 class Encoder:
-    """`Tokenizer.encode(text, add_special_tokens=False).ids`, for many texts at once.
+    """`Tokenizer.encode(text, add_special_tokens=False).ids`, for many texts at once,
+    with the special tokens' content in a text encoded as text (`encode_special_tokens`).
 
     The pieces met so far are remembered as slots: `slot[piece]` is a number, whose ids
     are `pool[start[n] : start[n] + length[n]]`, so a partition's ids are gathered by numpy
@@ -114,8 +177,15 @@ class Encoder:
 
     def __init__(self, tokenizer_path: str):
         self.tok = Tokenizer.from_file(tokenizer_path)
-        self.pieces = _piece_splitter(self.tok)
-        added = json.loads(self.tok.to_str()).get("added_tokens", [])
+        # A document's text is text: "<|eot_id|>", "<|endoftext|>" or "[SEP]" written in it
+        # is encoded as those characters, never as the special token (tiktoken's
+        # `disallowed_special=()`); megadata adds the document tokens itself.
+        self.tok.encode_special_tokens = True
+        spec = json.loads(self.tok.to_str())
+        self.pieces = _piece_splitter(spec)
+        # HF still finds an added token that is not special in a text: such a text is
+        # encoded whole.
+        added = [t for t in spec.get("added_tokens", []) if not t.get("special")]
         self.added = [t["content"].lower() for t in added]
         # A text holds an added token only if it holds the token's first character, and
         # lower-casing a text never makes an ASCII character that is not a letter appear:
@@ -135,6 +205,8 @@ class Encoder:
     def _whole(self, text: str) -> bool:
         if self.pieces is None:
             return True
+        if not self.added:
+            return False
         if self._marks is not None and not any(m in text for m in self._marks):
             return False
         lower = text.lower()

@@ -108,7 +108,7 @@ def count_words(kind: str, texts: Iterable[str], lowercase: bool = True) -> Coun
     return _gpt2_words(texts) if kind == "gpt2-bpe" else _bert_words(texts, lowercase)
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's character for each byte value (the ByteLevel pre-tokenizer's spelling)."""
     shown = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     hidden = (b for b in range(256) if b not in shown)
@@ -122,7 +122,7 @@ def _gpt2_words(texts: Iterable[str]) -> Counter:
     pieces = Counter()
     for text in texts:
         pieces.update(gpt2_pieces(text))
-    spell = str.maketrans(dict(zip(map(chr, range(256)), _byte_alphabet(), strict=True)))
+    spell = str.maketrans(dict(zip(map(chr, range(256)), byte_alphabet(), strict=True)))
     return Counter({p.encode().decode("latin-1").translate(spell): n for p, n in pieces.items()})
 
 
