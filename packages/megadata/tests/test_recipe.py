@@ -165,6 +165,28 @@ def test_stage_needs_its_input_stage(tmp_path, inputs):
     assert result.exit_code == 0 and "ingest" in result.output
 
 
+def test_a_corpus_takes_another_corpus_tokenizer_as_its_own(tmp_path, built, inputs):
+    """Corpora to blend share one tokenizer: a recipe naming another corpus's tokenizer.json
+    keeps its bytes (the same sha256 in both manifests) and records where it came from."""
+    recipe, _ = built
+    first = json.loads((recipe.output / "manifest.json").read_text())["tokenizer"]
+    source = recipe.output / "tokenizer.json"
+    second = load_recipe(
+        write_recipe(
+            tmp_path / "r.toml",
+            inputs,
+            tmp_path / "corpus",
+            tokenizer={"tokenizer_json": str(source), "vocab_size": first["vocab_size"]},
+        )
+    )
+    run_recipe(second, workers=1, progress=False)
+    tok = json.loads((second.output / "manifest.json").read_text())["tokenizer"]
+    assert (second.output / "tokenizer.json").read_bytes() == source.read_bytes()
+    assert tok["sha256"] == first["sha256"] and tok["eod_id"] == first["eod_id"]
+    assert tok["source"] == {"file": str(source.resolve()), "sha256": first["sha256"]}
+    assert "source" not in first  # a trained tokenizer names none
+
+
 def test_tokenizer_that_does_not_match_the_recipe(tmp_path, built, inputs):
     recipe, _ = built
     bad = write_recipe(

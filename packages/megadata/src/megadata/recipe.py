@@ -361,7 +361,22 @@ def _build_tokenizer(recipe: Recipe, runner: Runner) -> StageStats:
 
     def build(_):
         tok = build_tokenizer(recipe.tokenizer, texts(), recipe.path.parent)
-        atomic_write_bytes(recipe.output / "tokenizer.json", tok.to_str().encode())
+        text = tok.to_str().encode()
+        if recipe.tokenizer.tokenizer_json is not None:
+            # Another corpus's (or a converted) tokenizer.json: its bytes kept as they are
+            # when the recipe changed nothing in it, so corpora built with one tokenizer
+            # carry the same sha256 and can be blended; where it came from is recorded.
+            from tokenizers import Tokenizer
+
+            source = (recipe.path.parent / recipe.tokenizer.tokenizer_json).resolve()
+            given = source.read_bytes()
+            if Tokenizer.from_str(given.decode()).to_str().encode() == text:
+                text = given
+            origin = {"file": str(source), "sha256": hashlib.sha256(given).hexdigest()}
+            atomic_write_json(_tokenizer_source(recipe), origin)
+        else:
+            _tokenizer_source(recipe).unlink(missing_ok=True)  # of an earlier recipe
+        atomic_write_bytes(recipe.output / "tokenizer.json", text)
         vocab = tok.get_vocab_size(with_added_tokens=True)
         return {"bytes_in": used["bytes"], "extra": {"vocab_size": vocab}}
 
@@ -513,6 +528,11 @@ def _decontaminate(recipe: Recipe, runner: Runner) -> StageStats:
     return stats
 
 
+def _tokenizer_source(recipe: Recipe) -> Path:
+    """Where the tokenizer stage records the file it took the tokenizer from."""
+    return recipe.work / "tokenizer" / "source.json"
+
+
 def _shard(recipe: Recipe, runner: Runner) -> StageStats:
     src = _need(recipe, "tokenize")
     valid_every, shard_tokens = recipe.shard.valid_every, recipe.shard.shard_tokens
@@ -533,6 +553,7 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
         tok_path = recipe.output / "tokenizer.json"
         tok = Tokenizer.from_file(str(tok_path))
         stages = [_stage_summary(recipe, s) for s in STAGES[:-1]]
+        origin = _tokenizer_source(recipe)
         vocab_size = tok.get_vocab_size(with_added_tokens=True)
         corpus_format.write_manifest(
             recipe.output,
@@ -544,6 +565,8 @@ def _shard(recipe: Recipe, runner: Runner) -> StageStats:
                 "eod_id": eod_id(tok, recipe.tokenizer),
                 # Only when documents start with one, so other manifests keep their bytes.
                 **({"bos_id": bos} if (bos := bos_id(tok, recipe.tokenizer)) is not None else {}),
+                # The file it was taken from, when the recipe named one (tokenizer_json).
+                **({"source": json.loads(origin.read_text())} if origin.is_file() else {}),
             },
             token_dtype=corpus_format.token_dtype(vocab_size),
             sentence_boundaries=_sentence_boundaries(recipe),
