@@ -222,7 +222,9 @@ def test_bad_blends_are_refused_by_validate(blend, extra, pattern):
 def test_missing_corpus_and_other_tokenizer_refused_before_workers(corpora, tmp_path):
     out = [f"training.output_dir={str(tmp_path / 'out')!r}"]
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(FileNotFoundError, match=f"{missing}/manifest.json: no corpus manifest"):
+    with pytest.raises(
+        FileNotFoundError, match=rf"data.blend\[1\]: {missing}/manifest.json: no corpus manifest"
+    ):
         check_inputs(_config((corpora[0], missing), *out))
     other = write_corpus(
         tmp_path / "other",
@@ -240,3 +242,37 @@ def test_missing_corpus_and_other_tokenizer_refused_before_workers(corpora, tmp_
     message = str(e.value)
     assert f"{other}/tokenizer.json (sha256 {'cd' * 32})" in message
     assert f"{corpora[0]}/tokenizer.json (sha256 {'ab' * 32})" in message
+
+
+def test_bert_corpora_blend_as_gpt_ones(tmp_path):
+    """A blend of two BERT corpora (one WordPiece tokenizer): each sample is the next one of
+    its corpus's own sentence-pair sampler, and resumption carries the counts."""
+    from megatrain.data.bert import BertBatches
+    from megatrain.testing import english_texts, write_bert_text_corpus
+
+    texts = english_texts()[:60]
+    roots = [write_bert_text_corpus(tmp_path / n, texts, 400, every)[0]
+             for n, every in (("a", 5), ("b", 3))]  # fmt: skip
+    blend = json.dumps([[1, str(roots[0])], [3, str(roots[1])]])
+    config = load_config(None, ["model.kind='bert'", f"data.blend={blend}"])
+    data = open_run_blend(config, "train")
+
+    def make():
+        sources = [BertBatches(c, 32, 1, GBS, 4) for c in data.corpora]
+        return BlendedBatches(data.entries, sources, GBS, 4), sources
+
+    blend, sources = make()
+    got = _draw(blend, 6)
+    d, j = blend_block(np.array([0.25, 0.75]), np.zeros(2, np.int64), 0, 3 * GBS)
+    want = [sources[int(a)].sample(int(b)) for a, b in zip(d, j, strict=True)]
+    for m, batch in enumerate(got):
+        expected = sources[0].collate(want[4 * m : 4 * m + 4])
+        assert batch.keys() == expected.keys()
+        for key in batch:
+            assert np.array_equal(batch[key], expected[key]), key
+    resumed, _ = make()
+    resumed.load_state_dict(json.loads(json.dumps(blend.state_dict())))
+    again, _ = make()
+    _draw(again, 6)
+    for a, b in zip(_draw(resumed, 2), _draw(again, 2), strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)

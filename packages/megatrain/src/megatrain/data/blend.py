@@ -44,11 +44,13 @@ from megatrain.data.samples import SampleBatches
 
 @dataclass(frozen=True)
 class BlendEntry:
-    """One corpus of a run's data: its name in the logs, its normalised weight, its path."""
+    """One corpus of a run's data: its name in the logs, its normalised weight, its path, and
+    the config field that names it (for messages)."""
 
     name: str
     weight: float
     path: str
+    field: str
 
 
 def check_blend(value: Any, field: str) -> list[tuple[float, str]]:
@@ -90,12 +92,15 @@ def check_blend(value: Any, field: str) -> list[tuple[float, str]]:
     return pairs
 
 
-def _entries(pairs: list[tuple[float, str]]) -> list[BlendEntry]:
+def _entries(pairs: list[tuple[float, str]], field: str) -> list[BlendEntry]:
     total = sum(w for w, _ in pairs)
     names = [Path(p).name or p for _, p in pairs]
     if len(set(names)) < len(names):  # two directories of one name: the paths tell them apart
         names = [p for _, p in pairs]
-    return [BlendEntry(n, w / total, p) for n, (w, p) in zip(names, pairs, strict=True)]
+    return [
+        BlendEntry(n, w / total, p, field if field == "data.corpus" else f"{field}[{i}]")
+        for i, (n, (w, p)) in enumerate(zip(names, pairs, strict=True))
+    ]
 
 
 def run_blend(config: Config, split: str) -> list[BlendEntry]:
@@ -103,10 +108,10 @@ def run_blend(config: Config, split: str) -> list[BlendEntry]:
     `data.valid_blend` for valid when set, else `data.blend`, else the one `data.corpus`."""
     d = config.data
     if split == "valid" and d.valid_blend is not None:
-        return _entries(check_blend(d.valid_blend, "data.valid_blend"))
+        return _entries(check_blend(d.valid_blend, "data.valid_blend"), "data.valid_blend")
     if d.blend is not None:
-        return _entries(check_blend(d.blend, "data.blend"))
-    return _entries([(1.0, d.corpus or DEFAULT_CORPUS)])
+        return _entries(check_blend(d.blend, "data.blend"), "data.blend")
+    return _entries([(1.0, d.corpus or DEFAULT_CORPUS)], "data.corpus")
 
 
 @dataclass
@@ -133,7 +138,14 @@ def open_run_blend(config: Config, split: str, verify: bool | None = None) -> Op
     """Open every corpus of the run's `split` (each checked as `open_run_corpus` checks one),
     refusing corpora whose tokenizers differ, naming both files and their sha256."""
     entries = run_blend(config, split)
-    corpora = [open_run_corpus(config, split, verify, path=e.path) for e in entries]
+    corpora = []
+    for e in entries:
+        try:
+            corpora.append(open_run_corpus(config, split, verify, path=e.path))
+        except (FileNotFoundError, ValueError) as error:
+            if e.field == "data.corpus":
+                raise
+            raise type(error)(f"{e.field}: {error}") from None
     first, first_tok = corpora[0], corpora[0].manifest.get("tokenizer", {})
     for entry, corpus in zip(entries[1:], corpora[1:], strict=True):
         tok = corpus.manifest.get("tokenizer", {})
