@@ -181,7 +181,8 @@ class Encoder:
         # is encoded as those characters, never as the special token (tiktoken's
         # `disallowed_special=()`); megadata adds the document tokens itself.
         self.tok.encode_special_tokens = True
-        spec = json.loads(self.tok.to_str())
+        with open(tokenizer_path, encoding="utf-8") as f:
+            spec = json.load(f)
         self.pieces = _piece_splitter(spec)
         # HF still finds an added token that is not special in a text: such a text is
         # encoded whole.
