@@ -44,6 +44,14 @@
    stage on `--workers` workers, read whole (one task) and in N pieces (`split_mb`, a task
    each, after the round that counts their newlines): wall and CPU seconds of each (the
    cluster's start-up apart) and whether the documents, ids included, are the same.
+9. `--tokenizers` (alone; writes bench-results/megadata_tokenizers.json): tokenizing MB/s
+   per core (MB of text per CPU second) on the bundled sample text, cleaned, in partitions
+   of 100 documents as the filter stage encodes them, for GPT-2's byte-level BPE as the
+   default recipe trains it (8,192 tokens) and for Llama 3's own tokenizer
+   (data/raw/llama3/tokenizer.json, `python scripts/fetch_llama3_tokenizer.py`): megadata's
+   encoder with nothing remembered (a worker's first pass) and again with every piece
+   remembered, HF's `Tokenizer.encode` one text at a time, and, for Llama 3, tiktoken over
+   Meta's tokenizer.model (when installed); the best of `--rounds`; and the sample's tokens.
 """
 
 import argparse
@@ -66,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # megadata_corpora bes
 from megadata_corpora import bench_recipe, sample_documents, sample_text_mb, write_jsonl_copies
 
 from megadata.documents import read_docs, write_docs
-from megadata.encode import split_sentences
+from megadata.encode import Encoder, gpt2_pieces, llama3_pieces, split_sentences
 from megadata.minhash import signatures, signatures_of_hashes
 from megadata.ngrams import ngram_hashes
 from megadata.planted import plant, run_dedup, score
@@ -75,6 +83,7 @@ from megadata.runner import Runner, StageStats, Task, format_table
 from megadata.stages import dedup
 from megadata.stages.clean import english_probability
 from megadata.stages.dedup import shingles
+from megadata.tokenizer import build_tokenizer
 from megadata.unicode_fix import fix_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -560,6 +569,77 @@ def ingest_pieces(mb: float, workers: int, pieces: int, work: Path) -> dict:
     }
 
 
+def _cpu_best(fn, rounds: int) -> float:
+    """The fewest CPU seconds (all threads) that `fn()` took in `rounds` calls."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def tokenizer_speed(llama3_dir: Path, work: Path, rounds: int, partition_docs: int = 100) -> dict:
+    """9. above."""
+    texts = [fix_text(d["text"]) for d in sample_documents()]
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    parts = [texts[i : i + partition_docs] for i in range(0, len(texts), partition_docs)]
+    gpt2 = work / "gpt2-bpe-8192.json"
+    build_tokenizer({"kind": "gpt2-bpe", "vocab_size": 8192}, texts, work).save(str(gpt2))
+    gpt2_pieces(""), llama3_pieces("")  # their patterns are made once a process, not timed
+    found = {"text_mb": round(mb, 2), "documents": len(texts), "rounds": rounds}
+    tokenizers = {"gpt2-bpe-8192": gpt2, "llama3": llama3_dir / "tokenizer.json"}
+    for name, path in tokenizers.items():
+        if not path.is_file():
+            found[name] = f"skipped: {path} is missing (python scripts/fetch_llama3_tokenizer.py)"
+            continue
+        start = time.process_time()
+        enc = Encoder(str(path))
+        loaded = time.process_time() - start
+
+        def cold(path=path):
+            fresh = Encoder(str(path))
+            start = time.process_time()
+            for part in parts:
+                fresh.encode_flat(part)
+            return time.process_time() - start
+
+        cold_s = min(cold() for _ in range(rounds))
+        tokens = sum(len(enc.encode_flat(part)[0]) for part in parts)
+        warm_s = _cpu_best(lambda enc=enc: [enc.encode_flat(p) for p in parts], rounds)
+        hf_s = _cpu_best(
+            lambda enc=enc: [enc.tok.encode(t, add_special_tokens=False) for t in texts], rounds
+        )
+        row = {
+            "vocab_size": enc.tok.get_vocab_size(with_added_tokens=True),
+            "tokens": tokens,
+            "bytes_per_token": round(mb * 1e6 / tokens, 2),
+            "encoder_load_cpu_s": round(loaded, 2),
+            "megadata_encoder_first_pass_mb_per_s_per_core": round(mb / cold_s, 2),
+            "megadata_encoder_pieces_remembered_mb_per_s_per_core": round(mb / warm_s, 2),
+            "hf_tokenizer_encode_mb_per_s_per_core": round(mb / hf_s, 2),
+        }
+        if name == "llama3":
+            row |= _tiktoken_speed(llama3_dir / "tokenizer.model", texts, mb, rounds)
+        found[name] = row
+        print(name, row, flush=True)
+    return found
+
+
+def _tiktoken_speed(model: Path, texts: list[str], mb: float, rounds: int) -> dict:
+    """tiktoken over Meta's file, one text at a time in this thread (`encode_ordinary`)."""
+    try:
+        import tiktoken
+    except ImportError:
+        return {"tiktoken": "skipped: not installed (it is in megadata's [test] extra)"}
+    from megadata.llama3_tokenizer import SPLIT_PATTERN, read_ranks
+
+    ranks = read_ranks(model)
+    enc = tiktoken.Encoding("l3", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    seconds = _cpu_best(lambda: [enc.encode_ordinary(t) for t in texts], rounds)
+    return {"tiktoken_encode_ordinary_mb_per_s_per_core": round(mb / seconds, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -576,6 +656,11 @@ def main() -> None:
     parser.add_argument("--detectors", action="store_true", help="only 3. above")
     parser.add_argument("--splitters", action="store_true", help="only 4. above")
     parser.add_argument("--ingest-pieces", type=int, default=0, help="only 8. above: N pieces")
+    parser.add_argument("--tokenizers", action="store_true", help="only 9. above")
+    parser.add_argument("--rounds", type=int, default=3, help="--tokenizers: the best of N")
+    parser.add_argument(
+        "--llama3", type=Path, default=ROOT / "data/raw/llama3", help="--tokenizers: its folder"
+    )
     args = parser.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     if args.scale_gb:
@@ -594,6 +679,13 @@ def main() -> None:
         command += f" --mb {args.mb:g} --workers {workers[0]}"
         report = {"command": command, "machine": _machine(), "mb": args.mb, **found}
         _write(report, args.out or ROOT / "benchmarks/results/megadata-ingest-pieces.json")
+        return
+    if args.tokenizers:
+        with tempfile.TemporaryDirectory() as tmp:
+            found = tokenizer_speed(args.llama3, Path(tmp), args.rounds)
+        command = f"python benchmarks/bench_megadata.py --tokenizers --rounds {args.rounds}"
+        report = {"command": command, "machine": _machine(), **found}
+        _write(report, args.out or Path("bench-results/megadata_tokenizers.json"))
         return
     if args.dedup_scaling:
         with tempfile.TemporaryDirectory() as tmp:
