@@ -1,16 +1,23 @@
-"""Process groups for tensor, pipeline and data parallelism, with Megatron-LM's names.
+"""Process groups for tensor, context, data and pipeline parallelism, with Megatron's names.
 
-The rank layout is Megatron's: a global rank r has coordinates
+The rank layout is megatron-core's tp-cp-dp-pp: a global rank r has coordinates
 
-    tensor rank   = r % tp                 (TP ranks are adjacent: they talk most)
-    data rank     = (r // tp) % dp
-    pipeline rank = r // (tp * dp)         (PP outermost: it talks least)
+    tensor rank   = r % tp                       (TP ranks are adjacent: they talk most)
+    context rank  = (r // tp) % cp
+    data rank     = (r // (tp * cp)) % dp
+    pipeline rank = r // (tp * cp * dp)          (PP outermost: it talks least)
 
-so with 16 ranks, tp=2 and pp=4 the groups are TP [0,1],[2,3]...; DP [0,2],[1,3],
+so with 16 ranks, tp=2 and pp=4 (cp=1) the groups are TP [0,1],[2,3]...; DP [0,2],[1,3],
 [4,6]...; PP [0,4,8,12],[1,5,9,13]...; model-parallel (TP x PP of one replica)
 [0,1,4,5,8,9,12,13],[2,3,6,7,...]; the embedding group of each pipeline is its
-first and last stage.  `parallel_groups` computes this layout without any
-process group, so it can be inspected (and tested) for any world size.
+first and last stage.  With context parallelism (cp > 1) a long sequence is split over
+the CP ranks (see megacore.context_parallel): with 8 ranks, tp=2, cp=2 (dp=2) the CP
+groups are [0,2],[1,3],[4,6],[5,7]; DP [0,4],[1,5],[2,6],[3,7]; DP x CP (over which
+gradients are reduced: every CP rank holds the whole model and sees other tokens)
+[0,2,4,6],[1,3,5,7]; TP x CP [0,1,2,3],[4,5,6,7].  The model-parallel group is one per
+(dp, cp) coordinate.  With cp=1 every group is what it is without context parallelism.
+`parallel_groups` computes this layout without any process group, so it can be
+inspected (and tested) for any world size.
 
 `initialize_model_parallel` checks its arguments on every rank before it
 creates a single group, so a bad size raises the same error everywhere instead
@@ -26,13 +33,23 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """Every group of every kind, as lists of global ranks, for one layout."""
+    """Every group of every kind, as lists of global ranks, for one layout.
+
+    Each kind's groups are ordered by their lowest rank, each group's ranks ascending
+    (so a rank's index in its group is its coordinate along that kind).
+    `data_with_context` (DP x CP, what gradients are reduced over) and
+    `tensor_and_context` (TP x CP) join two kinds; with cp=1 they equal `data` and
+    `tensor`.
+    """
 
     tensor: list[list[int]]
     pipeline: list[list[int]]
     data: list[list[int]]
     model: list[list[int]]
     embedding: list[list[int]]
+    context: list[list[int]]
+    data_with_context: list[list[int]]
+    tensor_and_context: list[list[int]]
 
 
 @dataclass
@@ -41,10 +58,16 @@ class _State:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_cp_group: dist.ProcessGroup
+    tp_cp_group: dist.ProcessGroup
     embedding_group: dist.ProcessGroup | None  # None on ranks that hold no embedding copy
     tp_ranks: list[int]
     pp_ranks: list[int]
     dp_ranks: list[int]
+    cp_ranks: list[int]
+    dp_cp_ranks: list[int]
+    tp_cp_ranks: list[int]
     embedding_ranks: list[int]
     virtual_pipeline_world_size: int | None
     virtual_pipeline_rank: int | None
@@ -61,31 +84,54 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def parallel_groups(
-    world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelGroups:
-    """The groups `initialize_model_parallel` creates for this layout (no communication)."""
+    """The groups `initialize_model_parallel` creates for this layout (no communication).
+
+    Ranks are laid out tp-cp-dp-pp (module doc); data-parallel size is what is left:
+    world_size // (tp * cp * pp).
+    """
     _check_positive_int("world size", world_size)
     _check_positive_int("tensor_model_parallel_size", tensor_model_parallel_size)
     _check_positive_int("pipeline_model_parallel_size", pipeline_model_parallel_size)
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    _check_positive_int("context_parallel_size", context_parallel_size)
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if world_size % (tp * cp * pp):
         raise ValueError(
             f"initialize_model_parallel: world size {world_size} is not divisible by "
-            f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) = {tp * pp}; "
+            f"tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) x "
+            f"pipeline_model_parallel_size ({pp}) = {tp * cp * pp}; "
             f"choose sizes whose product divides {world_size}"
         )
-    dp = world_size // (tp * pp)
-    ranks_per_stage = tp * dp
-    tensor = [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-    pipeline = [list(range(i, world_size, ranks_per_stage)) for i in range(ranks_per_stage)]
-    data = [
-        list(range(stage * ranks_per_stage + t, (stage + 1) * ranks_per_stage, tp))
-        for stage in range(pp)
-        for t in range(tp)
-    ]
-    model = [[group[d] for group in data] for d in range(dp)]
+    dp = world_size // (tp * cp * pp)
+    sizes = {"t": tp, "c": cp, "d": dp, "p": pp}  # innermost first
+
+    def grouped(varying: str) -> list[list[int]]:
+        """Ranks that agree on every coordinate but those named in `varying`."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r in range(world_size):
+            coords, rest = {}, r
+            for axis, size in sizes.items():
+                rest, coords[axis] = divmod(rest, size)
+            key = tuple(c for axis, c in coords.items() if axis not in varying)
+            groups.setdefault(key, []).append(r)  # in rank order: sorted, and by lowest rank
+        return list(groups.values())
+
+    pipeline = grouped("p")
     embedding = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pipeline]
-    return ParallelGroups(tensor, pipeline, data, model, embedding)
+    return ParallelGroups(
+        tensor=grouped("t"),
+        pipeline=pipeline,
+        data=grouped("d"),
+        model=grouped("tp"),
+        embedding=embedding,
+        context=grouped("c"),
+        data_with_context=grouped("cd"),
+        tensor_and_context=grouped("tc"),
+    )
 
 
 def initialize_model_parallel(
@@ -93,12 +139,17 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout: datetime.timedelta | None = None,
+    *,
+    context_parallel_size: int = 1,
 ) -> None:
-    """Create the TP, PP, DP, model-parallel and embedding groups on the default process group.
+    """Create the TP, CP, DP, PP, model-parallel, embedding and joint groups on the default group.
 
     Every rank must call it with the same sizes; data-parallel size is what is left:
-    world_size // (tp * pp).  `timeout`: how long a collective on these groups waits for
-    the others (None: torch's default, which is not the default group's own).
+    world_size // (tp * cp * pp).  `context_parallel_size` (megatron-core's name): how
+    many ranks split each sequence (megacore.context_parallel); their gradients are
+    reduced over `get_data_parallel_group(with_context_parallel=True)`.  `timeout`: how
+    long a collective on these groups waits for the others (None: torch's default, which
+    is not the default group's own).
     """
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
@@ -112,7 +163,12 @@ def initialize_model_parallel(
             "call destroy_model_parallel() first"
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    groups = parallel_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    groups = parallel_groups(
+        world_size,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+    )
     vpp = virtual_pipeline_model_parallel_size
     if vpp is not None:
         _check_positive_int("virtual_pipeline_model_parallel_size", vpp)
@@ -123,17 +179,26 @@ def initialize_model_parallel(
             )
 
     # Every rank creates every group, in the same order: torch.distributed requires it.
+    # A rank list met again (DP x CP is DP when cp=1, TP x CP is CP when tp=1) reuses
+    # its group: the same decision on every rank, so the order stays the same.
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
     def create(kind: str) -> tuple[dist.ProcessGroup | None, list[int]]:
         mine, my_ranks = None, []
         for ranks in getattr(groups, kind):
-            group = dist.new_group(ranks, timeout=timeout)
+            group = made.get(tuple(ranks))
+            if group is None:
+                group = made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine, my_ranks = group, ranks
         return mine, my_ranks
 
     dp_group, dp_ranks = create("data")
+    dp_cp_group, dp_cp_ranks = create("data_with_context")
+    cp_group, cp_ranks = create("context")
     mp_group, _ = create("model")
     tp_group, tp_ranks = create("tensor")
+    tp_cp_group, tp_cp_ranks = create("tensor_and_context")
     pp_group, pp_ranks = create("pipeline")
     embedding_group, _ = create("embedding")
     embedding_ranks = groups.embedding[groups.pipeline.index(pp_ranks)]
@@ -142,10 +207,16 @@ def initialize_model_parallel(
         pp_group=pp_group,
         dp_group=dp_group,
         mp_group=mp_group,
+        cp_group=cp_group,
+        dp_cp_group=dp_cp_group,
+        tp_cp_group=tp_cp_group,
         embedding_group=embedding_group,
         tp_ranks=tp_ranks,
         pp_ranks=pp_ranks,
         dp_ranks=dp_ranks,
+        cp_ranks=cp_ranks,
+        dp_cp_ranks=dp_cp_ranks,
+        tp_cp_ranks=tp_cp_ranks,
         embedding_ranks=embedding_ranks,
         virtual_pipeline_world_size=vpp,
         virtual_pipeline_rank=0 if vpp is not None else None,
@@ -261,23 +332,66 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     return get_pipeline_model_parallel_rank() == len(state.pp_ranks) - 1
 
 
+# --- context parallel --------------------------------------------------------------------------
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    """The ranks that split one sequence (same TP, DP and PP coordinates)."""
+    return _state("get_context_parallel_group").cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return len(_state("get_context_parallel_world_size").cp_ranks)
+
+
+def get_context_parallel_rank() -> int:
+    """Which of the sequence's parts this rank holds (megacore.context_parallel)."""
+    return _state("get_context_parallel_rank").cp_ranks.index(dist.get_rank())
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    return list(_state("get_context_parallel_global_ranks").cp_ranks)
+
+
+def get_tensor_and_context_parallel_group() -> dist.ProcessGroup:
+    """TP x CP ranks of one (dp, pp) coordinate."""
+    return _state("get_tensor_and_context_parallel_group").tp_cp_group
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return len(_state("get_tensor_and_context_parallel_world_size").tp_cp_ranks)
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    ranks = _state("get_tensor_and_context_parallel_rank").tp_cp_ranks
+    return ranks.index(dist.get_rank())
+
+
 # --- data parallel, model parallel, embedding --------------------------------------------------
 
 
-def get_data_parallel_group() -> dist.ProcessGroup:
-    return _state("get_data_parallel_group").dp_group
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """The DP group; with_context_parallel: DP x CP, the ranks gradients are reduced over."""
+    state = _state("get_data_parallel_group")
+    return state.dp_cp_group if with_context_parallel else state.dp_group
 
 
-def get_data_parallel_world_size() -> int:
-    return len(_state("get_data_parallel_world_size").dp_ranks)
+def _dp_ranks(getter: str, with_context_parallel: bool) -> list[int]:
+    state = _state(getter)
+    return state.dp_cp_ranks if with_context_parallel else state.dp_ranks
 
 
-def get_data_parallel_rank() -> int:
-    return _state("get_data_parallel_rank").dp_ranks.index(dist.get_rank())
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return len(_dp_ranks("get_data_parallel_world_size", with_context_parallel))
 
 
-def get_data_parallel_src_rank() -> int:
-    return _state("get_data_parallel_src_rank").dp_ranks[0]
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Rank in the DP group (with_context_parallel: in DP x CP, whose order is tp-cp-dp-pp's)."""
+    return _dp_ranks("get_data_parallel_rank", with_context_parallel).index(dist.get_rank())
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    return _dp_ranks("get_data_parallel_src_rank", with_context_parallel)[0]
 
 
 def get_model_parallel_group() -> dist.ProcessGroup:
