@@ -10,6 +10,10 @@ along the first (sequence) dimension.  Activations are [sequence, batch, hidden]
 as in Megatron, so a sequence shard is a contiguous block and the collectives
 need no copies.  With one tensor-parallel rank every operator is the identity
 and issues no communication.
+
+`gather_from_sequence_parallel_region` takes another group too: context parallelism
+(megacore.context_parallel) all-gathers K and V over its CP group with it, the
+gradients reduce-scattered back the same way.
 """
 
 import torch
@@ -41,6 +45,13 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _group(group: dist.ProcessGroup | None):
+    """(group, its size, this rank in it): the given group, or the tensor-parallel one."""
+    if group is None:
+        return _tp()
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
 def _split_last(x: torch.Tensor) -> torch.Tensor:
     _, world, rank = _tp()
     if world == 1:
@@ -59,8 +70,8 @@ def _gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(_gather_first(x).chunk(world, dim=0), dim=-1)
 
 
-def _split_first(x: torch.Tensor) -> torch.Tensor:
-    _, world, rank = _tp()
+def _split_first(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    _, world, rank = _group(group)
     if world == 1:
         return x
     size = x.size(0)
@@ -72,8 +83,8 @@ def _split_first(x: torch.Tensor) -> torch.Tensor:
     return x.narrow(0, rank * (size // world), size // world).contiguous()
 
 
-def _gather_first(x: torch.Tensor) -> torch.Tensor:
-    group, world, _ = _tp()
+def _gather_first(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    group, world, _ = _group(group)
     if world == 1:
         return x
     out = torch.empty((world * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -81,8 +92,8 @@ def _gather_first(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_first(x: torch.Tensor) -> torch.Tensor:
-    group, world, _ = _tp()
+def _reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    group, world, _ = _group(group)
     if world == 1:
         return x
     size = x.size(0)
@@ -148,17 +159,18 @@ class _ScatterToSP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tensor_parallel_output_grad):
+    def forward(ctx, x, tensor_parallel_output_grad, group):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_first(x)
+        ctx.group = group
+        return _gather_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         # Inside the TP region each rank's gradient is a partial sum: reduce-scatter it.
         # If the consumer was replicated (same gradient on every rank), just take our part.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_first(grad), None
-        return _split_first(grad), None
+            return _reduce_scatter_first(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -197,10 +209,16 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor, tensor_parallel_output_grad: bool = True
+    x: torch.Tensor,
+    tensor_parallel_output_grad: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """All-gather along the sequence dimension; backward reduce-scatters (or splits, see above)."""
-    return _GatherFromSP.apply(x, tensor_parallel_output_grad)
+    """All-gather along the sequence dimension; backward reduce-scatters (or splits, see above).
+
+    `group`: the ranks to gather over (default: the tensor-parallel group), in their
+    group-rank order along the first dimension.
+    """
+    return _GatherFromSP.apply(x, tensor_parallel_output_grad, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:

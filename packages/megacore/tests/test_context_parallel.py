@@ -1,0 +1,203 @@
+"""Context parallelism: the balanced chunk layout, and attention over CP ranks (both comm
+types) equal to full-sequence SDPA in outputs and in q/k/v gradients."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megacore import context_parallel as cpa
+from megacore import parallel_state as ps
+from megacore.context_parallel import (
+    context_parallel_attention,
+    cp_chunk_indices,
+    split_for_context_parallel,
+)
+from megacore.testing import run_distributed
+
+TOL = 1e-5
+
+
+# --- the layout --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_chunk_indices_balance_the_sequence(cp):
+    seq = 8 * cp
+    chunk = seq // (2 * cp)
+    parts = [cp_chunk_indices(seq, r, cp) for r in range(cp)]
+    assert all(p.dtype == torch.int64 and p.shape == (seq // cp,) for p in parts)
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))  # a permutation
+    for r, p in enumerate(parts):
+        first, second = r, 2 * cp - 1 - r
+        expected = [*range(first * chunk, (first + 1) * chunk)]
+        expected += [*range(second * chunk, (second + 1) * chunk)]
+        assert p.tolist() == expected
+    # split_for_context_parallel takes those positions along any dim.
+    x = torch.arange(3 * seq * 2).reshape(3, seq, 2)
+    for r, p in enumerate(parts):
+        assert torch.equal(split_for_context_parallel(x, 1, r, cp), x[:, p])
+    assert cp_chunk_indices(16, 1, 4).tolist() == [2, 3, 12, 13]  # chunks 1 and 6 of 8
+
+
+def test_chunk_indices_refuse_uneven_lengths():
+    with pytest.raises(ValueError, match=r"sequence length 20 .* = 8"):
+        cp_chunk_indices(20, 0, 4)
+    with pytest.raises(ValueError, match=r"sequence length 6 .* = 4"):
+        split_for_context_parallel(torch.zeros(2, 6), 1, 1, 2)
+    with pytest.raises(ValueError, match="cp_rank 2"):
+        cp_chunk_indices(16, 2, 2)
+    assert cp_chunk_indices(7, 0, 1).tolist() == list(range(7))  # cp 1: anything goes
+
+
+def test_attention_refuses_bad_arguments():
+    q, kv, pos = torch.zeros(1, 4, 8, 2), torch.zeros(1, 3, 8, 2), torch.arange(8)
+    with pytest.raises(ValueError, match="comm_type"):
+        context_parallel_attention(
+            q, q, q, q_positions=pos, kv_positions=pos, comm_type="a2a", group=object()
+        )
+    with pytest.raises(ValueError, match="multiple of the key/value groups"):
+        context_parallel_attention(q, kv, kv, q_positions=pos, kv_positions=pos, group=object())
+    with pytest.raises(ValueError, match="segments"):
+        context_parallel_attention(
+            q, q, q, q_positions=pos, kv_positions=pos, segments=pos, group=object()
+        )
+
+
+# --- the reference -----------------------------------------------------------------------------
+
+
+def _mask(seq, segments, causal):
+    """[b or 1, 1, s, s] boolean: what full-sequence attention sees (None: everything)."""
+    pos = torch.arange(seq)
+    mask = (pos[None, :] <= pos[:, None])[None, None] if causal else None
+    if segments is not None:
+        same = (segments[:, :, None] == segments[:, None, :])[:, None]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _documents(batch, seq, generator):
+    """Document ids of packed sequences: a few documents of uneven lengths per row."""
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(seq - 1, generator=generator)[:3] + 1
+        ids = torch.zeros(seq, dtype=torch.int64)
+        for c in cuts.tolist():
+            ids[c:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def _reference(q, k, v, mask):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=k.size(1) != q.size(1)
+    )
+
+
+def test_merge_by_log_sum_exp_and_a_dropped_term():
+    """The ring's merge of per-block partials equals softmax over all keys; leaving one
+    block out (or masking with the wrong mask) does not: the comparison can fail."""
+    g = torch.Generator().manual_seed(0)
+    b, heads, groups, s, d = 2, 4, 2, 12, 8
+    q = torch.randn(b, heads, s, d, generator=g)
+    k, v = (torch.randn(b, groups, s, d, generator=g) for _ in range(2))
+    segments = _documents(b, s, g)
+    mask = _mask(s, segments, causal=True)
+    ref = _reference(q, k, v, mask)
+    qg = q.reshape(b, groups, heads // groups, s, d)
+    blocks = [slice(0, 4), slice(4, 9), slice(9, 12)]
+    parts = [
+        cpa._block_attention(qg, k[:, :, i], v[:, :, i], mask[..., i], d**-0.5) for i in blocks
+    ]
+    merged = cpa._merge(*map(list, zip(*parts, strict=True))).reshape(b, heads, s, d)
+    assert (merged - ref).abs().max() < TOL
+    # Rows with no visible key in a block (row 0 in blocks 2 and 3) gave -inf, not NaN.
+    assert not torch.isnan(merged).any()
+    dropped = cpa._merge([parts[0][0], parts[2][0]], [parts[0][1], parts[2][1]])
+    assert (dropped.reshape(b, heads, s, d) - ref).abs().max() > 1e-2
+    assert (_reference(q, k, v, _mask(s, None, causal=True)) - ref).abs().max() > 1e-2
+
+
+# --- over CP ranks -----------------------------------------------------------------------------
+
+CASES = [
+    # (comm_type, heads, groups, causal, segments)
+    (comm, heads, groups, causal, segmented)
+    for comm, (heads, groups), (causal, segmented) in itertools.product(
+        ("allgather", "p2p"),
+        ((4, 4), (4, 2)),
+        ((True, False), (True, True), (False, True), (False, False)),
+    )
+]
+
+
+def _errors(case, cp_rank, cp, seed, wrong_positions=False):
+    """Max |difference| from full-sequence SDPA of this rank's output and q/k/v gradients."""
+    comm, heads, groups, causal, segmented = case
+    g = torch.Generator().manual_seed(seed)
+    b, s, d = 2, 16, 8
+    q = torch.randn(b, heads, s, d, generator=g).requires_grad_()
+    k = torch.randn(b, groups, s, d, generator=g).requires_grad_()
+    v = torch.randn(b, groups, s, d, generator=g).requires_grad_()
+    upstream = torch.randn(b, heads, s, d, generator=g)
+    segments = _documents(b, s, g) if segmented else None
+
+    ref = _reference(q, k, v, _mask(s, segments, causal))
+    ref.backward(upstream)
+
+    mine = cp_chunk_indices(s, cp_rank, cp)
+    local = [
+        split_for_context_parallel(t.detach(), 2, cp_rank, cp).requires_grad_() for t in (q, k, v)
+    ]
+    positions = mine
+    if wrong_positions:  # a contiguous split's positions for a balanced split's tokens
+        positions = torch.arange(cp_rank * (s // cp), (cp_rank + 1) * (s // cp))
+    out = context_parallel_attention(
+        *local,
+        q_positions=positions,
+        kv_positions=positions,
+        segments=None if segments is None else segments[:, mine],
+        causal=causal,
+        comm_type=comm,
+    )
+    out.backward(upstream[:, :, mine])
+    # Each rank's K/V gradient is the sum over every rank's queries: the full gradient at
+    # its own positions, as the all-gather's reduce-scatter or the ring's return trip gives.
+    return [
+        (out - ref[:, :, mine]).abs().max().item(),
+        *[
+            (t.grad - full.grad[:, :, mine]).abs().max().item()
+            for t, full in zip(local, (q, k, v), strict=True)
+        ],
+    ]
+
+
+def _check_attention_on_4_ranks():
+    results = {}
+    for cp in (4, 2, 1):  # cp 2: two CP groups of two (dp 2); cp 1: local attention
+        ps.initialize_model_parallel(context_parallel_size=cp)
+        cp_rank, dp_rank = ps.get_context_parallel_rank(), ps.get_data_parallel_rank()
+        cases = CASES if cp > 1 else [c for c in CASES if c[1:] == (4, 2, True, True)]
+        for case in cases:
+            results[(cp, *case)] = _errors(case, cp_rank, cp, seed=100 * cp + dp_rank)
+        if cp > 1:  # negative control: the right tokens at the wrong positions
+            for comm in ("allgather", "p2p"):
+                case = (comm, 4, 2, True, False)
+                results[("wrong", cp, comm)] = _errors(
+                    case, cp_rank, cp, seed=7, wrong_positions=True
+                )
+        ps.destroy_model_parallel()
+    return results
+
+
+def test_attention_over_cp_ranks_equals_full_attention():
+    ranks = run_distributed(_check_attention_on_4_ranks, world_size=4, timeout=300)
+    assert len(ranks[0]) == 2 * len(CASES) + 2 + 4
+    for key in ranks[0]:
+        worst = [max(r[key][i] for r in ranks) for i in range(4)]  # out, dq, dk, dv
+        if key[0] == "wrong":
+            assert worst[0] > 1e-2, key  # the test can fail
+        else:
+            assert max(worst) < TOL, (key, worst)
