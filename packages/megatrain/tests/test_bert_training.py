@@ -16,7 +16,7 @@ import pytest
 from megacore.testing import run_distributed
 from megatrain.config import load_config
 from megatrain.run.loop import train
-from megatrain.testing import cuda_graphs_on_cpu, english_texts, write_bert_text_corpus
+from megatrain.testing import TINY_MODEL, cuda_graphs_on_cpu, english_texts, write_bert_text_corpus
 
 STEPS = 3
 FP32_TOL = 2e-5  # as the GPT layouts: fp32 summation order only
@@ -83,12 +83,7 @@ def _config(corpus, out, order, overrides=()):
             f"model.block_order={order!r}",
             f"data.corpus={corpus!r}",
             f"training.output_dir={out!r}",
-            "model.num_layers=4",
-            "model.hidden_size=32",
-            "model.num_attention_heads=4",
-            "model.max_position_embeddings=32",
-            "model.hidden_dropout=0.0",
-            "model.attention_dropout=0.0",
+            *TINY_MODEL,
             "training.seq_length=32",
             "training.micro_batch_size=2",
             "training.global_batch_size=16",

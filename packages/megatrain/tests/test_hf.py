@@ -28,19 +28,14 @@ from megatrain.run.distributed import init_distributed
 from megatrain.run.loop import resume
 from megatrain.run.setup import build_run
 from megatrain.run.step import evaluate
-from megatrain.testing import write_text_corpus
+from megatrain.testing import TINY_MODEL, write_text_corpus
 
 WORDS = (  # noqa: SIM905 (a sentence reads better than a list of 25 strings)
     "the a model layer of tensor pipeline data parallel train loss token head weight "
     "gradient batch shard rank group step learning rate attention embedding vocabulary"
 ).split()
 RUN = [
-    "model.num_layers=4",
-    "model.hidden_size=32",
-    "model.num_attention_heads=4",
-    "model.max_position_embeddings=32",
-    "model.hidden_dropout=0.0",
-    "model.attention_dropout=0.0",
+    *TINY_MODEL,
     "training.seq_length=16",
     "training.micro_batch_size=2",
     "training.global_batch_size=8",

@@ -208,8 +208,16 @@ def _hf_both_ways(root) -> dict:
     return out
 
 
+PACKED = [
+    "data.reset_position_ids=true",
+    "data.reset_attention_mask=true",
+    "data.eod_mask_loss=true",
+]
+
+
 def _one_process(corpus, out):
     runs = {"reference": train(_config(corpus, f"{out}/reference"))}
+    runs["packed"] = train(_config(corpus, f"{out}/packed", PACKED))
     runs["mqa"] = train(_config(corpus, f"{out}/mqa", MQA))
     for mode in ("selective", "full"):
         runs[mode] = train(_config(corpus, f"{out}/{mode}", [f'model.recompute="{mode}"']))
@@ -243,6 +251,9 @@ def _layouts(corpus, out):
     # The split key/value projection read whole on every rank (tp 8: groups replicated).
     replicated = LAYOUTS["tp8-seqpar-groups-replicated"]
     runs["replicated"] = train(_config(corpus, f"{out}/replicated", [*replicated, *load]))
+    # Packed documents (rotary positions per document, grouped-query attention within them).
+    seqpar = "parallel.sequence_parallel=true"
+    runs["packed"] = train(_config(corpus, f"{out}/packed", [*PACKED, *saving, seqpar]))
     return runs
 
 
@@ -275,6 +286,8 @@ def test_every_layout_equals_one_process(one_process, layouts):
     for name in LAYOUTS:
         reference = one_process["mqa" if name.startswith("mqa") else "reference"]
         _same_steps(layouts[name], reference, name)
+    _same_steps(layouts["packed"], one_process["packed"], "packed documents tp2-pp2-dp2")
+    assert one_process["packed"]["loss"] != one_process["reference"]["loss"]
 
 
 def test_resume_is_bitwise_and_a_checkpoint_reshards(one_process, layouts):

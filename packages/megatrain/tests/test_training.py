@@ -16,7 +16,12 @@ import pytest
 from megacore.testing import run_distributed
 from megatrain.config import load_config
 from megatrain.run.loop import train
-from megatrain.testing import assert_same_steps, cuda_graphs_on_cpu, write_counting_corpus
+from megatrain.testing import (
+    TINY_MODEL,
+    assert_same_steps,
+    cuda_graphs_on_cpu,
+    write_counting_corpus,
+)
 
 VOCAB = 200  # padded to 256 at tp 1 and 2, 512 at tp 4: the padding logits are masked
 STEPS = 3
@@ -32,6 +37,19 @@ LEVERS = [
 # matmuls): the numbers of training.precision = "fp8" on a CPU.
 FP8 = ["training.precision='fp8'", "training.fp8_emulate=true"]
 FP8_TP2 = [*FP8, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+# Packed documents: positions restart, attention stays within a document, no loss at EODs.
+PACKED = [
+    "data.reset_position_ids=true",
+    "data.reset_attention_mask=true",
+    "data.eod_mask_loss=true",
+]
+PACKED_LAYOUT = [
+    *PACKED,
+    "parallel.tensor_model_parallel_size=2",
+    "parallel.pipeline_model_parallel_size=2",
+    "parallel.sequence_parallel=true",
+    'model.recompute="selective"',
+]
 LAYOUTS = {
     # name: overrides; every layout sees the same global batch of 16 sequences per step
     # The levers at tp 2, sequence-parallel, on a last stage holding the tied embeddings' copy.
@@ -124,12 +142,7 @@ def _config(corpus, out, overrides=()):
         [
             data,
             f"training.output_dir={out!r}",
-            "model.num_layers=4",
-            "model.hidden_size=32",
-            "model.num_attention_heads=4",
-            "model.max_position_embeddings=32",
-            "model.hidden_dropout=0.0",
-            "model.attention_dropout=0.0",
+            *TINY_MODEL,
             "training.seq_length=16",
             "training.micro_batch_size=2",
             "training.global_batch_size=16",
@@ -214,7 +227,8 @@ def _one_process(corpus, blend, out):
             )
         }
     blended = _blend_runs(blend, out)
-    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8, graphs, blended
+    packed = train(_config(corpus, f"{out}/packed", PACKED))
+    return reference, bf16, fp16, learn, deep, levers, reads, skipping, fp8, graphs, blended, packed
 
 
 def _host_reads_per_step(corpus, out) -> dict:
@@ -266,7 +280,8 @@ def _layouts(corpus, blend, out):
     blended = train(
         _config(blend, f"{out}/blend-tp2-pp2-dp2", LAYOUTS["tp2-pp2-dp2-distopt-overlap"])
     )
-    return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2)), blended
+    packed = train(_config(corpus, f"{out}/packed-tp2-pp2-dp2", PACKED_LAYOUT))
+    return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2)), blended, packed
 
 
 @pytest.fixture(scope="module")
@@ -277,11 +292,14 @@ def one_process(corpus, blend, tmp_path_factory):
 
 def test_layouts_match_one_process(corpus, blend, one_process, tmp_path):
     reference, deep = one_process[0], one_process[4]
-    runs, fp8_tp2, blended = run_distributed(
+    runs, fp8_tp2, blended, packed = run_distributed(
         _layouts, 8, args=(corpus, blend, str(tmp_path)), timeout=420
     )[0]
     # A blend takes the same samples, so the same steps, at tp 2 x pp 2 x dp 2.
     assert_same_steps(blended, one_process[10]["reference"], "blend tp2-pp2-dp2", FP32_TOL)
+    # Packed documents at tp 2 (sequence-parallel) x pp 2 x dp 2, selective recompute.
+    assert_same_steps(packed, one_process[11], "packed documents tp2-pp2-dp2", FP32_TOL)
+    assert one_process[11]["loss"] != reference["loss"]  # the switches change the steps
     assert len(reference["loss"]) == STEPS
     assert reference["valid"][-1][0] == STEPS
     for name, run in runs.items():

@@ -100,8 +100,13 @@ class ParallelConfig:
     # input and weight gradients, the weight gradients filling the bubble); None = the
     # layout's: interleaved with virtual stages, else 1f1b.
     pipeline_schedule: str | None = None
-    # None = whatever the world gives: world size / (tp x pp).
+    # None = whatever the world gives: world size / (tp x cp x pp).
     data_parallel_size: int | None = None
+    # Context parallelism: each sequence split over this many ranks (2 x cp chunks, rank r
+    # holding chunks r and 2cp-1-r), megatron-core's order tp-cp-dp-pp.  Attention by
+    # cp_comm_type: "p2p" (a ring passing K/V blocks, overlapped) or "allgather" (Llama 3's).
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
@@ -179,6 +184,7 @@ class TrainingConfig:
 
 
 DEFAULT_CORPUS = "data/corpus/default"  # what a run reads when data names no corpus
+PACKING_SWITCHES = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
 @dataclass
@@ -190,6 +196,11 @@ class DataConfig:
     blend: list | None = None
     # The valid split's blend, when it is not `blend`'s (or `corpus`'s) valid split.
     valid_blend: list | None = None
+    # Packed documents (Megatron-LM's switches; GPT and Llama): positions restart after each
+    # end-of-document token, attention never crosses one, no loss where the input is one.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
     # Check every shard against its manifest sha256 before training (once per run: in
     # `megatrain run` before the workers start, or on each node's local rank 0 under
     # torchrun/Slurm), so a corrupted or half-copied shard stops the run at the start.
@@ -256,6 +267,11 @@ class Config:
     def model_parallel_size(self) -> int:
         return self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
 
+    @property
+    def ranks_per_replica(self) -> int:
+        """Ranks holding one data-parallel replica: tp x cp x pp."""
+        return self.model_parallel_size * self.parallel.context_parallel_size
+
 
 _SECTION_TYPES = {
     "model": ModelConfig,
@@ -270,6 +286,7 @@ CHOICES = {
     ("model", "recompute"): RECOMPUTE_CHOICES,
     ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("training", "precision"): ("fp32", "bf16", "fp16", "fp8"),
+    ("parallel", "cp_comm_type"): ("p2p", "allgather"),
 }
 
 
@@ -393,6 +410,47 @@ def _check_schedule(config: "Config") -> None:
         )
 
 
+def _check_context_parallel(config: Config) -> None:
+    """What a sequence split over CP ranks needs: 2 x cp equal chunks, causal attention
+    without dropout, per-token work elsewhere."""
+    m, p, t = config.model, config.parallel, config.training
+    cp = p.context_parallel_size
+    _need(
+        p.cp_comm_type in CHOICES[("parallel", "cp_comm_type")],
+        f"parallel.cp_comm_type must be one of {CHOICES[('parallel', 'cp_comm_type')]}, got "
+        f"{p.cp_comm_type!r}",
+    )
+    if cp == 1:
+        return
+    why = f"parallel.context_parallel_size = {cp}"
+    _need(
+        t.seq_length % (2 * cp) == 0,
+        f"{why} cuts each sequence into 2 x cp = {2 * cp} equal chunks: training.seq_length "
+        f"({t.seq_length}) is not divisible by {2 * cp}",
+    )
+    tp = p.tensor_model_parallel_size
+    _need(
+        not p.sequence_parallel or (t.seq_length // cp) % tp == 0,
+        f"{why} with parallel.sequence_parallel: each CP rank's {t.seq_length // cp} tokens "
+        f"must divide over parallel.tensor_model_parallel_size ({tp})",
+    )
+    _need(
+        m.kind != "bert",
+        f"{why} with model.kind = 'bert': context parallelism here is for causal attention "
+        "(GPT, Llama); BERT's sequences (512 tokens) fit one rank",
+    )
+    _need(
+        not m.attention_dropout,
+        f"{why} with model.attention_dropout = {m.attention_dropout}: the attention over CP "
+        "ranks has no dropout (Llama trains without); set model.attention_dropout = 0",
+    )
+    _need(
+        not t.cuda_graphs,
+        f"{why} with training.cuda_graphs = true: the attention's communication with the "
+        "other CP ranks is not captured; turn one off",
+    )
+
+
 def _check_data(config: Config) -> None:
     """The blends' shape and weights (the corpora themselves are opened by preflight)."""
     from megatrain.data.blend import check_blend
@@ -406,6 +464,25 @@ def _check_data(config: Config) -> None:
     for name in ("blend", "valid_blend"):
         if getattr(d, name) is not None:
             check_blend(getattr(d, name), f"data.{name}")
+    packing = [n for n in PACKING_SWITCHES if getattr(d, n)]
+    if not packing:
+        return
+    m, t = config.model, config.training
+    _need(
+        m.kind != "bert",
+        f"data.{packing[0]} = true with model.kind = 'bert': the packed-document switches are "
+        "for causal models (GPT, Llama); a BERT sample is one sentence pair already",
+    )
+    _need(
+        not t.cuda_graphs,
+        f"data.{packing[0]} = true with training.cuda_graphs = true: a captured layer takes "
+        "its hidden states only, not the batch's positions and documents; turn one off",
+    )
+    _need(
+        not (d.eod_mask_loss and t.fused_linear_cross_entropy),
+        "data.eod_mask_loss = true with training.fused_linear_cross_entropy = true: the fused "
+        "loss is the mean over every token; turn the fused loss off to mask the EOD positions",
+    )
 
 
 def _check_cuda_graphs(config: Config) -> None:
@@ -605,19 +682,23 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "the same on every TP rank; under parallel.sequence_parallel it is already split: "
         "turn one of them off",
     )
+    cp = p.context_parallel_size
+    _check_context_parallel(config)
     if world_size is None:
         dp = p.data_parallel_size or 1
     else:
         _need(
-            world_size % (tp * pp) == 0,
+            world_size % (tp * cp * pp) == 0,
             f"the job has {world_size} processes, not divisible by "
-            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp})",
+            f"parallel.tensor_model_parallel_size x context_parallel_size x "
+            f"pipeline_model_parallel_size ({tp} x {cp} x {pp})",
         )
-        dp = world_size // (tp * pp)
+        dp = world_size // (tp * cp * pp)
+        layout = f"tp {tp} x cp {cp} x pp {pp}" if cp > 1 else f"tp {tp} x pp {pp}"
         _need(
             p.data_parallel_size in (None, dp),
             f"parallel.data_parallel_size is {p.data_parallel_size}, but the job has "
-            f"{world_size} processes = tp {tp} x pp {pp} x dp {dp}",
+            f"{world_size} processes = {layout} x dp {dp}",
         )
     per_step = t.micro_batch_size * dp
     _need(

@@ -4,7 +4,8 @@ The model classes (`models/`) compute one chunk of the transformer; what layout 
 reaches them as a `ParallelContext` (tensor- and pipeline-parallel rank and size, virtual
 stages), never by reading or changing process-group globals.  This module builds a rank's
 chunks for a layout (`build_chunks`) and changes built chunks in place: activation
-recompute (`apply_recompute`), float8 GEMMs (`apply_float8`), torch.compile
+recompute (`apply_recompute`), context parallelism (`apply_context_parallel`, with
+`split_batch_for_context_parallel` for the batch), float8 GEMMs (`apply_float8`), torch.compile
 (`apply_compile`) and CUDA graphs (`apply_cuda_graphs`), in the spirit of
 torchtitan's `parallelize_*` functions.  The tensor-parallel layers themselves are
 megacore's Megatron layers (column/row-parallel linear, vocabulary-parallel embedding),
@@ -105,6 +106,57 @@ def build_chunks(
     for chunk in chunks:
         apply_recompute(chunk, cfg.recompute, cfg.distribute_saved_activations)
     return chunks
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A chunk's context parallelism (`apply_context_parallel`): this rank's place in the CP
+    group and how attention talks to the other ranks ("p2p" ring or "allgather")."""
+
+    rank: int
+    size: int
+    comm_type: str
+    group: object = None  # the CP process group (None: megacore's)
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """Global sequence positions of this rank's `local_len` tokens."""
+        from megacore.context_parallel import cp_chunk_indices
+
+        return cp_chunk_indices(local_len * self.size, self.rank, self.size).to(device)
+
+
+def apply_context_parallel(chunk, comm_type: str, cp: ContextParallel | None = None):
+    """Context parallelism on a built chunk, in place; returns it.  Each sequence arrives
+    split over the CP ranks (`split_batch_for_context_parallel`); every layer's attention
+    then attends over the whole sequence through megacore.context_parallel, and positions
+    are the global ones.  Everything else in the model is per token and runs unchanged."""
+    if cp is None:
+        cp = ContextParallel(
+            parallel_state.get_context_parallel_rank(),
+            parallel_state.get_context_parallel_world_size(),
+            comm_type,
+            parallel_state.get_context_parallel_group(),
+        )
+    if cp.size == 1:
+        return chunk
+    chunk.context_parallel = cp
+    for layer in chunk.layers.values():
+        layer.attention.context_parallel = cp
+    return chunk
+
+
+def split_batch_for_context_parallel(batch: dict, rank: int, size: int) -> dict:
+    """This CP rank's part of a GPT microbatch: chunks r and 2cp-1-r of every [b, s] array
+    (tokens, labels, positions, documents, loss mask), the positions made global first."""
+    from megacore.context_parallel import split_for_context_parallel
+
+    if size == 1:
+        return batch
+    batch = dict(batch)
+    if "position_ids" not in batch:
+        b, s = batch["tokens"].shape
+        batch["position_ids"] = torch.arange(s, device=batch["tokens"].device).expand(b, s)
+    return {k: split_for_context_parallel(v, 1, rank, size) for k, v in batch.items()}
 
 
 def apply_recompute(chunk, mode: str, distribute_saved_activations: bool = False):

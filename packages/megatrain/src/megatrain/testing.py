@@ -15,6 +15,17 @@ from megacommon.files import atomic_write_json, sha256_file
 EOD = 0
 VOCAB = 1000
 TOKENIZER_SHA = "ab" * 32
+# The tiny model of the layout tests (overrides), and their logging: every step, no TensorBoard,
+# a fixed peak so that no matrix multiply is timed.
+TINY_MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.max_position_embeddings=32",
+    "model.hidden_dropout=0.0",
+    "model.attention_dropout=0.0",
+]
+QUIET_LOGGING = ["logging.log_interval=1", "logging.tensorboard=false", "logging.peak_tflops=1.0"]
 
 
 def write_corpus(

@@ -216,10 +216,47 @@ class SampleBatches:
         self.microbatches_drawn = drawn
 
 
+@dataclass(frozen=True)
+class PackedDocuments:
+    """Megatron-LM's switches for the documents packed into one sample (`data.*`): positions
+    that restart after each end-of-document token, attention that never crosses one, and no
+    loss where the input token is one (the prediction of the next document's first token)."""
+
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    def __bool__(self) -> bool:
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+
+
+def document_arrays(tokens: np.ndarray, eod_id: int, packing: PackedDocuments) -> dict:
+    """The arrays `packing` asks for, from a microbatch's input tokens [b, s]: "position_ids"
+    (int64: 0 at a document's first token; the EOD is its document's last), "segments"
+    (int64: the EODs before each token, so tokens attend within their document) and
+    "loss_mask" (float32: 0 where the input token is the EOD). Megatron-LM's
+    get_ltor_masks_and_position_ids, as arrays per token instead of an s x s mask."""
+    is_eod = tokens == eod_id
+    index = np.arange(tokens.shape[1])
+    out = {}
+    if packing.reset_position_ids:
+        # The last EOD strictly before each token; its document starts one after it.
+        last = np.maximum.accumulate(np.where(is_eod, index, -1), axis=1)
+        before = np.concatenate([np.full((len(tokens), 1), -1), last[:, :-1]], axis=1)
+        out["position_ids"] = index - (before + 1)
+    if packing.reset_attention_mask:
+        segments = np.zeros(tokens.shape, np.int64)
+        np.cumsum(is_eod[:, :-1], axis=1, out=segments[:, 1:])
+        out["segments"] = segments
+    if packing.eod_mask_loss:
+        out["loss_mask"] = (~is_eod).astype(np.float32)
+    return out
+
+
 class GPTBatches(SampleBatches):
     """GPT microbatches (see `SampleBatches`): `next()` gives
     {"tokens": int64 [micro, seq_len], "labels": int64 [micro, seq_len]},
-    labels being the tokens shifted by one.
+    labels being the tokens shifted by one, and the arrays of `packing` (`document_arrays`).
     """
 
     def __init__(
@@ -231,10 +268,12 @@ class GPTBatches(SampleBatches):
         micro_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        packing: PackedDocuments = PackedDocuments(),
     ):
         super().__init__(
             corpus, seq_len, seed, global_batch_size, micro_batch_size, dp_rank, dp_size
         )
+        self.packing = packing
         self.samples_per_epoch = samples_per_epoch(corpus, seq_len)
         if self.samples_per_epoch < 1:
             raise ValueError(
@@ -269,7 +308,8 @@ class GPTBatches(SampleBatches):
 
     def collate(self, samples: list[np.ndarray]) -> dict[str, np.ndarray]:
         stacked = np.stack(samples)
-        return {
-            "tokens": np.ascontiguousarray(stacked[:, :-1]),
-            "labels": np.ascontiguousarray(stacked[:, 1:]),
-        }
+        tokens = np.ascontiguousarray(stacked[:, :-1])
+        batch = {"tokens": tokens, "labels": np.ascontiguousarray(stacked[:, 1:])}
+        if self.packing:
+            batch.update(document_arrays(tokens, self.corpus.eod_id, self.packing))
+        return batch

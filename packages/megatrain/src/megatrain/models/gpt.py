@@ -65,11 +65,16 @@ class GPTModel(LanguageModel):
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`cache` (generation, one pipeline stage): continue after its cached positions."""
+        """`cache` (generation, one pipeline stage): continue after its cached positions.
+        Packed documents (`data.reset_*`): `position_ids` [b, s] per token and `segments`
+        [b, s], each token's document, attention staying within it."""
         offset = cache.offset if cache is not None else 0
-        x = self.embed(tokens, offset) if self.pre_process else self.input_tensor
-        x = self.run_layers(x, cache=cache)
+        inputs = self.attention_inputs(tokens, position_ids, segments)
+        x = self.embed(tokens, offset, inputs=inputs) if self.pre_process else self.input_tensor
+        x = self.run_layers(x, inputs, cache=cache)
         if cache is not None:
             cache.offset += tokens.shape[1]
         if not self.post_process:

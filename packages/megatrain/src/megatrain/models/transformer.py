@@ -48,10 +48,53 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from megacore import tensor_parallel as tp
+from megacore.context_parallel import context_parallel_attention
 from megatrain.config import BLOCK_ORDERS, RECOMPUTE_CHOICES
 from megatrain.parallelize import ParallelContext
 
 GELUS = {"tanh": "tanh", "erf": "none"}  # our name -> F.gelu's `approximate`
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer's causal attention needs of a batch beyond its activations, made once
+    per forward (`LanguageModel.attention_inputs`) and handed down in the place of BERT's
+    padding mask: the position of each token (rotary angles; None: 0, 1, ... in order), the
+    document of each token (packed documents attend within their own; None: one sequence),
+    and `seq_len`, the length of the whole sequence (the rotary table's size)."""
+
+    position_ids: torch.Tensor | None = None  # [b, s] int64
+    segments: torch.Tensor | None = None  # [b, s] int64
+    seq_len: int = 0
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] boolean: query i sees key j when j <= i in the same document."""
+    s = segments.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    return causal & (segments[:, None, :, None] == segments[:, None, None, :])
+
+
+@lru_cache(maxsize=4)
+def _flex_attention(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def flex_document_attention(q, k, v, segments: torch.Tensor, compiled: bool = True):
+    """Causal attention within documents by FlexAttention's block mask: blocks of keys that no
+    query of a block may see (another document, or after it) are skipped, never an s x s mask.
+    `compiled=False` runs FlexAttention's eager reference (any device, slow: for tests)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (segments[b, q_idx] == segments[b, kv_idx])
+
+    b, s = segments.shape
+    block = create_block_mask(same_document_causal, b, None, s, s, device=q.device)
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return _flex_attention(compiled)(q, k, v, block_mask=block, **gqa)
 
 
 @dataclass
@@ -317,6 +360,7 @@ class ParallelAttention(nn.Module):
         self.cfg, self.tp_size = cfg, parallel.tp_size
         # The attention core as called; `parallelize.apply_recompute` swaps in a checkpointed one.
         self.core_attention = self._core
+        self.context_parallel = None  # parallelize.apply_context_parallel sets it
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
         self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
         std = cfg.init_method_std
@@ -358,6 +402,19 @@ class ParallelAttention(nn.Module):
         # contiguous() copy.  Bidirectional: the key-padding mask [b, 1, 1, s] broadcasts.
         p = self.cfg.attention_dropout if self.training else 0.0
         causal = self.cfg.causal
+        if isinstance(mask, AttentionInputs):  # causal; packed documents: within each
+            segments, mask = mask.segments, None
+            cp = self.context_parallel
+            if cp is not None:  # the sequence is split over CP ranks: attend over all of it
+                positions = cp.positions(q.shape[2], q.device)
+                return context_parallel_attention(
+                    q, k, v, q_positions=positions, kv_positions=positions, segments=segments,
+                    comm_type=cp.comm_type, group=cp.group,
+                )  # fmt: skip
+            if segments is not None:
+                if q.is_cuda and not p:  # FlexAttention skips the masked blocks
+                    return flex_document_attention(q, k, v, segments)
+                mask, causal = document_mask(segments), False  # SDPA with the s x s mask
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         # No random numbers needed (so none need seeding, e.g. for evaluation); or one TP rank,
         # whose heads the default stream serves: no generator swap, which torch.compile cannot
@@ -392,7 +449,8 @@ class ParallelAttention(nn.Module):
         layer_id: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The projected output without its bias, and that bias (for bias_dropout_add).
-        `mask`: keys to attend [b, 1, 1, s] (True = attend), for bidirectional attention."""
+        `mask`: keys to attend [b, 1, 1, s] (True = attend), for bidirectional attention; or,
+        causal, the batch's `AttentionInputs` (positions, documents)."""
         d = self.head_dim
         if hasattr(self, "qkv"):
             qkv, _ = self.qkv(x)
@@ -407,14 +465,19 @@ class ParallelAttention(nn.Module):
             k, v = kv.view(s, b, self.groups_local, 2, d).permute(3, 1, 2, 0, 4)
         if self.cfg.position_embedding == "rope":
             offset = cache.offset if cache is not None else 0
+            positions = mask.position_ids if isinstance(mask, AttentionInputs) else None
             cfg = self.cfg
             # Tables for the next power of two of positions: one or two cache entries for a
             # run (not max_position_embeddings' worth: 128k positions for Llama 3.1).
-            end = 1 << (offset + s - 1).bit_length()
+            length = mask.seq_len if positions is not None else offset + s
+            end = 1 << (length - 1).bit_length()
             cos, sin = _rope_tables(
                 self.head_dim, cfg.rotary_base, cfg.rope_scaling, end, q.device, q.dtype
             )
-            cos, sin = cos[offset : offset + s], sin[offset : offset + s]
+            if positions is not None:  # per token: [b, 1, s, d] against [b, heads, s, d]
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            else:
+                cos, sin = cos[offset : offset + s], sin[offset : offset + s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             out = self._cached_core(q, k, v, cache, layer_id)
@@ -539,6 +602,7 @@ class LanguageModel(nn.Module):
         # A layer as the chunk runs it while training; `parallelize.apply_recompute` puts
         # full recompute here (None: the layer itself).
         self.checkpointed_layer = None
+        self.context_parallel = None  # parallelize.apply_context_parallel sets it
         self.pre_process, self.post_process = pre_process, post_process
         self.input_tensor = None
         if pre_process:
@@ -635,12 +699,17 @@ class LanguageModel(nn.Module):
         self.input_tensor = tensor
 
     def embed(
-        self, tokens: torch.Tensor, offset: int = 0, token_types: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        offset: int = 0,
+        token_types: torch.Tensor | None = None,
+        inputs: AttentionInputs | None = None,
     ) -> torch.Tensor:
         """[b, s] token ids (and token types) -> [s, b, h] (this rank's part of s under
-        sequence parallelism), positions from `offset`."""
+        sequence parallelism), positions from `offset`, or `inputs.position_ids`."""
         cfg = self.config
-        end = offset + tokens.shape[1]
+        positions = inputs.position_ids if inputs is not None else None
+        end = offset + tokens.shape[1] if positions is None else inputs.seq_len
         if end > cfg.max_position_embeddings:
             raise ValueError(
                 f"{type(self).__name__}: sequence of {end} tokens is longer than the position "
@@ -648,7 +717,9 @@ class LanguageModel(nn.Module):
             )
         x = self.embedding(tokens)
         if cfg.position_embedding == "learned":  # rotary positions are applied in attention
-            x = x + self.position_embedding(torch.arange(offset, end, device=tokens.device))
+            if positions is None:
+                positions = torch.arange(offset, end, device=tokens.device)
+            x = x + self.position_embedding(positions)
         if cfg.num_tokentypes:
             if token_types is None:
                 raise ValueError(f"{type(self).__name__}: token_types are needed")
@@ -659,6 +730,20 @@ class LanguageModel(nn.Module):
         if cfg.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x)
         return _dropout(x, cfg.hidden_dropout, self.training, cfg.sequence_parallel)
+
+    def attention_inputs(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> AttentionInputs | None:
+        """The batch's `AttentionInputs` (None when it has neither positions nor documents).
+        Under context parallelism `tokens` are this rank's part of a sequence cp times
+        longer, and `position_ids` their global positions."""
+        if position_ids is None and segments is None:
+            return None
+        cp = self.context_parallel.size if self.context_parallel is not None else 1
+        return AttentionInputs(position_ids, segments, tokens.shape[1] * cp)
 
     def run_layers(
         self,

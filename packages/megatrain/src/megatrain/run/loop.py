@@ -157,6 +157,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     world = dist.get_world_size()
     log.info(
         f"megatrain: {config.name}: {world} ranks = tp {config.parallel.tensor_model_parallel_size}"
+        f"{f' x cp {cp}' if (cp := config.parallel.context_parallel_size) > 1 else ''}"
         f" x pp {config.parallel.pipeline_model_parallel_size} x dp {run.dp_size}, "
         f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {t.seq_length} tokens, "
         f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"

@@ -16,17 +16,17 @@ def default_nproc(config: Config, nnodes: int) -> int:
     """Processes on this node: the configured layout, else one per GPU, else tp x pp."""
     p = config.parallel
     if p.data_parallel_size:
-        total = config.model_parallel_size * p.data_parallel_size
+        total = config.ranks_per_replica * p.data_parallel_size
         if total % nnodes:
             raise ConfigError(
-                f"tp x pp x dp = {total} processes do not split over --nnodes {nnodes}"
+                f"tp x cp x pp x dp = {total} processes do not split over --nnodes {nnodes}"
             )
         return total // nnodes
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return config.model_parallel_size
+    return config.ranks_per_replica
 
 
 def check_gpus(nproc: int, gpus: int) -> None:
@@ -95,7 +95,7 @@ def plan_warning(config: Config, world_size: int) -> str | None:
     from megatrain.plan.search import memory_warning
 
     vocab = config.model.vocab_size or open_run_blend(config, "train").first.vocab_size
-    dp = world_size // config.model_parallel_size
+    dp = world_size // config.ranks_per_replica
     warning = memory_warning(config, dp, vocab, torch.cuda.get_device_properties(0).total_memory)
     if not warning:
         return None

@@ -15,9 +15,9 @@ from megacore import tensor_parallel as tp
 from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, OptimizerConfig
 from megatrain import parallelize
-from megatrain.config import Config, validate
+from megatrain.config import PACKING_SWITCHES, Config, validate
 from megatrain.data.blend import BlendedBatches, OpenBlend, open_run_blend
-from megatrain.data.samples import GPTBatches
+from megatrain.data.samples import GPTBatches, PackedDocuments
 from megatrain.models import build_model_chunks, model_config
 from megatrain.models.transformer import TransformerConfig
 from megatrain.parallelize import apply_compile, apply_float8
@@ -76,7 +76,8 @@ def batches_for(config: Config, data: "OpenBlend", dp: int):
                 max_ngram=d.max_ngram,
                 short_seq_prob=d.short_seq_prob,
             )
-        return GPTBatches(corpus, **common)
+        packing = PackedDocuments(*(getattr(d, n) for n in PACKING_SWITCHES))
+        return GPTBatches(corpus, **common, packing=packing)
 
     if not data.is_blend:
         return sampler(data.first, **rank)
@@ -105,6 +106,8 @@ def prepare_training(
             overlap_param_gather=p.overlap_param_gather,
             bucket_size=p.bucket_size,
             gradient_accumulation_fusion=t.gradient_accumulation_fusion,
+            # Context-parallel ranks hold the whole model too: their gradients are summed.
+            data_parallel_group=ps.get_data_parallel_group(with_context_parallel=True),
         )
         for c in chunks
     ]
@@ -150,6 +153,7 @@ def build_run(config: Config, device: torch.device) -> Run:
         p.pipeline_model_parallel_size,
         vpp if vpp and vpp > 1 else None,
         timeout=datetime.timedelta(seconds=p.collective_timeout),
+        context_parallel_size=p.context_parallel_size,
     )
     # Shards verified once per node (`megatrain run` itself verifies before its workers start
     # and hands them a config that says so).
@@ -165,6 +169,7 @@ def build_run(config: Config, device: torch.device) -> Run:
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
     chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
+    chunks = [parallelize.apply_context_parallel(c, p.cp_comm_type) for c in chunks]
     chunks, optimizer = prepare_training(config, chunks, dtype)
     train_data = batches_for(config, train_corpora, dp)
     return Run(config, transformer, chunks, optimizer, train_data, valid_data, device, dtype, dp)

@@ -2,12 +2,15 @@
 optimizer step, the learning rate of the schedule.
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megatrain.config import Config
+from megatrain.parallelize import split_batch_for_context_parallel
 from megatrain.run.lr_schedule import learning_rate
 from megatrain.run.setup import Run, batches_for
 
@@ -16,16 +19,24 @@ def to_device(batch: dict, device: torch.device) -> dict:
     """A microbatch's arrays as tensors on `device`; BERT's loss_mask stays on the CPU, where
     the model finds the positions it selects without a host sync."""
     out = {}
+    bert = "mlm_labels" in batch
     for name, array in batch.items():
         tensor = torch.as_tensor(array)
-        out[name] = tensor if name == "loss_mask" else tensor.to(device, non_blocking=True)
+        keep = bert and name == "loss_mask"
+        out[name] = tensor if keep else tensor.to(device, non_blocking=True)
     return out
 
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    if "labels" in batch:  # GPT
-        output = model(batch["tokens"], batch["labels"])
+    if "labels" in batch:  # GPT; packed documents: their positions, documents, loss mask
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1:  # this rank's two chunks of each sequence, with their global positions
+            batch = split_batch_for_context_parallel(batch, ps.get_context_parallel_rank(), cp)
+        documents = {k: batch[k] for k in ("position_ids", "segments") if k in batch}
+        output = model(batch["tokens"], batch["labels"], **documents)
+        if "loss_mask" in batch:
+            return output, partial(_masked_loss, batch["loss_mask"], cp)
     else:  # BERT
         output = model(
             batch["tokens"],
@@ -43,6 +54,19 @@ def _forward_step(data_iterator, model):
         return loss, {"loss": loss.detach()}
 
     return output, loss_func
+
+
+def _masked_loss(loss_mask: torch.Tensor, cp: int, output: torch.Tensor):
+    """The mean loss over the tokens `loss_mask` keeps (data.eod_mask_loss).  Under context
+    parallelism each rank holds part of the microbatch: its sum over the microbatch's count
+    of kept tokens, times cp, so that the gradients' mean over the CP ranks (the
+    data-parallel reduction includes them) and the logged mean are the microbatch's mean."""
+    mask = loss_mask.float()
+    count = mask.sum()
+    if cp > 1:
+        dist.all_reduce(count, group=ps.get_context_parallel_group())
+    loss = (output.float() * mask).sum() * cp / count.clamp(min=1)
+    return loss, {"loss": loss.detach()}
 
 
 def forward_backward(
@@ -67,7 +91,7 @@ def forward_backward(
         else iter(microbatches),
         model=run.chunks if interleaved else run.chunks[0],
         num_microbatches=len(microbatches),
-        seq_length=t.seq_length,
+        seq_length=t.seq_length // ps.get_context_parallel_world_size(),
         micro_batch_size=t.micro_batch_size,
         hidden_size=run.model_config.hidden_size,
         dtype=run.dtype,
@@ -76,13 +100,14 @@ def forward_backward(
         grad_scale_func=None if forward_only else run.optimizer.scale_loss,
         finalize_model_grads_func=None if forward_only else pipe.finalize_model_grads,
     )
-    # The last stage holds the losses: average over DP, then share over the pipeline.
+    # The last stage holds the losses: average over DP (and CP: each CP rank's loss is its
+    # part's, scaled so that their mean is the microbatch's), then share over the pipeline.
     names = names or STATISTICS[run.kind]
     total = torch.zeros(len(names), device=run.device)
     if infos:
         total += torch.stack([torch.stack([i[n].float() for n in names]) for i in infos]).mean(0)
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        total /= run.dp_size
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        total /= ps.get_data_parallel_world_size(with_context_parallel=True)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return dict(zip(names, total.tolist(), strict=True)) if read else total
