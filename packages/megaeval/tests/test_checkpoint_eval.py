@@ -1,4 +1,4 @@
-"""A megatrain checkpoint, GPT-2 or Llama, evaluated at several (tp, pp) layouts gives the same
+"""A megatrain checkpoint, GPT-2 or Llama, evaluated at several (tp, pp, cp) layouts gives the same
 numbers, and its Hugging Face export (`--hf`) gives them too."""
 
 import json
@@ -20,7 +20,8 @@ from megatrain.inference.load import load_model
 from megatrain.run.loop import train
 from megatrain.testing import grammar_texts, write_text_corpus
 
-LAYOUTS = [(2, 2), (1, 2), (2, 1), (1, 1)]  # (tp, pp) on 4 ranks; the rest is dp
+# (tp, pp, cp) on 4 ranks; the rest is dp.  cp: each sequence split over that many ranks.
+LAYOUTS = [(2, 2, 1), (1, 2, 1), (2, 1, 1), (1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
 # A Llama whose two key/value groups tp 2 splits, rotary positions, SwiGLU, untied output.
 KINDS = {
     "gpt": [],
@@ -55,10 +56,10 @@ def _train_and_evaluate(corpus: str, out: str, wiki: str, lambada: str, kind: st
     ]
     train(load_config(None, overrides))
     results = {"kind": kind}
-    for tp, pp in LAYOUTS:
-        ps.initialize_model_parallel(tp, pp)
+    for tp, pp, cp in LAYOUTS:
+        ps.initialize_model_parallel(tp, pp, context_parallel_size=cp)
         scorer = CheckpointScorer(load_model(ckpt, torch.device("cpu")))
-        results[(tp, pp)] = {
+        results[(tp, pp, cp)] = {
             "wikitext": evaluate_wikitext(
                 scorer, wiki, seq_len=24, stride=8, batch_size=3, progress=False
             ),
@@ -69,9 +70,9 @@ def _train_and_evaluate(corpus: str, out: str, wiki: str, lambada: str, kind: st
         }
         # Where the argmax over the whole (TP-split) vocabulary is right, on training-like text.
         seq = scorer.encode(" ".join(grammar_texts(2, seed=5)))[:60]
-        results[(tp, pp)]["hits"] = scorer.score([seq])[0].correct.nonzero()[0].tolist()
-        if (tp, pp) == (1, 1):
-            tokens = results[(tp, pp)]["tokens"]
+        results[(tp, pp, cp)]["hits"] = scorer.score([seq])[0].correct.nonzero()[0].tolist()
+        if (tp, pp, cp) == (1, 1, 1):
+            tokens = results[(tp, pp, cp)]["tokens"]
             results["brute"] = [
                 float(scorer.score([tokens[max(0, _window_begin(t, 24, 8)) : t + 1]])[0].nll[-1])
                 for t in range(1, len(tokens))
@@ -108,7 +109,7 @@ def evaluated(tmp_path_factory, request):
 
 def test_every_layout_gives_the_same_numbers(evaluated):
     _, _, _, ranks = evaluated
-    reference = ranks[0][(1, 1)]
+    reference = ranks[0][(1, 1, 1)]
     wiki = reference["wikitext"]
     assert wiki["targets"] == wiki["T"] - 1 and wiki["windows"] > 3
     # A sanity bound on text unlike the training grammar's; the Llama, trained longer and with
@@ -131,21 +132,23 @@ def test_every_layout_gives_the_same_numbers(evaluated):
 
 def test_sliding_windows_equal_brute_force(evaluated):
     _, _, _, ranks = evaluated
-    reference, brute = ranks[0][(1, 1)], ranks[0]["brute"]
+    reference, brute = ranks[0][(1, 1, 1)], ranks[0]["brute"]
     assert len(brute) == reference["wikitext"]["targets"]
     assert reference["wikitext"]["mean_loss"] == pytest.approx(sum(brute) / len(brute), rel=1e-6)
 
 
 def test_command_line_at_another_layout(evaluated, tmp_path):
     root, wiki, lambada, ranks = evaluated
-    expected = ranks[0][(1, 1)]
+    expected = ranks[0][(1, 1, 1)]
     out = tmp_path / "wiki.json"
     args = ["wikitext103", "--ckpt", str(root / "ckpt"), "--data", str(wiki), "--seq-len", "24"]
-    result = CliRunner().invoke(main, [*args, "--stride", "8", "--tp", "2", "--json", str(out)])
+    layout = ["--tp", "2", "--cp", "2"]
+    result = CliRunner().invoke(main, [*args, "--stride", "8", *layout, "--json", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads(out.read_text())
     assert saved["mean_loss"] == pytest.approx(expected["wikitext"]["mean_loss"], rel=1e-5)
     assert saved["model"]["tensor_model_parallel_size"] == 2
+    assert saved["model"]["context_parallel_size"] == 2
     # In this process (one worker), the same again through evaluate_checkpoint.
     direct = evaluate_checkpoint(
         "lambada", str(root / "ckpt"), data_path=str(lambada), strict=False, progress=False

@@ -208,3 +208,27 @@ def test_run_joins_torchrun(corpus, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                "2", "-m", "megatrain.cli", "run", *_common(corpus, out)]  # fmt: skip
     _check_outputs(_run(command, out), out, ranks=2)
+
+
+def test_llama_tiny_at_cp2_takes_the_one_process_steps(corpus, tmp_path):
+    """`megatrain run` of the shipped llama-tiny with each sequence split over 2 CP workers."""
+    config = ROOT / "pipelines" / "models" / "llama-tiny.toml"
+    steps, said = {}, {}
+    for name, extra in (("one", []), ("cp2", ["parallel.context_parallel_size=2"])):
+        out = tmp_path / name
+        command = [sys.executable, "-m", "megatrain.cli", "run", "--config", str(config),
+                   f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
+                   "training.train_iters=3", "training.eval_interval=3", "training.eval_iters=1",
+                   "logging.log_interval=1", "logging.tensorboard=false",
+                   "training.seq_length=32", *extra]  # fmt: skip
+        said[name] = _run(command, out)
+        records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        steps[name] = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in records]
+    assert "2 ranks = tp 1 x cp 2 x pp 1 x dp 1" in said["cp2"]
+    assert len(steps["one"]) == 3 and steps["one"][-1][2] is not None
+    for (loss, norm, valid), (ref_loss, ref_norm, ref_valid) in zip(
+        steps["cp2"], steps["one"], strict=True
+    ):
+        assert abs(loss - ref_loss) < 2e-5 and abs(norm - ref_norm) < 2e-5 * ref_norm, steps
+        assert (valid is None) == (ref_valid is None)
+        assert valid is None or abs(valid - ref_valid) < 2e-5

@@ -23,7 +23,7 @@ COMMON = [
     *QUIET_LOGGING,
     "training.seq_length=16",
     "training.micro_batch_size=2",
-    "training.global_batch_size=8",
+    "training.global_batch_size=16",
     f"training.train_iters={STEPS}",
     f"training.eval_interval={STEPS}",
     "training.eval_iters=1",

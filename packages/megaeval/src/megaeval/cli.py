@@ -66,6 +66,14 @@ def run_options(command: Callable) -> Callable:
             help="Pipeline-parallel size to run a --ckpt model at.",
         ),
         click.option(
+            "--cp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Context-parallel size: each sequence of a --ckpt model split over this many "
+            "workers (the same numbers as without).",
+        ),
+        click.option(
             "--device",
             default=None,
             help="Torch device for --hf, e.g. cpu, cuda:0 [default: cuda if available, else cpu].",
@@ -156,8 +164,8 @@ def check_model_flags(model: dict) -> None:
     ckpt, hf = model["ckpt"], model["hf"]
     if (ckpt is None) == (hf is None):
         raise CommandError("give exactly one of --ckpt DIR or --hf DIR")
-    if hf is not None and (model["tp"], model["pp"]) != (1, 1):
-        raise CommandError("--tp/--pp apply to --ckpt only; an --hf model runs in one process")
+    if hf is not None and (model["tp"], model["pp"], model["cp"]) != (1, 1, 1):
+        raise CommandError("--tp/--pp/--cp apply to --ckpt only; an --hf model runs in one process")
     if ckpt is not None and (model["device"] or model["dtype"]):
         raise CommandError("--device/--dtype apply to --hf only")
 
@@ -175,7 +183,8 @@ def run_evaluation(task: str, evaluate: Callable, model: dict, **kwargs) -> dict
             from megatrain.run.launch import LaunchError
 
             try:
-                return evaluate_checkpoint(task, ckpt, tp=model["tp"], pp=model["pp"], **kwargs)
+                layout = {k: model[k] for k in ("tp", "pp", "cp")}
+                return evaluate_checkpoint(task, ckpt, **layout, **kwargs)
             except LaunchError as e:  # a worker failed: its error, without the traceback
                 raise CommandError(str(e), FAILURE) from None
         from megaeval.scoring import HFScorer

@@ -139,8 +139,10 @@ def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
     config = Config.from_dict(meta["config"])
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    # The saved interleaving and dp belong to the old layout; a run at the new one sets its own.
+    # The saved interleaving, dp and cp belong to the old layout; a run at the new one sets its
+    # own (context parallelism splits sequences, not the model).
     p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
+    p.context_parallel_size = 1
     try:
         validate(config)
     except ConfigError as e:
