@@ -220,7 +220,7 @@ def test_llama_tiny_at_cp2_takes_the_one_process_steps(corpus, tmp_path):
                    f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
                    "training.train_iters=3", "training.eval_interval=3", "training.eval_iters=1",
                    "logging.log_interval=1", "logging.tensorboard=false",
-                   "training.seq_length=32", *extra]  # fmt: skip
+                   "training.seq_length=32", "optimizer.lr_warmup_iters=1", *extra]  # fmt: skip
         said[name] = _run(command, out)
         records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
         steps[name] = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in records]
