@@ -34,6 +34,8 @@ TARGETS = {
     "llama-tiny": 8 * GIB,
     "gpt2-tiny-blend": 8 * GIB,
     "llama3-8b": GPU_MEMORY["h100-80gb"],
+    "llama3-8b-32k": GPU_MEMORY["h100-80gb"],
+    "llama3-8b-128k": GPU_MEMORY["h100-80gb"],
     "llama3-70b": GPU_MEMORY["h100-80gb"],
 }
 
@@ -156,3 +158,63 @@ def test_layouts_that_save_memory_estimate_less():
     first, last = (memory_breakdown(config, vocab_size=vocab, stage=i) for i in (0, 1))
     assert first["activations"] > last["activations"]
     assert estimate_memory_per_gpu(config, vocab_size=vocab) == max(first["total"], last["total"])
+
+
+def test_context_parallelism_divides_the_activations():
+    """Llama 3 8B at 32k tokens, tp 2 with sequence parallelism: at cp 2, 4 and 8 every
+    per-token activation (recompute selective: the layers', the embedding's mask, the logits)
+    is exactly 1/cp of cp 1's; under "none" each layer keeps besides what the attention over
+    the whole sequence holds (the other ranks' K/V, the masks, or the ring's float32 scores),
+    and the weights, gradients and optimizer state do not change (the distributed optimizer
+    shards over dp x cp)."""
+    from megatrain.accounting import activations_per_layer, context_parallel_attention_per_layer
+
+    base = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=1"]
+    base += ["parallel.virtual_pipeline_model_parallel_size=none", "training.micro_batch_size=1"]
+    base += ["parallel.use_distributed_optimizer=false"]
+
+    def at(cp, comm="allgather", *more):
+        overrides = [
+            *base,
+            f"parallel.context_parallel_size={cp}",
+            f"parallel.cp_comm_type={comm!r}",
+        ]
+        return load_config(MODELS / "llama3-8b-32k.toml", [*overrides, *more])
+
+    vocab = 128256
+    one = memory_breakdown(at(1), "selective", vocab_size=vocab)
+    assert context_parallel_attention_per_layer(at(1)) == 0
+    s, b, h, groups, d = 32768, 1, 4096, 8, 128
+    for cp in (2, 4, 8):
+        for comm in ("allgather", "p2p"):
+            config = at(cp, comm)
+            split = memory_breakdown(config, "selective", vocab_size=vocab)
+            attention = context_parallel_attention_per_layer(config)
+            # per token exactly 1/cp; the layer whose attention is recomputed holds it once
+            assert split["activations"] - attention == pytest.approx(one["activations"] / cp)
+            for part in ("weights", "gradients", "optimizer_state"):
+                assert split[part] == one[part]
+            per_token = activations_per_layer(config, "selective")
+            assert per_token == pytest.approx(activations_per_layer(at(1), "selective") / cp)
+            assert activations_per_layer(config, "none") == pytest.approx(per_token + attention)
+            local = s // cp
+            if comm == "allgather":  # the other ranks' K/V (of this TP rank's 4 groups), masks
+                others = 2 * 2 * b * (s - local) * groups // 2 * d
+                assert attention == pytest.approx(others + 3 * local * s * b)
+            else:  # the whole K/V in fp32, q's fp32 copy, each block's fp32 scores and probs
+                kv = 4 * 2 * b * s * groups // 2 * d
+                scores = (8 * 32 // 2 + 1) * local * s * b
+                assert attention == pytest.approx(kv + 4 * local * b * h / 2 + scores)
+        # With the all-gather the whole falls as ~1/cp: the attention's masks are a few %.
+        ratio = (
+            memory_breakdown(at(cp), "selective", vocab_size=vocab)["activations"]
+            / (one["activations"])
+        )
+        assert 1 / cp < ratio < 1.1 / cp
+    # The distributed optimizer shards over dp x cp: dp 2 x cp 4 as dp 8.
+    sharded = at(4, "allgather", "parallel.use_distributed_optimizer=true")
+    flat = at(1, "allgather", "parallel.use_distributed_optimizer=true")
+    assert (
+        memory_breakdown(sharded, vocab_size=vocab, data_parallel_size=2)["optimizer_state"]
+        == memory_breakdown(flat, vocab_size=vocab, data_parallel_size=8)["optimizer_state"]
+    )

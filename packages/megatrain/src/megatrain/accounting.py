@@ -14,7 +14,9 @@ nothing here builds a model or imports the training loop.
   `*_hardware_flops_per_iteration`); both by kind (`flops_per_iteration`).
 - **Memory**: the bytes per parameter of weights, gradients and optimizer state
   (`state_bytes_per_parameter`) and the bytes one layer keeps per microbatch under each
-  recompute mode (`activations_per_layer`); `megatrain.memory` adds them up per stage.
+  recompute mode (`activations_per_layer`; under context parallelism each rank's s / cp
+  tokens, and what the attention over the whole sequence holds besides:
+  `context_parallel_attention_per_layer`); `megatrain.memory` adds them up per stage.
 
 `kind` is a run config's `model.kind`: "gpt", "bert" or "llama" (`KINDS`).
 """
@@ -274,6 +276,13 @@ def state_bytes_per_parameter(
     }
 
 
+def _context_parallel(config: Config) -> tuple[int, int, int]:
+    """(cp, the whole sequence s, the tokens of it one CP rank holds: s / cp)."""
+    cp = config.parallel.context_parallel_size
+    s = config.training.seq_length
+    return cp, s, s // cp
+
+
 def activations_per_layer(config: Config, recompute: str) -> float:
     """Bytes one layer keeps for one microbatch (Korthikanti et al. 2022, section 4; 16-bit
     activations, 1-byte dropout masks), s sequence, b micro batch, h hidden, a heads, t tp:
@@ -294,9 +303,17 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     inputs, the dropout masks).  In general 4 + 4 g/a + 4 f/h for g key/value groups, and
     4 + 4 g/a + 8 f/h with SwiGLU, which keeps four f-wide tensors (gate, up, SiLU(gate),
     their product).
+
+    Context parallelism (cp > 1): every per-token tensor above is the rank's s / cp tokens,
+    so the per-token bytes are exactly 1/cp of cp 1's; in place of the 5 a s / h term,
+    "none" keeps what the attention over the whole sequence keeps
+    (`context_parallel_attention_per_layer`: the other ranks' K/V and the masks or scores),
+    which "selective" and "full" recompute instead (the layer being recomputed holds it
+    once: `megatrain.memory`).
     """
     m, p, t = config.model, config.parallel, config.training
-    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    cp, whole, s = _context_parallel(config)
+    b, h, a = t.micro_batch_size, m.hidden_size, m.num_attention_heads
     tp = p.tensor_model_parallel_size
     sp = p.sequence_parallel and tp > 1
     if recompute == "full":
@@ -307,8 +324,51 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     f_tensors = 8 if config.model_switch("swiglu") else 4
     split = 4 + 4 * groups / a + f_tensors * config.ffn_hidden_size / h
     dense = (10 + split) / tp if sp else 10 + split / tp
-    core = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
-    return s * b * h * (dense + core)
+    per_token = s * b * h * dense
+    if recompute == "selective":
+        return per_token
+    if cp > 1:
+        return per_token + context_parallel_attention_per_layer(config)
+    return per_token + s * b * h * 5 * a * whole / (h * tp)
+
+
+def context_parallel_attention_per_layer(config: Config) -> float:
+    """Bytes the attention of one layer holds for one microbatch under context parallelism
+    (cp > 1) beyond the rank's own per-token tensors (`activations_per_layer`), as
+    megacore.context_parallel runs it; 0 at cp 1.  s the whole sequence, s/cp the rank's
+    tokens, b micro batch, a heads, t tp, g key/value groups of d (one per TP rank when
+    g < t), in the 16-bit convention of `activations_per_layer` (fp32 runs double it):
+
+    - "allgather": the other ranks' keys and values, 4 (g/t) d (s - s/cp) b (the
+      gathered K/V of the whole sequence, which SDPA keeps), and the mask of which keys
+      each local query sees, 3 (s/cp) s b: the boolean one (1 byte) and the additive copy
+      SDPA makes of it in the activations' dtype (2), the same for every head; SDPA with a
+      mask runs the memory-efficient kernel, which keeps no per-head scores.
+    - "p2p": the ring's block attention is plain torch ops in float32 (no fused kernel):
+      autograd keeps every received K/V block, so the whole sequence's K/V, in float32
+      (8 (g/t) d s b), the queries' float32 copy in a 16-bit run (4 (s/cp) b h / t), and
+      every block's float32 scores and probabilities, 8 (a/t) (s/cp) s b, with its boolean
+      mask, (s/cp) s b: the s x s term at s/cp queries, and 8 bytes a score where
+      Korthikanti et al. count 5.  A fused ring kernel (Transformer Engine's) would keep
+      only its output and log-sum-exp, and re-run the ring in the backward.
+
+    Under recompute "none" every layer keeps this; under "selective" and "full" the layer
+    whose attention is being recomputed holds it, once.
+    """
+    m, p, t = config.model, config.parallel, config.training
+    cp, whole, s = _context_parallel(config)
+    if cp == 1:
+        return 0.0
+    b, h, a = t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    tp = p.tensor_model_parallel_size
+    kv_per_token = 2 * max(m.num_query_groups or a, tp) / tp * (h // a)  # K and V elements
+    # Bytes of an fp32 element and of a boolean in the 16-bit convention (fp32 runs double).
+    fp32, boolean = (2, 0.5) if t.precision == "fp32" else (4, 1)
+    if p.cp_comm_type == "allgather":
+        return 2 * kv_per_token * (whole - s) * b + (boolean + 2) * s * whole * b
+    queries = 0 if t.precision == "fp32" else fp32 * s * b * h / tp
+    scores = (2 * fp32 * a / tp + boolean) * s * whole * b
+    return fp32 * kv_per_token * whole * b + queries + scores
 
 
 def weight_grad_inputs_per_layer(config: Config) -> float:
@@ -319,10 +379,12 @@ def weight_grad_inputs_per_layer(config: Config) -> float:
     tensors (the QKV and MLP inputs, all-gathered under sequence parallelism, and the
     projection's and the MLP's output gradients before they are reduced) 4, plus the
     TP-split ones: QKV's output gradient (1 + 2 g/a), the projection's input 1, the MLP's
-    up gradients (f/h, twice with SwiGLU) and its down input f/h, each / t.
+    up gradients (f/h, twice with SwiGLU) and its down input f/h, each / t.  Under context
+    parallelism s is the rank's s / cp tokens.
     """
     m, p, t = config.model, config.parallel, config.training
-    s, b, h, a = t.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    s = _context_parallel(config)[2]
+    b, h, a = t.micro_batch_size, m.hidden_size, m.num_attention_heads
     groups = max(m.num_query_groups or a, p.tensor_model_parallel_size)  # one per rank when fewer
     f = config.ffn_hidden_size / h
     up = 2 if config.model_switch("swiglu") else 1
@@ -341,6 +403,7 @@ __all__ = [
     "bert_hardware_flops_per_iteration",
     "bert_model_flops_per_iteration",
     "bert_parameters",
+    "context_parallel_attention_per_layer",
     "flops_per_iteration",
     "gpt_forward_flops",
     "gpt_hardware_flops_per_iteration",

@@ -24,6 +24,15 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   gradient-accumulation fusion, its weights' gradients.  Under "full" the layer being
   recomputed holds one layer's "none" activations besides.  fp32 activations count
   twice the 16-bit bytes.
+- **Context parallelism** (`parallel.context_parallel_size` cp): every per-token
+  activation above is the rank's s / cp tokens (exactly 1/cp of cp 1's bytes: the layers',
+  the embedding's mask, the logits), and the attention over the whole sequence holds the
+  other ranks' K/V and its masks or scores besides
+  (`accounting.context_parallel_attention_per_layer`, by `parallel.cp_comm_type`): every
+  layer under recompute "none", once (the layer being recomputed) under "selective" and
+  "full".  Weights, gradients and optimizer state do not change with cp: every CP rank
+  holds the whole stage, as a data-parallel replica does, and the distributed optimizer
+  shards its state over dp x cp (the gradients are reduced over both).
 
 Not counted: the CUDA context, library workspaces, communication buffers and
 fragmentation; `fits` keeps a headroom (10%) for them.  The 5 a s / h term is what
@@ -38,6 +47,7 @@ from megacore.tensor_parallel import default_chunk_tokens
 from megatrain.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
+    context_parallel_attention_per_layer,
     layer_parameters_per_rank,
     parameters_per_gpu,
     state_bytes_per_parameter,
@@ -67,7 +77,7 @@ def memory_breakdown(
     optimizer_state, their sum weights_and_optimizer, activations, total.  `recompute`
     defaults to the config's; `vocab_size` (the tokenizer's, before padding) to
     `model.vocab_size`; the data-parallel size (which only the distributed optimizer's
-    sharding depends on) to `parallel.data_parallel_size` or 1."""
+    sharding depends on, over dp x cp) to `parallel.data_parallel_size` or 1."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
     if recompute not in RECOMPUTE_CHOICES:
@@ -80,13 +90,16 @@ def memory_breakdown(
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size or 1
     dp = data_parallel_size or p.data_parallel_size or 1
+    cp = p.context_parallel_size
     cfg = model_config(config, vocab_size)
     params = parameters_per_gpu(cfg, tp, pp, stage)
-    held = state_bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp)
+    # CP ranks hold whole replicas of the stage: the distributed optimizer shards over dp x cp.
+    held = state_bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp * cp)
     held = {name: params * per_parameter for name, per_parameter in held.items()}
     state = sum(held.values())
 
-    s, b, h, v = t.seq_length, t.micro_batch_size, m.hidden_size, cfg.vocab_size
+    # The rank's tokens of each sequence: s / cp under context parallelism.
+    s, b, h, v = t.seq_length // cp, t.micro_batch_size, m.hidden_size, cfg.vocab_size
     sp = p.sequence_parallel and tp > 1
     per_microbatch = cfg.num_layers // pp * activations_per_layer(config, recompute)
     if stage == 0:
@@ -103,6 +116,8 @@ def memory_breakdown(
         activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
     if recompute == "full":  # the layer being recomputed holds all of its activations
         activations += activations_per_layer(config, "none")
+    elif recompute == "selective":  # the attention being recomputed: over the whole sequence
+        activations += context_parallel_attention_per_layer(config)
     fp32_bytes = 0.0  # held in fp32 whatever the precision
     if stage == pp - 1 and t.fused_linear_cross_entropy:
         # The output layer's input and its gradient, made in the forward (s b h each, whole
