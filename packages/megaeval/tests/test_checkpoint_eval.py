@@ -168,7 +168,7 @@ def test_hugging_face_export_gives_the_same_numbers(evaluated, tmp_path):
     from megatrain.hf import export_hf
 
     root, wiki, lambada, ranks = evaluated
-    expected = ranks[0][(1, 1)]
+    expected = ranks[0][(1, 1, 1)]
     export_hf(str(root / "ckpt"), str(tmp_path / "hf"))
     scorer = HFScorer(tmp_path / "hf")
     got = evaluate_wikitext(scorer, wiki, seq_len=24, stride=8, batch_size=3, progress=False)
