@@ -148,6 +148,13 @@ def parse_args() -> argparse.Namespace:
         "'megatrain-cuda-graphs'; recorded as skipped with the reason where it cannot run",
     )
     parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="ours once more with packed documents (data.reset_position_ids and "
+        "reset_attention_mask: attention within each document, FlexAttention's block mask on "
+        "CUDA) as 'megatrain-packed'",
+    )
+    parser.add_argument(
         "--peers",
         default=",".join(peers.PEERS),
         help=f"comma-separated, of {', '.join(peers.PEERS)}, or 'none' (default: all; one "
@@ -349,11 +356,13 @@ def measure_ours(config, device: torch.device, args: argparse.Namespace) -> dict
     }
 
 
-def measure_variant(config, device: torch.device, args: argparse.Namespace, **fields) -> dict:
-    """Ours again with the `training` fields changed, or why it cannot run."""
+def measure_variant(
+    config, device: torch.device, args: argparse.Namespace, section: str = "training", **fields
+) -> dict:
+    """Ours again with the fields of config `section` changed, or why it cannot run."""
     variant = copy.deepcopy(config)
     for name, value in fields.items():
-        setattr(variant.training, name, value)
+        setattr(getattr(variant, section), name, value)
     try:
         validate(variant, 1)
         return measure_ours(variant, device, args)
@@ -523,6 +532,10 @@ def main() -> None:
             if results["hf"]["digests"] != results["megatrain"]["digests"]:
                 raise RuntimeError("the two models were trained on different batches")
             reset_memory(device)
+        if args.packed:  # the same batches, attention kept within each document
+            results["megatrain-packed"] = measure_variant(
+                config, device, args, "data", reset_position_ids=True, reset_attention_mask=True
+            )
         ours_digests = results["megatrain"]["digests"]
         results |= run_peers(config, corpus, model_config, device, args, ours_digests)
         if args.cuda_graphs:  # last: a capture that fails cannot cost the others' numbers
@@ -657,7 +670,8 @@ def print_table(record: dict) -> None:
     )
     print(f"  {'model':21s} {'tokens/s':>10s} {'ms/step':>9s} {'TFLOP/s':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'peak GiB':>9s} {'first loss':>10s} {'vs ours':>8s}")  # fmt: skip
-    for name in ("megatrain", "megatrain-fp8", "megatrain-cuda-graphs", "hf", *peers.PEERS):
+    for name in ("megatrain", "megatrain-fp8", "megatrain-packed", "megatrain-cuda-graphs", "hf",
+                 *peers.PEERS):  # fmt: skip
         r = record.get(name)
         if r is None:
             continue

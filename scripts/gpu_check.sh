@@ -3,7 +3,8 @@
 # evaluate (WikiText-103, LAMBADA), generate, export to HF and back, the tests that need CUDA,
 # then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it;
 # before all of them `make bench-gpu` beside the peers (megatron-core, torchtitan): GPT-2 1.2B
-# (ours also in fp8 and with CUDA graphs), and Llama 3 8B's shape at 4 layers.
+# (ours also in fp8 and with CUDA graphs), and Llama 3 8B's shape at 4 layers (ours also with
+# packed documents: FlexAttention's document mask).
 #
 #   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
 #
@@ -64,7 +65,7 @@ touch "$OUT/venv/.installed"
 BENCH=(env PYTHONPATH="$SITE:$PYTHONPATH" make --no-print-directory bench-gpu VENV="$OUT/venv")
 step bench-gpu 360 "${BENCH[@]}" BENCH_GPU_ARGS="--warmup 3 --iters 10 --fp8 --cuda-graphs --profile --out $OUT/gpu.json"
 step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models/llama3-8b.toml \
-    --layers 4 --warmup 2 --iters 5 --out $OUT/gpu-llama.json"
+    --layers 4 --warmup 2 --iters 5 --packed --out $OUT/gpu-llama.json"
 for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed
     awk '/^(GPT-2|Llama) [0-9]+x[0-9]+/,/^wrote /' "$OUT/$name.log"
 done

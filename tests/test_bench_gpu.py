@@ -46,7 +46,7 @@ def bench(tmp_path: Path, *args: str, code: str | None = None) -> dict:
 
 def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_reason(tmp_path):
     graphs = ["--cuda-graphs", "--recompute", "none"]  # graphs refuse recompute
-    record = bench(tmp_path, "--fp8-emulate", "--profile", *graphs, code=BLOCKED_PEERS)
+    record = bench(tmp_path, "--fp8-emulate", "--profile", "--packed", *graphs, code=BLOCKED_PEERS)
     # Ours with CUDA graphs cannot run on a CPU: recorded as skipped, saying why.
     graphs = record["megatrain-cuda-graphs"]
     assert graphs["skipped"] and "cuda_graphs = true needs a CUDA device" in graphs["reason"]
@@ -57,6 +57,10 @@ def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_r
     assert fp8["precision"].startswith("fp8") and len(fp8["losses"]) == 3
     assert 0 < fp8["loss_check"]["max_abs_diff_vs_megatrain"] < 0.1
     assert all(record["shape"]["levers"].values())  # ours ran with the speed levers
+    # Ours again with packed documents (SDPA's document mask here, FlexAttention on CUDA).
+    packed = record["megatrain-packed"]
+    assert "skipped" not in packed, packed.get("reason")
+    assert packed["batches_checked"] == 3 and packed["losses"] != record["megatrain"]["losses"]
     # The profiled step names the SDPA backend that ran and the share of the step in matmuls
     # and attention: here the math one (the CPU's flash kernel takes no dropout; the config's
     # is 0.1), whose products count as matmuls.

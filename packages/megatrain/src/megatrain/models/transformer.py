@@ -66,6 +66,9 @@ class AttentionInputs:
     position_ids: torch.Tensor | None = None  # [b, s] int64
     segments: torch.Tensor | None = None  # [b, s] int64
     seq_len: int = 0
+    # FlexAttention's block mask of `segments`, made by the first layer that needs it and
+    # shared by the others (the same documents in every layer).
+    block_mask: object = None
 
 
 def document_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -82,17 +85,23 @@ def _flex_attention(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
-def flex_document_attention(q, k, v, segments: torch.Tensor, compiled: bool = True):
-    """Causal attention within documents by FlexAttention's block mask: blocks of keys that no
-    query of a block may see (another document, or after it) are skipped, never an s x s mask.
-    `compiled=False` runs FlexAttention's eager reference (any device, slow: for tests)."""
+def document_block_mask(segments: torch.Tensor):
+    """FlexAttention's block mask for causal attention within the documents of `segments`."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (segments[b, q_idx] == segments[b, kv_idx])
 
     b, s = segments.shape
-    block = create_block_mask(same_document_causal, b, None, s, s, device=q.device)
+    return create_block_mask(same_document_causal, b, None, s, s, device=segments.device)
+
+
+def flex_document_attention(q, k, v, segments: torch.Tensor, compiled: bool = True, block=None):
+    """Causal attention within documents by FlexAttention's block mask (`block`, else made
+    from `segments`): blocks of keys that no query of a block may see (another document, or
+    after it) are skipped, never an s x s mask.  `compiled=False` runs FlexAttention's eager
+    reference (any device, slow: for tests)."""
+    block = document_block_mask(segments) if block is None else block
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     return _flex_attention(compiled)(q, k, v, block_mask=block, **gqa)
 
@@ -403,7 +412,7 @@ class ParallelAttention(nn.Module):
         p = self.cfg.attention_dropout if self.training else 0.0
         causal = self.cfg.causal
         if isinstance(mask, AttentionInputs):  # causal; packed documents: within each
-            segments, mask = mask.segments, None
+            inputs, segments, mask = mask, mask.segments, None
             cp = self.context_parallel
             if cp is not None:  # the sequence is split over CP ranks: attend over all of it
                 positions = cp.positions(q.shape[2], q.device)
@@ -413,7 +422,9 @@ class ParallelAttention(nn.Module):
                 )  # fmt: skip
             if segments is not None:
                 if q.is_cuda and not p:  # FlexAttention skips the masked blocks
-                    return flex_document_attention(q, k, v, segments)
+                    if inputs.block_mask is None:
+                        inputs.block_mask = document_block_mask(segments)
+                    return flex_document_attention(q, k, v, segments, block=inputs.block_mask)
                 mask, causal = document_mask(segments), False  # SDPA with the s x s mask
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         # No random numbers needed (so none need seeding, e.g. for evaluation); or one TP rank,
