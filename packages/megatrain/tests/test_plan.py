@@ -2,6 +2,7 @@
 terms equal to what megacore allocates, the pipeline formula equal to megacore's schedule
 tables, the GPU table, calibration, the CLI and `megatrain run`'s memory warning."""
 
+import functools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -21,9 +22,11 @@ from megatrain.plan.cost_model import (
     Costs,
     Layout,
     apply_layout,
+    context_parallel_seconds,
     estimate,
     group_bandwidth,
     layout_of,
+    memory_per_gpu,
     pipeline_seconds,
     schedule_seconds,
 )
@@ -417,3 +420,92 @@ def test_plan_answers_for_llama3_8b_on_8_h100s():
     cfg = model_config(apply_layout(config, best.layout), 128256)  # the vocabulary padded for tp
     flops, _ = flops_per_iteration("llama", cfg, 512, 8192)
     assert best.mfu == pytest.approx(flops / (best.time["total"] * 8 * h100.peak_flops("bf16")))
+
+
+H100 = hardware.load_gpus()["h100-80gb"]
+LLAMA3_VOCAB = 128256
+
+
+@functools.cache
+def _long_context_plan(name: str, gpus: int):
+    config = load_config(MODELS / f"{name}.toml")
+    return plan(config, gpus, H100, hardware.builtin_profile(), LLAMA3_VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus"),
+    [("llama3-8b-32k", 8), ("llama3-8b-32k", 64), ("llama3-8b-128k", 8), ("llama3-8b-128k", 64)],
+)
+def test_plan_answers_long_context_llama_with_context_parallelism(name, gpus):
+    """Llama 3 8B at 32k and 128k tokens on 8 and 64 H100s: the plan searches cp beside tp, pp
+    and dp (both CP communications) and its fastest layout splits the sequence; at 128k on
+    one node nothing without context parallelism fits."""
+    result = _long_context_plan(name, gpus)
+    best = result.ranked[0]
+    assert best.layout.cp > 1 and best.layout.gpus == gpus and best.fits
+    assert best.time["cp_comm"] > 0
+    assert f"parallel.context_parallel_size={best.layout.cp}" in best.layout.overrides()
+    assert {e.layout.cp_comm for e in result.ranked if e.layout.cp > 1} <= {"p2p", "allgather"}
+    without = [e for e in result.ranked if e.layout.cp == 1]
+    if (name, gpus) == ("llama3-8b-128k", 8):  # 128k tokens of activations per replica
+        assert not without
+    else:  # the layouts without CP that fit are ranked below
+        assert without and without[0].time["total"] > best.time["total"]
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-32k", "llama3-8b-128k"])
+def test_long_context_configs_are_the_plans_choice(name):
+    """Each long-context config's layout is the fastest the 8-GPU plan ranks among those that
+    fit at data parallelism 1 too (the configs leave dp to the job)."""
+    config = load_config(MODELS / f"{name}.toml")
+    command = next(line for line in (MODELS / f"{name}.toml").read_text().splitlines()
+                   if "megatrain plan" in line)  # fmt: skip
+    assert f"--config pipelines/models/{name}.toml --gpus 8 --gpu h100-80gb" in command
+    result = _long_context_plan(name, 8)
+    usable = 0.9 * H100.memory_bytes
+    fits_alone = [
+        e
+        for e in result.ranked
+        if memory_per_gpu(apply_layout(config, e.layout), LLAMA3_VOCAB, 1)["total"] <= usable
+    ]
+    shipped = layout_of(config, 8 // config.ranks_per_replica)
+    assert fits_alone[0].layout == shipped
+
+
+def test_context_parallel_communication_by_hand():
+    """Per layer and microbatch on one TP rank: the all-gather of the other ranks' K/V and the
+    reduce-scatter of their gradients, unhidden; the ring's cp - 1 blocks hidden behind the
+    attention where it is longer, their gradients sent back exposed; again in the backward
+    when the attention is recomputed.  The CP group sits on NVLink while tp x cp GPUs fit a
+    node, and the gradients are reduced over dp x cp."""
+    config = load_config(MODELS / "llama3-8b-32k.toml")
+    costs = Costs(H100, hardware.builtin_profile(), "bf16")
+    kv = 2 * 2 * 1 * 32768 * (8 / 2) * 128  # bf16 K and V of the sequence, 4 groups a TP rank
+    nvlink = group_bandwidth(H100, 4, 2)
+    assert nvlink == 450e9 and group_bandwidth(H100, 4, 4) == 2 * 50e9  # 2 per node
+    gather = Layout(tp=2, pp=1, dp=1, cp=4, cp_comm="allgather")
+    got = context_parallel_seconds(config, gather, costs, 1.0, nvlink)
+    forward = costs.collective("all_gather", kv, 4, nvlink)
+    assert forward == pytest.approx(20e-6 + 3 / 4 * kv / (0.8 * 450e9))
+    assert got == pytest.approx(forward + costs.collective("reduce_scatter", kv, 4, nvlink))
+    selective = replace(gather, recompute="selective")
+    assert context_parallel_seconds(config, selective, costs, 1.0, nvlink) == pytest.approx(
+        got + forward
+    )
+    ring = replace(gather, cp_comm="p2p")
+    step = costs.collective("p2p", kv / 4, 2, nvlink)
+    hidden = context_parallel_seconds(config, ring, costs, 1.0, nvlink)  # 1 s of attention
+    exposed = context_parallel_seconds(config, ring, costs, 0.0, nvlink)
+    assert hidden == pytest.approx(3 * step) and exposed == pytest.approx(6 * step)
+    assert context_parallel_seconds(config, replace(ring, cp=1), costs, 0.0, nvlink) == 0
+    # cp 2 against cp 1 at the same tp on the same 8 GPUs: half the tokens per rank in twice
+    # the microbatches (the same TP traffic an iteration), the gradients' all-reduce over the
+    # same 8 / tp ranks, the K/V on the wire.
+    one = estimate(config, Layout(tp=2, pp=1, dp=4, recompute="full"), H100, costs.profile,
+                   LLAMA3_VOCAB)  # fmt: skip
+    two = estimate(config, Layout(tp=2, pp=1, dp=2, cp=2, cp_comm="allgather",
+                                  recompute="full"), H100, costs.profile, LLAMA3_VOCAB)  # fmt: skip
+    assert two.memory["activations"] < 0.6 * one.memory["activations"]
+    assert two.time["cp_comm"] > 0 == one.time["cp_comm"]
+    assert two.time["dp_comm"] == pytest.approx(one.time["dp_comm"])
+    assert two.time["tp_comm"] == pytest.approx(one.time["tp_comm"], rel=0.05)

@@ -1,5 +1,6 @@
-"""`megatrain plan`: choose tp, pp, vpp, dp, micro batch, recompute, sequence parallelism and
-the distributed optimizer for a model and a cluster before running it.
+"""`megatrain plan`: choose tp, cp (context parallelism and its communication), pp, vpp, dp,
+micro batch, recompute, sequence parallelism and the distributed optimizer for a model and a
+cluster before running it.
 
 - hardware.py: the GPU table (gpus.toml) and the time model's constants (a `Profile`);
 - cost_model.py: memory (megatrain.memory) and step time of one layout;

@@ -30,6 +30,20 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   latency + f N / (bandwidth x `collective_efficiency`) with the ring's f = 2 (n-1)/n for
   an all-reduce, (n-1)/n for an all-gather or reduce-scatter; the bandwidth is NVLink's
   inside a node, the network's share of the GPUs of a group between nodes.
+- **Context parallelism** (cp > 1; each CP rank computes its s / cp tokens of every
+  sequence, so every per-token term above is at s / cp, and the attention core is its
+  s / cp queries against all s keys): per layer, the K/V of the other ranks' tokens,
+  (cp - 1)/cp x 2 b s (g / t) d bytes received per rank (g key/value groups of d, t tp),
+  over the CP group's links (NVLink when tp x cp GPUs fit a node, else the network).
+  "allgather": an all-gather in the forward and the K/V gradients' reduce-scatter in the
+  backward, neither overlapped.  "p2p": cp - 1 ring steps, each passing a block of
+  2 b (s / cp) (g / t) d bytes to the next rank while the attention of the block in hand
+  runs, so only what a transfer takes beyond its block's attention is exposed; in the
+  backward each block's K/V gradient goes back round the ring before the next block's
+  backward starts (megacore's ring waits for it), exposed.  The attention core of "p2p"
+  runs as built, in float32 torch ops (its GEMMs at the fp32 peak), not a fused kernel.
+  Under selective or full recompute the attention (and so its communication) runs again
+  in the backward.
 - **Pipeline**: with T_r the time of stage r for one microbatch (layers, embedding on the
   first, the output layer and loss on the last, the point-to-point sends of the
   activation and its gradient, per model chunk), an iteration of m microbatches takes
@@ -43,8 +57,9 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   the two equal when the stages are equal or the last one (output layer and loss) is the
   slowest (and for ZB-H1 at equal stages), and the formula at most 6% above the tables
   when the first one is 10% slower.
-- **Data parallelism**: the fp32 gradients' all-reduce over dp (reduce-scatter, and an
-  all-gather of the 16-bit weights, under the distributed optimizer); with
+- **Data parallelism**: the fp32 gradients' all-reduce over dp x cp (CP ranks hold whole
+  replicas too; reduce-scatter, and an all-gather of the 16-bit weights, under the
+  distributed optimizer, which shards over dp x cp); with
   `overlap_grad_reduce` it runs behind the last microbatch's backward and only what is
   left over (at least the last bucket) is exposed.  With pp > 1 the tied embedding's
   gradients are all-reduced between the first and last stage.
@@ -57,7 +72,11 @@ and the peak of every GPU.
 from dataclasses import dataclass, field, replace
 
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
-from megatrain.accounting import MASKED_LM_PROB, activations_per_layer, flops_per_iteration
+from megatrain.accounting import (
+    MASKED_LM_PROB,
+    activations_per_layer,
+    flops_per_iteration,
+)
 from megatrain.config import Config
 from megatrain.memory import HEADROOM, memory_breakdown
 from megatrain.models import model_config
@@ -69,7 +88,7 @@ from megatrain.plan.hardware import Gpu, Profile
 # zeroing the gradient buffer writes it (4).  Sharded by the distributed optimizer but the
 # last: the whole buffer is zeroed.
 ADAM_BYTES = {"sharded": 28 + 4, "copy_16bit": 6, "zero_grads": 4}
-TIME_PARTS = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer")
+TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer")
 MEMORY_PARTS = ("weights", "gradients", "optimizer_state", "activations")
 
 
@@ -84,13 +103,18 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     schedule: str = "1f1b"  # the pipeline schedule: 1f1b, interleaved (vpp > 1) or zb-h1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    cp_comm: str = "p2p"  # its attention's communication: "p2p" (a ring) or "allgather"
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
-        parts = [f"tp {self.tp}", f"pp {self.pp}"]
+        parts = [f"tp {self.tp}"]
+        if self.cp > 1:
+            parts.append(f"cp {self.cp} {self.cp_comm}")
+        parts.append(f"pp {self.pp}")
         if self.vpp > 1:
             parts.append(f"vpp {self.vpp}")
         if self.schedule == "zb-h1" and self.pp > 1:
@@ -106,6 +130,8 @@ class Layout:
         """The `section.field=value` overrides that give a config this layout."""
         return [
             f"parallel.tensor_model_parallel_size={self.tp}",
+            f"parallel.context_parallel_size={self.cp}",
+            *([f'parallel.cp_comm_type="{self.cp_comm}"'] if self.cp > 1 else []),
             f"parallel.pipeline_model_parallel_size={self.pp}",
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
             "parallel.pipeline_schedule=" + (f'"{self.schedule}"' if self.pp > 1 else "none"),
@@ -117,7 +143,7 @@ class Layout:
 
 
 def layout_of(config: Config, dp: int) -> Layout:
-    """The layout a config runs at on tp x pp x dp GPUs."""
+    """The layout a config runs at on tp x cp x pp x dp GPUs."""
     p = config.parallel
     vpp = p.virtual_pipeline_model_parallel_size or 1
     return Layout(
@@ -130,6 +156,8 @@ def layout_of(config: Config, dp: int) -> Layout:
         recompute=config.model.recompute,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
         distributed_optimizer=p.use_distributed_optimizer,
+        cp=p.context_parallel_size,
+        cp_comm=p.cp_comm_type if p.context_parallel_size > 1 else "p2p",
     )
 
 
@@ -142,6 +170,8 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
         parallel=replace(
             p,
             tensor_model_parallel_size=layout.tp,
+            context_parallel_size=layout.cp,
+            cp_comm_type=layout.cp_comm if layout.cp > 1 else p.cp_comm_type,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
             pipeline_schedule=layout.schedule if layout.pp > 1 else None,
@@ -215,20 +245,38 @@ def group_bandwidth(gpu: Gpu, members: int, stride: int) -> float:
     return gpu.inter_node_gbps * 1e9 * per_node
 
 
-def layer_seconds(config: Config, layout: Layout, costs: Costs, bandwidth: float) -> dict:
-    """Seconds one layer takes for one microbatch on one TP rank, by part."""
+def layer_seconds(
+    config: Config, layout: Layout, costs: Costs, bandwidth: float, cp_bandwidth: float = 0.0
+) -> dict:
+    """Seconds one layer takes for one microbatch on one TP rank, by part (`bandwidth`: the
+    TP group's, `cp_bandwidth`: the CP group's)."""
     m, t = config.model, config.training
-    s, b, tp = t.seq_length, layout.micro_batch, layout.tp
+    cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
+    local = s // cp  # the rank's tokens of each sequence
     h, a, f = m.hidden_size, m.num_attention_heads, config.ffn_hidden_size
-    tokens, head = s * b, h // a
+    tokens, head = local * b, h // a
     shapes = _dense_shapes(h, f, tp)
     dense = [costs.gemm_fwd_bwd(tokens, n, k) for k, n in shapes]
     heads = b * a / tp
-    core = [costs.gemm_fwd_bwd(s, s, head, heads), costs.gemm_fwd_bwd(s, head, s, heads)]
+    # The attention core: the local queries against every key (QK^T, then scores x V); the
+    # ring's block attention runs in float32 torch ops (megacore.context_parallel).
+    core_costs = costs
+    if cp > 1 and layout.cp_comm == "p2p" and "fp32" in costs.gpu.peak_tflops:
+        core_costs = Costs(costs.gpu, costs.profile, "fp32")
+    core = [
+        core_costs.gemm_fwd_bwd(local, s, head, heads),
+        core_costs.gemm_fwd_bwd(local, head, s, heads),
+    ]
     scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
-    ops = costs.elementwise(scale * activations_per_layer(config, "none"))
-    core_ops = costs.elementwise(scale * 5 * a * s * s * b / tp)  # softmax, its dropout
-    activation = costs.element * s * b * h
+    kept = activations_per_layer(config, "none")
+    selective = activations_per_layer(config, "selective")
+    # What the attention core's softmax and masks move: the s x s scores as this model counts
+    # them at cp 1 (Korthikanti's 5 a s / h, at the rank's s / cp queries against s keys), or
+    # what the ring keeps of them in float32 where that is more.
+    core_bytes = max(5 * a * local * s * b / tp, kept - selective)
+    ops = costs.elementwise(scale * (selective + core_bytes))
+    core_ops = costs.elementwise(scale * core_bytes)
+    activation = costs.element * tokens * h
     if layout.sequence_parallel:  # an all-gather and a reduce-scatter for each all-reduce
         one_way = 4 * costs.collective("all_gather", activation, tp, bandwidth)
     else:
@@ -247,9 +295,37 @@ def layer_seconds(config: Config, layout: Layout, costs: Costs, bandwidth: float
     return {
         "compute": forward + backward + recompute,
         "tp_comm": comm,
+        "cp_comm": context_parallel_seconds(
+            config, layout, costs, sum(g[0] for g in core), cp_bandwidth
+        ),
         "backward": backward + recompute,
         "weight_grads": weight,
     }
+
+
+def context_parallel_seconds(
+    config: Config, layout: Layout, costs: Costs, core_forward: float, bandwidth: float
+) -> float:
+    """Exposed seconds of one layer's CP communication for one microbatch on one TP rank
+    (forward, backward, and the forward's again when the attention is recomputed);
+    `core_forward`: the attention core's forward time, behind which the ring's transfers run."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    m, t = config.model, config.training
+    a = m.num_attention_heads
+    groups = max(m.num_query_groups or a, layout.tp) / layout.tp  # key/value groups per rank
+    # The whole sequence's K and V on one TP rank; each CP rank receives (cp - 1)/cp of it.
+    kv = costs.element * 2 * layout.micro_batch * t.seq_length * groups * (m.hidden_size // a)
+    if layout.cp_comm == "allgather":
+        forward = costs.collective("all_gather", kv, cp, bandwidth)
+        backward = costs.collective("reduce_scatter", kv, cp, bandwidth)
+    else:  # each of cp - 1 blocks passed on while the block in hand is attended to
+        step = costs.collective("p2p", kv / cp, 2, bandwidth)
+        forward = (cp - 1) * max(0.0, step - core_forward / cp)
+        backward = (cp - 1) * step  # each gradient sent back before the next block's backward
+    again = forward if layout.recompute in ("selective", "full") else 0.0
+    return forward + backward + again
 
 
 def _dense_shapes(h: int, f: int, tp: int) -> list[tuple[float, float]]:
@@ -261,7 +337,7 @@ def _dense_shapes(h: int, f: int, tp: int) -> list[tuple[float, float]]:
 def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: float):
     """(first stage's embedding, last stage's output layer and loss): seconds per microbatch."""
     t, h, tp = config.training, config.model.hidden_size, layout.tp
-    s, b = t.seq_length, layout.micro_batch
+    s, b = t.seq_length // layout.cp, layout.micro_batch  # the rank's tokens
     activation = costs.element * s * b * h
     kind = "all_gather" if layout.sequence_parallel else "all_reduce"
     embed = {
@@ -356,36 +432,38 @@ def estimate(
     tokenizer's, padded here for tp)."""
     config = apply_layout(config, layout, global_batch)
     t, p = config.training, config.parallel
-    tp, pp, dp, vpp = layout.tp, layout.pp, layout.dp, layout.vpp
+    tp, cp, pp, dp, vpp = layout.tp, layout.cp, layout.pp, layout.dp, layout.vpp
     microbatches = t.global_batch_size // (layout.micro_batch * dp)
     cfg = model_config(config, vocab_size)
     costs = Costs(gpu, profile, t.precision)
     memory = memory_per_gpu(config, vocab_size, dp)
 
     tp_bandwidth = group_bandwidth(gpu, tp, 1)
-    layer = layer_seconds(config, layout, costs, tp_bandwidth)
+    # tp-cp-dp-pp: a CP group's members are tp ranks apart, its data-parallel peers tp x cp.
+    cp_bandwidth = group_bandwidth(gpu, cp, tp)
+    layer = layer_seconds(config, layout, costs, tp_bandwidth, cp_bandwidth)
     embed, head = _ends(config, layout, costs, cfg.vocab_size, tp_bandwidth)
     # Point-to-point: each chunk of each microbatch sends its output on and its input's
     # gradient back (split over TP under sequence parallelism); over the network as soon
     # as one stage boundary crosses nodes (the slowest boundary paces the pipeline).
     p2p = 0.0
     if pp > 1:
-        sent = costs.element * t.seq_length * layout.micro_batch * cfg.hidden_size
+        sent = costs.element * t.seq_length // cp * layout.micro_batch * cfg.hidden_size
         sent /= tp if layout.sequence_parallel else 1
-        within = tp * dp * pp <= gpu.gpus_per_node
+        within = layout.gpus <= gpu.gpus_per_node
         link = gpu.intra_node_gbps if within else gpu.inter_node_gbps
         p2p = 2 * vpp * costs.collective("p2p", sent, 2, link * 1e9)
     layers = cfg.num_layers // pp
     stages = []
     for stage in range(pp):
-        parts = {k: layers * layer[k] for k in ("compute", "tp_comm")}
+        parts = {k: layers * layer[k] for k in ("compute", "tp_comm", "cp_comm")}
         for end, here in ((embed, stage == 0), (head, stage == pp - 1)):
             if here:
-                parts = {k: parts[k] + end[k] for k in parts}
+                parts = {k: parts[k] + end.get(k, 0.0) for k in parts}
         stages.append({**parts, "pp_p2p": p2p})
     totals = [sum(s.values()) for s in stages]
     slowest = stages[totals.index(max(totals))]
-    time = {k: microbatches * slowest[k] for k in ("compute", "tp_comm", "pp_p2p")}
+    time = {k: microbatches * slowest[k] for k in ("compute", "tp_comm", "cp_comm", "pp_p2p")}
     fill = None
     if layout.schedule == "zb-h1":  # the deferred weight gradients fill the drain
         forward = layer["compute"] - layer["backward"]
@@ -395,31 +473,36 @@ def estimate(
         totals
     )
 
-    # Data parallelism and the optimizer, for the stage holding the most parameters.
+    # Data parallelism and the optimizer, for the stage holding the most parameters: the
+    # gradients are reduced over dp x cp ranks (CP ranks hold whole replicas too), a group
+    # of ranks tp apart.
     params = memory["parameters"]
-    dp_bandwidth = group_bandwidth(gpu, dp, tp)
+    replicas = dp * cp
+    dp_bandwidth = group_bandwidth(gpu, replicas, tp)
     grads = 4 * params  # megacore reduces the fp32 gradient buffer
-    bucket = costs.collective("all_reduce", 4 * min(p.bucket_size, params), dp, dp_bandwidth)
+    bucket = costs.collective("all_reduce", 4 * min(p.bucket_size, params), replicas, dp_bandwidth)
     gather = 0.0
     if layout.distributed_optimizer:
-        reduce = costs.collective("reduce_scatter", grads, dp, dp_bandwidth)
-        gather = costs.collective("all_gather", costs.element * params, dp, dp_bandwidth)
+        reduce = costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
+        gather = costs.collective("all_gather", costs.element * params, replicas, dp_bandwidth)
         if p.overlap_param_gather:  # behind the next forward but for its first bucket
-            gather = costs.collective("all_gather", costs.element * p.bucket_size, dp, dp_bandwidth)
+            gather = costs.collective(
+                "all_gather", costs.element * p.bucket_size, replicas, dp_bandwidth
+            )
     else:
-        reduce = costs.collective("all_reduce", grads, dp, dp_bandwidth)
-    if p.overlap_grad_reduce and dp > 1:
+        reduce = costs.collective("all_reduce", grads, replicas, dp_bandwidth)
+    if p.overlap_grad_reduce and replicas > 1:
         # buckets go out as the last microbatch's backward produces their gradients
         reduce = max(min(bucket, reduce), reduce - layers * layer["backward"])
     embedding = 0.0
     if pp > 1:  # the tied word embeddings' gradients, first and last stage
-        crosses = tp * dp * pp > gpu.gpus_per_node
+        crosses = layout.gpus > gpu.gpus_per_node
         link = (gpu.inter_node_gbps if crosses else gpu.intra_node_gbps) * 1e9
         embedding = costs.collective(
             "all_reduce", 4 * cfg.vocab_size * cfg.hidden_size / tp, 2, link
         )
     time["dp_comm"] = reduce + gather + embedding
-    shard = params / dp if layout.distributed_optimizer else params
+    shard = params / replicas if layout.distributed_optimizer else params
     moved = shard * ADAM_BYTES["sharded"] + params * ADAM_BYTES["zero_grads"]
     if t.precision != "fp32":
         moved += params * ADAM_BYTES["copy_16bit"]

@@ -63,11 +63,14 @@ def plan_dict(plan: Plan, top: int) -> dict:
 
 
 _LAYOUT = (
-    f"{'#':>3} {'tp':>3} {'pp':>3} {'sched':<5} {'dp':>4} {'mb':>3} {'m':>4} {'recompute':<9} "
-    f"{'sp':<3} {'dopt':<4}"
+    f"{'#':>3} {'tp':>3} {'cp':<6} {'pp':>3} {'sched':<5} {'dp':>4} {'mb':>3} {'m':>4} "
+    f"{'recompute':<9} {'sp':<3} {'dopt':<4}"
 )
 _MEMORY = f"{'weight':>6} {'grad':>5} {'optim':>5} {'activ':>5} {'total':>5}"
-_TIME = f"{'compute':>7} {'tp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6} {'optim':>6} {'step':>7}"
+_TIME = (
+    f"{'compute':>7} {'tp':>6} {'cp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6} {'optim':>6} "
+    f"{'step':>7}"
+)
 _HEADER = f"{_LAYOUT} | {_MEMORY} | {_TIME} | {'MFU':>5}"
 _GROUPS = (
     f"{'layout':<{len(_LAYOUT)}} | {'memory per GPU, GiB':<{len(_MEMORY)}} | "
@@ -82,11 +85,18 @@ def _schedule(layout) -> str:
     return f"vpp{layout.vpp}" if layout.vpp > 1 else layout.schedule
 
 
+def _context(layout) -> str:
+    """cp in the table: 1, or the size and its communication (p2p ring, ag: all-gather)."""
+    if layout.cp == 1:
+        return "1"
+    return f"{layout.cp} {'ag' if layout.cp_comm == 'allgather' else layout.cp_comm}"
+
+
 def _row(rank: int, e: Estimate) -> str:
     layout, mem, time = e.layout, e.memory, e.time
     flag = {True: "yes", False: "no"}
     return (
-        f"{rank:>3} {layout.tp:>3} {layout.pp:>3} {_schedule(layout):<5} "
+        f"{rank:>3} {layout.tp:>3} {_context(layout):<6} {layout.pp:>3} {_schedule(layout):<5} "
         f"{layout.dp:>4} {layout.micro_batch:>3} {e.notes['microbatches']:>4} "
         f"{layout.recompute:<9} {flag[layout.sequence_parallel]:<3} "
         f"{flag[layout.distributed_optimizer]:<4} | "
@@ -97,7 +107,7 @@ def _row(rank: int, e: Estimate) -> str:
         + " | "
         + " ".join(
             f"{time[k]:>{w}.3f}"
-            for k, w in zip((*TIME_PARTS, "total"), (7, 6, 6, 6, 6, 6, 7), strict=True)
+            for k, w in zip((*TIME_PARTS, "total"), (7, 6, 6, 6, 6, 6, 6, 7), strict=True)
         )
         + f" | {e.mfu:>5.1%}"
     )
@@ -123,7 +133,8 @@ def format_plan(plan: Plan, top: int) -> str:
             _HEADER,
             *(_row(i + 1, e) for i, e in enumerate(plan.ranked[:top])),
             "",
-            "m: microbatches per iteration; memory: the fullest pipeline stage",
+            "m: microbatches per iteration; memory: the fullest pipeline stage; cp: context "
+            "parallel size and its attention's communication (p2p ring, ag all-gather)",
             "to run #1: megatrain run --config <config> "
             + " ".join(plan.ranked[0].layout.overrides()),
         ]

@@ -1,8 +1,10 @@
 """Every layout of a config on a number of GPUs, ranked by predicted step time.
 
-A layout is tp x pp x dp = the GPUs, a virtual pipeline size (interleaving), a micro batch
-size, a recompute mode, sequence parallelism (tp > 1) and the distributed optimizer
-(dp > 1).  Each candidate goes through megatrain.config.validate, the check `megatrain run`
+A layout is tp x cp x pp x dp = the GPUs, a virtual pipeline size (interleaving), a micro
+batch size, a recompute mode, sequence parallelism (tp > 1), the distributed optimizer
+(dp x cp > 1), and for context parallelism (cp: 1, 2, 4, ... dividing the GPUs; the
+sequence must cut into 2 x cp chunks) its attention's communication, "p2p" or
+"allgather".  Each candidate goes through megatrain.config.validate, the check `megatrain run`
 makes before starting workers, so the plan refuses exactly what a run would; the ones that
 pass are estimated (cost_model.py) and kept if the fullest stage leaves memory.HEADROOM of
 the GPU free.  What is refused is summed up by reason, with an example of each.
@@ -45,6 +47,11 @@ def _divisors(n: int, up_to: int | None = None) -> list[int]:
     return [d for d in range(1, (up_to or n) + 1) if n % d == 0]
 
 
+def _context_parallel_sizes(n: int) -> list[int]:
+    """1, 2, 4, ... dividing n: megatron-core's CP sizes (a ring of 2·cp balanced chunks)."""
+    return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
+
+
 def _reason(error: ConfigError) -> str:
     """A validation message with its numbers taken out, so equal reasons add up."""
     return re.sub(r"\d+", "N", str(error))
@@ -52,35 +59,49 @@ def _reason(error: ConfigError) -> str:
 
 def candidates(config: Config, gpus: int, global_batch: int):
     """(layout, None) for each layout to estimate, or (layout, ConfigError) for the
-    refused; a (tp, pp) the model cannot be split into is refused once, for micro batch 1."""
-    m = config.model
+    refused; a (tp, cp, pp) the model cannot be split into is refused once, for micro
+    batch 1."""
+    for layout, error, _ in _candidates(config, gpus, global_batch):
+        yield layout, error
+
+
+def _candidates(config: Config, gpus: int, global_batch: int):
+    """`candidates`, each with the config at its layout (None when refused)."""
     for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            base = Layout(tp=tp, pp=pp, dp=dp)
-            try:
-                validate(apply_layout(config, base, global_batch), gpus)
-            except ConfigError as e:
-                yield base, e
-                continue
-            per_replica = global_batch // dp
-            for mb in _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH)):
-                vpps = [1]
-                if pp > 1:
-                    vpps += [v for v in _divisors(m.num_layers // pp, MAX_VPP) if v > 1]
-                for vpp, schedule in _schedules(pp, vpps):
-                    for recompute in RECOMPUTE_CHOICES:
-                        for sp in (False, True) if tp > 1 else (False,):
-                            for distopt in (False, True) if dp > 1 else (False,):
-                                layout = Layout(
-                                    tp, pp, dp, vpp, mb, recompute, sp, distopt, schedule
-                                )
-                                try:
-                                    validate(apply_layout(config, layout, global_batch), gpus)
-                                except ConfigError as e:
-                                    yield layout, e
-                                    continue
-                                yield layout, None
+        for cp in _context_parallel_sizes(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                for comm in ("p2p", "allgather") if cp > 1 else ("p2p",):
+                    yield from _layouts_of(config, gpus, global_batch, tp, cp, pp, comm)
+
+
+def _layouts_of(config: Config, gpus: int, global_batch: int, tp: int, cp: int, pp: int, comm):
+    """`candidates` at one tp, cp, pp and CP communication."""
+    dp = gpus // (tp * cp * pp)
+    base = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm)
+    try:
+        validate(apply_layout(config, base, global_batch), gpus)
+    except ConfigError as e:
+        yield base, e, None
+        return
+    per_replica = global_batch // dp
+    for mb in _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH)):
+        vpps = [1]
+        if pp > 1:
+            vpps += [v for v in _divisors(config.model.num_layers // pp, MAX_VPP) if v > 1]
+        for vpp, schedule in _schedules(pp, vpps):
+            for recompute in RECOMPUTE_CHOICES:
+                for sp in (False, True) if tp > 1 else (False,):
+                    for distopt in (False, True) if dp * cp > 1 else (False,):
+                        layout = Layout(
+                            tp, pp, dp, vpp, mb, recompute, sp, distopt, schedule, cp, comm
+                        )
+                        config_at = apply_layout(config, layout, global_batch)
+                        try:
+                            validate(config_at, gpus)
+                        except ConfigError as e:
+                            yield layout, e, None
+                            continue
+                        yield layout, None, config_at
 
 
 def _schedules(pp: int, vpps: list[int]) -> list[tuple[int, str]]:
@@ -104,16 +125,20 @@ def plan(
     result = Plan(config, gpu, profile, gpus, global_batch, vocab_size, ranked=[])
     usable = (1 - HEADROOM) * gpu.memory_bytes
     nearest: dict = {}
-    for layout, error in candidates(config, gpus, global_batch):
+    for layout, error, config_at in _candidates(config, gpus, global_batch):
         result.enumerated += 1
         if error is None:
-            e = estimate(config, layout, gpu, profile, vocab_size, global_batch)
-            if e.fits:
-                result.ranked.append(e)
+            # Memory first: the step time only of the layouts that fit (at long sequences
+            # most do not).
+            memory = memory_per_gpu(config_at, vocab_size, layout.dp)
+            if memory["total"] <= usable:
+                result.ranked.append(
+                    estimate(config, layout, gpu, profile, vocab_size, global_batch)
+                )
                 continue
             reason = OUT_OF_MEMORY
-            if reason not in nearest or e.memory["total"] < nearest[reason].memory["total"]:
-                nearest[reason] = e
+            if reason not in nearest or memory["total"] < nearest[reason][1]["total"]:
+                nearest[reason] = (layout, memory)
         else:
             reason = _reason(error)
         entry = result.rejected.setdefault(reason, {"count": 0, "example": ""})
@@ -121,10 +146,10 @@ def plan(
         if error is not None and not entry["example"]:
             entry["example"] = f"{layout.describe()}: {error}"
     if OUT_OF_MEMORY in nearest:
-        e = nearest[OUT_OF_MEMORY]
+        layout, memory = nearest[OUT_OF_MEMORY]
         result.rejected[OUT_OF_MEMORY]["example"] = (
-            f"the nearest, {e.layout.describe()}, needs {e.memory['total'] / GIB:.1f} GiB on "
-            f"stage {e.memory['stage']}; {usable / GIB:.1f} GiB usable "
+            f"the nearest, {layout.describe()}, needs {memory['total'] / GIB:.1f} GiB on "
+            f"stage {memory['stage']}; {usable / GIB:.1f} GiB usable "
             f"({1 - HEADROOM:.0%} of {gpu.memory_gib:g})"
         )
     result.ranked.sort(key=lambda e: e.time["total"])
