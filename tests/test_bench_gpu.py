@@ -60,7 +60,10 @@ def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_r
     # Ours again with packed documents (SDPA's document mask here, FlexAttention on CUDA).
     packed = record["megatrain-packed"]
     assert "skipped" not in packed, packed.get("reason")
-    assert packed["batches_checked"] == 3 and packed["losses"] != record["megatrain"]["losses"]
+    # Its documents are longer than the benchmark's sequences: near ours, on the same batches.
+    assert (
+        packed["batches_checked"] == 3 and packed["loss_check"]["max_abs_diff_vs_megatrain"] < 0.1
+    )
     # The profiled step names the SDPA backend that ran and the share of the step in matmuls
     # and attention: here the math one (the CPU's flash kernel takes no dropout; the config's
     # is 0.1), whose products count as matmuls.
