@@ -24,6 +24,7 @@ else:  # pragma: no cover
 # megacore.pipeline_parallel.SCHEDULES, named here so reading a config needs no torch (a
 # test holds the two equal).
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+DATA_PARALLEL_SHARDINGS = ("none", "optimizer", "full")
 
 
 class ConfigError(ValueError):
@@ -108,6 +109,16 @@ class ParallelConfig:
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     sequence_parallel: bool = False
+    # What data parallelism shards (issue 47): "none" (every DP rank holds the whole model
+    # piece and its optimizer state), "optimizer" (ZeRO-1, Megatron's distributed optimizer;
+    # `use_distributed_optimizer = true` is its alias) or "full" (ZeRO-3: parameters,
+    # gradients and optimizer state, through torch's FSDP2 `fully_shard` per transformer layer
+    # and per chunk, over the DP x CP group).
+    data_parallel_sharding: str = "none"
+    # "full" only: free each layer's gathered parameters after its forward (ZeRO-3) or keep
+    # them until its backward (ZeRO-2 in memory); None = the layout's (off under pipeline
+    # parallelism, as torchtitan, where microbatches' forwards and backwards interleave).
+    reshard_after_forward: bool | None = None
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     # Leave the distributed optimizer's parameter all-gather running into the next forward.
@@ -287,6 +298,7 @@ CHOICES = {
     ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("training", "precision"): ("fp32", "bf16", "fp16", "fp8"),
     ("parallel", "cp_comm_type"): ("p2p", "allgather"),
+    ("parallel", "data_parallel_sharding"): DATA_PARALLEL_SHARDINGS,
 }
 
 
@@ -529,6 +541,93 @@ def _check_cuda_graphs(config: Config) -> None:
     )
 
 
+def _check_data_parallel_sharding(config: Config) -> None:
+    """parallel.data_parallel_sharding: "optimizer" and use_distributed_optimizer are one
+    switch (each sets the other here); "full" (torch's FSDP2) refuses what it cannot serve
+    yet, naming what to use instead."""
+    p, t = config.parallel, config.training
+    sharding = p.data_parallel_sharding
+    _need(
+        sharding in DATA_PARALLEL_SHARDINGS,
+        f"parallel.data_parallel_sharding must be one of {DATA_PARALLEL_SHARDINGS}, got "
+        f"{sharding!r}",
+    )
+    if sharding != "full":
+        _need(
+            p.reshard_after_forward is None,
+            "parallel.reshard_after_forward is for parallel.data_parallel_sharding = 'full' "
+            f"(FSDP), not {sharding!r}: leave it unset",
+        )
+        if p.use_distributed_optimizer or sharding == "optimizer":
+            p.use_distributed_optimizer, p.data_parallel_sharding = True, "optimizer"
+        return
+    why = "parallel.data_parallel_sharding = 'full'"
+    _need(
+        not p.use_distributed_optimizer,
+        f"{why} with parallel.use_distributed_optimizer = true: that is the 'optimizer' "
+        "sharding (ZeRO-1); 'full' shards the optimizer state already: drop "
+        "use_distributed_optimizer",
+    )
+    _need(
+        not (p.reshard_after_forward and p.pipeline_model_parallel_size > 1),
+        f"{why} with parallel.reshard_after_forward = true at pipeline_model_parallel_size "
+        f"{p.pipeline_model_parallel_size}: a pipeline schedule runs a layer's forward and "
+        "backward for several microbatches in turn, and would gather its parameters again "
+        "for each; leave parallel.reshard_after_forward unset (off under pipelining)",
+    )
+    refusals = [
+        (
+            t.cuda_graphs,
+            "training.cuda_graphs = true: FSDP's parameter all-gathers and gradient "
+            "reduce-scatters run from Python hooks, which a replayed graph does not run; set "
+            "training.cuda_graphs = false, or use data_parallel_sharding = 'optimizer'",
+        ),
+        (
+            t.precision == "fp16",
+            "training.precision = 'fp16': the loss scaler's inf/nan check over FSDP's sharded "
+            "gradients is not built; use training.precision = 'bf16' (no loss scale), or "
+            "data_parallel_sharding = 'optimizer' for fp16",
+        ),
+        (
+            t.precision == "fp8",
+            "training.precision = 'fp8': float8 GEMMs under FSDP (and float8 all-gathers) are "
+            "not proven here; use training.precision = 'bf16', or data_parallel_sharding = "
+            "'optimizer' for fp8",
+        ),
+        (
+            p.pipeline_schedule == "zb-h1",
+            "parallel.pipeline_schedule = 'zb-h1': FSDP reduce-scatters a layer's gradients "
+            "when its backward ends, before ZB-H1's deferred weight-gradient (W) steps run; use "
+            "pipeline_schedule = '1f1b' (or 'interleaved'), or data_parallel_sharding = "
+            "'optimizer' with zb-h1",
+        ),
+        (
+            t.gradient_accumulation_fusion,
+            "training.gradient_accumulation_fusion = true: the fused GEMMs add into megacore "
+            "DDP's main_grad buffer, which FSDP's sharded gradients replace; set "
+            "training.gradient_accumulation_fusion = false",
+        ),
+        (
+            t.compile,
+            "training.compile = true: compiled layers under FSDP are not proven here; set "
+            "training.compile = false, or use data_parallel_sharding = 'optimizer'",
+        ),
+        (
+            p.overlap_param_gather,
+            "parallel.overlap_param_gather = true: that overlaps the distributed optimizer's "
+            "all-gather; FSDP prefetches each layer's parameters itself: drop it",
+        ),
+        (
+            config.checkpoint.save is not None or config.checkpoint.load is not None,
+            "checkpoint.save or checkpoint.load: checkpoints of FSDP's sharded parameters are "
+            "not built yet; train without checkpoints, or use data_parallel_sharding = "
+            "'optimizer' (its checkpoints load at any layout)",
+        ),
+    ]
+    for refused, message in refusals:
+        _need(not refused, f"{why} with {message}")
+
+
 def validate(config: Config, world_size: int | None = None) -> int:
     """Check every size the layout depends on; return the data-parallel size.
 
@@ -578,6 +677,7 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "layer's backward cannot hand its weight gradients to the data-parallel buffer's "
         "hook; turn one of them off",
     )
+    _check_data_parallel_sharding(config)
     if t.cuda_graphs:
         _check_cuda_graphs(config)
     if t.precision == "fp8":

@@ -6,17 +6,20 @@ stages), never by reading or changing process-group globals.  This module builds
 chunks for a layout (`build_chunks`) and changes built chunks in place: activation
 recompute (`apply_recompute`), context parallelism (`apply_context_parallel`, with
 `split_batch_for_context_parallel` for the batch), float8 GEMMs (`apply_float8`), torch.compile
-(`apply_compile`) and CUDA graphs (`apply_cuda_graphs`), in the spirit of
+(`apply_compile`), CUDA graphs (`apply_cuda_graphs`) and fully sharded data parallelism
+through torch's FSDP2 (`apply_fsdp`), in the spirit of
 torchtitan's `parallelize_*` functions.  The tensor-parallel layers themselves are
 megacore's Megatron layers (column/row-parallel linear, vocabulary-parallel embedding),
 which take their groups from megacore's process-group state.
 """
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch.cuda import make_graphed_callables
 
 from megacore import parallel_state, pipeline_parallel
@@ -325,3 +328,82 @@ def _graphed_layer_forward(layer, graphed, fused: list):
         return graphed(x) if mask is None else graphed(x, mask)
 
     return forward
+
+
+def apply_fsdp(
+    chunk,
+    group,
+    param_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    *,
+    sum_then_divide: bool = True,
+):
+    """Fully shard `chunk` over the data-parallel process group `group` with torch's FSDP2
+    (`parallel.data_parallel_sharding = "full"`), as torchtitan does: `fully_shard` on each
+    transformer layer, then on the chunk itself (its embeddings, final norm and output
+    layer, kept together so that tied embeddings stay one parameter); returns the chunk.
+
+    - The mesh is the existing group (`DeviceMesh.from_group`): no new global group.
+    - Megatron's tensor-parallel layers stay plain tensors: each rank's TP shard is what
+      FSDP shards again, along dim 0, over `group` (megatron-core's torch-FSDP2 path).
+    - The parameters FSDP keeps are fp32 (the masters, sharded); with `param_dtype` bf16 the
+      `MixedPrecisionPolicy` gathers them as bf16 for compute and reduces gradients in fp32.
+    - Gradients are summed and then divided by the group's size (`sum_then_divide`): FSDP's
+      own choice there is ReduceOp.AVG, which gloo does not honour (pytorch#162338: silently
+      wrong gradients); NCCL's SUM with a division costs one scale of the shard.
+      `sum_then_divide=False` is FSDP's default, kept for the test that shows the trap.
+    - `reshard_after_forward`: the layers free their gathered parameters after the forward
+      (ZeRO-3) or keep them for the backward (ZeRO-2 in memory); the chunk's own parameters
+      (embeddings, output layer: needed first in the backward) are kept, as torchtitan.
+    - The marks megacore reads off parameters (`tensor_model_parallel`, `sequence_parallel`,
+      `shared_embedding`, ...) move onto FSDP's sharded parameters.
+    - Microbatches accumulate without communication: `chunk.no_sync()` (which the pipeline
+      schedules call) turns FSDP's gradient sync off, so the last microbatch's backward
+      reduce-scatters the step's gradients once.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, next(chunk.parameters()).device.type)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        reduce_dtype=torch.float32,
+    )
+    marks = {
+        (module, name): dict(vars(p))
+        for module in chunk.modules()
+        for name, p in module.named_parameters(recurse=False)
+        if vars(p)
+    }
+    with torch.no_grad():
+        for p in chunk.parameters():
+            p.data = p.data.float()
+    units = [
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        for layer in chunk.layers.values()
+    ]
+    units.append(fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=False))
+    for (module, name), values in marks.items():
+        for key, value in values.items():
+            setattr(getattr(module, name), key, value)
+    if sum_then_divide:
+        size = float(dist.get_world_size(group))
+        for unit in units:
+            unit.set_gradient_divide_factor(size)
+            unit.set_force_sum_reduction_for_comms(True)
+    # The chunk's output (the loss per token, a view) meets no in-place op: the schedules
+    # divide it out of place and free a sent activation by swapping its storage.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    chunk.no_sync = partial(_fsdp_no_sync, chunk)
+    chunk.fully_sharded_group = group  # for the optimizer's gradient norm
+    return chunk
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(chunk):
+    """Gradients accumulate unreduced inside (every microbatch but the last)."""
+    chunk.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        chunk.set_requires_gradient_sync(True)

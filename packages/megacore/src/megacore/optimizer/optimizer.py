@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megacore import parallel_state as ps
 from megacore.distributed import DistributedDataParallel
@@ -100,13 +101,19 @@ class Shard:
     def model_grad(self) -> torch.Tensor | None:
         grad = getattr(self.param, "main_grad", None)
         grad = self.param.grad if grad is None else grad
-        return None if grad is None else grad.view(-1)[self.start : self.end]
+        return None if grad is None else _local(grad).view(-1)[self.start : self.end]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded parameters and gradients: this data-parallel
+    rank's rows of its TP shard), sharing its storage; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _make_shard(param: nn.Parameter, start: int, end: int) -> Shard:
-    if not param.is_contiguous():
+    if not _local(param.detach()).is_contiguous():
         raise ValueError(f"optimizer: parameter of shape {tuple(param.shape)} is not contiguous")
-    view = param.detach().view(-1)[start:end]
+    view = _local(param.detach()).view(-1)[start:end]
     master = view.clone().float() if param.dtype != torch.float32 else view
     # The marks gradient clipping reads to count every element of the model once.
     master.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
@@ -139,7 +146,11 @@ class MegatronOptimizer:
 
     `model_chunks`: this rank's model chunks (one per virtual pipeline stage),
     wrapped in `DistributedDataParallel` when gradients are averaged over data
-    parallel ranks (required for `use_distributed_optimizer`).
+    parallel ranks (required for `use_distributed_optimizer`), or fully sharded by
+    torch's FSDP2 (ZeRO-3): then each fp32 parameter is a DTensor whose local shard is
+    the master itself (updated in place; FSDP gathers it for the next forward), its
+    gradient the local shard of the reduce-scattered gradient, and the norm sums over
+    the FSDP mesh's group too, where each element lives on one rank.
     """
 
     def __init__(self, config: OptimizerConfig, model_chunks: Sequence[nn.Module]):
@@ -156,7 +167,11 @@ class MegatronOptimizer:
                 for r in chunk.local_shard_ranges()
             ]
         else:
-            self.shards = [_make_shard(p, 0, p.numel()) for p in _unique_params(self.model_chunks)]
+            self.shards = [
+                _make_shard(p, 0, _local(p).numel()) for p in _unique_params(self.model_chunks)
+            ]
+        # FSDP2's data-parallel groups (DTensor parameters: each rank holds a piece).
+        self.fully_sharded_groups = _fully_sharded_groups(self.model_chunks, self.shards)
         self._check_dtypes()
         low = torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else None
         if low is not None and self.shards:
@@ -364,7 +379,7 @@ class MegatronOptimizer:
         groups = [ps.get_model_parallel_group()]
         if self.sharded:
             groups += list(dict.fromkeys(c.group for c in self.ddp_chunks))
-        return groups
+        return groups + self.fully_sharded_groups
 
     def _unscale_check_and_norm(
         self, grads: list[torch.Tensor], groups: list
@@ -510,6 +525,24 @@ class MegatronOptimizer:
         if self.grad_scaler:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         self.num_skipped_steps = int(state["num_skipped_steps"])
+
+
+def _fully_sharded_groups(chunks: Sequence[nn.Module], shards: list[Shard]) -> list:
+    """The process groups FSDP2 shards `chunks` over: each chunk's `fully_sharded_group` (set
+    by whoever sharded it, megatrain's `apply_fsdp`), else its DTensor parameters' mesh's.
+
+    The group object is taken as given: `DeviceMesh.get_group()` looks a group up by name
+    and may hand back another Python object for the same group (seen after process groups
+    were made again in one process), which would count the group twice in the norm."""
+    groups = []
+    for chunk in chunks:
+        params = [s.param for s in shards if isinstance(s.param, DTensor)]
+        group = getattr(chunk, "fully_sharded_group", None)
+        if group is None and params:
+            group = params[0].device_mesh.get_group()
+        if group is not None and all(g is not group for g in groups):
+            groups.append(group)
+    return groups
 
 
 def _check_wrapped_for_sharding(chunk: nn.Module, index: int) -> None:

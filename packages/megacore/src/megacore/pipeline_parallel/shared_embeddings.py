@@ -15,6 +15,7 @@ from torch import nn
 
 from megacore import parallel_state as ps
 from megacore.tensor_parallel import sync_sequence_parallel_grads
+from megacore.tensor_parallel.layers import local_tensor
 
 
 def _shared(model_chunks: list[nn.Module]) -> list[nn.Parameter]:
@@ -65,7 +66,8 @@ def allreduce_shared_embedding_grads(model_chunks: list[nn.Module]) -> None:
         grad = p.grad if grad is None else grad
         if grad is None:
             grad = p.grad = torch.zeros_like(p)
-        dist.all_reduce(grad, group=ps.get_embedding_group())
+        # FSDP2: both copies are sharded alike over DP; the stages sum their local shards.
+        dist.all_reduce(local_tensor(grad), group=ps.get_embedding_group())
 
 
 def finalize_model_grads(model_chunks: list[nn.Module]) -> None:

@@ -351,6 +351,13 @@ class VocabParallelEmbedding(nn.Module):
         )
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded gradients), sharing its storage; any other
+    tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def sync_sequence_parallel_grads(module: nn.Module) -> None:
     """All-reduce over TP the gradients of parameters marked `sequence_parallel`.
 
@@ -368,7 +375,9 @@ def sync_sequence_parallel_grads(module: nn.Module) -> None:
         for p in module.parameters()
         if getattr(p, "sequence_parallel", False)
     ]
-    grads = [g for g in grads if g is not None]
+    # FSDP2's gradients are DTensors: their local shards, laid out alike on every TP rank (the
+    # parameters have one shape there), are what the TP ranks sum, after the DP reduction.
+    grads = [local_tensor(g) for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -148,6 +148,7 @@ def _config(meta: dict, task, settings: Settings, rows: tuple, train_size: int) 
     p.virtual_pipeline_model_parallel_size = p.data_parallel_size = None
     p.sequence_parallel = p.distribute_saved_activations = False
     p.use_distributed_optimizer = p.overlap_param_gather = False
+    p.data_parallel_sharding, p.reshard_after_forward = "none", None
     per_example = tasks_lib.CHOICES if task.head == "choice" else 1
     t.seq_length = settings.max_seq_length or task.max_seq_length
     # The pipeline's messages are counted in sequences: a RACE example is 4 of them.

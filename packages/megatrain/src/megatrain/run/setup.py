@@ -20,7 +20,7 @@ from megatrain.data.blend import BlendedBatches, OpenBlend, open_run_blend
 from megatrain.data.samples import GPTBatches, PackedDocuments
 from megatrain.models import build_model_chunks, model_config
 from megatrain.models.transformer import TransformerConfig
-from megatrain.parallelize import apply_compile, apply_float8
+from megatrain.parallelize import apply_compile, apply_float8, apply_fsdp
 
 # fp8 keeps bf16 parameters and activations; the layers' GEMMs run in float8.
 PRECISION_DTYPES = {
@@ -86,31 +86,47 @@ def batches_for(config: Config, data: "OpenBlend", dp: int):
     return BlendedBatches(data.entries, sources, **batch, **rank)
 
 
+def _reshard_after_forward(p) -> bool:
+    """FSDP's reshard_after_forward: as configured, else off under pipeline parallelism."""
+    if p.reshard_after_forward is not None:
+        return p.reshard_after_forward
+    return p.pipeline_model_parallel_size == 1
+
+
+def _ddp(chunk, config: Config, dtype: torch.dtype, group) -> DistributedDataParallel:
+    """`chunk` in megacore's DDP (the distributed optimizer's buffers with "optimizer")."""
+    p, t = config.parallel, config.training
+    return DistributedDataParallel(
+        chunk,
+        grad_reduce_in_fp32=dtype != torch.float32,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        overlap_param_gather=p.overlap_param_gather,
+        bucket_size=p.bucket_size,
+        gradient_accumulation_fusion=t.gradient_accumulation_fusion,
+        data_parallel_group=group,
+    )
+
+
 def prepare_training(
     config: Config, chunks: list, dtype: torch.dtype
 ) -> tuple[list, MegatronOptimizer]:
     """Model chunks ready to train as `config` says: compiled if asked, wrapped in megacore's
-    DDP (or the distributed optimizer's buffers), the tensor-parallel dropout seeds set, and
-    the optimizer over them.  Shared by pretraining and fine-tuning (megaeval)."""
+    DDP (or the distributed optimizer's buffers), or fully sharded by FSDP2
+    (`data_parallel_sharding = "full"`: fp32 sharded parameters, which the optimizer updates
+    in place), the tensor-parallel dropout seeds set, and the optimizer over them.  Shared by
+    pretraining and fine-tuning (megaeval)."""
     p, t, o = config.parallel, config.training, config.optimizer
     if t.precision == "fp8":
         chunks = [apply_float8(c, tp.Float8Recipe(emulate=t.fp8_emulate)) for c in chunks]
     if t.compile:
         chunks = [apply_compile(c) for c in chunks]
-    chunks = [
-        DistributedDataParallel(
-            c,
-            grad_reduce_in_fp32=dtype != torch.float32,
-            overlap_grad_reduce=p.overlap_grad_reduce,
-            use_distributed_optimizer=p.use_distributed_optimizer,
-            overlap_param_gather=p.overlap_param_gather,
-            bucket_size=p.bucket_size,
-            gradient_accumulation_fusion=t.gradient_accumulation_fusion,
-            # Context-parallel ranks hold the whole model too: their gradients are summed.
-            data_parallel_group=ps.get_data_parallel_group(with_context_parallel=True),
-        )
-        for c in chunks
-    ]
+    # Context-parallel ranks hold the whole model too: their gradients are summed.
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    if p.data_parallel_sharding == "full":
+        chunks = [apply_fsdp(c, dp_group, dtype, _reshard_after_forward(p)) for c in chunks]
+    else:
+        chunks = [_ddp(c, config, dtype, dp_group) for c in chunks]
     # Dropout masks: the same on the TP ranks of a stage, different between stages.
     seed = t.seed + 100 * ps.get_pipeline_model_parallel_rank()
     tp.model_parallel_manual_seed(seed)

@@ -1,0 +1,212 @@
+"""Fully sharded data parallelism (parallel.data_parallel_sharding = "full", torch's FSDP2):
+every layout takes the one-process steps, for GPT-2, Llama and BERT.
+
+One 1-rank spawn trains the references (fp32 and bf16); one 4-rank spawn trains the layouts:
+dp 4 (ZeRO-3 and ZeRO-2), tp 2 x dp 2 with sequence parallelism, pp 2 x dp 2 under 1F1B
+(tied embeddings over the stages) and interleaved, selective and full recompute, bf16, each
+with 2-4 microbatches a step (the reduce-scatter once a step) and clipping active (the norm
+over the shards).  Every rank runs under the NCCL-semantics checker, and every layout runs
+with gloo's ReduceOp.AVG turned into a silent SUM, the bug of pytorch#162338 (torch 2.13's
+gloo averages correctly; the trap is put back on purpose): the layouts still equal one
+process because our reduce-scatters never ask for AVG, and a negative control with FSDP's
+own reduction (AVG) comes out wrong and is caught by the same comparison."""
+
+import pytest
+
+from megacore.testing import run_distributed
+from megatrain.config import ConfigError, load_config, validate
+from megatrain.run.loop import train
+from megatrain.testing import (
+    QUIET_LOGGING,
+    TINY_MODEL,
+    assert_same_steps,
+    english_texts,
+    write_bert_text_corpus,
+    write_counting_corpus,
+)
+
+VOCAB = 200
+STEPS = 3
+FP32_TOL = 2e-5
+BF16_TOL = 2e-2
+COMMON = [
+    *TINY_MODEL,
+    *QUIET_LOGGING,
+    "training.micro_batch_size=1",
+    "training.global_batch_size=8",
+    f"training.train_iters={STEPS}",
+    f"training.eval_interval={STEPS}",
+    "training.eval_iters=1",
+    "optimizer.lr=0.003",
+    "optimizer.lr_warmup_iters=1",
+    "optimizer.clip_grad=0.5",  # below every step's norm: clipping acts on each
+]
+MODELS = {
+    "gpt": ["training.seq_length=16"],
+    "llama": [
+        "training.seq_length=16",
+        'model.kind="llama"',
+        "model.num_query_groups=2",
+        "model.normalization='rmsnorm'",
+        "model.position_embedding_type='rope'",
+    ],
+    "bert": ['model.kind="bert"', "training.seq_length=32"],
+}
+FULL = ['parallel.data_parallel_sharding="full"']
+TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+PP2 = ["parallel.pipeline_model_parallel_size=2"]
+VPP2 = [*PP2, "parallel.virtual_pipeline_model_parallel_size=2"]
+BF16 = ['training.precision="bf16"']
+# name: (model, bf16, overrides); 4 ranks each (dp fills the rest).
+LAYOUTS = {
+    "gpt-dp4": ("gpt", False, FULL),
+    "gpt-dp4-zero2": ("gpt", False, [*FULL, "parallel.reshard_after_forward=false"]),
+    "gpt-tp2-seqpar-dp2-selective": ("gpt", False, [*FULL, *TP2_SP, 'model.recompute="selective"']),
+    "gpt-pp2-dp2-1f1b-full": ("gpt", False, [*FULL, *PP2, 'model.recompute="full"']),
+    "gpt-dp4-bf16": ("gpt", True, [*FULL, *BF16]),
+    "llama-pp2-vpp2-dp2": ("llama", False, [*FULL, *VPP2]),
+    "llama-tp2-seqpar-dp2-full-bf16": (
+        "llama", True, [*FULL, *TP2_SP, 'model.recompute="full"', *BF16]),
+    "bert-tp2-dp2": ("bert", False, [*FULL, "parallel.tensor_model_parallel_size=2"]),
+    "bert-pp2-dp2": ("bert", False, [*FULL, *PP2]),
+}  # fmt: skip
+REFERENCES = sorted({(model, bf16) for model, bf16, _ in LAYOUTS.values()})
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    gpt = write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB)
+    bert = tmp_path_factory.mktemp("bert-corpus")
+    write_bert_text_corpus(bert, english_texts(), vocab_size=1000)
+    return {"gpt": str(gpt), "llama": str(gpt), "bert": str(bert)}
+
+
+def _config(corpora, out, model, bf16, overrides=()):
+    return load_config(
+        None,
+        [
+            f"data.corpus={corpora[model]!r}",
+            f"training.output_dir={out!r}",
+            *COMMON,
+            *MODELS[model],
+            *(BF16 if bf16 else []),
+            *overrides,
+        ],
+    )
+
+
+def _references(corpora, out):
+    return {
+        (model, bf16): train(_config(corpora, f"{out}/{model}-{bf16}", model, bf16))
+        for model, bf16 in REFERENCES
+    }
+
+
+def _gloo_average_as_sum(seen: list):
+    """dist.reduce_scatter_single as pytorch#162338 found gloo: ReduceOp.AVG silently summed
+    (torch 2.13's gloo averages correctly; the trap is put back so the tests can see it).
+    Every op asked for goes into `seen`."""
+    import torch.distributed as dist
+
+    original = dist.reduce_scatter_single
+
+    def reduce_scatter_single(*args, op=dist.ReduceOp.SUM, **kwargs):
+        seen.append(op)
+        if op == dist.ReduceOp.AVG:
+            op = dist.ReduceOp.SUM
+        return original(*args, op=op, **kwargs)
+
+    dist.reduce_scatter_single = reduce_scatter_single
+    return original
+
+
+def _layouts(corpora, out):
+    import torch.distributed as dist
+
+    import megatrain.run.setup as setup
+    from megatrain.parallelize import apply_fsdp
+
+    seen: list = []
+    original = _gloo_average_as_sum(seen)
+    try:
+        runs = {
+            name: train(_config(corpora, f"{out}/{name}", model, bf16, o))
+            for name, (model, bf16, o) in LAYOUTS.items()
+        }
+        runs["ops"] = sorted({str(op) for op in seen})
+        # The negative control: FSDP's own reduction (ReduceOp.AVG) meets the trap.
+        seen.clear()
+        setup.apply_fsdp = lambda *args: apply_fsdp(*args, sum_then_divide=False)
+        runs["avg"] = train(_config(corpora, f"{out}/avg", "gpt", False, FULL))
+        runs["avg-ops"] = sorted({str(op) for op in seen})
+    finally:
+        setup.apply_fsdp = apply_fsdp
+        dist.reduce_scatter_single = original
+    return runs
+
+
+@pytest.fixture(scope="module")
+def references(corpora, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("fsdp-one"))
+    return run_distributed(_references, 1, args=(corpora, out), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(corpora, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("fsdp-layouts"))
+    return run_distributed(_layouts, 4, args=(corpora, out), timeout=500)[0]
+
+
+def test_every_fully_sharded_layout_equals_one_process(references, layouts):
+    for name, (model, bf16, _) in LAYOUTS.items():
+        reference = references[(model, bf16)]
+        # Clipping acted on every step, so the norm over the shards decided each update.
+        assert min(reference["grad_norm"]) > 0.5, (name, reference["grad_norm"])
+        assert_same_steps(layouts[name], reference, name, BF16_TOL if bf16 else FP32_TOL)
+
+
+def test_no_reliance_on_gloo_average_and_the_trap_is_caught(references, layouts):
+    """Every layout above ran with gloo's AVG turned into SUM (pytorch#162338's silent bug)
+    and still equals one process: our reduce-scatters ask for SUM and divide by the DP size.
+    FSDP's own choice, ReduceOp.AVG, under the same trap gives dp x the gradients, and the
+    comparison with one process sees it (the gradient norm)."""
+    assert layouts["ops"] == ["RedOpType.SUM"], layouts["ops"]
+    assert "RedOpType.AVG" in layouts["avg-ops"], layouts["avg-ops"]
+    with pytest.raises(AssertionError):
+        assert_same_steps(layouts["avg"], references[("gpt", False)], "avg", FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["training.cuda_graphs=true"],
+         r"training.cuda_graphs = true: .* use data_parallel_sharding = 'optimizer'"),
+        (['training.precision="fp16"'],
+         r"training.precision = 'fp16': .* use training.precision = 'bf16'"),
+        ([*PP2, 'parallel.pipeline_schedule="zb-h1"'],
+         r"parallel.pipeline_schedule = 'zb-h1': .* use pipeline_schedule = '1f1b'"),
+        (["training.gradient_accumulation_fusion=true"], "gradient_accumulation_fusion = false"),
+        (["parallel.use_distributed_optimizer=true"], "drop use_distributed_optimizer"),
+        ([*PP2, "parallel.reshard_after_forward=true"],
+         "leave parallel.reshard_after_forward unset"),
+        (["checkpoint.save='/tmp/x'"], "checkpoints of FSDP's sharded parameters are not built"),
+    ],
+)  # fmt: skip
+def test_bad_full_sharding_configs_refused_naming_the_field(overrides, pattern):
+    with pytest.raises(
+        ConfigError, match=r"parallel.data_parallel_sharding = 'full' with .*" + pattern
+    ):
+        validate(load_config(None, [*FULL, *overrides]), 8)
+
+
+def test_optimizer_sharding_is_the_distributed_optimizer():
+    config = load_config(None, ['parallel.data_parallel_sharding="optimizer"'])
+    validate(config, 8)
+    assert config.parallel.use_distributed_optimizer
+    config = load_config(None, ["parallel.use_distributed_optimizer=true"])
+    validate(config, 8)
+    assert config.parallel.data_parallel_sharding == "optimizer"
+    with pytest.raises(ConfigError, match=r"parallel\.reshard_after_forward is for"):
+        validate(load_config(None, ["parallel.reshard_after_forward=false"]), 8)
+    with pytest.raises(ConfigError, match="expected one of none, optimizer, full"):
+        load_config(None, ['parallel.data_parallel_sharding="zero3"'])
