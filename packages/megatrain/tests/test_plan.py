@@ -439,7 +439,7 @@ def _long_context_plan(name: str, gpus: int):
 def test_plan_answers_long_context_llama_with_context_parallelism(name, gpus):
     """Llama 3 8B at 32k and 128k tokens on 8 and 64 H100s: the plan searches cp beside tp, pp
     and dp (both CP communications) and its fastest layout splits the sequence; at 128k on
-    one node nothing without context parallelism fits."""
+    one node nothing without context parallelism fits the estimate."""
     result = _long_context_plan(name, gpus)
     best = result.ranked[0]
     assert best.layout.cp > 1 and best.layout.gpus == gpus and best.fits
@@ -447,7 +447,7 @@ def test_plan_answers_long_context_llama_with_context_parallelism(name, gpus):
     assert f"parallel.context_parallel_size={best.layout.cp}" in best.layout.overrides()
     assert {e.layout.cp_comm for e in result.ranked if e.layout.cp > 1} <= {"p2p", "allgather"}
     without = [e for e in result.ranked if e.layout.cp == 1]
-    if (name, gpus) == ("llama3-8b-128k", 8):  # 128k tokens of activations per replica
+    if (name, gpus) == ("llama3-8b-128k", 8):  # the estimate's s x s scores at cp 1 (docs)
         assert not without
     else:  # the layouts without CP that fit are ranked below
         assert without and without[0].time["total"] > best.time["total"]
