@@ -120,6 +120,44 @@ def _gloo_average_as_sum(seen: list):
     return original
 
 
+def _measured_bytes(config) -> dict:
+    """Bytes this layout's ranks hold in sharded weights, gradients (after a step's backward)
+    and Adam's moments (after its update), summed over the ranks; and the model's parameter
+    count."""
+    import torch
+    import torch.distributed as dist
+
+    from megacore import parallel_state as ps
+    from megatrain.run.distributed import init_distributed
+    from megatrain.run.setup import build_run
+    from megatrain.run.step import forward_backward, to_device
+
+    device, _ = init_distributed(60)
+    run = build_run(config, device)
+    try:
+        params = [p for c in run.chunks for p in c.parameters()]
+        micro = [to_device(next(run.train_data), device) for _ in range(run.num_microbatches)]
+        forward_backward(run, micro)
+        weights = sum(p.to_local().nbytes for p in params)
+        gradients = sum(p.grad.to_local().nbytes for p in params)
+        run.optimizer.step()
+        moments = sum(
+            state[k].nbytes
+            for state in run.optimizer.optimizer.state.values()
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+        totals = torch.tensor([weights, gradients, moments], dtype=torch.float64)
+        dist.all_reduce(totals)
+        names = ("weights", "gradients", "optimizer_state")
+        return {
+            **dict(zip(names, totals.tolist(), strict=True)),
+            "parameters": sum(p.numel() for p in params),
+            "dtypes": sorted({str(p.dtype) for p in params}),
+        }
+    finally:
+        ps.destroy_model_parallel()
+
+
 def _layouts(corpora, out):
     import torch.distributed as dist
 
@@ -142,6 +180,7 @@ def _layouts(corpora, out):
     finally:
         setup.apply_fsdp = apply_fsdp
         dist.reduce_scatter_single = original
+    runs["bytes"] = _measured_bytes(_config(corpora, f"{out}/bytes", "gpt", True, FULL))
     return runs
 
 
@@ -174,6 +213,24 @@ def test_no_reliance_on_gloo_average_and_the_trap_is_caught(references, layouts)
     assert "RedOpType.AVG" in layouts["avg-ops"], layouts["avg-ops"]
     with pytest.raises(AssertionError):
         assert_same_steps(layouts["avg"], references[("gpt", False)], "avg", FP32_TOL)
+
+
+def test_state_bytes_are_the_accounting_figures(layouts):
+    """dp 4 in bf16: every parameter once in fp32 over the four ranks, its fp32 gradient and
+    Adam's two moments: accounting's 16/d bytes per parameter on each rank (4 + 4 + 8 in all),
+    of the parameter count megatrain.memory plans with."""
+    from megatrain.accounting import state_bytes_per_parameter
+    from megatrain.memory import memory_breakdown
+
+    measured = layouts["bytes"]
+    assert measured["dtypes"] == ["torch.float32"]  # fp32 shards; bf16 only when gathered
+    config = _config({"gpt": "unused"}, "unused", "gpt", True, FULL)
+    planned = memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=4)
+    assert planned["parameters"] == measured["parameters"]
+    per_rank = state_bytes_per_parameter("bf16", False, 4, "full")
+    for part in ("weights", "gradients", "optimizer_state"):
+        assert measured[part] == 4 * per_rank[part] * measured["parameters"], part
+        assert planned[part] == per_rank[part] * measured["parameters"], part
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   matrices / tp, the replicated biases and LayerNorms whole;
   `accounting.parameters_per_gpu`) times the bytes per parameter of megacore's optimizer
   (`accounting.state_bytes_per_parameter`): fp32 16, fp16/bf16 18, the fp32 state
-  sharded over data parallelism under `use_distributed_optimizer`.
+  sharded over data parallelism under `use_distributed_optimizer`; under
+  `data_parallel_sharding = "full"` (FSDP2) 16/d, plus what FSDP gathers for compute
+  ("gathered": `accounting.fsdp_gathered_bytes`).
 - **Activations**: Korthikanti et al. 2022's bytes per layer per microbatch
   (`accounting.activations_per_layer`: none, selective, full) times the stage's layers
   times the microbatches in flight: under 1F1B stage 0 holds pp of them (interleaved:
@@ -48,6 +50,7 @@ from megatrain.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
     context_parallel_attention_per_layer,
+    fsdp_gathered_bytes,
     layer_parameters_per_rank,
     parameters_per_gpu,
     state_bytes_per_parameter,
@@ -94,8 +97,21 @@ def memory_breakdown(
     cfg = model_config(config, vocab_size)
     params = parameters_per_gpu(cfg, tp, pp, stage)
     # CP ranks hold whole replicas of the stage: the distributed optimizer shards over dp x cp.
-    held = state_bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp * cp)
+    full = p.data_parallel_sharding == "full"
+    held = state_bytes_per_parameter(
+        t.precision, p.use_distributed_optimizer, dp * cp, "full" if full else None
+    )
     held = {name: params * per_parameter for name, per_parameter in held.items()}
+    if full:  # what FSDP gathers for compute (and accumulates unsharded), on top
+        reshard = p.reshard_after_forward
+        held["gathered"] = fsdp_gathered_bytes(
+            params,
+            layer_parameters_per_rank(cfg, tp),
+            cfg.num_layers // pp,
+            t.precision,
+            pp == 1 if reshard is None else reshard,
+            t.global_batch_size // (t.micro_batch_size * dp),
+        )
     state = sum(held.values())
 
     # The rank's tokens of each sequence: s / cp under context parallelism.
