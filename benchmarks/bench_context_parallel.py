@@ -7,9 +7,9 @@
 A small Llama (2 layers, hidden 1024, 8 heads sharing 2 key/value heads, SwiGLU of 2816,
 vocabulary 2048, fp32) trains on one sequence of 8192 tokens a step (micro = global batch
 1) at each context-parallel size (one process per CP rank, gloo, dp 1), for each `--comm`
-type and `--recompute` mode (by default the all-gather under selective recompute, three
-runs, about five minutes on a loaded 2-core machine; the full table, ten runs, 25 minutes on a loaded
-2-core machine): `build_run` and `train_step` as `megatrain run` does them, on a synthetic
+type and `--recompute` mode (by default the all-gather under selective recompute: three
+runs, about five minutes on a loaded 2-core machine; the full table, ten runs, 25 minutes
+there): `build_run` and `train_step` as `megatrain run` does them, on a synthetic
 corpus of random tokens.  Each rank measures its resident set (VmRSS) after building the
 run (model, gradient buffers, optimizer: so torch's import, the model and the corpus are
 the baseline), then the peak (VmHWM, reset before each step through /proc/self/clear_refs)
