@@ -617,12 +617,6 @@ def _check_data_parallel_sharding(config: Config) -> None:
             "parallel.overlap_param_gather = true: that overlaps the distributed optimizer's "
             "all-gather; FSDP prefetches each layer's parameters itself: drop it",
         ),
-        (
-            config.checkpoint.save is not None or config.checkpoint.load is not None,
-            "checkpoint.save or checkpoint.load: checkpoints of FSDP's sharded parameters are "
-            "not built yet; train without checkpoints, or use data_parallel_sharding = "
-            "'optimizer' (its checkpoints load at any layout)",
-        ),
     ]
     for refused, message in refusals:
         _need(not refused, f"{why} with {message}")
@@ -787,11 +781,15 @@ def validate(config: Config, world_size: int | None = None) -> int:
     if world_size is None:
         dp = p.data_parallel_size or 1
     else:
+        sizes = (
+            f"tensor_model_parallel_size x context_parallel_size x pipeline_model_parallel_size "
+            f"({tp} x {cp} x {pp})"
+            if cp > 1
+            else f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp})"
+        )
         _need(
             world_size % (tp * cp * pp) == 0,
-            f"the job has {world_size} processes, not divisible by "
-            f"parallel.tensor_model_parallel_size x context_parallel_size x "
-            f"pipeline_model_parallel_size ({tp} x {cp} x {pp})",
+            f"the job has {world_size} processes, not divisible by parallel.{sizes}",
         )
         dp = world_size // (tp * cp * pp)
         layout = f"tp {tp} x cp {cp} x pp {pp}" if cp > 1 else f"tp {tp} x pp {pp}"
