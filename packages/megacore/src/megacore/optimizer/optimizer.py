@@ -101,24 +101,49 @@ class Shard:
     def model_grad(self) -> torch.Tensor | None:
         grad = getattr(self.param, "main_grad", None)
         grad = self.param.grad if grad is None else grad
-        return None if grad is None else _local(grad).view(-1)[self.start : self.end]
+        if grad is None:
+            return None
+        if isinstance(grad, DTensor):  # FSDP2: the local shard is this shard, whole
+            return grad.to_local().view(-1)
+        return grad.view(-1)[self.start : self.end]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2's sharded parameters and gradients: this data-parallel
-    rank's rows of its TP shard), sharing its storage; any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _marked(master: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """The marks gradient clipping reads to count every element of the model once."""
+    master.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
+    master.shared_embedding = getattr(param, "shared_embedding", False)
+    return master
 
 
 def _make_shard(param: nn.Parameter, start: int, end: int) -> Shard:
-    if not _local(param.detach()).is_contiguous():
+    if not param.is_contiguous():
         raise ValueError(f"optimizer: parameter of shape {tuple(param.shape)} is not contiguous")
-    view = _local(param.detach()).view(-1)[start:end]
+    view = param.detach().view(-1)[start:end]
     master = view.clone().float() if param.dtype != torch.float32 else view
-    # The marks gradient clipping reads to count every element of the model once.
-    master.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
-    master.shared_embedding = getattr(param, "shared_embedding", False)
-    return Shard(param, start, end, master)
+    return Shard(param, start, end, _marked(master, param))
+
+
+def _fully_sharded_shard(param: nn.Parameter) -> Shard:
+    """FSDP2's fp32 DTensor parameter: its local rows are the master itself (no copy), at
+    their flat range [start, end) of the (TP-local) parameter; FSDP shards dim 0 as
+    torch.chunk does (ceil(rows / d) rows a rank, the last ranks fewer or none)."""
+    from torch.distributed.tensor import Shard as Placement
+
+    if param.placements != (Placement(0),) or param.dtype != torch.float32:
+        raise ValueError(
+            f"optimizer: a DTensor parameter of shape {tuple(param.shape)} is "
+            f"{param.dtype} with placements {param.placements}; FSDP2's fp32 parameters "
+            "sharded along dim 0 (fully_shard with a 1-D mesh) are what it takes"
+        )
+    local = param.detach().to_local()
+    if not local.is_contiguous():
+        raise ValueError(f"optimizer: parameter of shape {tuple(param.shape)} is not contiguous")
+    rows = param.shape[0]
+    per_rank = -(-rows // param.device_mesh.size())
+    first = min(rows, param.device_mesh.get_local_rank() * per_rank)
+    start = first * (param.numel() // rows) if rows else 0
+    master = local.view(-1)
+    return Shard(param, start, start + master.numel(), _marked(master, param))
 
 
 def _unique_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -168,7 +193,8 @@ class MegatronOptimizer:
             ]
         else:
             self.shards = [
-                _make_shard(p, 0, _local(p).numel()) for p in _unique_params(self.model_chunks)
+                _fully_sharded_shard(p) if isinstance(p, DTensor) else _make_shard(p, 0, p.numel())
+                for p in _unique_params(self.model_chunks)
             ]
         # FSDP2's data-parallel groups (DTensor parameters: each rank holds a piece).
         self.fully_sharded_groups = _fully_sharded_groups(self.model_chunks, self.shards)

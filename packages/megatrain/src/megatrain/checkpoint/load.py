@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from megacommon.progress import progress_bar
 from megacore import parallel_state as ps
@@ -268,8 +269,11 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
         )
     mesh = tp_mesh(run.device)
     params = named_params(run.chunks, loading=True)
+    # FSDP2's parameters (DTensors over DP) are their fp32 masters: the optimizer state's
+    # "master" (or the weights, for a checkpoint of weights only) fills them below.
+    plain = {n: (p.data, p) for n, p in params.items() if not isinstance(p, DTensor)}
     with torch.no_grad():
-        _load_into({n: (p.data, p) for n, p in params.items()}, "", directory / "model", mesh)
+        _load_into(plain, "", directory / "model", mesh)
     if not has_optimizer_state(meta):
         return _start_from_weights(run, params, directory, mesh, meta)
     run.optimizer.load_shard_state(

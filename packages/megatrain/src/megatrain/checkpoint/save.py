@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from megacommon.files import atomic_write_json
 from megacore import tensor_parallel as tp
@@ -73,6 +74,20 @@ def _rng_state() -> dict:
     return state
 
 
+def _range_boxes(shard, flat: torch.Tensor, mesh: DeviceMesh) -> list:
+    """A shard's flat tensor (its elements [start, end) of the TP-local parameter) as DCP
+    chunks: (offsets in the global tensor, a box of `flat`, sharing its memory)."""
+    _, tp_offsets = tp_place(shard.param, mesh)
+    boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
+    return [
+        (
+            [o + t for o, t in zip(offsets, tp_offsets, strict=True)],
+            own_storage(flat[a - shard.start : b - shard.start].view(sizes)),
+        )
+        for a, b, offsets, sizes in boxes
+    ]
+
+
 def _optimizer_pieces(run, params: dict, mesh: DeviceMesh) -> dict[str, Pieces]:
     """This rank's optimizer state as DCP should see it: "<name>/<state>" at the parameter's
     global shape, holding the boxes of this rank's ranges (views of the optimizer's own
@@ -82,24 +97,37 @@ def _optimizer_pieces(run, params: dict, mesh: DeviceMesh) -> dict[str, Pieces]:
     shapes = {}
     for shard, state in run.optimizer.shard_state():
         name = names.get(shard.param)
-        if name is None:
+        if name is None or shard.start == shard.end:  # FSDP: a rank may hold no rows
             continue
-        shape, tp_offsets = tp_place(shard.param, mesh)
-        boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
         for key in OPTIMIZER_STATES:
-            flat = state[key]
-            shapes[f"{name}/{key}"] = shape
-            pieces.setdefault(f"{name}/{key}", []).extend(
-                (
-                    [o + t for o, t in zip(offsets, tp_offsets, strict=True)],
-                    own_storage(flat[a - shard.start : b - shard.start].view(sizes)),
-                )
-                for a, b, offsets, sizes in boxes
-            )
+            shapes[f"{name}/{key}"] = tp_place(shard.param, mesh)[0]
+            pieces.setdefault(f"{name}/{key}", []).extend(_range_boxes(shard, state[key], mesh))
     return {
         key: Pieces(shapes[key], torch.float32, run.device, chunks)
         for key, chunks in pieces.items()
     }
+
+
+def _weights(run, params: dict, mesh: DeviceMesh) -> dict:
+    """The weights as DCP should see them, at their global shapes in the run's dtype: a TP
+    shard as a DTensor over TP, a replicated parameter as it is; a parameter FSDP2 shards
+    (a DTensor over DP, `data_parallel_sharding = "full"`) as the boxes of this rank's rows,
+    its fp32 master (in the run's dtype: a copy of the rank's rows only, when 16-bit).  The
+    same tensors every layout writes: nothing is gathered."""
+    names = {p: n for n, p in params.items()}
+    weights = {
+        n: global_tensor(own_storage(p.detach()), p, mesh)
+        for n, p in params.items()
+        if not isinstance(p, DTensor)
+    }
+    for shard in run.optimizer.shards:
+        name = names.get(shard.param)
+        if name is None or not isinstance(shard.param, DTensor) or shard.start == shard.end:
+            continue
+        flat = shard.master.detach().to(run.dtype)
+        chunks = _range_boxes(shard, flat, mesh)
+        weights[name] = Pieces(tp_place(shard.param, mesh)[0], run.dtype, run.device, chunks)
+    return weights
 
 
 def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
@@ -120,8 +148,7 @@ def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
         run.optimizer.finish_param_sync()
         mesh = tp_mesh(run.device)
         params = named_params(run.chunks)
-        weights = {n: global_tensor(own_storage(p.detach()), p, mesh) for n, p in params.items()}
-        dcp.save(weights, checkpoint_id=tmp / "model")
+        dcp.save(_weights(run, params, mesh), checkpoint_id=tmp / "model")
         dcp.save(_optimizer_pieces(run, params, mesh), checkpoint_id=tmp / "optimizer")
         torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
         dist.barrier()
