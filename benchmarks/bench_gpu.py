@@ -148,6 +148,13 @@ def parse_args() -> argparse.Namespace:
         "'megatrain-cuda-graphs'; recorded as skipped with the reason where it cannot run",
     )
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="ours once more with parallel.data_parallel_sharding='full' (torch's FSDP2 over "
+        "the one rank: fp32 shards gathered as bf16, the cost beside the plain step) as "
+        "'megatrain-fsdp'",
+    )
+    parser.add_argument(
         "--packed",
         action="store_true",
         help="ours once more with packed documents (data.reset_position_ids and "
@@ -374,6 +381,14 @@ def measure_variant(
             ps.destroy_model_parallel()
 
 
+def measure_fsdp(config, device: torch.device, args: argparse.Namespace) -> dict:
+    """Ours again fully sharded by FSDP2 (`data_parallel_sharding = "full"`), or why it cannot
+    run; without gradient-accumulation fusion (FSDP's gradients replace its buffer)."""
+    variant = copy.deepcopy(config)
+    variant.training.gradient_accumulation_fusion = False
+    return measure_variant(variant, device, args, "parallel", data_parallel_sharding="full")
+
+
 def measure_fp8(config, device: torch.device, args: argparse.Namespace) -> dict:
     """Ours again with the layers' GEMMs in float8 (bf16 otherwise), or why it cannot run."""
     result = measure_variant(
@@ -532,6 +547,8 @@ def main() -> None:
             if results["hf"]["digests"] != results["megatrain"]["digests"]:
                 raise RuntimeError("the two models were trained on different batches")
             reset_memory(device)
+        if args.fsdp:  # the same batches, the parameters FSDP2's shards
+            results["megatrain-fsdp"] = measure_fsdp(config, device, args)
         if args.packed:  # the same batches, attention kept within each document
             results["megatrain-packed"] = measure_variant(
                 config, device, args, "data", reset_position_ids=True, reset_attention_mask=True

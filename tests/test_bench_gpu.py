@@ -46,7 +46,9 @@ def bench(tmp_path: Path, *args: str, code: str | None = None) -> dict:
 
 def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_reason(tmp_path):
     graphs = ["--cuda-graphs", "--recompute", "none"]  # graphs refuse recompute
-    record = bench(tmp_path, "--fp8-emulate", "--profile", "--packed", *graphs, code=BLOCKED_PEERS)
+    record = bench(
+        tmp_path, "--fp8-emulate", "--profile", "--packed", "--fsdp", *graphs, code=BLOCKED_PEERS
+    )
     # Ours with CUDA graphs cannot run on a CPU: recorded as skipped, saying why.
     graphs = record["megatrain-cuda-graphs"]
     assert graphs["skipped"] and "cuda_graphs = true needs a CUDA device" in graphs["reason"]
@@ -57,6 +59,10 @@ def test_ours_and_hf_are_recorded_and_peers_that_cannot_run_are_skipped_with_a_r
     assert fp8["precision"].startswith("fp8") and len(fp8["losses"]) == 3
     assert 0 < fp8["loss_check"]["max_abs_diff_vs_megatrain"] < 0.1
     assert all(record["shape"]["levers"].values())  # ours ran with the speed levers
+    # Ours again fully sharded by FSDP2 (one rank, fp32 here): the plain step's losses.
+    fsdp = record["megatrain-fsdp"]
+    assert "skipped" not in fsdp, fsdp.get("reason")
+    assert fsdp["loss_check"]["max_abs_diff_vs_megatrain"] < 1e-4
     # Ours again with packed documents (SDPA's document mask here, FlexAttention on CUDA).
     packed = record["megatrain-packed"]
     assert "skipped" not in packed, packed.get("reason")
