@@ -67,6 +67,7 @@ LAYOUTS = {
     "gpt-tp2-seqpar-dp2-selective": ("gpt", False, [*FULL, *TP2_SP, 'model.recompute="selective"']),
     "gpt-pp2-dp2-1f1b-full": ("gpt", False, [*FULL, *PP2, 'model.recompute="full"']),
     "gpt-dp4-bf16": ("gpt", True, [*FULL, *BF16]),
+    "gpt-cp2-dp2": ("gpt", False, [*FULL, "parallel.context_parallel_size=2"]),  # over dp x cp
     "llama-pp2-vpp2-dp2": ("llama", False, [*FULL, *VPP2]),
     "llama-tp2-seqpar-dp2-full-bf16": (
         "llama", True, [*FULL, *TP2_SP, 'model.recompute="full"', *BF16]),
