@@ -299,6 +299,34 @@ def test_state_bytes_are_the_accounting_figures(layouts):
         assert planned[part] == per_rank[part] * measured["parameters"], part
 
 
+def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
+    """megatrain plan weighs the three shardings: Llama 3 8B on one node of H100s at tp 1, pp 1,
+    dp 8 fits 80 GB (with full recompute) only with "full", whose memory is accounting's."""
+    from pathlib import Path
+
+    from megatrain.accounting import state_bytes_per_parameter
+    from megatrain.plan import hardware
+    from megatrain.plan.cost_model import Layout, apply_layout, estimate
+    from megatrain.plan.search import plan
+
+    config = load_config(Path(__file__).parents[3] / "pipelines/models/llama3-8b.toml")
+    h100 = hardware.load_gpus()["h100-80gb"]
+    result = plan(config, 8, h100, hardware.builtin_profile(), 128256, 512)
+    assert {e.layout.sharding for e in result.ranked} == {"none", "optimizer", "full"}
+    for sharding in ("none", "optimizer", "full"):
+        layout = Layout(1, 1, 8, 1, 1, "full", False, sharding == "optimizer")
+        layout = Layout(**{**layout.__dict__, "fsdp": sharding == "full"})
+        e = estimate(config, layout, h100, result.profile, 128256)
+        assert e.fits == (sharding == "full"), (sharding, e.memory["total"])
+        assert (result.position(layout) is not None) == (sharding == "full")
+        assert f'parallel.data_parallel_sharding="{sharding}"' in layout.overrides() or (
+            sharding != "full"
+        )
+        assert apply_layout(config, layout).parallel.data_parallel_sharding == sharding
+    per_parameter = state_bytes_per_parameter("bf16", False, 8, "full")
+    assert e.memory["optimizer_state"] == per_parameter["optimizer_state"] * e.memory["parameters"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "pattern"),
     [

@@ -62,7 +62,10 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   distributed optimizer, which shards over dp x cp); with
   `overlap_grad_reduce` it runs behind the last microbatch's backward and only what is
   left over (at least the last bucket) is exposed.  With pp > 1 the tied embedding's
-  gradients are all-reduced between the first and last stage.
+  gradients are all-reduced between the first and last stage.  Fully sharded (`fsdp`,
+  `data_parallel_sharding = "full"`): the fp32 gradients reduce-scattered once a step, and the
+  16-bit weights all-gathered in every microbatch's forward (and again in its backward when
+  resharded after the forward), each layer's gather behind the previous layer's compute.
 - **Optimizer step**: memory-bound, the bytes Adam reads and writes per parameter / HBM.
 
 MFU is the model FLOPs of an iteration (megatrain.accounting.flops_per_iteration) over the time
@@ -105,6 +108,12 @@ class Layout:
     schedule: str = "1f1b"  # the pipeline schedule: 1f1b, interleaved (vpp > 1) or zb-h1
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_comm: str = "p2p"  # its attention's communication: "p2p" (a ring) or "allgather"
+    fsdp: bool = False  # parallel.data_parallel_sharding = "full" (torch's FSDP2)
+
+    @property
+    def sharding(self) -> str:
+        """parallel.data_parallel_sharding at this layout."""
+        return "full" if self.fsdp else "optimizer" if self.distributed_optimizer else "none"
 
     @property
     def gpus(self) -> int:
@@ -124,6 +133,8 @@ class Layout:
             parts.append("sp")
         if self.distributed_optimizer:
             parts.append("distopt")
+        if self.fsdp:
+            parts.append("fsdp")
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -137,6 +148,7 @@ class Layout:
             "parallel.pipeline_schedule=" + (f'"{self.schedule}"' if self.pp > 1 else "none"),
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
             f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
+            *(['parallel.data_parallel_sharding="full"'] if self.fsdp else []),
             f"training.micro_batch_size={self.micro_batch}",
             f"model.recompute={self.recompute}",
         ]
@@ -155,9 +167,11 @@ def layout_of(config: Config, dp: int) -> Layout:
         micro_batch=config.training.micro_batch_size,
         recompute=config.model.recompute,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
-        distributed_optimizer=p.use_distributed_optimizer,
+        distributed_optimizer=p.use_distributed_optimizer
+        or p.data_parallel_sharding == "optimizer",
         cp=p.context_parallel_size,
         cp_comm=p.cp_comm_type if p.context_parallel_size > 1 else "p2p",
+        fsdp=p.data_parallel_sharding == "full",
     )
 
 
@@ -178,6 +192,8 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             data_parallel_size=layout.dp,
             sequence_parallel=layout.sequence_parallel,
             use_distributed_optimizer=layout.distributed_optimizer,
+            data_parallel_sharding=layout.sharding,
+            reshard_after_forward=p.reshard_after_forward if layout.fsdp else None,
             overlap_param_gather=p.overlap_param_gather and layout.distributed_optimizer,
             distribute_saved_activations=p.distribute_saved_activations
             and not layout.sequence_parallel,
@@ -482,7 +498,18 @@ def estimate(
     grads = 4 * params  # megacore reduces the fp32 gradient buffer
     bucket = costs.collective("all_reduce", 4 * min(p.bucket_size, params), replicas, dp_bandwidth)
     gather = 0.0
-    if layout.distributed_optimizer:
+    if layout.fsdp:  # FSDP2: fp32 gradients reduce-scattered, 16-bit parameters gathered
+        reduce = costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
+        reshard = pp == 1 if p.reshard_after_forward is None else p.reshard_after_forward
+        # every microbatch's forward gathers each layer (resharded after its backward), and
+        # its backward again when resharded after the forward
+        gathers = microbatches * (2 if reshard else 1)
+        gather = gathers * costs.collective(
+            "all_gather", costs.element * params, replicas, dp_bandwidth
+        )
+        # each layer's gather prefetched behind the previous layer's compute, but the first
+        gather = max(gather / max(layers, 1), gather - microbatches * layers * layer["compute"])
+    elif layout.distributed_optimizer:
         reduce = costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
         gather = costs.collective("all_gather", costs.element * params, replicas, dp_bandwidth)
         if p.overlap_param_gather:  # behind the next forward but for its first bucket
@@ -502,9 +529,14 @@ def estimate(
             "all_reduce", 4 * cfg.vocab_size * cfg.hidden_size / tp, 2, link
         )
     time["dp_comm"] = reduce + gather + embedding
-    shard = params / replicas if layout.distributed_optimizer else params
-    moved = shard * ADAM_BYTES["sharded"] + params * ADAM_BYTES["zero_grads"]
-    if t.precision != "fp32":
+    sharded = layout.distributed_optimizer or layout.fsdp
+    shard = params / replicas if sharded else params
+    # FSDP's gradients are sharded too, and its masters are the parameters (no 16-bit copy).
+    moved = (
+        shard * ADAM_BYTES["sharded"]
+        + (shard if layout.fsdp else params) * ADAM_BYTES["zero_grads"]
+    )
+    if t.precision != "fp32" and not layout.fsdp:
         moved += params * ADAM_BYTES["copy_16bit"]
     time["optimizer"] = costs.memory_bound(moved)
     time["total"] = sum(time[k] for k in TIME_PARTS)

@@ -99,7 +99,7 @@ def _row(rank: int, e: Estimate) -> str:
         f"{rank:>3} {layout.tp:>3} {_context(layout):<6} {layout.pp:>3} {_schedule(layout):<5} "
         f"{layout.dp:>4} {layout.micro_batch:>3} {e.notes['microbatches']:>4} "
         f"{layout.recompute:<9} {flag[layout.sequence_parallel]:<3} "
-        f"{flag[layout.distributed_optimizer]:<4} | "
+        f"{'full' if layout.fsdp else flag[layout.distributed_optimizer]:<4} | "
         + " ".join(
             f"{mem[k] / GIB:>{w}.1f}"
             for k, w in zip((*MEMORY_PARTS, "total"), (6, 5, 5, 5, 5), strict=True)

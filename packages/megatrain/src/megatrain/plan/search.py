@@ -13,6 +13,7 @@ the GPU free.  What is refused is summed up by reason, with an example of each.
 import re
 from dataclasses import dataclass, field
 
+from megatrain.config import DATA_PARALLEL_SHARDINGS as SHARDINGS
 from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
 from megatrain.memory import HEADROOM
 from megatrain.plan.cost_model import Estimate, Layout, apply_layout, estimate, memory_per_gpu
@@ -91,10 +92,11 @@ def _layouts_of(config: Config, gpus: int, global_batch: int, tp: int, cp: int, 
         for vpp, schedule in _schedules(pp, vpps):
             for recompute in RECOMPUTE_CHOICES:
                 for sp in (False, True) if tp > 1 else (False,):
-                    for distopt in (False, True) if dp * cp > 1 else (False,):
+                    for sharding in SHARDINGS if dp * cp > 1 else SHARDINGS[:1]:
                         layout = Layout(
-                            tp, pp, dp, vpp, mb, recompute, sp, distopt, schedule, cp, comm
-                        )
+                            tp, pp, dp, vpp, mb, recompute, sp, sharding == "optimizer",
+                            schedule, cp, comm, fsdp=sharding == "full",
+                        )  # fmt: skip
                         config_at = apply_layout(config, layout, global_batch)
                         try:
                             validate(config_at, gpus)
