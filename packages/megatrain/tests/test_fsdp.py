@@ -162,6 +162,52 @@ def _measured_bytes(config) -> dict:
         ps.destroy_model_parallel()
 
 
+def _gather_order(config) -> list:
+    """One step's events in order: ("gather", i) when FSDP all-gathers layer i's parameters,
+    ("forward", i) when layer i's attention starts its forward, ("backward", i) when its
+    backward is done."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from megacore import parallel_state as ps
+    from megatrain.run.distributed import init_distributed
+    from megatrain.run.setup import build_run
+    from megatrain.run.step import forward_backward, to_device
+
+    device, _ = init_distributed(60)
+    run = build_run(config, device)
+    events, original = [], FSDPParamGroup.unshard
+    layers = {id(layer): i for i, layer in enumerate(run.chunks[0].layers.values())}
+
+    def unshard(group, *args, **kwargs):
+        index = layers.get(id(group.modules[0]))
+        # A gather issued already (a prefetch) or done makes this call a no-op.
+        if index is not None and not group.is_unsharded and group._all_gather_result is None:
+            events.append(("gather", index))
+        return original(group, *args, **kwargs)
+
+    hooks = []
+    for layer in run.chunks[0].layers.values():
+        i = layers[id(layer)]
+        hooks.append(
+            layer.attention.register_forward_pre_hook(lambda *_, i=i: events.append(("forward", i)))
+        )
+        hooks.append(
+            layer.attention.register_full_backward_hook(
+                lambda *_, i=i: events.append(("backward", i))
+            )
+        )
+    FSDPParamGroup.unshard = unshard
+    try:
+        micro = [to_device(next(run.train_data), device)]
+        forward_backward(run, micro)
+        return events
+    finally:
+        FSDPParamGroup.unshard = original
+        for hook in hooks:
+            hook.remove()
+        ps.destroy_model_parallel()
+
+
 def _layouts(corpora, out):
     import torch.distributed as dist
 
@@ -185,6 +231,8 @@ def _layouts(corpora, out):
         setup.apply_fsdp = apply_fsdp
         dist.reduce_scatter_single = original
     runs["bytes"] = _measured_bytes(_config(corpora, f"{out}/bytes", "gpt", True, FULL))
+    one = ["training.global_batch_size=4"]  # one microbatch a rank
+    runs["order"] = _gather_order(_config(corpora, f"{out}/order", "gpt", False, [*FULL, *one]))
     _checkpoints(corpora, out, runs)
     return runs
 
@@ -279,6 +327,24 @@ def test_a_full_checkpoint_holds_what_any_layout_saves(layouts):
     for name, tensor in full.items():
         assert (tensor.shape, tensor.dtype) == (other[name].shape, other[name].dtype), name
         torch.testing.assert_close(tensor.float(), other[name].float(), atol=2e-3, rtol=0)
+
+
+def test_each_layers_gather_is_issued_before_the_layer_ahead_computes(layouts):
+    """Prefetch by event order (ZeRO-3, dp 4): in the forward layer i+1's all-gather is issued
+    before layer i computes, in the backward layer i-1's before layer i's backward is done;
+    every layer is gathered once for the forward and once again for the backward."""
+    events = layouts["order"]
+    layers = 1 + max(i for _, i in events)
+    last_forward = events.index(("forward", layers - 1))
+    forward, backward = events[:last_forward], events[last_forward + 1 :]
+    for i in range(layers - 1):
+        assert forward.index(("gather", i + 1)) < forward.index(("forward", i)), events
+    for i in range(1, layers):
+        assert ("gather", i - 1) in backward, events
+        assert backward.index(("gather", i - 1)) < backward.index(("backward", i)), events
+    assert sorted(e for e in events if e[0] == "gather") == sorted(
+        [("gather", i) for i in range(layers)] * 2
+    )
 
 
 def test_state_bytes_are_the_accounting_figures(layouts):

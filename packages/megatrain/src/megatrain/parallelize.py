@@ -14,6 +14,7 @@ which take their groups from megacore's process-group state.
 """
 
 import contextlib
+import itertools
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -357,6 +358,8 @@ def apply_fsdp(
       (embeddings, output layer: needed first in the backward) are kept, as torchtitan.
     - The marks megacore reads off parameters (`tensor_model_parallel`, `sequence_parallel`,
       `shared_embedding`, ...) move onto FSDP's sharded parameters.
+    - Prefetch: each layer's all-gather starts before the layer ahead of it computes (the
+      next layer's in the forward, the previous one's in the backward).
     - Microbatches accumulate without communication: `chunk.no_sync()` (which the pipeline
       schedules call) turns FSDP's gradient sync off, so the last microbatch's backward
       reduce-scatters the step's gradients once.
@@ -382,6 +385,12 @@ def apply_fsdp(
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         for layer in chunk.layers.values()
     ]
+    # Each layer's all-gather is issued before the layer ahead of it computes: the next one's
+    # in the forward, the previous one's in the backward (FSDP's own streams overlap them
+    # with that compute on a GPU).
+    for here, ahead in itertools.pairwise(units):
+        here.set_modules_to_forward_prefetch([ahead])
+        ahead.set_modules_to_backward_prefetch([here])
     units.append(fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=False))
     for (module, name), values in marks.items():
         for key, value in values.items():
