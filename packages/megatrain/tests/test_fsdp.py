@@ -63,7 +63,9 @@ BF16 = ['training.precision="bf16"']
 # name: (model, bf16, overrides); 4 ranks each (dp fills the rest).
 LAYOUTS = {
     "gpt-dp4": ("gpt", False, FULL),
-    "gpt-dp4-zero2": ("gpt", False, [*FULL, "parallel.reshard_after_forward=false"]),
+    "gpt-dp4-zero2-one-sync": (
+        "gpt", False,
+        [*FULL, "parallel.reshard_after_forward=false", "training.one_sync_per_iteration=true"]),
     "gpt-tp2-seqpar-dp2-selective": ("gpt", False, [*FULL, *TP2_SP, 'model.recompute="selective"']),
     "gpt-pp2-dp2-1f1b-full": ("gpt", False, [*FULL, *PP2, 'model.recompute="full"']),
     "gpt-dp4-bf16": ("gpt", True, [*FULL, *BF16]),
