@@ -110,9 +110,10 @@ def test_exactly_one_of_ckpt_and_hf(tmp_path, command):
 
 
 def test_tp_with_hf_is_refused(tmp_path, wikitext_file):
-    args = ["wikitext103", "--hf", str(tmp_path), "--data", str(wikitext_file), "--tp", "2"]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code != 0 and "--tp/--pp apply to --ckpt only" in result.output
+    args = ["wikitext103", "--hf", str(tmp_path), "--data", str(wikitext_file)]
+    for flag in ("--tp", "--cp"):
+        result = CliRunner().invoke(main, [*args, flag, "2"])
+        assert result.exit_code != 0 and "--tp/--pp/--cp apply to --ckpt only" in result.output
 
 
 @pytest.mark.parametrize(
@@ -120,13 +121,13 @@ def test_tp_with_hf_is_refused(tmp_path, wikitext_file):
     [
         (
             "wikitext103",
-            ["--seq-len", "512", "--stride", "64", "--batch-size", "4", "--tp", "2"],
-            {"seq_len": 512, "stride": 64, "batch_size": 4, "progress": True},
+            ["--seq-len", "512", "--stride", "64", "--batch-size", "4", "--tp", "2", "--cp", "2"],
+            {"cp": 2, "seq_len": 512, "stride": 64, "batch_size": 4, "progress": True},
         ),
         (
             "lambada",
             ["--no-strict", "--pp", "2", "--no-progress"],
-            {"strict": False, "batch_size": 8, "progress": False},
+            {"cp": 1, "strict": False, "batch_size": 8, "progress": False},
         ),
     ],
 )
