@@ -622,14 +622,11 @@ def _check_data_parallel_sharding(config: Config) -> None:
         _need(not refused, f"{why} with {message}")
 
 
-def validate(config: Config, world_size: int | None = None) -> int:
-    """Check every size the layout depends on; return the data-parallel size.
-
-    `world_size` is the number of processes the job has (None: the config's own
-    data_parallel_size, or 1, times tp x pp).
-    """
-    m, p, t, o = config.model, config.parallel, config.training, config.optimizer
-    for section, obj in (("model", m), ("parallel", p), ("training", t)):
+def _check_sizes(config: Config) -> None:
+    """Every integer of model, parallel and training is positive (vocab_size may be 0: the
+    tokenizer's; seed is any)."""
+    for section in ("model", "parallel", "training"):
+        obj = getattr(config, section)
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and f.name != "seed":
@@ -638,8 +635,12 @@ def validate(config: Config, world_size: int | None = None) -> int:
                     value > 0 or (allowed_zero and value == 0),
                     f"{section}.{f.name} must be {'>= 0' if allowed_zero else '> 0'}, got {value}",
                 )
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    vpp = p.virtual_pipeline_model_parallel_size
+
+
+def _check_model(config: Config) -> None:
+    """The model's kinds and choices: kind, block order, normalization, position embedding,
+    RoPE scaling."""
+    m = config.model
     _need(m.kind in MODEL_KINDS, f"model.kind must be one of {MODEL_KINDS}, got {m.kind!r}")
     _need(
         m.block_order in BLOCK_ORDERS,
@@ -665,6 +666,12 @@ def validate(config: Config, world_size: int | None = None) -> int:
         f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be above "
         f"model.rope_low_freq_factor ({m.rope_low_freq_factor})",
     )
+
+
+def _check_training(config: Config) -> None:
+    """The training switches against each other and against the model: fusion, compile,
+    the data-parallel sharding, CUDA graphs, fp8, the fused loss."""
+    m, p, t = config.model, config.parallel, config.training
     _need(
         not (t.gradient_accumulation_fusion and t.compile),
         "training.gradient_accumulation_fusion = true with training.compile = true: a compiled "
@@ -702,7 +709,10 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "head (a transform and a bias of its own) already computes logits for the masked "
         "tokens only",
     )
-    _check_data(config)
+
+
+def _check_masking(config: Config) -> None:
+    """BERT's sample making: the masked fraction, the n-gram length, short sequences."""
     d = config.data
     _need(
         0 < d.masked_lm_prob < 1, f"data.masked_lm_prob must be in (0, 1), got {d.masked_lm_prob}"
@@ -712,6 +722,14 @@ def validate(config: Config, world_size: int | None = None) -> int:
         0 <= d.short_seq_prob <= 1,
         f"data.short_seq_prob must be in [0, 1], got {d.short_seq_prob}",
     )
+
+
+def _check_layout(config: Config) -> None:
+    """The model's shape against tp, pp (and virtual stages), the schedule, the sequence,
+    sequence parallelism and context parallelism."""
+    m, p, t = config.model, config.parallel, config.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size
     _need(
         m.hidden_size % m.num_attention_heads == 0,
         f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_attention_heads "
@@ -776,8 +794,19 @@ def validate(config: Config, world_size: int | None = None) -> int:
         "the same on every TP rank; under parallel.sequence_parallel it is already split: "
         "turn one of them off",
     )
-    cp = p.context_parallel_size
     _check_context_parallel(config)
+
+
+def _data_parallel_size(config: Config, world_size: int | None) -> int:
+    """The data-parallel size the job's processes leave (or the config's own), checked
+    against the config's data_parallel_size and the batch sizes."""
+    p, t = config.parallel, config.training
+    tp, pp, cp = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+    )
+    vpp = p.virtual_pipeline_model_parallel_size
     if world_size is None:
         dp = p.data_parallel_size or 1
     else:
@@ -813,12 +842,20 @@ def validate(config: Config, world_size: int | None = None) -> int:
             f"(micro_batch_size x dp) = {microbatches}) to be a multiple of "
             f"parallel.pipeline_model_parallel_size ({pp})",
         )
+    return dp
+
+
+def _check_checkpoint(config: Config) -> None:
     c = config.checkpoint
     _need(
         c.save_interval is None or c.save_interval > 0,
         f"checkpoint.save_interval must be > 0, got {c.save_interval}",
     )
     _need(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
+
+
+def _check_optimizer(config: Config) -> None:
+    o, t = config.optimizer, config.training
     _need(
         0 <= o.min_lr <= o.lr,
         f"optimizer.min_lr ({o.min_lr}) must be between 0 and optimizer.lr ({o.lr})",
@@ -829,6 +866,10 @@ def validate(config: Config, world_size: int | None = None) -> int:
         f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) is above the decay length "
         f"(optimizer.lr_decay_iters or training.train_iters = {decay})",
     )
+
+
+def _check_dropout(config: Config) -> None:
+    m = config.model
     _need(
         not (m.hidden_dropout < 0 or m.hidden_dropout >= 1 or math.isnan(m.hidden_dropout)),
         f"model.hidden_dropout must be in [0, 1), got {m.hidden_dropout}",
@@ -837,4 +878,25 @@ def validate(config: Config, world_size: int | None = None) -> int:
         0 <= m.attention_dropout < 1,
         f"model.attention_dropout must be in [0, 1), got {m.attention_dropout}",
     )
+
+
+def validate(config: Config, world_size: int | None = None) -> int:
+    """Check every size the layout depends on; return the data-parallel size.
+
+    `world_size` is the number of processes the job has (None: the config's own
+    data_parallel_size, or 1, times tp x pp).
+
+    The checks run section by section in a fixed order: the first refusal is the one a
+    config with several faults gets, so the order is part of the messages' contract.
+    """
+    _check_sizes(config)
+    _check_model(config)
+    _check_training(config)
+    _check_data(config)
+    _check_masking(config)
+    _check_layout(config)
+    dp = _data_parallel_size(config, world_size)
+    _check_checkpoint(config)
+    _check_optimizer(config)
+    _check_dropout(config)
     return dp
