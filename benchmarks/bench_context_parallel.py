@@ -17,7 +17,7 @@ of two steps: the first also allocates Adam's moments (after the activations are
 its peak is about the same), the second is the steady state.  Reported per layout: the peak
 increase of each step over the resident set before it (MiB, the largest rank's; the ranks
 of one layout hold equal shares of the sequence), the steady step against cp 1's at the
-same recompute, and `megatrain.memory`'s activation estimate of the layout (what `megatrain
+same recompute, and `megatrain.plan.memory`'s activation estimate of the layout (what `megatrain
 plan` counts; fp32, so twice the 16-bit bytes).
 
 glibc is told to give every allocation above 128 KiB its own mapping
@@ -117,7 +117,7 @@ def _rank(config_overrides: list[str]) -> dict:
 
 def predicted_activations_mib(config_overrides: list[str]) -> float:
     from megatrain.config import load_config
-    from megatrain.memory import memory_breakdown
+    from megatrain.plan.memory import memory_breakdown
 
     config = load_config(None, config_overrides)
     return memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=1)["activations"] / MIB

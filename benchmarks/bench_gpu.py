@@ -8,7 +8,7 @@
 The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
 1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
 recompute chosen by memory (`--recompute auto`: the least that fits the GPU by
-`megatrain.memory`; a 32 GB V100 needs "full", an 80 GB H100 less), one microbatch of
+`megatrain.plan.memory`; a 32 GB V100 needs "full", an 80 GB H100 less), one microbatch of
 `--micro-batch` sequences per step (global batch = micro batch), bf16 on a GPU, on a
 synthetic corpus of random tokens (bench_gpt_train.py's helpers).  `--small` (or
 `--layers/--hidden/--heads/--seq/--vocab`) shrinks the shape so the same script runs
@@ -80,7 +80,7 @@ from megatrain.accounting import (
     gpt_parameters,
 )
 from megatrain.config import load_config, validate
-from megatrain.memory import cheapest_recompute
+from megatrain.plan.memory import cheapest_recompute
 from megatrain.run.metrics import device_peak_tflops, measured_matmul_tflops
 from megatrain.run.setup import build_run
 from megatrain.run.step import train_step
@@ -113,7 +113,7 @@ def parse_args() -> argparse.Namespace:
         choices=("auto", "none", "selective", "full"),
         default="auto",
         help="auto (default): the least recompute that fits this GPU's memory by "
-        "megatrain.memory's estimate; the config's own on a CPU",
+        "megatrain.plan.memory's estimate; the config's own on a CPU",
     )
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="default: bf16 on a GPU, fp32 on a CPU")  # fmt: skip

@@ -352,9 +352,9 @@ def test_each_layers_gather_is_issued_before_the_layer_ahead_computes(layouts):
 def test_state_bytes_are_the_accounting_figures(layouts):
     """dp 4 in bf16: every parameter once in fp32 over the four ranks, its fp32 gradient and
     Adam's two moments: accounting's 16/d bytes per parameter on each rank (4 + 4 + 8 in all),
-    of the parameter count megatrain.memory plans with."""
+    of the parameter count megatrain.plan.memory plans with."""
     from megatrain.accounting import state_bytes_per_parameter
-    from megatrain.memory import memory_breakdown
+    from megatrain.plan.memory import memory_breakdown
 
     measured = layouts["bytes"]
     assert measured["dtypes"] == ["torch.float32"]  # fp32 shards; bf16 only when gathered

@@ -1,4 +1,4 @@
-"""Memory per GPU (`megatrain.memory`) and the recompute the shipped configs choose by it."""
+"""Memory per GPU (`megatrain.plan.memory`) and the recompute the shipped configs choose by it."""
 
 from pathlib import Path
 
@@ -7,14 +7,14 @@ import pytest
 from megatrain.accounting import gpt_parameters as num_parameters
 from megatrain.accounting import parameter_count, parameters_per_gpu
 from megatrain.config import load_config
-from megatrain.memory import (
+from megatrain.models import model_config
+from megatrain.plan.memory import (
     GIB,
     GPU_MEMORY,
     cheapest_recompute,
     estimate_memory_per_gpu,
     memory_breakdown,
 )
-from megatrain.models import model_config
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 GPT2_VOCAB = 50257

@@ -16,7 +16,6 @@ from megacore.testing import run_distributed
 from megatrain.accounting import weight_grad_inputs_per_layer
 from megatrain.cli import main
 from megatrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
-from megatrain.memory import GPU_MEMORY, memory_breakdown
 from megatrain.plan import calibrate, hardware
 from megatrain.plan.cost_model import (
     Costs,
@@ -30,6 +29,7 @@ from megatrain.plan.cost_model import (
     pipeline_seconds,
     schedule_seconds,
 )
+from megatrain.plan.memory import GPU_MEMORY, memory_breakdown
 from megatrain.plan.search import candidates, memory_warning, plan
 from megatrain.plan.validation import PAPER, fit_builtin_profile, paper_config, predictions
 from megatrain.run import launch
@@ -174,7 +174,7 @@ def _measure_state_bytes() -> list:
 
 def test_predicted_state_bytes_equal_what_megacore_allocates():
     """Weights, gradient buffers and optimizer state of each rank, measured from the storages
-    after a real optimizer step, equal megatrain.memory's terms the plan reports, exactly."""
+    after a real optimizer step, equal megatrain.plan.memory's terms the plan reports, exactly."""
     per_rank = run_distributed(_measure_state_bytes, world_size=2, timeout=240)
     for rank, measured in enumerate(per_rank):
         for case, got in zip(STATE_LAYOUTS, measured, strict=True):

@@ -1,6 +1,6 @@
 """Parameters, FLOPs and memory of a model, from its config alone: every formula in one place.
 
-The training loop's MFU/HFU logging (`run/loop.py`), the memory estimate (`megatrain.memory`),
+The training loop's MFU/HFU logging (`run/loop.py`), the memory estimate (`megatrain.plan.memory`),
 `megatrain plan`'s cost model, the benchmarks and megaeval all count with these functions;
 nothing here builds a model or imports the training loop.
 
@@ -16,7 +16,7 @@ nothing here builds a model or imports the training loop.
   (`state_bytes_per_parameter`) and the bytes one layer keeps per microbatch under each
   recompute mode (`activations_per_layer`; under context parallelism each rank's s / cp
   tokens, and what the attention over the whole sequence holds besides:
-  `context_parallel_attention_per_layer`); `megatrain.memory` adds them up per stage.
+  `context_parallel_attention_per_layer`); `megatrain.plan.memory` adds them up per stage.
 
 `kind` is a run config's `model.kind`: "gpt", "bert" or "llama" (`KINDS`).
 """
@@ -343,7 +343,7 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     "none" keeps what the attention over the whole sequence keeps
     (`context_parallel_attention_per_layer`: the other ranks' K/V and the masks or scores),
     which "selective" and "full" recompute instead (the layer being recomputed holds it
-    once: `megatrain.memory`).
+    once: `megatrain.plan.memory`).
     """
     m, p, t = config.model, config.parallel, config.training
     cp, whole, s = _context_parallel(config)

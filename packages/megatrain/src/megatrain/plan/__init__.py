@@ -3,12 +3,14 @@ micro batch, recompute, sequence parallelism and the distributed optimizer for a
 cluster before running it.
 
 - hardware.py: the GPU table (gpus.toml) and the time model's constants (a `Profile`);
-- cost_model.py: memory (megatrain.memory) and step time of one layout;
+- memory.py: the memory per GPU of a config (accounting's counts added up per pipeline
+  stage) and the cheapest recompute that fits a GPU;
+- cost_model.py: memory (memory.py) and step time of one layout;
 - search.py: every valid layout, ranked, with why the others are out;
 - calibrate.py: the constants measured on the machine at hand;
 - validation.py: the paper's scaling results the built-in constants are fitted to;
 - report.py: the plan as text or JSON.
 
-The package imports nothing here, so megatrain.memory can read the GPU table without
-importing the planner (which imports megatrain.memory).
+The package imports nothing here, so megatrain.plan.memory (and what imports it) can read
+the GPU table without importing the planner.
 """

@@ -1,6 +1,6 @@
 """Memory per GPU and step time of one layout of a training config on one kind of GPU.
 
-Memory is megatrain.memory's estimate of the fullest pipeline stage (weights, fp32
+Memory is megatrain.plan.memory's estimate of the fullest pipeline stage (weights, fp32
 gradients and optimizer state by megacore's bytes-per-parameter table, with and without
 the distributed optimizer; Korthikanti et al.'s activations with sequence parallelism and
 selective/full recompute; the microbatches 1F1B and interleaved 1F1B keep in flight).
@@ -81,9 +81,9 @@ from megatrain.accounting import (
     flops_per_iteration,
 )
 from megatrain.config import Config
-from megatrain.memory import HEADROOM, memory_breakdown
 from megatrain.models import model_config
 from megatrain.plan.hardware import Gpu, Profile
+from megatrain.plan.memory import HEADROOM, memory_breakdown
 
 # Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32
 # gradient, master weight and two moments and writes the last three (28); the gradient
@@ -420,7 +420,7 @@ def schedule_seconds(
 
 
 def memory_per_gpu(config: Config, vocab: int, dp: int) -> dict:
-    """Bytes per GPU of the fullest pipeline stage (megatrain.memory), by part."""
+    """Bytes per GPU of the fullest pipeline stage (megatrain.plan.memory), by part."""
     pp = config.parallel.pipeline_model_parallel_size
     stages = {
         stage: memory_breakdown(config, vocab_size=vocab, data_parallel_size=dp, stage=stage)

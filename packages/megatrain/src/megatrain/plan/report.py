@@ -2,9 +2,9 @@
 
 from dataclasses import asdict
 
-from megatrain.memory import HEADROOM
 from megatrain.plan.cost_model import MEMORY_PARTS, TIME_PARTS, Estimate
 from megatrain.plan.hardware import CONSTANTS, GIB, Profile
+from megatrain.plan.memory import HEADROOM
 from megatrain.plan.search import Plan
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from megatrain.config import DATA_PARALLEL_SHARDINGS as SHARDINGS
 from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
-from megatrain.memory import HEADROOM
 from megatrain.plan.cost_model import Estimate, Layout, apply_layout, estimate, memory_per_gpu
 from megatrain.plan.hardware import GIB, Gpu, Profile
+from megatrain.plan.memory import HEADROOM
 
 MAX_VPP = 8  # virtual stages per GPU tried (Megatron's own examples stop at a few)
 MAX_MICRO_BATCH = 64
