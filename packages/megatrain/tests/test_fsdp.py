@@ -12,7 +12,7 @@ process because our reduce-scatters never ask for AVG, and a negative control wi
 own reduction (AVG) comes out wrong and is caught by the same comparison.  The same spawn
 saves "full", "optimizer" and "none" checkpoints after two steps and takes the third step at
 another sharding and layout (at "full" again: bitwise), and measures the bytes a dp 4 run
-holds against megatrain.accounting."""
+holds at each sharding ("none", "optimizer", "full") against megatrain.accounting."""
 
 import pytest
 
@@ -56,6 +56,7 @@ MODELS = {
     "bert": ['model.kind="bert"', "training.seq_length=32"],
 }
 FULL = ['parallel.data_parallel_sharding="full"']
+SHARDINGS = ("none", "optimizer", "full")  # parallel.data_parallel_sharding
 TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 PP2 = ["parallel.pipeline_model_parallel_size=2"]
 VPP2 = [*PP2, "parallel.virtual_pipeline_model_parallel_size=2"]
@@ -127,32 +128,47 @@ def _gloo_average_as_sum(seen: list):
 
 
 def _measured_bytes(config) -> dict:
-    """Bytes this layout's ranks hold in sharded weights, gradients (after a step's backward)
-    and Adam's moments (after its update), summed over the ranks; and the model's parameter
-    count."""
+    """Bytes this layout's ranks hold in weights, gradients (after a step's backward) and
+    optimizer state (after its update: fp32 masters apart from the weights, Adam's moments),
+    summed over the ranks' local shards; and the model's parameter count.  Under "full"
+    (FSDP) the weights are fp32 DTensor shards, the masters themselves, and the gradients
+    their shards; under "none" and "optimizer" the 16-bit weights and megacore DDP's fp32
+    gradient buffer are whole on every rank and the masters are the optimizer's."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from megacore import parallel_state as ps
     from megatrain.run.distributed import init_distributed
     from megatrain.run.setup import build_run
     from megatrain.run.step import forward_backward, to_device
 
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
     device, _ = init_distributed(60)
     run = build_run(config, device)
     try:
-        params = [p for c in run.chunks for p in c.parameters()]
+        params = list(dict.fromkeys(p for c in run.chunks for p in c.parameters()))
         micro = [to_device(next(run.train_data), device) for _ in range(run.num_microbatches)]
         forward_backward(run, micro)
-        weights = sum(p.to_local().nbytes for p in params)
-        gradients = sum(p.grad.to_local().nbytes for p in params)
+        weights = sum(local(p).nbytes for p in params)
+        grads = [getattr(p, "main_grad", None) for p in params]
+        grads = [p.grad if g is None else g for p, g in zip(params, grads, strict=True)]
+        gradients = sum(local(g).nbytes for g in grads)
         run.optimizer.step()
+        optimizer = run.optimizer
+        masters = sum(
+            s.master.nbytes
+            for s in optimizer.shards
+            if s.master.untyped_storage().data_ptr() != local(s.param).untyped_storage().data_ptr()
+        )
         moments = sum(
             state[k].nbytes
-            for state in run.optimizer.optimizer.state.values()
+            for state in optimizer.optimizer.state.values()
             for k in ("exp_avg", "exp_avg_sq")
         )
-        totals = torch.tensor([weights, gradients, moments], dtype=torch.float64)
+        totals = torch.tensor([weights, gradients, masters + moments], dtype=torch.float64)
         dist.all_reduce(totals)
         names = ("weights", "gradients", "optimizer_state")
         return {
@@ -232,7 +248,11 @@ def _layouts(corpora, out):
     finally:
         setup.apply_fsdp = apply_fsdp
         dist.reduce_scatter_single = original
-    runs["bytes"] = _measured_bytes(_config(corpora, f"{out}/bytes", "gpt", True, FULL))
+    for sharding in SHARDINGS:
+        overrides = [f"parallel.data_parallel_sharding={sharding!r}"]
+        runs[f"bytes-{sharding}"] = _measured_bytes(
+            _config(corpora, f"{out}/bytes-{sharding}", "gpt", True, overrides)
+        )
     one = ["training.global_batch_size=4"]  # one microbatch a rank
     runs["order"] = _gather_order(_config(corpora, f"{out}/order", "gpt", False, [*FULL, *one]))
     _checkpoints(corpora, out, runs)
@@ -349,19 +369,25 @@ def test_each_layers_gather_is_issued_before_the_layer_ahead_computes(layouts):
     )
 
 
-def test_state_bytes_are_the_accounting_figures(layouts):
-    """dp 4 in bf16: every parameter once in fp32 over the four ranks, its fp32 gradient and
-    Adam's two moments: accounting's 16/d bytes per parameter on each rank (4 + 4 + 8 in all),
-    of the parameter count megatrain.plan.memory plans with."""
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_state_bytes_are_the_accounting_figures(layouts, sharding):
+    """dp 4 in bf16, each sharding: the bytes the four ranks hold after a step are
+    accounting's bytes per parameter on each rank, of the parameter count megatrain.plan.memory
+    plans with.  "full": every parameter once in fp32 over the ranks, its fp32 gradient and
+    Adam's two moments (16/d a rank); "optimizer": 16-bit weights (2) and fp32 gradients (4)
+    on every rank, the fp32 masters and moments sharded (12/d); "none": 2 + 4 + 12."""
     from megatrain.accounting import state_bytes_per_parameter
     from megatrain.plan.memory import memory_breakdown
 
-    measured = layouts["bytes"]
-    assert measured["dtypes"] == ["torch.float32"]  # fp32 shards; bf16 only when gathered
-    config = _config({"gpt": "unused"}, "unused", "gpt", True, FULL)
+    measured = layouts[f"bytes-{sharding}"]
+    # fp32 shards under FSDP (bf16 only when gathered), else the bf16 model
+    assert measured["dtypes"] == ["torch.float32" if sharding == "full" else "torch.bfloat16"]
+    overrides = [f"parallel.data_parallel_sharding={sharding!r}"]
+    config = _config({"gpt": "unused"}, "unused", "gpt", True, overrides)
+    validate(config, 4)
     planned = memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=4)
     assert planned["parameters"] == measured["parameters"]
-    per_rank = state_bytes_per_parameter("bf16", False, 4, "full")
+    per_rank = state_bytes_per_parameter("bf16", sharding == "optimizer", 4, sharding)
     for part in ("weights", "gradients", "optimizer_state"):
         assert measured[part] == 4 * per_rank[part] * measured["parameters"], part
         assert planned[part] == per_rank[part] * measured["parameters"], part
