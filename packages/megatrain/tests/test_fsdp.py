@@ -12,7 +12,9 @@ process because our reduce-scatters never ask for AVG, and a negative control wi
 own reduction (AVG) comes out wrong and is caught by the same comparison.  The same spawn
 saves "full", "optimizer" and "none" checkpoints after two steps and takes the third step at
 another sharding and layout (at "full" again: bitwise), and measures the bytes a dp 4 run
-holds at each sharding ("none", "optimizer", "full") against megatrain.accounting."""
+holds at each sharding ("none", "optimizer", "full") against megatrain.accounting; and a
+"full" checkpoint of a corpus with a tokenizer goes through `megatrain export-hf` as the
+distributed optimizer's does."""
 
 import pytest
 
@@ -26,6 +28,7 @@ from megatrain.testing import (
     english_texts,
     write_bert_text_corpus,
     write_counting_corpus,
+    write_text_corpus,
 )
 
 VOCAB = 200
@@ -85,7 +88,8 @@ def corpora(tmp_path_factory):
     gpt = write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB)
     bert = tmp_path_factory.mktemp("bert-corpus")
     write_bert_text_corpus(bert, english_texts(), vocab_size=1000)
-    return {"gpt": str(gpt), "llama": str(gpt), "bert": str(bert)}
+    text, _ = write_text_corpus(tmp_path_factory.mktemp("text-corpus"), english_texts())
+    return {"gpt": str(gpt), "llama": str(gpt), "bert": str(bert), "text": str(text)}
 
 
 def _config(corpora, out, model, bf16, overrides=()):
@@ -256,6 +260,7 @@ def _layouts(corpora, out):
     one = ["training.global_batch_size=4"]  # one microbatch a rank
     runs["order"] = _gather_order(_config(corpora, f"{out}/order", "gpt", False, [*FULL, *one]))
     _checkpoints(corpora, out, runs)
+    _exports(corpora, out, runs)
     return runs
 
 
@@ -282,6 +287,28 @@ def _checkpoints(corpora, out, runs):
         )
         runs[name] = train(_config(corpora, f"{out}/{name}-2", "gpt", True, [*then, *load]))
         runs[f"{name}/ckpt"] = ckpt
+
+
+def _exports(corpora, out, runs):
+    """The same three steps at "full" and at "optimizer" (fp32) on a corpus with a real
+    tokenizer, each saved and exported by `megatrain export-hf` on rank 0."""
+    import torch.distributed as dist
+    from click.testing import CliRunner
+
+    from megatrain.cli import main
+
+    for sharding in ("full", "optimizer"):
+        ckpt, hf = f"{out}/export-{sharding}-ckpt", f"{out}/export-{sharding}-hf"
+        overrides = [
+            f"parallel.data_parallel_sharding={sharding!r}",
+            f"data.corpus={corpora['text']!r}",
+            f"checkpoint.save={ckpt!r}",
+        ]
+        train(_config(corpora, f"{out}/export-{sharding}", "gpt", False, overrides))
+        if dist.get_rank() == 0:
+            result = CliRunner().invoke(main, ["export-hf", "--ckpt", ckpt, "--out", hf])
+            runs[f"export-{sharding}"] = (result.exit_code, result.output, hf)
+        dist.barrier()
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +376,31 @@ def test_a_full_checkpoint_holds_what_any_layout_saves(layouts):
     for name, tensor in full.items():
         assert (tensor.shape, tensor.dtype) == (other[name].shape, other[name].dtype), name
         torch.testing.assert_close(tensor.float(), other[name].float(), atol=2e-3, rtol=0)
+
+
+def test_export_hf_reads_a_full_checkpoint(layouts):
+    """`megatrain export-hf` of a "full" checkpoint writes the GPT-2 (weights, config,
+    tokenizer) that the distributed optimizer's checkpoint of the same steps exports."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    exported = {}
+    for sharding in ("full", "optimizer"):
+        code, output, hf = layouts[f"export-{sharding}"]
+        assert code == 0, output
+        exported[sharding] = Path(hf)
+    full, optimizer = exported["full"], exported["optimizer"]
+    assert sorted(p.name for p in full.iterdir()) == sorted(p.name for p in optimizer.iterdir())
+    for name in ("config.json", "tokenizer.json"):
+        assert (full / name).read_text() == (optimizer / name).read_text(), name
+    weights = load_file(full / "model.safetensors")
+    other = load_file(optimizer / "model.safetensors")
+    assert sorted(weights) == sorted(other) and len(weights) > 4
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, other[name], atol=1e-4, rtol=0)
 
 
 def test_each_layers_gather_is_issued_before_the_layer_ahead_computes(layouts):
