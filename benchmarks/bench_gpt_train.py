@@ -56,10 +56,10 @@ import torch.nn.functional as F
 
 from megacommon.corpus_format import SHARD_BATCH_ROWS
 from megacore import parallel_state as ps
-from megatrain.accounting import gpt_model_flops_per_iteration, gpt_parameters
 from megatrain.config import load_config
 from megatrain.data.corpus import open_corpus
 from megatrain.data.samples import GPTBatches
+from megatrain.plan.accounting import gpt_model_flops_per_iteration, gpt_parameters
 from megatrain.run.metrics import measured_matmul_tflops
 from megatrain.run.setup import build_run
 from megatrain.run.step import lr_for, train_step

@@ -74,12 +74,12 @@ from bench_gpt_train import (
 )
 
 from megacore import parallel_state as ps
-from megatrain.accounting import (
+from megatrain.config import load_config, validate
+from megatrain.plan.accounting import (
     gpt_hardware_flops_per_iteration,
     gpt_model_flops_per_iteration,
     gpt_parameters,
 )
-from megatrain.config import load_config, validate
 from megatrain.plan.memory import cheapest_recompute
 from megatrain.run.metrics import device_peak_tflops, measured_matmul_tflops
 from megatrain.run.setup import build_run

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.accounting import gpt_parameters as num_parameters
-from megatrain.accounting import parameter_count
 from megatrain.config import ConfigError, load_config, validate
 from megatrain.models import model_config
+from megatrain.plan.accounting import gpt_parameters as num_parameters
+from megatrain.plan.accounting import parameter_count
 from megatrain.run.lr_schedule import learning_rate
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"

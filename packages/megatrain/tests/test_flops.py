@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatrain.accounting import gpt_hardware_flops_per_iteration as hardware_flops_per_iteration
-from megatrain.accounting import gpt_model_flops_per_iteration as model_flops_per_iteration
 from megatrain.config import load_config
 from megatrain.models import model_config
 from megatrain.models.gpt import GPTConfig
+from megatrain.plan.accounting import (
+    gpt_hardware_flops_per_iteration as hardware_flops_per_iteration,
+)
+from megatrain.plan.accounting import gpt_model_flops_per_iteration as model_flops_per_iteration
 from megatrain.run.loop import train
 from megatrain.testing import random_documents, write_corpus
 
@@ -133,8 +135,8 @@ def test_logged_record_at_full_recompute_has_hfu_above_mfu(tmp_path):
 def test_bert_flops_by_hand():
     """BERT 336M (Table 4) at seq 512: the layers as GPT's count them, the masked-LM head on
     the predicted 15% of the tokens only, and the pooler + SOP head once per sequence."""
-    from megatrain.accounting import BERT as bert
-    from megatrain.accounting import flops_per_iteration
+    from megatrain.plan.accounting import BERT as bert
+    from megatrain.plan.accounting import flops_per_iteration
 
     config = load_config(MODELS / "bert-336m.toml")
     cfg = model_config(config, 30522)

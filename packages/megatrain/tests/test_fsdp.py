@@ -12,7 +12,7 @@ process because our reduce-scatters never ask for AVG, and a negative control wi
 own reduction (AVG) comes out wrong and is caught by the same comparison.  The same spawn
 saves "full", "optimizer" and "none" checkpoints after two steps and takes the third step at
 another sharding and layout (at "full" again: bitwise), and measures the bytes a dp 4 run
-holds at each sharding ("none", "optimizer", "full") against megatrain.accounting; and a
+holds at each sharding ("none", "optimizer", "full") against megatrain.plan.accounting; and a
 "full" checkpoint of a corpus with a tokenizer goes through `megatrain export-hf` as the
 distributed optimizer's does."""
 
@@ -428,7 +428,7 @@ def test_state_bytes_are_the_accounting_figures(layouts, sharding):
     plans with.  "full": every parameter once in fp32 over the ranks, its fp32 gradient and
     Adam's two moments (16/d a rank); "optimizer": 16-bit weights (2) and fp32 gradients (4)
     on every rank, the fp32 masters and moments sharded (12/d); "none": 2 + 4 + 12."""
-    from megatrain.accounting import state_bytes_per_parameter
+    from megatrain.plan.accounting import state_bytes_per_parameter
     from megatrain.plan.memory import memory_breakdown
 
     measured = layouts[f"bytes-{sharding}"]
@@ -450,8 +450,8 @@ def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
     dp 8 fits 80 GB (with full recompute) only with "full", whose memory is accounting's."""
     from pathlib import Path
 
-    from megatrain.accounting import state_bytes_per_parameter
     from megatrain.plan import hardware
+    from megatrain.plan.accounting import state_bytes_per_parameter
     from megatrain.plan.cost_model import Layout, apply_layout, estimate
     from megatrain.plan.search import plan
 

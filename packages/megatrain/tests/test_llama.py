@@ -363,8 +363,8 @@ def test_unsupported_hf_configs_are_refused_before_any_weight_is_read(
 def test_accounting_counts_the_built_llama(one_process):
     """Parameters (untied output, no position table, RMSNorm, SwiGLU, GQA) equal the built
     model's; model FLOPs count SwiGLU's three matrices and the smaller K/V projections."""
-    from megatrain.accounting import gpt_model_flops_per_iteration, parameter_count
     from megatrain.models import model_config
+    from megatrain.plan.accounting import gpt_model_flops_per_iteration, parameter_count
 
     cfg = model_config(_config("unused", "unused"), VOCAB)
     assert parameter_count("llama", cfg) == one_process["numel"]

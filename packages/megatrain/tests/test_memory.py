@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.accounting import gpt_parameters as num_parameters
-from megatrain.accounting import parameter_count, parameters_per_gpu
 from megatrain.config import load_config
 from megatrain.models import model_config
+from megatrain.plan.accounting import gpt_parameters as num_parameters
+from megatrain.plan.accounting import parameter_count, parameters_per_gpu
 from megatrain.plan.memory import (
     GIB,
     GPU_MEMORY,
@@ -126,8 +126,8 @@ def test_the_fused_loss_holds_gradients_not_logits():
 def test_cuda_graphs_hold_static_inputs_outputs_and_unfused_gradients():
     """The 355M with each layer a CUDA graph: every layer's input copy and output (16-bit
     [s, b, h] each), and the weights' 16-bit gradients unless they go into main_grad."""
-    from megatrain.accounting import layer_parameters_per_rank
     from megatrain.models import model_config
+    from megatrain.plan.accounting import layer_parameters_per_rank
 
     config, vocab = _shipped("gpt2-355m")
     config.training.precision = "bf16"
@@ -167,7 +167,10 @@ def test_context_parallelism_divides_the_activations():
     the whole sequence holds (the other ranks' K/V, the masks, or the ring's float32 scores),
     and the weights, gradients and optimizer state do not change (the distributed optimizer
     shards over dp x cp)."""
-    from megatrain.accounting import activations_per_layer, context_parallel_attention_per_layer
+    from megatrain.plan.accounting import (
+        activations_per_layer,
+        context_parallel_attention_per_layer,
+    )
 
     base = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=1"]
     base += ["parallel.virtual_pipeline_model_parallel_size=none", "training.micro_batch_size=1"]

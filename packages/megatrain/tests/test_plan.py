@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
-from megatrain.accounting import weight_grad_inputs_per_layer
 from megatrain.cli import main
 from megatrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
 from megatrain.plan import calibrate, hardware
+from megatrain.plan.accounting import weight_grad_inputs_per_layer
 from megatrain.plan.cost_model import (
     Costs,
     Layout,
@@ -408,8 +408,8 @@ def test_plan_answers_for_llama3_8b_on_8_h100s():
     """The Llama's shape (grouped-query K/V, SwiGLU, untied output) in the plan's memory and
     time: every ranked layout fits 80 GB, splits whole key/value groups over tp, and counts
     the model FLOPs accounting gives."""
-    from megatrain.accounting import flops_per_iteration
     from megatrain.models import model_config
+    from megatrain.plan.accounting import flops_per_iteration
 
     config = load_config(MODELS / "llama3-8b.toml")
     h100 = hardware.load_gpus()["h100-80gb"]

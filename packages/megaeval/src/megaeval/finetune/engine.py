@@ -29,7 +29,6 @@ from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megaeval.finetune import tasks as tasks_lib
 from megaeval.finetune.model import build_task_chunks
-from megatrain.accounting import parameter_count
 from megatrain.checkpoint.files import LATEST, find_checkpoint, read_meta
 from megatrain.checkpoint.load import load_checkpoint, load_weights
 from megatrain.checkpoint.save import save_checkpoint
@@ -37,6 +36,7 @@ from megatrain.config import Config, validate
 from megatrain.data.samples import SampleBatches
 from megatrain.inference.load import load_tokenizer
 from megatrain.models import model_config
+from megatrain.plan.accounting import parameter_count
 from megatrain.run.distributed import init_distributed
 from megatrain.run.lr_schedule import learning_rate
 from megatrain.run.metrics import curves_from_log, plot_losses

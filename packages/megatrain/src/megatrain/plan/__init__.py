@@ -2,6 +2,8 @@
 micro batch, recompute, sequence parallelism and the distributed optimizer for a model and a
 cluster before running it.
 
+- accounting.py: every count from a config alone (parameters, FLOPs, bytes of state and of
+  activations), which MFU logging counts with too;
 - hardware.py: the GPU table (gpus.toml) and the time model's constants (a `Profile`);
 - memory.py: the memory per GPU of a config (accounting's counts added up per pipeline
   stage) and the cheapest recompute that fits a GPU;
@@ -11,6 +13,6 @@ cluster before running it.
 - validation.py: the paper's scaling results the built-in constants are fitted to;
 - report.py: the plan as text or JSON.
 
-The package imports nothing here, so megatrain.plan.memory (and what imports it) can read
-the GPU table without importing the planner.
+The package imports nothing here, so megatrain.plan.accounting and megatrain.plan.memory (and
+what imports them) do without importing the planner.
 """

@@ -68,20 +68,20 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   resharded after the forward), each layer's gather behind the previous layer's compute.
 - **Optimizer step**: memory-bound, the bytes Adam reads and writes per parameter / HBM.
 
-MFU is the model FLOPs of an iteration (megatrain.accounting.flops_per_iteration) over the time
+MFU is the model FLOPs of an iteration (megatrain.plan.accounting.flops_per_iteration) over the time
 and the peak of every GPU.
 """
 
 from dataclasses import dataclass, field, replace
 
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
-from megatrain.accounting import (
+from megatrain.config import Config
+from megatrain.models import model_config
+from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
     flops_per_iteration,
 )
-from megatrain.config import Config
-from megatrain.models import model_config
 from megatrain.plan.hardware import Gpu, Profile
 from megatrain.plan.memory import HEADROOM, memory_breakdown
 

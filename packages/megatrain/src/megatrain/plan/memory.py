@@ -46,7 +46,9 @@ upper bound there and the choice it leads to a safe one.
 import torch
 
 from megacore.tensor_parallel import default_chunk_tokens
-from megatrain.accounting import (
+from megatrain.config import RECOMPUTE_CHOICES, Config
+from megatrain.models import model_config
+from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
     context_parallel_attention_per_layer,
@@ -56,8 +58,6 @@ from megatrain.accounting import (
     state_bytes_per_parameter,
     weight_grad_inputs_per_layer,
 )
-from megatrain.config import RECOMPUTE_CHOICES, Config
-from megatrain.models import model_config
 from megatrain.plan.hardware import GIB as GIB  # re-exported: sizes in GiB
 from megatrain.plan.hardware import load_gpus
 

@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore.optimizer import NonFiniteLossGuard
-from megatrain.accounting import flops_per_iteration
 from megatrain.checkpoint.files import LATEST
 from megatrain.checkpoint.load import load_checkpoint
 from megatrain.checkpoint.save import save_checkpoint
 from megatrain.config import Config
 from megatrain.data.blend import BlendedBatches
+from megatrain.plan.accounting import flops_per_iteration
 from megatrain.run import failures
 from megatrain.run.distributed import init_distributed
 from megatrain.run.metrics import RunLog, device_peak_tflops

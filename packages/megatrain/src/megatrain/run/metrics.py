@@ -2,7 +2,7 @@
 
 Only global rank 0 writes.  TFLOP/s and MFU (model FLOPs utilisation) use the model FLOPs,
 72 B s l h^2 (1 + s/6h + V/12lh) per iteration whatever is recomputed
-(`megatrain.accounting.flops_per_iteration`, GPT's here); HFU (hardware FLOPs utilisation)
+(`megatrain.plan.accounting.flops_per_iteration`, GPT's here); HFU (hardware FLOPs utilisation)
 adds the recomputed work (its hardware FLOPs: 96 B s l h^2 (1 + s/6h + V/16lh) under
 full recompute, the attention cores again under selective, = MFU without).  The peak is one
 device's dense bf16/fp16 tensor rate from the table below, or, on a CPU, the rate of a
