@@ -74,6 +74,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_megadata.py --dedup-scaling --sizes 2000 20000 --out bench-results/megadata_dedup_scaling.json
 	$(BIN)/python benchmarks/bench_plan.py --out bench-results/plan.json
 	$(BIN)/python benchmarks/bench_context_parallel.py --out bench-results/context_parallel.json
+	$(BIN)/python benchmarks/bench_fsdp.py --out bench-results/fsdp.json
 
 # One GPU, the paper's 1.2B in bf16; not part of `bench`, which runs on any CPU.
 BENCH_GPU_ARGS ?=

@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import warnings
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.distributed as dist
@@ -123,10 +123,16 @@ class ContextParallel:
     group: object = None  # the CP process group (None: megacore's)
 
     def positions(self, local_len: int, device) -> torch.Tensor:
-        """Global sequence positions of this rank's `local_len` tokens."""
-        from megacore.context_parallel import cp_chunk_indices
+        """Global sequence positions of this rank's `local_len` tokens (made once per length
+        and device: every layer of every microbatch asks)."""
+        return _cp_positions(local_len, self.rank, self.size, torch.device(device))
 
-        return cp_chunk_indices(local_len * self.size, self.rank, self.size).to(device)
+
+@lru_cache(maxsize=16)
+def _cp_positions(local_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    from megacore.context_parallel import cp_chunk_indices
+
+    return cp_chunk_indices(local_len * size, rank, size).to(device)
 
 
 def apply_context_parallel(chunk, comm_type: str, cp: ContextParallel | None = None):

@@ -247,7 +247,7 @@ class BlendedBatches(SampleBatches):
 
     def describe(self, total_samples: int) -> str:
         """What `total_samples` global samples take from each corpus, in epochs."""
-        # The rule keeps every count within one sample of its share: no need to replay it.
+        # The rule keeps every count within about a sample of its share: no need to replay it.
         parts = []
         for e, s in zip(self.entries, self.sources, strict=True):
             share = e.weight * total_samples
