@@ -19,6 +19,21 @@ gradients are reduced: every CP rank holds the whole model and sees other tokens
 `parallel_groups` computes this layout without any process group, so it can be
 inspected (and tested) for any world size.
 
+The expert layers (mixture of experts) have a layout of their own over the same world and
+the same pipeline groups, megatron-core's "parallel folding": expert tensor parallel (etp),
+expert parallel (ep) and expert data parallel (edp = world // (etp * ep * pp)), ordered
+etp-ep-edp-pp, so
+
+    expert tensor rank = r % etp
+    expert rank        = (r // etp) % ep
+    expert data rank   = (r // (etp * ep)) % edp
+    pipeline rank      = r // (etp * ep * edp)   (the dense layout's: pp is outermost in both)
+
+With 8 ranks, tp 2, ep 4 (etp = tp = 2, edp 1) the expert groups are ETP [0,1],[2,3],...;
+EP [0,2,4,6],[1,3,5,7]; ETP x EP [0..7]; with tp 2, ep 2, etp 1 on 4 ranks: EP [0,1],[2,3]
+(the experts split over the dense TP ranks), EDP [0,2],[1,3].  The expert data-parallel
+group is what expert gradients are reduced over; ETP x EP x PP is what their norm sums over.
+
 `initialize_model_parallel` checks its arguments on every rank before it
 creates a single group, so a bad size raises the same error everywhere instead
 of leaving some ranks waiting in a collective.  Getters called before it raise
@@ -27,6 +42,7 @@ an error naming the getter.
 
 import datetime
 from dataclasses import dataclass
+from functools import partial
 
 import torch.distributed as dist
 
@@ -50,6 +66,11 @@ class ParallelGroups:
     context: list[list[int]]
     data_with_context: list[list[int]]
     tensor_and_context: list[list[int]]
+    expert_tensor: list[list[int]]
+    expert_model: list[list[int]]
+    expert_data: list[list[int]]
+    expert_tensor_and_model: list[list[int]]
+    expert_tensor_model_pipeline: list[list[int]]
 
 
 @dataclass
@@ -69,6 +90,16 @@ class _State:
     dp_cp_ranks: list[int]
     tp_cp_ranks: list[int]
     embedding_ranks: list[int]
+    etp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup
+    etp_ep_group: dist.ProcessGroup
+    etp_ep_pp_group: dist.ProcessGroup
+    etp_ranks: list[int]
+    ep_ranks: list[int]
+    edp_ranks: list[int]
+    etp_ep_ranks: list[int]
+    etp_ep_pp_ranks: list[int]
     virtual_pipeline_world_size: int | None
     virtual_pipeline_rank: int | None
 
@@ -83,16 +114,34 @@ def _check_positive_int(name: str, value) -> None:
         )
 
 
+def _grouped(world_size: int, sizes: dict[str, int], varying: str) -> list[list[int]]:
+    """Ranks that agree on every coordinate but those named in `varying` (`sizes`: each
+    axis's size, innermost first)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(world_size):
+        coords, rest = {}, r
+        for axis, size in sizes.items():
+            rest, coords[axis] = divmod(rest, size)
+        key = tuple(c for axis, c in coords.items() if axis not in varying)
+        groups.setdefault(key, []).append(r)  # in rank order: sorted, and by lowest rank
+    return list(groups.values())
+
+
 def parallel_groups(
     world_size: int,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    *,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ParallelGroups:
     """The groups `initialize_model_parallel` creates for this layout (no communication).
 
     Ranks are laid out tp-cp-dp-pp (module doc); data-parallel size is what is left:
-    world_size // (tp * cp * pp).
+    world_size // (tp * cp * pp).  The expert layers' groups are laid out etp-ep-edp-pp
+    over the same world (expert_tensor_parallel_size None: tp, as megatron-core), expert
+    data-parallel size world_size // (etp * ep * pp).
     """
     _check_positive_int("world size", world_size)
     _check_positive_int("tensor_model_parallel_size", tensor_model_parallel_size)
@@ -107,20 +156,26 @@ def parallel_groups(
             f"choose sizes whose product divides {world_size}"
         )
     dp = world_size // (tp * cp * pp)
+    ep = expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    _check_positive_int("expert_model_parallel_size", ep)
+    _check_positive_int("expert_tensor_parallel_size", etp)
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"initialize_model_parallel: world size {world_size} is not divisible by "
+            f"expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
+            f"pipeline_model_parallel_size ({pp}) = {etp * ep * pp}; "
+            f"choose expert sizes whose product with pp divides {world_size}"
+        )
+    edp = world_size // (etp * ep * pp)
     sizes = {"t": tp, "c": cp, "d": dp, "p": pp}  # innermost first
-
-    def grouped(varying: str) -> list[list[int]]:
-        """Ranks that agree on every coordinate but those named in `varying`."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r in range(world_size):
-            coords, rest = {}, r
-            for axis, size in sizes.items():
-                rest, coords[axis] = divmod(rest, size)
-            key = tuple(c for axis, c in coords.items() if axis not in varying)
-            groups.setdefault(key, []).append(r)  # in rank order: sorted, and by lowest rank
-        return list(groups.values())
+    expert_sizes = {"t": etp, "e": ep, "d": edp, "p": pp}
+    grouped = partial(_grouped, world_size, sizes)
+    expert = partial(_grouped, world_size, expert_sizes)
 
     pipeline = grouped("p")
+    # Parallel folding keeps the pipeline: both layouts have pp outermost, so pp groups agree.
+    assert expert("p") == pipeline
     embedding = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pipeline]
     return ParallelGroups(
         tensor=grouped("t"),
@@ -131,6 +186,11 @@ def parallel_groups(
         context=grouped("c"),
         data_with_context=grouped("cd"),
         tensor_and_context=grouped("tc"),
+        expert_tensor=expert("t"),
+        expert_model=expert("e"),
+        expert_data=expert("d"),
+        expert_tensor_and_model=expert("te"),
+        expert_tensor_model_pipeline=expert("tep"),
     )
 
 
@@ -141,13 +201,17 @@ def initialize_model_parallel(
     timeout: datetime.timedelta | None = None,
     *,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> None:
     """Create the TP, CP, DP, PP, model-parallel, embedding and joint groups on the default group.
 
     Every rank must call it with the same sizes; data-parallel size is what is left:
     world_size // (tp * cp * pp).  `context_parallel_size` (megatron-core's name): how
     many ranks split each sequence (megacore.context_parallel); their gradients are
-    reduced over `get_data_parallel_group(with_context_parallel=True)`.  `timeout`: how
+    reduced over `get_data_parallel_group(with_context_parallel=True)`.
+    `expert_model_parallel_size` / `expert_tensor_parallel_size` (megatron-core's names; etp
+    None: tp): the expert layers' layout over the same world (module doc).  `timeout`: how
     long a collective on these groups waits for the others (None: torch's default, which
     is not the default group's own).
     """
@@ -168,6 +232,8 @@ def initialize_model_parallel(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
         context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     vpp = virtual_pipeline_model_parallel_size
     if vpp is not None:
@@ -201,6 +267,11 @@ def initialize_model_parallel(
     tp_cp_group, tp_cp_ranks = create("tensor_and_context")
     pp_group, pp_ranks = create("pipeline")
     embedding_group, _ = create("embedding")
+    etp_group, etp_ranks = create("expert_tensor")
+    ep_group, ep_ranks = create("expert_model")
+    edp_group, edp_ranks = create("expert_data")
+    etp_ep_group, etp_ep_ranks = create("expert_tensor_and_model")
+    etp_ep_pp_group, etp_ep_pp_ranks = create("expert_tensor_model_pipeline")
     embedding_ranks = groups.embedding[groups.pipeline.index(pp_ranks)]
     _STATE = _State(
         tp_group=tp_group,
@@ -218,6 +289,16 @@ def initialize_model_parallel(
         dp_cp_ranks=dp_cp_ranks,
         tp_cp_ranks=tp_cp_ranks,
         embedding_ranks=embedding_ranks,
+        etp_group=etp_group,
+        ep_group=ep_group,
+        edp_group=edp_group,
+        etp_ep_group=etp_ep_group,
+        etp_ep_pp_group=etp_ep_pp_group,
+        etp_ranks=etp_ranks,
+        ep_ranks=ep_ranks,
+        edp_ranks=edp_ranks,
+        etp_ep_ranks=etp_ep_ranks,
+        etp_ep_pp_ranks=etp_ep_pp_ranks,
         virtual_pipeline_world_size=vpp,
         virtual_pipeline_rank=0 if vpp is not None else None,
     )
@@ -416,3 +497,77 @@ def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
     if ignore_virtual:
         return True
     return is_pipeline_first_stage() or is_pipeline_last_stage()
+
+
+# --- expert layers (megatron-core's parallel folding: etp-ep-edp-pp) ---------------------------
+
+
+def _expert(getter: str, field: str) -> tuple[dist.ProcessGroup, list[int]]:
+    state = _state(getter)
+    return getattr(state, f"{field}_group"), getattr(state, f"{field}_ranks")
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup:
+    """The ranks whose experts together make every expert of a layer (tokens go between them)."""
+    return _expert("get_expert_model_parallel_group", "ep")[0]
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return len(_expert("get_expert_model_parallel_world_size", "ep")[1])
+
+
+def get_expert_model_parallel_rank() -> int:
+    """Which block of num_experts / ep experts this rank holds."""
+    return _expert("get_expert_model_parallel_rank", "ep")[1].index(dist.get_rank())
+
+
+def get_expert_tensor_parallel_group() -> dist.ProcessGroup:
+    """The ranks that split each expert's fc1/fc2 (expert_tensor_parallel_size)."""
+    return _expert("get_expert_tensor_parallel_group", "etp")[0]
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return len(_expert("get_expert_tensor_parallel_world_size", "etp")[1])
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _expert("get_expert_tensor_parallel_rank", "etp")[1].index(dist.get_rank())
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup:
+    """The ranks holding the same expert shard: expert gradients are reduced over it."""
+    return _expert("get_expert_data_parallel_group", "edp")[0]
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return len(_expert("get_expert_data_parallel_world_size", "edp")[1])
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _expert("get_expert_data_parallel_rank", "edp")[1].index(dist.get_rank())
+
+
+def get_expert_tensor_and_model_parallel_group() -> dist.ProcessGroup:
+    """ETP x EP: the ranks the all-gather dispatcher gathers tokens over."""
+    return _expert("get_expert_tensor_and_model_parallel_group", "etp_ep")[0]
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return len(_expert("get_expert_tensor_and_model_parallel_world_size", "etp_ep")[1])
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    ranks = _expert("get_expert_tensor_and_model_parallel_rank", "etp_ep")[1]
+    return ranks.index(dist.get_rank())
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup:
+    """ETP x EP x PP: each expert element lives on one of these ranks (the norm sums over it)."""
+    return _expert("get_expert_tensor_model_pipeline_parallel_group", "etp_ep_pp")[0]
+
+
+def expert_layout_is_dense_layout() -> bool:
+    """Whether the expert groups are the dense ones (ep 1, etp = tp): expert parameters can
+    then be reduced and counted with the dense ones."""
+    state = _state("expert_layout_is_dense_layout")
+    return len(state.ep_ranks) == 1 and state.etp_ranks == state.tp_ranks
