@@ -45,33 +45,54 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
     return export_gpt2(meta, state, tokenizer_file, out, dtype)
 
 
+# The config.json model_types import reads (BERT's and Llama's from their modules).
+GPT2_TYPES = ("gpt2",)
+
+
+def read_model_types() -> tuple[str, ...]:
+    """Every config.json model_type `import_hf` reads."""
+    from megatrain.hf import bert, llama
+
+    return GPT2_TYPES + tuple(bert.BLOCK_ORDER) + llama.MODEL_TYPES
+
+
 def import_hf(
     hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None
 ) -> Path:
     """Write the Hugging Face model of `hf_dir` as a megatrain checkpoint (iteration 0, weights
-    only) under `out_ckpt`; returns the iteration directory.  A BERT (config.json's model_type
-    "bert" or "megatron-bert") goes to `bert.import_bert`, a Llama (or Mistral; a Qwen2 to be
-    refused by name) to `llama.import_llama`, anything else to `gpt2.import_gpt2`, which
-    refuses what is not a GPT-2 by its config field."""
+    only) under `out_ckpt`; returns the iteration directory.  config.json's model_type picks
+    the reader: a BERT ("bert" or "megatron-bert") `bert.import_bert`, a Llama (or Mistral)
+    `llama.import_llama`, a GPT-2 `gpt2.import_gpt2`; any other model_type is refused naming
+    the kinds read (a Qwen2 by name, with what it lacks)."""
     from megatrain.hf import bert, gpt2, llama
 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HFFormatError(
-            f"{hf_dir} is not a directory: expected a Hugging Face GPT-2, BERT or Llama model"
+            f"{hf_dir} is not a directory: expected a Hugging Face model "
+            f"(model_type one of {', '.join(read_model_types())})"
         )
     if bert.is_bert(hf_dir):
         return bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
-    if _model_type(hf_dir) in llama.MODEL_TYPES + llama.REFUSED_TYPES:
+    model_type = _model_type(hf_dir)
+    if model_type in llama.MODEL_TYPES + llama.REFUSED_TYPES:
         return llama.import_llama(hf_dir, out_ckpt, tokenizer_file)
+    if model_type is not None and model_type not in GPT2_TYPES:
+        raise HFFormatError(
+            f"{hf_dir / 'config.json'}: model_type is {model_type!r}; megatrain import-hf reads "
+            f"{', '.join(read_model_types())}"
+        )
+    # GPT-2, or a config.json that is missing, unreadable or without model_type: the GPT-2
+    # reader names what is wrong with it.
     return gpt2.import_gpt2(hf_dir, out_ckpt, tokenizer_file)
 
 
 def _model_type(hf_dir: Path) -> str | None:
     try:
-        return json.loads((hf_dir / "config.json").read_text()).get("model_type")
+        model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None  # the importer it goes to names what is wrong with config.json
+    return model_type if isinstance(model_type, str) else None
 
 
-__all__ = ["HFFormatError", "export_hf", "import_hf"]
+__all__ = ["HFFormatError", "export_hf", "import_hf", "read_model_types"]

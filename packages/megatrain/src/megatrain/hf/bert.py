@@ -51,6 +51,7 @@ from megatrain.hf.common import (
     qkv_to_hf,
     read_hf_weights,
     read_json,
+    refuse_switches,
     run_model_config,
     save_weights,
     write_imported,
@@ -276,6 +277,12 @@ def export_bert(
             f"{meta_file}: tokenizer {tok_info}: expected kind {TOKENIZER_KIND!r} for a BERT"
         )
     m = run_model_config(meta)
+    # The switches BERT's classes compute; the MLM decoder is always tied to the embeddings.
+    switches = {"normalization": "layernorm", "position_embedding_type": "learned_absolute",
+                "swiglu": False, "add_bias_linear": True,
+                "untie_embeddings_and_output_weights": False,
+                "num_query_groups": m["num_attention_heads"]}  # fmt: skip
+    refuse_switches(meta_file, m, "BERT", switches)
     order, vocab = m["block_order"], int(meta["vocab_size"])
     tokens, settings = _wordpiece_files(tokenizer_file, vocab, meta_file)
     fields = {
@@ -283,7 +290,7 @@ def export_bert(
         "hidden_size": m["hidden_size"],
         "num_hidden_layers": m["num_layers"],
         "num_attention_heads": m["num_attention_heads"],
-        "intermediate_size": m["ffn_hidden_size"] or 4 * m["hidden_size"],
+        "intermediate_size": m["ffn_hidden_size"],
         "hidden_act": "gelu",  # the exact (erf) GeLU, as ours
         "hidden_dropout_prob": m["hidden_dropout"],
         "attention_probs_dropout_prob": m["attention_dropout"],
@@ -292,7 +299,7 @@ def export_bert(
         "initializer_range": m["init_method_std"],
         "layer_norm_eps": m["layernorm_epsilon"],
         "pad_token_id": tokens.index(SPECIAL_TOKENS["pad"]),
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
         "architectures": [ARCHITECTURE[order]],
     }
     # transformers 5 names the weights' dtype `dtype`, 4.x `torch_dtype`.

@@ -12,8 +12,8 @@ import torch
 
 from megacore.tensor_parallel import vocab_size_with_padding
 from megatrain.checkpoint.convert import write_checkpoint
-from megatrain.checkpoint.files import MODEL_FIELDS
-from megatrain.config import Config, ConfigError, validate
+from megatrain.checkpoint.files import MODEL_FIELDS, CheckpointError
+from megatrain.config import KIND_DEFAULTS, MODEL_SWITCHES, Config, ConfigError, validate
 from megatrain.data.corpus import TOKENIZER_KINDS
 
 
@@ -40,11 +40,33 @@ def qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def run_model_config(meta: dict) -> dict:
-    """The [model] section a checkpoint was trained with (defaults where meta has none)."""
+    """The [model] section a checkpoint was trained with (defaults where meta has none), as
+    the model was built from it: each unset switch (None) is the kind's (KIND_DEFAULTS), an
+    unset ffn_hidden_size 4 x hidden_size and unset num_query_groups one per head, so every
+    exported field says what the weights compute (a Llama trained from a config that leaves
+    `untie_embeddings_and_output_weights` unset has an output layer of its own, and its export
+    must not say it is tied)."""
     section = dict(Config().model.__dict__)
     section.update((meta.get("config") or {}).get("model") or {})
     section.update(meta["model"])
+    defaults = KIND_DEFAULTS[section["kind"]]
+    for name, default in zip(MODEL_SWITCHES, defaults, strict=True):
+        if section.get(name) is None:
+            section[name] = default
+    section["ffn_hidden_size"] = section["ffn_hidden_size"] or 4 * section["hidden_size"]
+    section["num_query_groups"] = section["num_query_groups"] or section["num_attention_heads"]
     return section
+
+
+def refuse_switches(meta_file: Path, m: dict, family: str, required: dict) -> None:
+    """Refuse, naming the [model] field, a resolved switch of `m` (run_model_config) that the
+    Hugging Face `family` cannot represent; `required`: field -> the value it must have."""
+    for name, value in required.items():
+        if m.get(name) != value:
+            raise CheckpointError(
+                f"{meta_file}: model.{name} is {m.get(name)!r}; a {family} export needs "
+                f"{value!r} (the Hugging Face model has no such switch)"
+            )
 
 
 def save_weights(weights: dict, dtype: torch.dtype, path: Path) -> None:

@@ -34,6 +34,7 @@ from megatrain.hf.common import (
     qkv_to_hf,
     read_hf_weights,
     read_json,
+    refuse_switches,
     run_model_config,
     save_weights,
     write_hf_tokenizer,
@@ -81,6 +82,15 @@ GPT2_REQUIRED = {
 }
 
 
+# The resolved [model] switches a GPT2LMHeadModel computes (its tie is read from the config).
+GPT2_SWITCHES = {
+    "normalization": "layernorm",
+    "position_embedding_type": "learned_absolute",
+    "swiglu": False,
+    "add_bias_linear": True,
+}
+
+
 # Per layer: our parameter -> (HF parameter under transformer.h.N., stored transposed).
 LAYER_PARAMS = {
     "ln1.weight": ("ln_1.weight", False),
@@ -107,11 +117,14 @@ OTHER_PARAMS = {
 
 
 def to_hf_state(weights: dict[str, torch.Tensor], num_layers: int, heads: int, vocab: int):
-    """Our weights (global names, padded vocabulary) -> HF GPT2LMHeadModel names and layouts."""
+    """Our weights (global names, padded vocabulary) -> HF GPT2LMHeadModel names and layouts;
+    an output layer of its own (untied) is HF's lm_head."""
     out = {}
     for ours, theirs in OTHER_PARAMS.items():
         out[f"transformer.{theirs}"] = weights[ours]
     out["transformer.wte.weight"] = out["transformer.wte.weight"][:vocab]  # drop the padding
+    if "output_layer.weight" in weights:
+        out["lm_head.weight"] = weights["output_layer.weight"][:vocab]
     for i in range(num_layers):
         for ours, (theirs, transposed) in LAYER_PARAMS.items():
             t = weights[f"layers.{i}.{ours}"]
@@ -156,6 +169,8 @@ def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, 
     eod_id = int(tok_info["eod_id"])
     eod = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eod_id)
     m = run_model_config(meta)
+    heads = {"num_query_groups": m["num_attention_heads"]}  # one key/value head per head
+    refuse_switches(directory / "meta.json", m, "GPT-2", GPT2_SWITCHES | heads)
     vocab = int(meta["vocab_size"])
     fields = {
         "vocab_size": vocab,
@@ -172,7 +187,7 @@ def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, 
         "initializer_range": m["init_method_std"],
         "bos_token_id": eod_id,
         "eos_token_id": eod_id,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
         "architectures": ["GPT2LMHeadModel"],
     }
     # transformers 5 names the weights' dtype `dtype`, 4.x `torch_dtype`.

@@ -36,6 +36,7 @@ from megatrain.hf.common import (
     qkv_from_hf,
     qkv_to_hf,
     read_json,
+    refuse_switches,
     run_model_config,
     save_weights,
     write_hf_tokenizer,
@@ -46,6 +47,9 @@ MODEL_TYPES = ("llama", "mistral")
 # Llama-family model types refused by name (`read_hf_config` says why).
 REFUSED_TYPES = ("qwen2",)
 ROPE_TYPES = ("default", "llama3")
+# The resolved [model] switches LlamaForCausalLM computes (its tie is read from the config).
+LLAMA_SWITCHES = {"normalization": "rmsnorm", "position_embedding_type": "rope",
+                  "swiglu": True, "add_bias_linear": False}  # fmt: skip
 
 LAYER_PARAMS = {  # ours -> HF's, under model.layers.N.
     "ln1.weight": "input_layernorm.weight",
@@ -341,10 +345,10 @@ def llama_config_fields(m: dict, vocab: int, bos: int, eos: int, dtype: str) -> 
     fields = {
         "vocab_size": vocab,
         "hidden_size": m["hidden_size"],
-        "intermediate_size": m["ffn_hidden_size"] or 4 * m["hidden_size"],
+        "intermediate_size": m["ffn_hidden_size"],
         "num_hidden_layers": m["num_layers"],
         "num_attention_heads": m["num_attention_heads"],
-        "num_key_value_heads": m["num_query_groups"] or m["num_attention_heads"],
+        "num_key_value_heads": m["num_query_groups"],
         "max_position_embeddings": m["max_position_embeddings"],
         "rms_norm_eps": m["layernorm_epsilon"],
         "initializer_range": m["init_method_std"],
@@ -370,6 +374,7 @@ def export_llama(meta: dict, state: dict, tokenizer_file: Path, out: str | Path,
     import transformers
 
     m = run_model_config(meta)
+    refuse_switches(tokenizer_file.parent / "meta.json", m, "Llama", LLAMA_SWITCHES)
     vocab = int(meta["vocab_size"])
     tok_info = meta.get("tokenizer") or {}
     if "eod_id" not in tok_info:
