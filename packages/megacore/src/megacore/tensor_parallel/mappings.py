@@ -175,12 +175,13 @@ class _GatherFromSP(torch.autograd.Function):
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_first(x)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad)
+        return _gather_first(grad, ctx.group), None
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
@@ -221,6 +222,9 @@ def gather_from_sequence_parallel_region(
     return _GatherFromSP.apply(x, tensor_parallel_output_grad, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the TP group and keep this rank's sequence block; backward all-gathers."""
-    return _ReduceScatterToSP.apply(x)
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Sum over the TP group (or `group`) and keep this rank's sequence block; backward
+    all-gathers."""
+    return _ReduceScatterToSP.apply(x, group)

@@ -32,6 +32,14 @@ early receive waits on a send its peer can post only later.  Every tensor
 handed to a p2p operation or a collective must be on `device` (the rank's
 training device) and contiguous.
 
+`all_to_all_single` with uneven splits is checked across the group before it runs:
+each rank's split sizes must add up to its tensors' first dimension, and what rank r
+sends to q (its input_split_sizes[q]) must be what q expects from r (its
+output_split_sizes[r]), in rows of the same size and dtype.  Gloo fails or
+hangs on a mismatch with no word of which ranks disagreed; NCCL may copy the
+wrong bytes without any error.  Without splits the first dimension must divide by
+the group's size on every rank.
+
 The batches are compared through the job's TCP store, so the check costs a
 few store round trips per batch and nothing per collective but a look at the
 arguments.  Code that torch.compile traces calls its own traceable collectives, which
@@ -40,6 +48,7 @@ the checker does not see.
 
 import contextlib
 import functools
+import inspect
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -90,6 +99,65 @@ class _Checker:
         self.store, self.device, self.timeout, self.where = store, device, timeout, where
         self.rank = dist.get_rank()
         self.batches: dict[tuple[str, int], int] = {}  # (group, peer) -> batches posted
+        self.all_to_alls: dict[str, int] = {}  # group -> all_to_all_single calls
+
+    def check_all_to_all(self, output, input, output_split_sizes, input_split_sizes, group):
+        """Publish this rank's splits, read every rank's, and refuse (on every rank alike)
+        unless each rank's splits fit its tensors and every pair agrees (module doc)."""
+        group = group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        world = len(ranks)
+        mine = {"where": self.where(), "problem": None}
+        for kind, t, sizes in (
+            ("output", output, output_split_sizes),
+            ("input", input, input_split_sizes),
+        ):
+            rows = t.shape[0] if t.dim() else 1
+            if sizes is None:
+                sizes = [rows // world] * world
+                if rows % world:
+                    mine["problem"] = (
+                        f"its {kind} has {rows} rows, not divisible by the "
+                        f"group's {world} ranks (no {kind}_split_sizes)"
+                    )
+            elif len(sizes) != world or sum(sizes) != rows:
+                mine["problem"] = (
+                    f"its {kind}_split_sizes {list(sizes)} are not {world} "
+                    f"sizes adding up to the {kind}'s {rows} rows"
+                )
+            mine[kind] = {"splits": list(sizes), "row": list(t.shape[1:]), "dtype": str(t.dtype)}
+        gkey = "-".join(map(str, ranks))
+        index = self.all_to_alls.get(gkey, 0)
+        self.all_to_alls[gkey] = index + 1
+        what = f"all_to_all_single #{index} on group {ranks}"
+        self.store.set(f"a2a/{gkey}/{index}/{self.rank}", json.dumps(mine))
+        keys = [f"a2a/{gkey}/{index}/{r}" for r in ranks]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception:  # the store's timeout error type differs between torch versions
+            self._refuse(
+                f"{what}: not every rank called it within {self.timeout:g} s "
+                "(under NCCL this hangs)"
+            )
+        calls = {r: json.loads(self.store.get(key)) for r, key in zip(ranks, keys, strict=True)}
+        for r, call in calls.items():
+            if call["problem"]:
+                self._refuse(f"{what}: rank {r} at {call['where']}: {call['problem']}")
+        for a, sender in calls.items():
+            for b, receiver in calls.items():
+                send, recv = sender["input"], receiver["output"]
+                sent = (send["splits"][ranks.index(b)], send["row"], send["dtype"])
+                expected = (recv["splits"][ranks.index(a)], recv["row"], recv["dtype"])
+                if sent != expected:
+                    self._refuse(
+                        f"{what}: rank {a} sends rank {b} {sent[0]} rows of {sent[1]} "
+                        f"{sent[2]} (at {sender['where']}), rank {b} expects {expected[0]} "
+                        f"rows of {expected[1]} {expected[2]} (at {receiver['where']}); "
+                        "NCCL would move the wrong bytes or hang"
+                    )
+
+    def _refuse(self, why: str) -> None:
+        raise NCCLSemanticsError(f"rank {self.rank}: {why} ({self.where()})")
 
     def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -235,12 +303,25 @@ def nccl_semantics(
     def collective(name: str, fn: Callable) -> Callable:
         # The original's signature (functools.wraps): torch.compile, finding the patched
         # name where it looks for torch.distributed's collectives, reads it ("op").
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
         def checked(*args, **kwargs):
             for value in (*args, *kwargs.values()):
                 tensors = value if isinstance(value, (list, tuple)) else [value]
                 for t in tensors:
                     checker.check_tensor(t, name)
+            if name == "all_to_all_single":
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                a = bound.arguments
+                checker.check_all_to_all(
+                    a["output"],
+                    a["input"],
+                    a["output_split_sizes"],
+                    a["input_split_sizes"],
+                    a["group"],
+                )
             return fn(*args, **kwargs)
 
         return checked

@@ -1,0 +1,227 @@
+"""Token dispatch over expert-parallel ranks: megatron-core's all-to-all and all-gather
+dispatchers, with the interface of the one-process `LocalDispatcher`.
+
+`dispatch(hidden [T, h], probs [T, k], indices [T, k])` hands back the tokens this rank's
+experts must process, grouped by local expert (`expert_input [N, h]`), and how many each
+local expert got (`tokens_per_local_expert`); `combine(expert_output [N, h])` brings the
+experts' outputs back to the ranks the tokens came from, weighted by their routing
+probabilities and summed over each token's k experts ([T, h]).  Every step is an autograd
+operation whose backward is the reverse communication, so the gradients of `hidden`,
+`probs` and the experts' weights are those of one process holding every expert.
+
+Experts are laid out as megatron-core lays them: expert-parallel rank e of ep holds global
+experts [e * E / ep, (e + 1) * E / ep); the ranks of one expert-tensor-parallel group hold
+the same experts with fc1 split by columns and fc2 by rows, so each computes a partial sum
+of every expert output that the combine step adds up (a reduce-scatter).
+
+- `AllToAllDispatcher` (moe_token_dispatcher_type = "alltoall"): sort the (token, slot)
+  pairs by expert, `all_to_all_single` with uneven splits over the EP group (the counts
+  travel first, in an equal-split all-to-all), all-gather over the ETP group, sort by
+  local expert; the combine is the reverse (reduce-scatter over ETP, all-to-all back).
+- `AllGatherDispatcher` ("allgather"): all-gather tokens, probabilities and expert ids over
+  ETP x EP, keep the pairs routed to the local experts; the combine adds each rank's
+  outputs into the gathered token positions and reduce-scatters over ETP x EP.
+
+Uneven gathers and reduce-scatters pad each rank's rows to the largest count (one small
+size exchange first), so every collective has NCCL's equal-size form.  The split sizes are
+read on the host (a sync per dispatch, as Megatron's all-to-all dispatcher has).
+"""
+
+import torch
+import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore.collectives import all_gather_flat
+from megacore.moe.permute import LocalDispatcher, permute, unpermute
+from megacore.moe.router import DROPPED
+from megacore.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+DISPATCHER_TYPES = ("alltoall", "allgather")
+
+
+# --- communication as autograd operations ------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def _all_to_all(x, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def _sizes_over(group, count: int, device) -> list[int]:
+    """Every rank's `count` over `group`, in group-rank order."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    out = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_flat(out, mine, group=group)
+    return out.tolist()
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.size(0) == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.size(0), *x.shape[1:]))])
+
+
+def gather_rows(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Every rank's rows of `x` (rank i has sizes[i]) concatenated in group-rank order;
+    backward: each rank's rows of the summed gradient (a reduce-scatter)."""
+    if len(sizes) == 1:
+        return x
+    most = max(sizes)
+    padded = gather_from_sequence_parallel_region(_pad_rows(x, most), True, group)
+    if all(s == most for s in sizes):
+        return padded
+    keep = torch.cat([torch.arange(s) + i * most for i, s in enumerate(sizes)]).to(x.device)
+    return padded.index_select(0, keep)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group, sizes: list[int], rank: int) -> torch.Tensor:
+    """`x` summed over `group`, rank i keeping its sizes[i] rows (x holds every rank's rows in
+    group-rank order, as `gather_rows` made them); backward all-gathers."""
+    if len(sizes) == 1:
+        return x
+    most = max(sizes)
+    if any(s != most for s in sizes):
+        pieces = torch.split(x, sizes)
+        x = torch.cat([_pad_rows(p, most) for p in pieces])
+    out = reduce_scatter_to_sequence_parallel_region(x, group)
+    return out[: sizes[rank]]
+
+
+# --- the dispatchers ---------------------------------------------------------------------------
+
+
+class AllToAllDispatcher:
+    """Tokens to the experts' ranks by all-to-all over EP, then all-gathered over ETP."""
+
+    def __init__(self, num_experts: int, dropless: bool = True):
+        self.dropless = dropless
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.etp_group = ps.get_expert_tensor_parallel_group()
+        self.ep = dist.get_world_size(self.ep_group)
+        self.etp = dist.get_world_size(self.etp_group)
+        self.etp_rank = dist.get_rank(self.etp_group)
+        if num_experts % self.ep:
+            raise ValueError(
+                f"AllToAllDispatcher: num_moe_experts ({num_experts}) is not divisible by "
+                f"expert_model_parallel_size ({self.ep})"
+            )
+        self.num_experts, self.local = num_experts, num_experts // self.ep
+
+    def dispatch(self, hidden, probs, indices):
+        # Sorted by global expert, the pairs for each EP rank are one block (its experts').
+        sent, counts, self.order = permute(hidden, indices, self.num_experts, self.dropless)
+        self.probs, self.num_tokens = probs, hidden.size(0)
+        # [source ep rank, local expert]: how many pairs each rank sends to each local expert.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)
+        received = received.view(self.ep, self.local)
+        if self.etp > 1:  # every ETP rank's matrix: [etp source, ep source, local expert]
+            gathered = received.new_empty((self.etp * self.ep, self.local))
+            all_gather_flat(gathered, received, group=self.etp_group)
+            received = gathered
+        matrix = received.view(self.etp, self.ep, self.local).tolist()  # the host sync
+        mine = matrix[self.etp_rank]
+        self.input_splits = counts.view(self.ep, self.local).sum(1).tolist()
+        self.output_splits = [sum(row) for row in mine]
+        x = _AllToAll.apply(sent, self.ep_group, self.output_splits, self.input_splits)
+        self.etp_sizes = [sum(map(sum, m)) for m in matrix]
+        x = gather_rows(x, self.etp_group, self.etp_sizes)
+        # Rows arrive ordered (etp source, ep source, local expert): regroup by local expert.
+        starts, start = {}, 0
+        for s in range(self.etp):
+            for j in range(self.ep):
+                for e in range(self.local):
+                    starts[s, j, e] = start
+                    start += matrix[s][j][e]
+        ranges = [
+            torch.arange(starts[s, j, e], starts[s, j, e] + matrix[s][j][e])
+            for e in range(self.local)
+            for s in range(self.etp)
+            for j in range(self.ep)
+        ]
+        self.regroup = torch.cat(ranges).to(hidden.device)
+        per_expert = [
+            sum(matrix[s][j][e] for s in range(self.etp) for j in range(self.ep))
+            for e in range(self.local)
+        ]
+        tokens_per_local_expert = torch.tensor(per_expert, dtype=torch.int64, device=counts.device)
+        return x.index_select(0, self.regroup), tokens_per_local_expert
+
+    def combine(self, expert_output):
+        # Back to (etp source, ep source, local expert) order: the inverse of the regroup.
+        back = torch.empty_like(self.regroup)
+        back[self.regroup] = torch.arange(self.regroup.numel(), device=self.regroup.device)
+        x = expert_output.index_select(0, back)
+        x = reduce_scatter_rows(x, self.etp_group, self.etp_sizes, self.etp_rank)
+        x = _AllToAll.apply(x, self.ep_group, self.input_splits, self.output_splits)
+        return unpermute(x, self.order, self.probs, self.num_tokens)
+
+
+class AllGatherDispatcher:
+    """Every token to every rank of ETP x EP; each keeps the pairs its experts take."""
+
+    def __init__(self, num_experts: int):
+        self.group = ps.get_expert_tensor_and_model_parallel_group()
+        self.rank = dist.get_rank(self.group)
+        ep = ps.get_expert_model_parallel_world_size()
+        ep_rank = ps.get_expert_model_parallel_rank()
+        if num_experts % ep:
+            raise ValueError(
+                f"AllGatherDispatcher: num_moe_experts ({num_experts}) is not divisible by "
+                f"expert_model_parallel_size ({ep})"
+            )
+        self.local = num_experts // ep
+        self.first = ep_rank * self.local
+
+    def dispatch(self, hidden, probs, indices):
+        self.sizes = _sizes_over(self.group, hidden.size(0), hidden.device)
+        hidden = gather_rows(hidden, self.group, self.sizes)
+        self.probs = gather_rows(probs, self.group, self.sizes)
+        indices = gather_rows(indices, self.group, self.sizes)  # integers: no gradient
+        # Other ranks' experts (and choices a capacity dropped) count as dropped here.
+        local = indices - self.first
+        local = torch.where((local >= 0) & (local < self.local), local, DROPPED)
+        expert_input, counts, self.order = permute(hidden, local, self.local)
+        return expert_input, counts
+
+    def combine(self, expert_output):
+        out = unpermute(expert_output, self.order, self.probs, sum(self.sizes))
+        return reduce_scatter_rows(out, self.group, self.sizes, self.rank)
+
+
+def build_token_dispatcher(
+    num_experts: int, moe_token_dispatcher_type: str = "alltoall", dropless: bool = True
+):
+    """The dispatcher for this rank's expert layout: the one-process `LocalDispatcher` when
+    no experts are split (ep x etp = 1), else megatron-core's kind of that name."""
+    if moe_token_dispatcher_type not in DISPATCHER_TYPES:
+        raise ValueError(
+            f"moe_token_dispatcher_type must be one of {', '.join(DISPATCHER_TYPES)}, "
+            f"got {moe_token_dispatcher_type!r}"
+        )
+    split = ps.model_parallel_is_initialized() and (
+        ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size() > 1
+    )
+    if not split:
+        return LocalDispatcher(num_experts, dropless)
+    if moe_token_dispatcher_type == "allgather":
+        return AllGatherDispatcher(num_experts)
+    return AllToAllDispatcher(num_experts, dropless)
