@@ -39,6 +39,59 @@ CAUSAL_KINDS = ("gpt", "llama")
 BLOCK_ORDERS = ("pre_ln", "post_ln")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+# megacore.moe's choices, named here so reading a config needs no torch (a test holds them
+# equal).
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """The mixture-of-experts switches (megatrain.models.moe; Megatron-LM's names), fields of
+    both [model] (`ModelConfig`) and the transformer (`TransformerConfig`).  Keyword-only, so
+    they can follow any class's positional fields."""
+
+    num_moe_experts: int | None = None  # None: a dense model
+    moe_router_topk: int = 2  # experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's; None: ffn_hidden_size
+    # A shared expert every token goes through (Qwen2-MoE, DeepSeek), of this size; None: none.
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False  # its output x sigmoid(a [1, h] linear) (Qwen2-MoE)
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    # Softmax over all experts before the top k (HF Mixtral/Qwen order) instead of over the
+    # chosen k's logits (Megatron's default; the same weights as Mixtral's).
+    moe_router_pre_softmax: bool = False
+    # With pre_softmax: the k weights divided by their sum (HF's norm_topk_prob; Qwen3-MoE
+    # true, Qwen2-MoE false).  Sigmoid scores are always normalized (k > 1).
+    moe_router_norm_topk_prob: bool = False
+    moe_router_topk_scaling_factor: float | None = None  # the weights times this
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the sigmoid
+    # scores to choose (never to the weights), moved by moe_router_bias_update_rate per step
+    # towards equal loads.
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    # Each expert takes at most ceil(tokens x topk / experts x factor) choices, dropping the
+    # rest by moe_token_drop_policy ("probs": the lowest weights; "position": the latest
+    # tokens); None: dropless.
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    # Which layers are MoE: every Nth (layer i when i % N == 0), or a 0/1 per layer.
+    moe_layer_freq: int | list = 1
+    # The experts' GEMMs as torch's grouped GEMM where the torch in use has it for the device
+    # and dtype (else a loop over the experts, the same numbers); false: always the loop.
+    moe_grouped_gemm: bool = True
+    # How tokens reach experts on other ranks (parallel.expert_model_parallel_size > 1, or
+    # experts split over expert_tensor_parallel_size): "alltoall" (each token to its experts'
+    # ranks) or "allgather" (every token to every rank of ETP x EP); Megatron's names.
+    moe_token_dispatcher_type: str = "alltoall"
+
+
+MOE_FIELDS = tuple(f.name for f in dataclasses.fields(MoEConfig))
 # What each kind takes where its [model] section leaves a switch unset (None): normalization,
 # position_embedding_type, swiglu, add_bias_linear, untie_embeddings_and_output_weights.
 # The [model] switches that make a Llama of the same transformer, in KIND_DEFAULTS' order.
@@ -52,7 +105,7 @@ KIND_DEFAULTS = {
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MoEConfig):
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -83,6 +136,16 @@ class ModelConfig:
     # Grouped-query attention: heads share this many key/value heads (None: one per head;
     # 1: multi-query attention).  Split over TP: divisible by tensor_model_parallel_size.
     num_query_groups: int | None = None
+    # Each head's width (Megatron's kv_channels); None: hidden_size / num_attention_heads.
+    # Qwen3 has heads of 128 at hidden 2048 and 32 heads: the projection's input is
+    # num_attention_heads x kv_channels.
+    kv_channels: int | None = None
+    # RMSNorm (or LayerNorm, as model.normalization) over each head's kv_channels applied to
+    # the queries and keys before the rotary embedding (Qwen3's q_norm and k_norm).
+    qk_layernorm: bool = False
+    # Biases on the query, key and value projections alone (Qwen2) while add_bias_linear is
+    # false; split over TP with the projection's columns.
+    add_qkv_bias: bool = False
     rotary_base: float = 10000.0  # HF's rope_theta
     # Llama 3.1's frequency scaling of the rotary embeddings (HF rope_scaling type "llama3");
     # factor 0 = off.
@@ -109,6 +172,12 @@ class ParallelConfig:
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     sequence_parallel: bool = False
+    # Mixture of experts (model.num_moe_experts): the experts split over this many ranks, and
+    # each expert's fc1/fc2 over expert_tensor_parallel_size (None: tensor_model_parallel_size),
+    # a layout of their own over the same world and pipeline stages (megatron-core's
+    # "parallel folding"): expert data-parallel size = world / (etp x ep x pp).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     # What data parallelism shards (issue 47): "none" (every DP rank holds the whole model
     # piece and its optimizer state), "optimizer" (ZeRO-1, Megatron's distributed optimizer;
     # `use_distributed_optimizer = true` is its alias) or "full" (ZeRO-3: parameters,
@@ -233,6 +302,12 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None  # iterations; None = at the end and on SIGTERM/SIGINT only
     keep: int = 0  # newest iterations kept; 0 = all
+    # Write each save in the background (megatrain.checkpoint.background): training stalls
+    # only for a copy of the rank's state to host memory (one more copy held there).
+    async_save: bool = False
+    # Seconds a stop by SIGINT/SIGTERM waits for a background write before abandoning it
+    # (`latest` then names the previous checkpoint); the end of training waits for it fully.
+    async_save_timeout: float = 300.0
 
 
 @dataclass
@@ -299,6 +374,10 @@ CHOICES = {
     ("training", "precision"): ("fp32", "bf16", "fp16", "fp8"),
     ("parallel", "cp_comm_type"): ("p2p", "allgather"),
     ("parallel", "data_parallel_sharding"): DATA_PARALLEL_SHARDINGS,
+    ("model", "moe_router_score_function"): MOE_SCORE_FUNCTIONS,
+    ("model", "moe_router_load_balancing_type"): MOE_LOAD_BALANCING_TYPES,
+    ("model", "moe_token_drop_policy"): MOE_DROP_POLICIES,
+    ("model", "moe_token_dispatcher_type"): MOE_TOKEN_DISPATCHER_TYPES,
 }
 
 
@@ -639,7 +718,7 @@ def _check_sizes(config: Config) -> None:
 
 def _check_model(config: Config) -> None:
     """The model's kinds and choices: kind, block order, normalization, position embedding,
-    RoPE scaling."""
+    RoPE scaling, mixture of experts."""
     m = config.model
     _need(m.kind in MODEL_KINDS, f"model.kind must be one of {MODEL_KINDS}, got {m.kind!r}")
     _need(
@@ -665,6 +744,72 @@ def _check_model(config: Config) -> None:
         m.rope_scaling_factor == 0 or m.rope_high_freq_factor > m.rope_low_freq_factor,
         f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be above "
         f"model.rope_low_freq_factor ({m.rope_low_freq_factor})",
+    )
+    _check_moe(config)
+
+
+def _check_moe(config: Config) -> None:
+    """The mixture-of-experts switches against each other and the model (the expert-parallel
+    sizes are checked with the layout)."""
+    m = config.model
+    E = m.num_moe_experts
+    if E is None:
+        return
+    why = f"model.num_moe_experts = {E}"
+    _need(
+        m.kind in CAUSAL_KINDS,
+        f"model.num_moe_experts: MoE is built for the causal kinds {' and '.join(CAUSAL_KINDS)}, "
+        f"not model.kind = {m.kind!r}",
+    )
+    _need(
+        m.moe_router_topk <= E,
+        f"model.moe_router_topk ({m.moe_router_topk}) is above model.num_moe_experts ({E})",
+    )
+    for section_key, choices in CHOICES.items():
+        if section_key[0] == "model" and section_key[1].startswith("moe_"):
+            value = getattr(m, section_key[1])
+            _need(
+                value in choices, f"model.{section_key[1]} must be one of {choices}, got {value!r}"
+            )
+    factor = m.moe_expert_capacity_factor
+    _need(
+        factor is None or factor > 0,
+        f"model.moe_expert_capacity_factor must be > 0 (or unset: dropless), got {factor}",
+    )
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        _need(
+            len(freq) == m.num_layers and all(v in (0, 1) for v in freq),
+            f"model.moe_layer_freq: a list needs a 0 or 1 for each of the model.num_layers "
+            f"({m.num_layers}) layers, got {freq!r}",
+        )
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        value = getattr(m, name)
+        _need(value is None or value >= 0, f"model.{name} must be >= 0, got {value}")
+    scaling = m.moe_router_topk_scaling_factor
+    _need(
+        scaling is None or scaling > 0,
+        f"model.moe_router_topk_scaling_factor must be > 0 (or unset), got {scaling}",
+    )
+    _need(
+        not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+        "model.moe_router_enable_expert_bias = true needs model.moe_router_score_function = "
+        f"'sigmoid' (DeepSeek-V3's, as Megatron), got {m.moe_router_score_function!r}",
+    )
+    _need(
+        not m.moe_shared_expert_gate or m.moe_shared_expert_intermediate_size,
+        "model.moe_shared_expert_gate = true gates a shared expert: set "
+        "model.moe_shared_expert_intermediate_size",
+    )
+    _need(
+        not config.model_switch("add_bias_linear"),
+        f"{why} with model.add_bias_linear = true: the experts have no biases (as Megatron's "
+        "grouped GEMM); set model.add_bias_linear = false",
+    )
+    _need(
+        not config.training.cuda_graphs,
+        f"{why} with training.cuda_graphs = true: the tokens each expert gets change with "
+        "every batch, which a captured graph cannot follow; turn one off",
     )
 
 
@@ -845,6 +990,58 @@ def _data_parallel_size(config: Config, world_size: int | None) -> int:
     return dp
 
 
+def _check_expert_parallel(config: Config, world_size: int | None) -> None:
+    """The expert layout (parallel.expert_model_parallel_size, expert_tensor_parallel_size)
+    against the model, the dense layout and the job's processes."""
+    m, p = config.model, config.parallel
+    ep, tp, pp = (
+        p.expert_model_parallel_size,
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+    )
+    etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    E = m.num_moe_experts
+    if E is None:
+        _need(
+            ep == 1 and p.expert_tensor_parallel_size is None,
+            "parallel.expert_model_parallel_size / expert_tensor_parallel_size split the "
+            "experts of a mixture of experts: set model.num_moe_experts, or leave them unset",
+        )
+        return
+    _need(
+        E % ep == 0,
+        f"model.num_moe_experts ({E}) is not divisible by parallel.expert_model_parallel_size "
+        f"({ep}): each expert-parallel rank holds the same number of experts",
+    )
+    f = m.moe_ffn_hidden_size or config.ffn_hidden_size
+    name = "model.moe_ffn_hidden_size" if m.moe_ffn_hidden_size else "model.ffn_hidden_size"
+    _need(
+        f % etp == 0,
+        f"{name} ({f}, each expert's) is not divisible by the expert tensor-parallel size "
+        f"({etp}, parallel.expert_tensor_parallel_size or else tensor_model_parallel_size)",
+    )
+    _need(
+        tp == 1 or p.sequence_parallel,
+        f"model.num_moe_experts with parallel.tensor_model_parallel_size = {tp} needs "
+        "parallel.sequence_parallel = true (Megatron's rule): without it every TP rank holds "
+        "the same tokens, and the experts, reached from every TP rank, would take each token "
+        f"{tp} times",
+    )
+    if world_size is not None:
+        _need(
+            world_size % (etp * ep * pp) == 0,
+            f"the job has {world_size} processes, not divisible by the expert layout "
+            f"parallel.expert_tensor_parallel_size x expert_model_parallel_size x "
+            f"pipeline_model_parallel_size ({etp} x {ep} x {pp} = {etp * ep * pp})",
+        )
+    _need(
+        p.data_parallel_sharding != "full" or (ep == 1 and etp == tp),
+        "parallel.data_parallel_sharding = 'full' with experts split over ranks "
+        f"(expert_model_parallel_size {ep}, expert tensor-parallel size {etp}): FSDP would "
+        "shard the experts over the dense data-parallel group, not theirs; use 'optimizer'",
+    )
+
+
 def _check_checkpoint(config: Config) -> None:
     c = config.checkpoint
     _need(
@@ -852,6 +1049,10 @@ def _check_checkpoint(config: Config) -> None:
         f"checkpoint.save_interval must be > 0, got {c.save_interval}",
     )
     _need(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
+    _need(
+        c.async_save_timeout > 0,
+        f"checkpoint.async_save_timeout must be > 0 seconds, got {c.async_save_timeout}",
+    )
 
 
 def _check_optimizer(config: Config) -> None:
@@ -896,6 +1097,7 @@ def validate(config: Config, world_size: int | None = None) -> int:
     _check_masking(config)
     _check_layout(config)
     dp = _data_parallel_size(config, world_size)
+    _check_expert_parallel(config, world_size)
     _check_checkpoint(config)
     _check_optimizer(config)
     _check_dropout(config)

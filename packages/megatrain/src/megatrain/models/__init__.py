@@ -6,7 +6,7 @@ GPT.
 """
 
 from megacore import tensor_parallel as tp
-from megatrain.config import Config
+from megatrain.config import MOE_FIELDS, Config
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
 from megatrain.models.transformer import TransformerConfig
@@ -61,9 +61,13 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         ),
         swiglu=config.model_switch("swiglu"),
         num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        qk_layernorm=m.qk_layernorm,
+        add_qkv_bias=m.add_qkv_bias,
         add_bias=config.model_switch("add_bias_linear"),
         tie_output=not config.model_switch("untie_embeddings_and_output_weights"),
         fused_linear_cross_entropy=config.training.fused_linear_cross_entropy,
+        **{name: getattr(m, name) for name in MOE_FIELDS},
     )
 
 

@@ -49,7 +49,8 @@ from torch.nn.utils import skip_init
 
 from megacore import tensor_parallel as tp
 from megacore.context_parallel import context_parallel_attention
-from megatrain.config import BLOCK_ORDERS, RECOMPUTE_CHOICES
+from megatrain.config import BLOCK_ORDERS, RECOMPUTE_CHOICES, MoEConfig
+from megatrain.models.moe import MoELayer, is_moe_layer
 from megatrain.parallelize import ParallelContext
 
 GELUS = {"tanh": "tanh", "erf": "none"}  # our name -> F.gelu's `approximate`
@@ -107,7 +108,10 @@ def flex_document_attention(q, k, v, segments: torch.Tensor, compiled: bool = Tr
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(MoEConfig):
+    """The model as built; the mixture-of-experts fields (`MoEConfig`, keyword-only) are the
+    [model] section's, `models.moe.MoELayer` on the layers `moe_layer_freq` names."""
+
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -138,6 +142,11 @@ class TransformerConfig:
     swiglu: bool = False
     num_query_groups: int | None = None  # None: one key/value head per head
     add_bias: bool = True
+    # Each head's width; None: hidden_size / num_attention_heads (Megatron's kv_channels).
+    kv_channels: int | None = None
+    # The model's normalization over each head of the queries and keys before RoPE (Qwen3).
+    qk_layernorm: bool = False
+    add_qkv_bias: bool = False  # biases on q, k, v even without add_bias (Qwen2)
     tie_output: bool = True
     # The output layer and the loss in one chunked op that never holds the [tokens, vocab]
     # logits (`tp.linear_vocab_parallel_cross_entropy`); GPT and Llama, when labels are given.
@@ -200,11 +209,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def _layer_norm(cfg: TransformerConfig, device=None, dtype=torch.float32) -> nn.Module:
+def _layer_norm(
+    cfg: TransformerConfig, device=None, dtype=torch.float32, size: int | None = None
+) -> nn.Module:
+    """The model's normalization over `size` (None: hidden_size)."""
+    size = size or cfg.hidden_size
     if cfg.normalization == "rmsnorm":
-        ln = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, device=device, dtype=dtype)
+        ln = RMSNorm(size, cfg.layernorm_epsilon, device=device, dtype=dtype)
     else:
-        ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+        ln = nn.LayerNorm(size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
     for p in ln.parameters():  # replicated; under sequence parallelism their grads are partial
         p.sequence_parallel = cfg.sequence_parallel
     return ln
@@ -315,6 +328,15 @@ def _layer_norm_in(cfg: TransformerConfig, place: dict) -> nn.LayerNorm:
     return _layer_norm(cfg, place["device"], place["params_dtype"])
 
 
+def _head_norm(cfg: TransformerConfig, head_dim: int, place: dict) -> nn.Module:
+    """The model's normalization over one head's `head_dim` (qk_layernorm), replicated on
+    every TP rank and its gradient summed over TP (see ParallelAttention)."""
+    norm = _layer_norm(cfg, place["device"], place["params_dtype"], size=head_dim)
+    for p in norm.parameters():
+        p.sequence_parallel = True
+    return norm
+
+
 class ReplicatedKV(nn.Module):
     """Grouped-query attention's key/value projection when there are fewer groups than TP
     ranks (tp a multiple of the groups): the whole [2 groups d, h] weight (per group [k v],
@@ -347,7 +369,7 @@ class ReplicatedKV(nn.Module):
         self.weight = nn.Parameter(weight)
         self.weight.sequence_parallel = True  # partial on each rank: summed over TP
         self.bias = None
-        if cfg.add_bias:
+        if cfg.add_bias or cfg.add_qkv_bias:
             self.bias = nn.Parameter(
                 torch.zeros(size, device=place["device"], dtype=place["params_dtype"])
             )
@@ -371,29 +393,41 @@ class ParallelAttention(nn.Module):
         self.core_attention = self._core
         self.context_parallel = None  # parallelize.apply_context_parallel sets it
         self.heads_local = tp.divide_by_tp(cfg.num_attention_heads, "num_attention_heads")
-        self.head_dim = tp.divide(h, cfg.num_attention_heads, "hidden_size", "num_attention_heads")
+        self.head_dim = cfg.kv_channels or tp.divide(
+            h, cfg.num_attention_heads, "hidden_size", "num_attention_heads"
+        )
         std = cfg.init_method_std
         groups, d = cfg.num_query_groups, self.head_dim
+        width = cfg.num_attention_heads * d  # the queries' (and the projection's input) width
 
         def column(size: int) -> tp.ColumnParallelLinear:
             init = tp.init_method_normal(std)
+            bias = cfg.add_bias or cfg.add_qkv_bias  # split with the columns, whole heads
             return tp.ColumnParallelLinear(
-                h, size, bias=cfg.add_bias, sequence_parallel=sp, init_method=init, **place
+                h, size, bias=bias, sequence_parallel=sp, init_method=init, **place
             )
 
         if groups == cfg.num_attention_heads:
             self.groups_local = self.heads_local
-            self.qkv = column(3 * h)
+            self.qkv = column(3 * width)
         else:  # grouped-query attention: the queries, then each group's key and value
-            self.q = column(h)
+            self.q = column(width)
             if groups % parallel.tp_size == 0:
                 self.groups_local = groups // parallel.tp_size
                 self.kv = column(2 * groups * d)
             else:  # fewer groups than TP ranks
                 self.groups_local = 1
                 self.kv = ReplicatedKV(cfg, 2 * groups * d, place, parallel)
+        # Qwen3's q_norm and k_norm over each head (ones: no draw, so every other weight is
+        # drawn as without them).  Every TP rank holds them whole but normalizes only its own
+        # heads, so each rank's gradient is a part: marked `sequence_parallel`, which
+        # `sync_sequence_parallel_grads` sums over TP (whether or not sequence parallelism is on).
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:
+            self.q_layernorm = _head_norm(cfg, d, place)
+            self.k_layernorm = _head_norm(cfg, d, place)
         self.proj = tp.RowParallelLinear(
-            h,
+            width,
             h,
             bias=cfg.add_bias,
             input_is_parallel=True,
@@ -474,6 +508,8 @@ class ParallelAttention(nn.Module):
             s, b = q.shape[:2]
             q = q.view(s, b, self.heads_local, d).permute(1, 2, 0, 3)
             k, v = kv.view(s, b, self.groups_local, 2, d).permute(3, 1, 2, 0, 4)
+        if self.q_layernorm is not None:  # over each head's d, before the rotary embedding
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.cfg.position_embedding == "rope":
             offset = cache.offset if cache is not None else 0
             positions = mask.position_ids if isinstance(mask, AttentionInputs) else None
@@ -542,12 +578,17 @@ class ParallelMLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """One block, its parameters placed by `place` (`_placement`); its weights are drawn
-    from the placement's generator in order (qkv, or q and kv; proj; gate; fc1; fc2).
+    from the placement's generator in order (qkv, or q and kv; proj; gate; fc1; fc2; on a
+    MoE layer the MLP is `MoELayer`, drawn as it says).
     `parallel`: the rank's place in the layout (None: megacore's process groups).
     `block_order` "pre_ln": x + f(LN(x)); "post_ln": LN(x + f(x)) (the original BERT)."""
 
     def __init__(
-        self, cfg: TransformerConfig, place: dict, parallel: ParallelContext | None = None
+        self,
+        cfg: TransformerConfig,
+        place: dict,
+        parallel: ParallelContext | None = None,
+        layer_number: int = 0,
     ):
         super().__init__()
         self.cfg = cfg
@@ -555,7 +596,11 @@ class TransformerLayer(nn.Module):
         parallel = parallel or ParallelContext.from_process_groups()
         self.attention = ParallelAttention(cfg, place, parallel)
         self.ln2 = _layer_norm_in(cfg, place)
-        self.mlp = ParallelMLP(cfg, place)
+        # The routed experts on the MoE layers (`layer_number`: the model's 0-based layer id).
+        if is_moe_layer(cfg, layer_number):
+            self.mlp = MoELayer(cfg, place, parallel)
+        else:
+            self.mlp = ParallelMLP(cfg, place)
 
     def forward(
         self,
@@ -645,6 +690,7 @@ class LanguageModel(nn.Module):
                     cfg,
                     _placement(_cpu_generator(seed + 1 + i), device, dtype, initialize),
                     self.parallel,
+                    layer_number=i,
                 )
                 for i in self.layer_ids
             }

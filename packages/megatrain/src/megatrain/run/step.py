@@ -10,7 +10,8 @@ import torch.distributed as dist
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megatrain.config import Config
-from megatrain.parallelize import split_batch_for_context_parallel
+from megatrain.models import moe
+from megatrain.parallelize import split_batch_for_context_parallel, sum_expert_loads
 from megatrain.run.lr_schedule import learning_rate
 from megatrain.run.setup import Run, batches_for
 
@@ -162,22 +163,38 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     micro = [to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
+    # MoE: the auxiliary losses' gradients scaled as the main loss's (1 / microbatches, x the
+    # fp16 loss scale), each layer's load counted from zero.
+    one = torch.ones((), device=run.device)
+    moe.begin_step(run.chunks, run.optimizer.scale_loss(one) / run.num_microbatches)
     if run.config.training.one_sync_per_iteration:
         totals = forward_backward(run, micro, read=False)
         parts = [totals, run.optimizer.step_on_device()]
         if stop_flag is not None:
             parts.append(stop_flag.to(totals.device, totals.dtype))
+        aux = moe.aux_loss_value(run.chunks)
+        if aux is not None:
+            parts.append(aux.to(totals.device, totals.dtype).view(1))
         values = torch.cat(parts).tolist()  # the iteration's one host sync
         names = STATISTICS[run.kind]
         stats = dict(zip(names, values[: len(names)], strict=True))
         ok, grad_norm, _ = run.optimizer.settle_step(*values[len(names) : len(names) + 2])
         if stop_flag is not None:
-            stats["stop"] = values[-1]
+            stats["stop"] = values[len(names) + 2]
+        if aux is not None:
+            stats["moe_aux_loss"] = values[-1]
     else:
         stats = forward_backward(run, micro)
         ok, grad_norm, _ = run.optimizer.step()
         if stop_flag is not None:
             stats["stop"] = stop_flag.item()
+        aux = moe.aux_loss_value(run.chunks)
+        if aux is not None:  # the load-balancing loss without its coefficient, this rank's
+            stats["moe_aux_loss"] = aux.item()
+    # DeepSeek-V3's expert bias moves once per optimizer step, by the step's token counts
+    # (every rank's of the stage: the bias stays the same everywhere, as one process's).
+    sum_expert_loads(run.chunks)
+    moe.update_expert_biases(run.chunks, run.model_config.moe_router_bias_update_rate)
     run.optimizer.zero_grad()
     run.iteration += 1
     return {**stats, "lr": lr, "grad_norm": grad_norm, "ok": ok}
