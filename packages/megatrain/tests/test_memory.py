@@ -32,6 +32,7 @@ TARGETS = {
     "bert-3.9b": GPU_MEMORY["v100-32gb"],
     "bert-tiny": 8 * GIB,
     "llama-tiny": 8 * GIB,
+    "mixtral-tiny": 8 * GIB,
     "gpt2-tiny-blend": 8 * GIB,
     "llama3-8b": GPU_MEMORY["h100-80gb"],
     "llama3-8b-32k": GPU_MEMORY["h100-80gb"],
