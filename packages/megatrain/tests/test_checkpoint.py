@@ -129,6 +129,23 @@ def _valid_loss_at_load(config):
         ps.destroy_model_parallel()
 
 
+def _same_checkpoint(a, b) -> dict | None:
+    """On rank 0: which of two checkpoints' tensors and meta.json's run state differ (None on
+    the other ranks)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    (meta_a, state_a), (meta_b, state_b) = (
+        read_full_state(c, with_optimizer=True, progress=False) for c in (a, b)
+    )
+    return {
+        "names": sorted(state_a) == sorted(state_b) and len(state_a) > 0,
+        "tensors": [n for n in state_a if not torch.equal(state_a[n], state_b.get(n))],
+        "meta": [k for k in ("iteration", "data", "optimizer", "layout") if meta_a[k] != meta_b[k]],
+    }
+
+
 def _reshard_runs(corpus, out):
     ckpt = f"{out}/ckpt"
     saved = train(
@@ -136,7 +153,13 @@ def _reshard_runs(corpus, out):
                 "training.exit_interval=3", f"checkpoint.save={ckpt!r}")
     )  # fmt: skip
     reference = train(_config(corpus, f"{out}/reference", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT))
-    results = {}
+    # The same run saving every iteration in the background (checkpoint.async_save).
+    background = train(
+        _config(corpus, f"{out}/async", *RESHARD["tp2-pp2-dp2"], *NO_DROPOUT,
+                "training.exit_interval=3", f"checkpoint.save={ckpt + '-async'!r}",
+                "checkpoint.save_interval=1", "checkpoint.async_save=true")
+    )  # fmt: skip
+    results = {"async": (background, _same_checkpoint(ckpt, ckpt + "-async"))}
     for name, layout in RESHARD.items():
         config = _config(corpus, f"{out}/{name}", *layout, *NO_DROPOUT, f"checkpoint.load={ckpt!r}")
         at_load = _valid_loss_at_load(config)
@@ -145,10 +168,17 @@ def _reshard_runs(corpus, out):
 
 
 def test_checkpoint_loads_at_other_layouts(corpus, tmp_path):
+    """A tp 2 x pp 2 x dp 2 checkpoint (distributed optimizer) loads at other layouts; saved in
+    the background instead, its run and its tensors are the same."""
     saved, reference, results = run_distributed(
         _reshard_runs, 8, args=(corpus, str(tmp_path)), timeout=400
     )[0]
     assert saved["valid"][-1][0] == 3
+    # Saved in the background every iteration: the same steps, bitwise, and the same tensors
+    # in the checkpoint as the synchronous save's.
+    background, same = results.pop("async")
+    assert background["loss"] == saved["loss"] and background["grad_norm"] == saved["grad_norm"]
+    assert same == {"names": True, "tensors": [], "meta": []}, same
     for name, ((iteration, valid), resumed) in results.items():
         # The weights: the same validation loss as the saving run computed at iteration 3.
         assert iteration == 3 and abs(valid - saved["valid"][-1][1]) < 2e-5, name

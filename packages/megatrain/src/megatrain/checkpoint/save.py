@@ -7,8 +7,10 @@ leaves the previous checkpoint and `latest` as they were.  Nothing is
 unpickled: DCP reads tensors, RNG files load with `weights_only=True`.
 """
 
+import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,9 +51,10 @@ def file_sizes(directory: Path) -> dict[str, int]:
     }
 
 
-def publish(tmp: Path, final: Path, meta: dict) -> None:
+def publish(tmp: Path, final: Path, meta: dict, before_latest=None) -> None:
     """The last step of every save: meta.json into the complete `tmp` directory, `tmp`
-    renamed to `final`, and only then `latest` (a temporary file renamed) naming it."""
+    renamed to `final`, and only then `latest` (a temporary file renamed) naming it.
+    (`before_latest`: a test's fault hook, between the renames.)"""
     atomic_write_json(tmp / "meta.json", meta, sort_keys=False)
     # The same iteration saved again (a resume at N that saves at N): the old copy is moved
     # aside, not deleted, until the new one is in place, so a kill between the two renames
@@ -61,6 +64,8 @@ def publish(tmp: Path, final: Path, meta: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    if before_latest is not None:
+        before_latest()
     latest_tmp = final.parent / f".{LATEST}.tmp"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, final.parent / LATEST)
@@ -130,73 +135,136 @@ def _weights(run, params: dict, mesh: DeviceMesh) -> dict:
     return weights
 
 
+@dataclass
+class Snapshot:
+    """What one rank saves of a run at an iteration, as DCP and torch.save take it: the
+    weights and the optimizer state (views of the run's own tensors, or their host copies for
+    a background write), the generators' states and, on rank 0, meta.json without its file
+    list (`files` is added once every file is written)."""
+
+    iteration: int
+    model: dict
+    optimizer: dict
+    rng: dict
+    meta: dict | None
+    tokenizer: Path | None
+
+
+def snapshot(run) -> Snapshot:
+    """This rank's state at `run.iteration`, nothing copied or gathered."""
+    # Under overlap_param_gather the last step's all-gathers may still be filling the weights.
+    run.optimizer.finish_param_sync()
+    mesh = tp_mesh(run.device)
+    params = named_params(run.chunks)
+    meta = tokenizer = None
+    if dist.get_rank() == 0:
+        # The corpus's (a blend's first: they share it), or where fine-tuning points.
+        source = run.config.data.corpus or run.train_data.corpus.path
+        tokenizer = Path(source) / "tokenizer.json"
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "iteration": run.iteration,
+            "model": {k: getattr(run.model_config, k) for k in MODEL_FIELDS},
+            "padded_vocab_size": run.model_config.vocab_size,
+            "vocab_size": run.train_data.corpus.vocab_size,
+            "tokenizer": run.train_data.corpus.manifest.get("tokenizer"),
+            "layout": layout_of(run),
+            "config": run.config.to_dict(),
+            # A round trip through JSON: the values of this iteration, not the data loader's
+            # live objects, which go on while a background write runs.
+            "data": json.loads(json.dumps(run.train_data.state_dict())),
+            "optimizer": {
+                "adam_step": run.optimizer.adam_step(),
+                "grad_scaler": (
+                    {k: float(v) for k, v in run.optimizer.grad_scaler.state_dict().items()}
+                    if run.optimizer.grad_scaler
+                    else None
+                ),
+                "num_skipped_steps": run.optimizer.num_skipped_steps,
+            },
+        }
+    return Snapshot(
+        run.iteration,
+        _weights(run, params, mesh),
+        _optimizer_pieces(run, params, mesh),
+        _rng_state(),
+        meta,
+        tokenizer,
+    )
+
+
+def tmp_dir(ckpt: Path, iteration: int) -> Path:
+    return Path(ckpt) / f".tmp-{iteration_dir(ckpt, iteration).name}"
+
+
+def prepare(tmp: Path) -> None:
+    """Rank 0, before any rank writes: an empty `tmp` (a killed save may have left one)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "rng").mkdir(parents=True)
+
+
+def write_model(snap: Snapshot, tmp: Path, group=None, after=None) -> None:
+    """This rank's weights into `tmp` (DCP's collectives over `group`: every rank calls it);
+    `after` runs once they are written (a test's fault hook)."""
+    dcp.save(snap.model, checkpoint_id=tmp / "model", process_group=group)
+    if after is not None:
+        after()
+
+
+def write_optimizer(snap: Snapshot, tmp: Path, group=None) -> None:
+    """This rank's optimizer state and generators into `tmp` (every rank calls it)."""
+    dcp.save(snap.optimizer, checkpoint_id=tmp / "optimizer", process_group=group)
+    torch.save(snap.rng, tmp / "rng" / f"rank-{dist.get_rank():05d}.pt")
+
+
+def complete(
+    snap: Snapshot, ckpt: Path, world_size: int, keep: int = 0, before_latest=None
+) -> Path:
+    """Rank 0, once every rank's files are in `tmp`: the tokenizer copied, every file checked
+    and listed in meta.json, `publish`ed, old iterations beyond `keep` removed."""
+    tmp, final = tmp_dir(ckpt, snap.iteration), iteration_dir(ckpt, snap.iteration)
+    if snap.tokenizer is not None and snap.tokenizer.is_file():
+        shutil.copyfile(snap.tokenizer, tmp / "tokenizer.json")
+    files = file_sizes(tmp)
+    rng_files = [f for f in files if f.startswith("rng/")]
+    if len(rng_files) != world_size:
+        raise RuntimeError(f"checkpoint {tmp}: {len(rng_files)} RNG files for {world_size} ranks")
+    publish(tmp, final, {**snap.meta, "files": files}, before_latest)
+    if keep > 0:
+        for old in sorted(ckpt.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_failed(iteration: int, ckpt: Path, e: BaseException, how: str = "") -> CheckpointError:
+    """A full disk, a quota, a read-only or vanished directory: one line naming the path; `latest`
+    still names the last complete checkpoint (it moves only in `publish`)."""
+    return CheckpointError(
+        f"saving iteration {iteration} to {tmp_dir(ckpt, iteration)}{how} failed: "
+        f"{root_cause(e)}; the last complete checkpoint in {ckpt} is untouched (free space or "
+        "fix the directory, then resume from it)"
+    )
+
+
 def save_checkpoint(run, ckpt: str | Path, keep: int = 0) -> Path:
     """Save `run` at its iteration under `ckpt` (every rank calls it); returns the directory.
 
     `keep` > 0 keeps only that many newest iterations.
     """
     ckpt = Path(ckpt)
-    final = iteration_dir(ckpt, run.iteration)
-    tmp = ckpt / f".tmp-{final.name}"
+    tmp = tmp_dir(ckpt, run.iteration)
     try:
         rank = dist.get_rank()
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-            (tmp / "rng").mkdir(parents=True)
+            prepare(tmp)
         dist.barrier()
-        # Under overlap_param_gather the last step's all-gathers may still be filling the weights.
-        run.optimizer.finish_param_sync()
-        mesh = tp_mesh(run.device)
-        params = named_params(run.chunks)
-        dcp.save(_weights(run, params, mesh), checkpoint_id=tmp / "model")
-        dcp.save(_optimizer_pieces(run, params, mesh), checkpoint_id=tmp / "optimizer")
-        torch.save(_rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
+        snap = snapshot(run)
+        write_model(snap, tmp)
+        write_optimizer(snap, tmp)
         dist.barrier()
         if rank == 0:
-            # The corpus's (a blend's first: they share it), or where fine-tuning points.
-            source = run.config.data.corpus or run.train_data.corpus.path
-            corpus_tokenizer = Path(source) / "tokenizer.json"
-            if corpus_tokenizer.is_file():
-                shutil.copyfile(corpus_tokenizer, tmp / "tokenizer.json")
-            files = file_sizes(tmp)
-            rng_files = [f for f in files if f.startswith("rng/")]
-            if len(rng_files) != dist.get_world_size():
-                raise RuntimeError(
-                    f"checkpoint {tmp}: {len(rng_files)} RNG files for "
-                    f"{dist.get_world_size()} ranks"
-                )
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "iteration": run.iteration,
-                "model": {k: getattr(run.model_config, k) for k in MODEL_FIELDS},
-                "padded_vocab_size": run.model_config.vocab_size,
-                "vocab_size": run.train_data.corpus.vocab_size,
-                "tokenizer": run.train_data.corpus.manifest.get("tokenizer"),
-                "layout": layout_of(run),
-                "config": run.config.to_dict(),
-                "data": run.train_data.state_dict(),
-                "optimizer": {
-                    "adam_step": run.optimizer.adam_step(),
-                    "grad_scaler": (
-                        {k: float(v) for k, v in run.optimizer.grad_scaler.state_dict().items()}
-                        if run.optimizer.grad_scaler
-                        else None
-                    ),
-                    "num_skipped_steps": run.optimizer.num_skipped_steps,
-                },
-                "files": files,
-            }
-            publish(tmp, final, meta)
-            if keep > 0:
-                for old in sorted(ckpt.glob("iter_*"))[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+            complete(snap, ckpt, dist.get_world_size(), keep)
     except (OSError, dcp.api.CheckpointException) as e:
-        # A full disk, a quota, a read-only or vanished directory: `latest` still names the
-        # last complete checkpoint (it moves only in `publish`, after every file is written).
-        raise CheckpointError(
-            f"saving iteration {run.iteration} to {tmp} failed: {root_cause(e)}; the last "
-            f"complete checkpoint in {ckpt} is untouched (free space or fix the directory, "
-            "then resume from it)"
-        ) from e
+        raise save_failed(run.iteration, ckpt, e) from e
     dist.barrier()
-    return final
+    return iteration_dir(ckpt, run.iteration)

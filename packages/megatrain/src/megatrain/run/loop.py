@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore.optimizer import NonFiniteLossGuard
-from megatrain.checkpoint.files import LATEST
+from megatrain.checkpoint.background import AsyncSaver
+from megatrain.checkpoint.files import LATEST, iteration_dir
 from megatrain.checkpoint.load import load_checkpoint
 from megatrain.checkpoint.save import save_checkpoint
 from megatrain.config import Config
@@ -50,6 +51,7 @@ class StopSignal:
     def __init__(self):
         self.received = None
         self.signum = None
+        self.at = None  # the iteration the run stopped at (any reason)
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -134,11 +136,52 @@ def resume(run: Run) -> None:
         print(f"megatrain: {after}resumed from {load} at iteration {meta['iteration']}", flush=True)
 
 
-def _save(run: Run, log: RunLog) -> None:
+def _save(run: Run, log: RunLog, saver: AsyncSaver | None, last: bool, bound: float | None):
+    """Save at this iteration: at once, or (`saver`) copied now and written in the background.
+
+    The last save of a run (`last`: the end, exit_interval, a stop) waits for its write and
+    publishes it; under a signal (`bound`) for at most that many seconds in all, the previous
+    write included, else every rank abandons the write (`latest` names what it named)."""
     c = run.config.checkpoint
-    if c.save:
+    if not c.save:
+        return
+    if saver is None:
         path = save_checkpoint(run, c.save, keep=c.keep)
         log.info(f"megatrain: saved {path}")
+        return
+    deadline = None if bound is None else time.monotonic() + bound
+    if not _collect(saver, log, run.device, deadline, bound):
+        return
+    saver.save(run)
+    log.info(
+        f"megatrain: writing {iteration_dir(c.save, run.iteration)} in the background "
+        f"(copied to host memory in {saver.copy_s:.3f} s)"
+    )
+    if last:
+        _collect(saver, log, run.device, deadline, bound)
+
+
+def _collect(saver: AsyncSaver, log: RunLog, device, deadline: float | None, bound) -> bool:
+    """Wait for the background write in flight (until `deadline`): True when it is published
+    (or there was none), False when every rank gives it up.  A failed write raises."""
+    if not saver.pending:
+        return True
+    if deadline is not None:
+        saver.thread.join(max(0.0, deadline - time.monotonic()))
+        # Every rank gives up, or none (training is over: the default group is idle; the
+        # writers' group may still be busy).
+        done = torch.tensor([float(not saver.thread.is_alive())], device=device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not done.item():
+            saver.abandon()
+            log.info(
+                f"megatrain: abandoned the background write of iteration {saver.iteration} after "
+                f"checkpoint.async_save_timeout = {bound:g} s; {saver.standing()}"
+            )
+            return False
+    saver.wait()
+    log.info(f"megatrain: saved {iteration_dir(saver.ckpt, saver.iteration)}")
+    return True
 
 
 def _loop(run: Run, stop: StopSignal) -> dict | None:
@@ -168,6 +211,9 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     interval, interval_start = [], time.perf_counter()
     loop_start, first_iteration = interval_start, run.iteration
     names = STATISTICS[run.kind]
+    saver = None
+    if c.save and c.async_save:
+        saver = AsyncSaver(c.save, c.keep, config.parallel.collective_timeout)
     while run.iteration < t.train_iters:
         # One read per iteration: the stop agreement goes with the step's own values (a signal
         # during this iteration's logging or evaluation then stops the next one).
@@ -220,15 +266,19 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             or run.iteration == t.train_iters
             or (c.save_interval and run.iteration % c.save_interval == 0)
         ):
-            _save(run, log)
+            last = stopping or run.iteration == t.train_iters
+            bound = c.async_save_timeout if stop.signum else None
+            _save(run, log, saver, last, bound)
         if record is not None:
             interval, interval_start = [], time.perf_counter()
         if stopping:
             log.info(
                 f"megatrain: stopped by {stop.received or 'a signal'} at iteration {run.iteration}"
             )
-            run.history["stopped_at"] = run.iteration
+            run.history["stopped_at"] = stop.at = run.iteration
             break
+    if saver is not None and not saver.pending:  # an abandoned write keeps its group
+        saver.close()
     plot = log.close()
     if not rank0:
         return None

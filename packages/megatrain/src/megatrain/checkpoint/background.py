@@ -1,0 +1,234 @@
+"""Checkpoints written in the background (`checkpoint.async_save = true`).
+
+At a save step each rank copies its share of the state (`saving.snapshot`: the weights, the
+optimizer's shards as they are, the generators, the data position; nothing gathered) into
+host buffers of its own (pinned on CUDA, kept from one save to the next), and training goes
+on while a thread of the same process writes that copy through the path a synchronous save
+takes: `.tmp-iter_N/`, every file checked, `publish` (meta.json, the rename, `latest`).
+
+A thread, not a process: the write is file I/O and DCP's torch.save of host tensors, which
+release the GIL (benchmarks/bench_async_checkpoint.py measures the steps taken during a write
+at the pace of the steps without one), and a thread shares the staged copy without a second
+one or a pickling pass; a process (Megatron-LM's persistent worker, DCP's PROCESS type) pays
+those to be safe from a GIL-holding writer, which this one is not.
+
+The writers agree among themselves over a gloo group of their own (`AsyncSaver.group`, made
+once on the main thread): the training collectives run on other groups at the same time, and
+one group's collectives must never interleave between two threads.  Each phase ends in an
+all-gather of every rank's outcome (an empty tmp directory; every rank's files written; rank
+0's `publish`), so every rank learns the same outcome at the same phase, and `latest` moves
+only after every rank's files are complete.  The main thread collects the outcome at the next
+save (which first waits for the previous one), at a stop and at the end of training, points
+every rank reaches at the same iteration: a failed write raises the same `CheckpointError`
+on every rank there.
+"""
+
+import errno
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from megatrain.checkpoint import save as saving
+from megatrain.checkpoint.dcp import Pieces
+from megatrain.checkpoint.files import CheckpointError, find_checkpoint, iteration_dir, read_meta
+
+# A test's fault in the background save of one iteration: "<point>:<rank>:<action>:<iteration>",
+# point one of copying (the main thread's copy), writing (between the weights and the
+# optimizer state), publishing (between the rename of the directory and `latest`); action kill
+# (SIGKILL), enospc / erofs (the OSError a full disk or a read-only directory raises), or
+# sleep<seconds>.
+FAULT_ENV = "MEGATRAIN_TEST_SAVE_FAULT"
+
+
+def fault(point: str, iteration: int, path: Path) -> None:
+    spec = os.environ.get(FAULT_ENV, "").split(":")
+    if len(spec) != 4 or spec[0] != point:
+        return
+    _, rank, action, at = spec
+    if int(rank) != dist.get_rank() or int(at) != iteration:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action in ("enospc", "erofs"):
+        code = errno.ENOSPC if action == "enospc" else errno.EROFS
+        raise OSError(code, os.strerror(code), str(path))
+    elif action.startswith("sleep"):
+        time.sleep(float(action[5:]))
+
+
+class HostCopy:
+    """Host copies of a rank's tensors, one buffer per tensor kept for the next save (the
+    previous write is over by then): pinned on CUDA, so the copies run at full bandwidth."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.copied = 0  # tensors copied by this save, for the "copying" fault
+        self.iteration = 0
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def tensor(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            pin = t.device.type == "cuda"
+            buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self.buffers[key] = buffer
+        buffer.copy_(t.detach(), non_blocking=True)
+        self.copied += 1
+        return buffer
+
+    def state(self, name: str, state: dict, path: Path) -> dict:
+        """`state` (a DCP or torch.save state dict) with every tensor in host buffers; a TP
+        shard (a DTensor over TP) as the one piece of its global tensor this rank holds."""
+        out = {}
+        for key, value in state.items():
+            if self.copied == 1:
+                fault("copying", self.iteration, path)
+            if isinstance(value, Pieces):
+                pieces = [
+                    (list(o), self.tensor((name, key, tuple(o)), t))
+                    for o, t in value._pieces.items()
+                ]
+                out[key] = Pieces(value.shape, value.dtype, torch.device("cpu"), pieces)
+            elif isinstance(value, DTensor):
+                local = value.to_local()
+                (placement,) = value.placements  # Shard(dim) over TP: see dcp.global_tensor
+                offsets = [0] * local.dim()
+                offsets[placement.dim] = (
+                    value.device_mesh.get_local_rank() * local.shape[placement.dim]
+                )
+                copy = self.tensor((name, key), local)
+                out[key] = Pieces(value.shape, value.dtype, torch.device("cpu"), [(offsets, copy)])
+            elif isinstance(value, torch.Tensor):
+                out[key] = self.tensor((name, key), value)
+            else:
+                out[key] = value
+        return out
+
+    def snapshot(self, snap: saving.Snapshot, path: Path) -> saving.Snapshot:
+        self.copied, self.iteration = 0, snap.iteration
+        staged = saving.Snapshot(
+            snap.iteration,
+            self.state("model", snap.model, path),
+            self.state("optimizer", snap.optimizer, path),
+            self.state("rng", snap.rng, path),
+            snap.meta,
+            snap.tokenizer,
+        )
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        return staged
+
+
+class AsyncSaver:
+    """Saves in the background: `save(run)` copies and returns; `wait()` collects the outcome.
+
+    Made by every rank at the same point (its gloo group is a collective to create)."""
+
+    def __init__(self, ckpt: str | Path, keep: int, collective_timeout: float):
+        self.ckpt, self.keep = Path(ckpt), keep
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout))
+        self.host = HostCopy()
+        self.thread: threading.Thread | None = None
+        self.iteration: int | None = None  # of the write in flight or last collected
+        self.error: str | None = None
+        self.abandoned = False
+        self.copy_s = 0.0  # the last save's stall: the host copy
+
+    @property
+    def pending(self) -> bool:
+        return self.thread is not None
+
+    def save(self, run) -> None:
+        """Wait for the previous write, copy this rank's state, start writing it."""
+        self.wait()
+        started = time.perf_counter()
+        tmp = saving.tmp_dir(self.ckpt, run.iteration)
+        staged = self.host.snapshot(saving.snapshot(run), tmp)
+        self.copy_s = time.perf_counter() - started
+        self.iteration, self.error, self.abandoned = run.iteration, None, False
+        self.thread = threading.Thread(
+            target=self._write, args=(staged,), name="megatrain-checkpoint", daemon=True
+        )
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Block until the write in flight is over (at once when none is).  A failed write
+        raises its `CheckpointError`, the same on every rank."""
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.thread = None
+        if self.error is not None:
+            raise CheckpointError(f"{self.error}; {self.standing()}")
+
+    def standing(self) -> str:
+        """What `latest` names now, checked whole (every file, its size)."""
+        try:
+            directory = find_checkpoint(self.ckpt)
+        except CheckpointError:
+            return f"no complete checkpoint in {self.ckpt} yet"
+        return (
+            f"{self.ckpt / 'latest'} names {directory.name} (iteration "
+            f"{read_meta(directory)['iteration']}), checked whole"
+        )
+
+    def _agree(self, error: str | None) -> str | None:
+        """Every rank's outcome of a phase, shared: the first rank's error, else whether any
+        rank's main thread abandoned the write (`abandon`), else None."""
+        outcomes = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(outcomes, (error, self.abandoned), group=self.group)
+        errors = [e for e, _ in outcomes if e is not None]
+        if errors:
+            return errors[0]
+        return "abandoned" if any(a for _, a in outcomes) else None
+
+    def _phase(self, fn, *args) -> str | None:
+        try:
+            fn(*args)
+        except (OSError, dcp.api.CheckpointException) as e:
+            return str(saving.save_failed(self.iteration, self.ckpt, e, " (in the background)"))
+        except Exception as e:  # said on every rank, raised at `wait`
+            return f"saving iteration {self.iteration} in the background failed: {e!r}"
+        return None
+
+    def _write(self, staged: saving.Snapshot) -> None:
+        """The writer thread: each phase ends in an agreement, and the next one starts only
+        when every rank's went well and no rank abandoned the write."""
+        n = staged.iteration
+        tmp, final = saving.tmp_dir(self.ckpt, n), iteration_dir(self.ckpt, n)
+        rank0 = dist.get_rank() == 0
+        world = dist.get_world_size()
+        publishing = lambda: fault("publishing", n, final)  # noqa: E731
+        phases = [
+            (saving.prepare, tmp) if rank0 else None,
+            (saving.write_model, staged, tmp, self.group, lambda: fault("writing", n, tmp)),
+            (saving.write_optimizer, staged, tmp, self.group),
+            (saving.complete, staged, self.ckpt, world, self.keep, publishing) if rank0 else None,
+        ]
+        error = None
+        try:
+            for phase in phases:
+                error = self._agree(self._phase(*phase) if phase else None)
+                if error is not None:
+                    break
+        except Exception as e:  # a peer gone in an agreement
+            error = f"saving iteration {n} in the background failed: {e}"
+        self.error = error
+
+    def abandon(self) -> None:
+        """Have the writer stop at its next agreement (every rank must call it): nothing more
+        is written and nothing published."""
+        self.abandoned = True
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
