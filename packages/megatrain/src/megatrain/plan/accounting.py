@@ -17,6 +17,8 @@ nothing here builds a model or imports the training loop.
   recompute mode (`activations_per_layer`; under context parallelism each rank's s / cp
   tokens, and what the attention over the whole sequence holds besides:
   `context_parallel_attention_per_layer`); `megatrain.plan.memory` adds them up per stage.
+  Host memory: the copy of a rank's state a background checkpoint save keeps
+  (`checkpoint_copy_bytes_per_parameter`).
 
 `kind` is a run config's `model.kind`: "gpt", "bert" or "llama" (`KINDS`).
 """
@@ -308,6 +310,18 @@ def fsdp_gathered_bytes(
     gathered = own + (min(2, layers) if reshard_after_forward else layers) * layer_params
     gradients = 4 * params if microbatches > 1 else (compute + 4) * layer_params
     return compute * gathered + gradients
+
+
+def checkpoint_copy_bytes_per_parameter(
+    precision: str, distributed_optimizer: bool, dp: int, sharding: str | None = None
+) -> float:
+    """Host bytes per parameter of a rank's copy of its state for a background save
+    (`checkpoint.async_save`, megatrain.checkpoint.background): what the rank saves, its
+    weights in the run's dtype (2 or 4 bytes; under "full" its rows only, / dp) and its
+    optimizer state, the fp32 master and Adam's two moments (12 bytes, / dp when sharded)."""
+    full = sharding == "full"
+    weights = (4 if precision == "fp32" else 2) / (dp if full else 1)
+    return weights + 12 / (dp if full or distributed_optimizer else 1)
 
 
 def _context_parallel(config: Config) -> tuple[int, int, int]:

@@ -432,6 +432,7 @@ def memory_per_gpu(config: Config, vocab: int, dp: int) -> dict:
         **{part: fullest[part] for part in MEMORY_PARTS},
         "total": fullest["total"],
         "parameters": max(b["parameters"] for b in stages.values()),
+        "host_checkpoint_copy": max(b["host_checkpoint_copy"] for b in stages.values()),
         "stage": stage,
     }
 

@@ -36,6 +36,10 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   holds the whole stage, as a data-parallel replica does, and the distributed optimizer
   shards its state over dp x cp (the gradients are reduced over both).
 
+Host memory (not in the total): with `checkpoint.async_save` each rank keeps a copy of what
+it saves, its weights and optimizer shard (`accounting.checkpoint_copy_bytes_per_parameter`),
+as "host_checkpoint_copy".
+
 Not counted: the CUDA context, library workspaces, communication buffers and
 fragmentation; `fits` keeps a headroom (10%) for them.  The 5 a s / h term is what
 attention that materializes its s x s scores keeps; the fused SDPA kernels (flash,
@@ -51,6 +55,7 @@ from megatrain.models import model_config
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
+    checkpoint_copy_bytes_per_parameter,
     context_parallel_attention_per_layer,
     fsdp_gathered_bytes,
     layer_parameters_per_rank,
@@ -77,8 +82,9 @@ def memory_breakdown(
     stage: int = 0,
 ) -> dict[str, float]:
     """Bytes per GPU of pipeline stage `stage`: parameters (count), weights, gradients,
-    optimizer_state, their sum weights_and_optimizer, activations, total.  `recompute`
-    defaults to the config's; `vocab_size` (the tokenizer's, before padding) to
+    optimizer_state, their sum weights_and_optimizer, activations, total; and the host bytes
+    of a background save's copy (host_checkpoint_copy; 0 without checkpoint.async_save).
+    `recompute` defaults to the config's; `vocab_size` (the tokenizer's, before padding) to
     `model.vocab_size`; the data-parallel size (which only the distributed optimizer's
     sharding depends on, over dp x cp) to `parallel.data_parallel_size` or 1."""
     m, p, t = config.model, config.parallel, config.training
@@ -153,12 +159,17 @@ def memory_breakdown(
     if t.precision == "fp32":
         activations *= 2
     activations += fp32_bytes
+    copy = checkpoint_copy_bytes_per_parameter(
+        t.precision, p.use_distributed_optimizer, dp * cp, "full" if full else None
+    )
     return {
         "parameters": params,
         **held,
         "weights_and_optimizer": state,
         "activations": activations,
         "total": state + activations,
+        # Host memory, not the GPU's: the copy a background save (checkpoint.async_save) keeps.
+        "host_checkpoint_copy": params * copy if config.checkpoint.async_save else 0.0,
     }
 
 

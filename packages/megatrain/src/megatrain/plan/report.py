@@ -26,6 +26,7 @@ def _estimate_dict(rank: int, e: Estimate) -> dict:
         "microbatches": e.notes["microbatches"],
         "memory_gib": {k: e.memory[k] / GIB for k in (*MEMORY_PARTS, "total")},
         "memory_stage": e.memory["stage"],
+        "host_checkpoint_copy_gib": e.memory["host_checkpoint_copy"] / GIB,
         "time_s": {k: e.time[k] for k in (*TIME_PARTS, "total")},
         "mfu": e.mfu,
         "tflops_per_gpu": e.tflops_per_gpu,
@@ -138,6 +139,12 @@ def format_plan(plan: Plan, top: int) -> str:
             "to run #1: megatrain run --config <config> "
             + " ".join(plan.ranked[0].layout.overrides()),
         ]
+        if plan.config.checkpoint.async_save:
+            copy = plan.ranked[0].memory["host_checkpoint_copy"] / GIB
+            lines.append(
+                f"checkpoint.async_save: #1 keeps {copy:.1f} GiB of host memory per GPU (a copy "
+                "of the rank's weights and optimizer state for the background write)"
+            )
     else:
         lines.append("no layout fits.")
     if plan.rejected:

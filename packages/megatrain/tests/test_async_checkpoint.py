@@ -1,0 +1,249 @@
+"""Checkpoints written in the background (checkpoint.async_save), faults injected for real on
+2 gloo ranks: a rank SIGKILLed while copying, writing or publishing leaves the previous
+checkpoint as `latest` and a restart resumes from it bitwise; a full disk or a read-only
+directory ends the run in one line naming the path, the last checkpoint checked whole; a
+signal during a write waits for it, or abandons it past checkpoint.async_save_timeout.
+(Equal steps and tensors to synchronous saves: test_checkpoint.py, at tp 2 x pp 2 x dp 2.)"""
+
+import contextlib
+import io
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megacore.testing import DistributedTestError, run_distributed
+from megatrain.checkpoint.background import FAULT_ENV
+from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
+from megatrain.config import load_config
+from megatrain.run.loop import train
+from megatrain.testing import random_documents, write_corpus
+
+VOCAB = 200
+SMALL = [
+    "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+    "model.max_position_embeddings=16", "model.hidden_dropout=0.1",  # the generators resume
+    "training.seq_length=16", "training.micro_batch_size=2", "training.global_batch_size=4",
+    "training.train_iters=6", "training.eval_interval=1000", "training.eval_iters=1",
+    "optimizer.lr=0.01", "optimizer.lr_warmup_iters=1", "logging.log_interval=1",
+    "logging.tensorboard=false", "logging.peak_tflops=1.0",
+]  # fmt: skip
+# Where a rank dies in the background save of iteration 4 (after iteration 2's is published).
+KILLS = {"copying": 1, "writing": 1, "publishing": 0}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    docs = lambda n: random_documents(rng, n, VOCAB, 10, 40)  # noqa: E731
+    root = tmp_path_factory.mktemp("corpus")
+    return str(write_corpus(root, {"train": [docs(30)], "valid": [docs(8)]}, vocab_size=VOCAB))
+
+
+def _config(corpus, out, *extra):
+    return load_config(
+        None, [*SMALL, f"data.corpus={corpus!r}", f"training.output_dir={out!r}", *extra]
+    )
+
+
+def _background(ckpt, *extra):
+    return (f"checkpoint.save={ckpt!r}", "checkpoint.async_save=true", *extra)
+
+
+def _killed(corpus, out, point, rank):
+    os.environ[FAULT_ENV] = f"{point}:{rank}:kill:4"
+    train(_config(corpus, out, *_background(f"{out}/ckpt", "checkpoint.save_interval=2")))
+
+
+def _latest(ckpt) -> int | None:
+    try:
+        return read_meta(find_checkpoint(ckpt))["iteration"]
+    except CheckpointError:
+        return None
+
+
+def _ends_with_error(corpus, out, spec):
+    """Saves at 2 and 4 in the background; `spec` fails the write of 4: the error, `latest`."""
+    os.environ[FAULT_ENV] = spec
+    try:
+        train(_config(corpus, out, "training.train_iters=4",
+                      *_background(f"{out}/ckpt", "checkpoint.save_interval=2")))  # fmt: skip
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        del os.environ[FAULT_ENV]
+    return error, _latest(f"{out}/ckpt")
+
+
+def _stopped_mid_write(corpus, out, timeout):
+    """SIGTERM on rank 1 after iteration 2's step, while rank 0's writer of iteration 2 pauses
+    1 s: (rank 0's output, the history, `latest` right after the run)."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megatrain.run import loop
+
+    real_step = loop.train_step
+
+    def step(run, **kwargs):
+        result = real_step(run, **kwargs)
+        if run.iteration == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    os.environ[FAULT_ENV] = "writing:0:sleep1:2"
+    loop.train_step, printed = step, io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            history = train(_config(corpus, out, *_background(
+                f"{out}/ckpt", "checkpoint.save_interval=1",
+                f"checkpoint.async_save_timeout={timeout}")))  # fmt: skip
+    finally:
+        loop.train_step = real_step
+        del os.environ[FAULT_ENV]
+    return printed.getvalue(), history, _latest(f"{out}/ckpt")
+
+
+def _host_copy(corpus, out):
+    """(the bytes both ranks of a dp 2 run copy to host for a background save, without the
+    generators' states; what megatrain.plan.memory counts for two ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from megacore import parallel_state as ps
+    from megatrain.checkpoint.background import AsyncSaver
+    from megatrain.plan.memory import memory_breakdown
+    from megatrain.run.distributed import init_distributed
+    from megatrain.run.setup import build_run
+    from megatrain.run.step import train_step
+
+    config = _config(corpus, out, "parallel.use_distributed_optimizer=true",
+                     *_background(f"{out}/ckpt"))  # fmt: skip
+    device, _ = init_distributed()
+    run = build_run(config, device)
+    try:
+        train_step(run)
+        saver = AsyncSaver(f"{out}/ckpt", 0, 60)
+        saver.save(run)
+        saver.wait()
+        saver.close()
+        copied = sum(b.nbytes for key, b in saver.host.buffers.items() if key[0] != "rng")
+        both = torch.tensor([copied], dtype=torch.float64)
+        dist.all_reduce(both)  # the ranks' optimizer shards may differ by a few elements
+        counted = memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=2)
+        return both.item(), 2 * counted["host_checkpoint_copy"]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _after_the_faults(corpus, out):
+    """Resumed from each killed run's directory, an uninterrupted run, then the runs that fail
+    or stop during a background write."""
+    results = {}
+    for point in KILLS:
+        ckpt = Path(out) / point / "ckpt"
+        left = sorted(p.name for p in ckpt.iterdir())  # as the kill left them
+        results[point] = (left, train(_config(corpus, f"{out}/{point}/after",
+                                              f"checkpoint.load={str(ckpt)!r}")))  # fmt: skip
+    results["reference"] = train(_config(corpus, f"{out}/reference"))
+    results["host_copy"] = _host_copy(corpus, f"{out}/host-copy")
+    results["full"] = _ends_with_error(corpus, f"{out}/full", "writing:1:enospc:4")
+    results["read-only"] = _ends_with_error(corpus, f"{out}/read-only", "writing:0:erofs:4")
+    results["waited"] = _stopped_mid_write(corpus, f"{out}/waited", 60)
+    results["abandoned"] = _stopped_mid_write(corpus, f"{out}/abandoned", 0.3)
+    # The abandoned writer ends at its next agreement without publishing anything.
+    for thread in threading.enumerate():
+        if thread.name == "megatrain-checkpoint":
+            thread.join(30)
+    results["abandoned_after"] = _latest(f"{out}/abandoned/ckpt")
+    return results
+
+
+@pytest.fixture(scope="module")
+def faults(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults")
+
+    def killed(point):
+        with pytest.raises(DistributedTestError, match="killed by signal SIGKILL"):
+            run_distributed(_killed, 2, args=(corpus, str(out / point), point, KILLS[point]),
+                            timeout=120)  # fmt: skip
+
+    # The three runs at once: each spends a part of its time waiting (starting, dying).
+    with ThreadPoolExecutor(len(KILLS)) as pool:
+        list(pool.map(killed, KILLS))
+    return out, run_distributed(_after_the_faults, 2, args=(corpus, str(out)), timeout=240)[0]
+
+
+@pytest.mark.parametrize("point", list(KILLS))
+def test_a_rank_killed_in_a_background_save_leaves_the_previous_one(faults, point):
+    """Killed while copying, writing or publishing iteration 4: `latest` still names 2, and a
+    restart from it takes iterations 3 to 6 bitwise as the run that was never killed."""
+    out, results = faults
+    left, resumed = results[point]
+    assert (out / point / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+    # What each kill left: iteration 4 not begun (rank 0's writer may have made its empty
+    # directory), half written (the weights, no optimizer state), whole but not published.
+    assert {"iter_0000002", "latest"} <= set(left)
+    tmp = out / point / "ckpt" / ".tmp-iter_0000004"
+    if point == "copying":
+        assert "iter_0000004" not in left and not [p for p in tmp.rglob("*") if p.is_file()]
+    elif point == "writing":
+        assert "iter_0000004" not in left and (tmp / "model" / ".metadata").is_file()
+        assert not (tmp / "optimizer" / ".metadata").exists()
+    else:
+        assert "iter_0000004" in left and ".tmp-iter_0000004" not in left
+    reference = results["reference"]
+    assert resumed["loss"] == reference["loss"][2:] and len(resumed["loss"]) == 4
+    assert resumed["grad_norm"] == reference["grad_norm"][2:]
+
+
+FAILED_WRITES = [("full", "No space left on device"), ("read-only", "Read-only file system")]
+
+
+@pytest.mark.parametrize(("name", "words"), FAILED_WRITES)
+def test_a_failed_background_write_ends_the_run_naming_the_path(faults, name, words):
+    """ENOSPC / EROFS raised in the writer (injected: as root, chmod does not stop writes):
+    every rank ends with one line naming the path, after checking the last checkpoint whole."""
+    out, results = faults
+    error, latest = results[name]
+    ckpt = out / name / "ckpt"
+    assert error is not None and "\n" not in error
+    assert error.startswith(
+        f"saving iteration 4 to {ckpt / '.tmp-iter_0000004'} (in the background) failed: {words}"
+    ), error
+    assert error.endswith(f"{ckpt / 'latest'} names iter_0000002 (iteration 2), checked whole")
+    assert latest == 2
+
+
+def test_a_signal_during_a_background_write_waits_for_it_or_abandons_it(faults):
+    """Stopped by SIGTERM while iteration 2 is being written: within the timeout the write is
+    waited for and published; past it every rank abandons it, says so, and `latest` names 1."""
+    _, results = faults
+    printed, history, latest = results["waited"]
+    assert history["stopped_at"] == 2 and latest == 2
+    assert re.search(r"^megatrain: saved \S+iter_0000002$", printed, re.MULTILINE), printed
+    printed, history, latest = results["abandoned"]
+    assert history["stopped_at"] == 2 and latest == 1
+    line = re.search(r"^megatrain: abandoned .*$", printed, re.MULTILINE)
+    assert line and line.group(0) == (
+        "megatrain: abandoned the background write of iteration 2 after "
+        "checkpoint.async_save_timeout = 0.3 s; "
+        f"{Path(history['plot']).parent / 'ckpt' / 'latest'} names iter_0000001 "
+        "(iteration 1), checked whole"
+    ), printed
+    assert results["abandoned_after"] == 1
+
+
+def test_the_host_copy_is_what_the_plan_counts(faults):
+    """At dp 2 under the distributed optimizer each rank copies its weights (4 bytes a
+    parameter in fp32) and its half of the optimizer state (12 bytes a parameter): what
+    megatrain.plan.memory's host_checkpoint_copy counts per rank, summed over the ranks."""
+    _, results = faults
+    copied, counted = results["host_copy"]
+    assert copied > 0 and copied == counted
