@@ -84,6 +84,8 @@ def test_expert_groups_match_megatron_rank_generator():
             "data": "dp",
             "data_with_context": "cp-dp",
             "tensor_and_context": "tp-cp",
+            "tensor_and_data": "tp-dp",
+            "tensor_and_data_with_context": "tp-cp-dp",
             "pipeline": "pp",
         }.items():
             assert sorted(getattr(g, kind)) == sorted(_megatron_ranks(dense, token)), (layout, kind)

@@ -66,6 +66,8 @@ class ParallelGroups:
     context: list[list[int]]
     data_with_context: list[list[int]]
     tensor_and_context: list[list[int]]
+    tensor_and_data: list[list[int]]
+    tensor_and_data_with_context: list[list[int]]
     expert_tensor: list[list[int]]
     expert_model: list[list[int]]
     expert_data: list[list[int]]
@@ -90,6 +92,8 @@ class _State:
     dp_cp_ranks: list[int]
     tp_cp_ranks: list[int]
     embedding_ranks: list[int]
+    tp_dp_group: dist.ProcessGroup
+    tp_dp_cp_group: dist.ProcessGroup
     etp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     edp_group: dist.ProcessGroup
@@ -186,6 +190,8 @@ def parallel_groups(
         context=grouped("c"),
         data_with_context=grouped("cd"),
         tensor_and_context=grouped("tc"),
+        tensor_and_data=grouped("td"),
+        tensor_and_data_with_context=grouped("tcd"),
         expert_tensor=expert("t"),
         expert_model=expert("e"),
         expert_data=expert("d"),
@@ -267,6 +273,8 @@ def initialize_model_parallel(
     tp_cp_group, tp_cp_ranks = create("tensor_and_context")
     pp_group, pp_ranks = create("pipeline")
     embedding_group, _ = create("embedding")
+    tp_dp_group, _ = create("tensor_and_data")
+    tp_dp_cp_group, _ = create("tensor_and_data_with_context")
     etp_group, etp_ranks = create("expert_tensor")
     ep_group, ep_ranks = create("expert_model")
     edp_group, edp_ranks = create("expert_data")
@@ -289,6 +297,8 @@ def initialize_model_parallel(
         dp_cp_ranks=dp_cp_ranks,
         tp_cp_ranks=tp_cp_ranks,
         embedding_ranks=embedding_ranks,
+        tp_dp_group=tp_dp_group,
+        tp_dp_cp_group=tp_dp_cp_group,
         etp_group=etp_group,
         ep_group=ep_group,
         edp_group=edp_group,
@@ -473,6 +483,13 @@ def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     return _dp_ranks("get_data_parallel_src_rank", with_context_parallel)[0]
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """TP x DP (with_context_parallel: TP x DP x CP, every rank of one pipeline stage, which
+    together see all of a step's tokens at a layer: expert-bias counts are summed over it)."""
+    state = _state("get_tensor_and_data_parallel_group")
+    return state.tp_dp_cp_group if with_context_parallel else state.tp_dp_group
 
 
 def get_model_parallel_group() -> dist.ProcessGroup:

@@ -30,14 +30,20 @@ from megatrain.config import RECOMPUTE_CHOICES
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Where one rank sits in the layout: its tensor- and pipeline-parallel rank and size, and
-    the virtual pipeline size (None: no interleaving)."""
+    """Where one rank sits in the layout: its tensor- and pipeline-parallel rank and size, the
+    virtual pipeline size (None: no interleaving), and in the expert layout its
+    expert-parallel rank and size (which experts it holds) and expert-tensor-parallel rank
+    and size (which slice of each)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
     vpp_size: int | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
 
     @classmethod
     def from_process_groups(cls) -> "ParallelContext":
@@ -51,6 +57,10 @@ class ParallelContext:
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
             vpp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            ep_size=parallel_state.get_expert_model_parallel_world_size(),
+            etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+            etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
 
     def chunk_places(self, num_layers: int) -> list[tuple[list[int], bool, bool]]:
@@ -109,7 +119,54 @@ def build_chunks(
     pipeline_parallel.sync_shared_embeddings(chunks)
     for chunk in chunks:
         apply_recompute(chunk, cfg.recompute, cfg.distribute_saved_activations)
+        apply_expert_parallel(chunk)
     return chunks
+
+
+def _moe_layers(chunk) -> list:
+    from megatrain.models.moe import MoELayer  # models import this module
+
+    return [m for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def apply_expert_parallel(chunk) -> None:
+    """A chunk's MoE layers set for megacore's process groups: the token dispatcher of the
+    expert layout (`megacore.moe.token_dispatcher`, by model.moe_token_dispatcher_type) and,
+    where the tokens of one sequence are spread over TP (sequence parallelism) or CP ranks,
+    that group for the router's load-balancing and z losses, whose token counts and
+    averages must cover the whole sequence to be one process's numbers (Megatron-LM #1652,
+    #3672).  Nothing changes without process groups (one process)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    from megacore.moe.token_dispatcher import build_token_dispatcher
+
+    spread = parallel_state.get_tensor_and_context_parallel_world_size() > 1
+    for layer in _moe_layers(chunk):
+        cfg = layer.cfg
+        dropless = cfg.moe_expert_capacity_factor is None
+        layer.dispatcher = build_token_dispatcher(
+            cfg.num_moe_experts, cfg.moe_token_dispatcher_type, dropless
+        )
+        if spread:
+            layer.router.aux_loss_group = parallel_state.get_tensor_and_context_parallel_group()
+
+
+def sum_expert_loads(chunks) -> None:
+    """Each MoE layer's step load (tokens per expert, dropped choices) summed over the ranks
+    of its pipeline stage (TP x DP x CP, which together saw the step's tokens), so the
+    expert-bias update and the logged load are one process's.  Call after the step's
+    microbatches, before `update_expert_biases`; every rank of the stage must call it."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) == 1:
+        return
+    for chunk in chunks:
+        for layer in _moe_layers(chunk):
+            dist.all_reduce(layer.tokens_per_expert, group=group)
+            dist.all_reduce(layer.dropped, group=group)
+            # Every rank of a stage routes as many tokens (the same microbatch shape).
+            layer.choices *= dist.get_world_size(group)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,13 @@ parameter gets `main_grad_written`, and the column- and row-parallel linears'
 backward (`tensor_parallel.linear(..., accumulate=True)`) adds their weight
 gradient into `main_grad` in the GEMM itself and calls it instead of producing
 `param.grad`; every other parameter (biases, norms, embeddings) keeps the hook.
+
+Expert parameters of a mixture of experts (marked `allreduce = False`, megatron-core's
+mark) live in buffers of their own, reduced (or sharded, with the distributed optimizer)
+over the expert-data-parallel group instead: the ranks holding the same expert shard.  They
+are divided by the dense data-parallel size all the same: the loss is the mean over the
+dense replicas' batches, and an expert's gradient on one rank already sums what every token
+routed to it (from any rank of its expert-parallel group) contributed.
 """
 
 import contextlib
@@ -55,6 +62,9 @@ class Bucket:
     param_data: torch.Tensor | None  # the same range of the param buffer (sharded only)
     offset: int  # where the bucket starts in its buffer
     params: list[nn.Parameter]
+    group: dist.ProcessGroup | None = None  # what it is reduced over (DP, or expert DP)
+    shards: int = 1  # that group's size (how many shards when sharded)
+    shard_rank: int = 0  # this rank in it
     ready: set = field(default_factory=set)
     handle: object = None  # the gradient reduction in flight
     gather: object = None  # the parameter all-gather in flight (overlap_param_gather)
@@ -86,6 +96,11 @@ class ShardRange:
     param_range: tuple[int, int]
 
 
+def is_expert_param(p: nn.Parameter) -> bool:
+    """Whether `p` is an expert parameter (megatron-core's mark: not all-reduced over DP)."""
+    return not getattr(p, "allreduce", True)
+
+
 def _bucket_layout(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
     buckets, current, size = [], [], 0
     for p in params:
@@ -113,6 +128,7 @@ class DistributedDataParallel(nn.Module):
         data_parallel_group: dist.ProcessGroup | None = None,
         overlap_param_gather: bool = False,
         gradient_accumulation_fusion: bool = False,
+        expert_data_parallel_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         if bucket_size < 1:
@@ -134,10 +150,13 @@ class DistributedDataParallel(nn.Module):
         self.sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         params = list(dict.fromkeys(params))[::-1]  # unique, roughly in backward order
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        self.expert_group = None
+        if any(is_expert_param(p) for p in params):
+            self.expert_group = expert_data_parallel_group or ps.get_expert_data_parallel_group()
+        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[nn.Parameter]] = {}
         for p in params:
             grad_dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
-            by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
+            by_dtype.setdefault((p.dtype, grad_dtype, is_expert_param(p)), []).append(p)
         self.buffers = [
             self._make_buffer(dtypes, group_params, bucket_size)
             for dtypes, group_params in by_dtype.items()
@@ -155,7 +174,9 @@ class DistributedDataParallel(nn.Module):
             ]
 
     def _make_buffer(self, dtypes, params, bucket_size) -> GradBuffer:
-        param_dtype, grad_dtype = dtypes
+        param_dtype, grad_dtype, expert = dtypes
+        group = self.expert_group if expert else self.group
+        shards, shard_rank = dist.get_world_size(group), dist.get_rank(group)
         layout, ranges, offset = [], {}, 0
         for members in _bucket_layout(params, bucket_size):
             start = offset
@@ -163,7 +184,7 @@ class DistributedDataParallel(nn.Module):
                 ranges[p] = (offset, offset + p.numel())
                 offset += p.numel()
             if self.use_distributed_optimizer:
-                offset += -(offset - start) % self.dp_size  # pad to a multiple of dp
+                offset += -(offset - start) % shards  # pad to a multiple of its group
             layout.append((members, start, offset))
         device = params[0].device
         grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
@@ -181,6 +202,9 @@ class DistributedDataParallel(nn.Module):
                 None if param_data is None else param_data[start:end],
                 start,
                 members,
+                group,
+                shards,
+                shard_rank,
             )
             for members, start, end in layout
         ]
@@ -214,21 +238,26 @@ class DistributedDataParallel(nn.Module):
         if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start(bucket)
 
-    def _shard(self, data: torch.Tensor) -> torch.Tensor:
-        size = data.numel() // self.dp_size
-        return data[self.dp_rank * size : (self.dp_rank + 1) * size]
+    @staticmethod
+    def _shard(bucket: Bucket, data: torch.Tensor) -> torch.Tensor:
+        size = data.numel() // bucket.shards
+        return data[bucket.shard_rank * size : (bucket.shard_rank + 1) * size]
 
     def _start(self, bucket: Bucket) -> None:
-        if self.dp_size == 1:
+        if self.dp_size > 1:  # the mean over the dense replicas, for expert buckets too
+            bucket.grad_data.div_(self.dp_size)
+        if bucket.shards == 1:
             bucket.handle = True
             return
-        bucket.grad_data.div_(self.dp_size)
         if self.use_distributed_optimizer:
             bucket.handle = reduce_scatter_flat(
-                self._shard(bucket.grad_data), bucket.grad_data, group=self.group, async_op=True
+                self._shard(bucket, bucket.grad_data),
+                bucket.grad_data,
+                group=bucket.group,
+                async_op=True,
             )
         else:
-            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.group, async_op=True)
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=bucket.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Complete the data-parallel reduction of every bucket (call after the last backward)."""
@@ -247,8 +276,8 @@ class DistributedDataParallel(nn.Module):
         for buffer in self.buffers:
             for bucket in buffer.buckets:
                 if self.use_distributed_optimizer:
-                    size = bucket.grad_data.numel() // self.dp_size
-                    lo = bucket.offset + self.dp_rank * size
+                    size = bucket.grad_data.numel() // bucket.shards
+                    lo = bucket.offset + bucket.shard_rank * size
                     hi = lo + size
                 else:
                     lo, hi = bucket.offset, bucket.offset + bucket.grad_data.numel()
@@ -268,14 +297,18 @@ class DistributedDataParallel(nn.Module):
 
         Under overlap_param_gather this only starts the all-gathers.
         """
-        if not self.use_distributed_optimizer or self.dp_size == 1:
+        if not self.use_distributed_optimizer:
             return
         self.finish_param_sync()
         # Buckets are laid out in backward order: start those the forward reaches first.
         for bucket in reversed(self.buckets):
-            bucket.gather = all_gather_flat(
-                bucket.param_data, self._shard(bucket.param_data), group=self.group, async_op=True
-            )
+            if bucket.shards > 1:
+                bucket.gather = all_gather_flat(
+                    bucket.param_data,
+                    self._shard(bucket, bucket.param_data),
+                    group=bucket.group,
+                    async_op=True,
+                )
         if not self.overlap_param_gather:
             self.finish_param_sync()
 

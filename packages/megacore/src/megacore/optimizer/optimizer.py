@@ -44,9 +44,10 @@ from megacore.optimizer.clip_grads import (
     clip_grad_norm,
     comm_device,
     counts_once,
+    expert_norm_groups,
     get_grad_norm,
-    grad_stats,
     norm_of,
+    split_grad_stats,
 )
 from megacore.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megacore.precision import check_device_supports
@@ -112,6 +113,7 @@ def _marked(master: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """The marks gradient clipping reads to count every element of the model once."""
     master.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
     master.shared_embedding = getattr(param, "shared_embedding", False)
+    master.allreduce = getattr(param, "allreduce", True)  # False: an expert parameter
     return master
 
 
@@ -279,8 +281,9 @@ class MegatronOptimizer:
         self.finish_param_sync()
         grads = self._masters_take_grads()
         groups = self._norm_groups()
+        expert_groups = expert_norm_groups(self.sharded)
         if self.config.fused_grad_norm:
-            found_inf, grad_norm = self._unscale_check_and_norm(grads, groups)
+            found_inf, grad_norm = self._unscale_check_and_norm(grads)
         else:
             found_inf, grad_norm = self._unscale_and_check(grads), None
         if self.grad_scaler:
@@ -294,10 +297,16 @@ class MegatronOptimizer:
             masters = [s.master for s in self.shards]
             if self.config.clip_grad > 0:
                 grad_norm = clip_grad_norm(
-                    masters, self.config.clip_grad, groups=groups, foreach=False
+                    masters,
+                    self.config.clip_grad,
+                    groups=groups,
+                    foreach=False,
+                    expert_groups=expert_groups,
                 )
             else:
-                grad_norm = get_grad_norm(masters, groups=groups, foreach=False)
+                grad_norm = get_grad_norm(
+                    masters, groups=groups, foreach=False, expert_groups=expert_groups
+                )
         elif self.config.clip_grad > 0:
             coeff = clip_coefficient(grad_norm, self.config.clip_grad)
             if coeff < 1.0:
@@ -333,13 +342,20 @@ class MegatronOptimizer:
         for chunk in self.ddp_chunks:
             chunk.all_gather_params()
 
-    def _counted_and_other_grads(self) -> tuple[list, list]:
-        """The masters' gradients that enter the norm on this rank, and the rest."""
+    def _grad_stats(self) -> torch.Tensor:
+        """`grad_stats` of the masters' gradients: those that enter the norm on this rank,
+        and the rest, expert ones reduced over their own groups (`expert_norm_groups`)."""
         counted, others = [], []
         for s in self.shards:
             if s.master.grad is not None:
-                (counted if counts_once(s.master) else others).append(s.master.grad)
-        return counted, others
+                (counted if counts_once(s.master) else others).append(s.master)
+        return split_grad_stats(
+            [m.grad for m in counted],
+            [m.grad for m in others],
+            [not m.allreduce for m in counted + others],
+            groups=self._norm_groups(),
+            expert_groups=expert_norm_groups(self.sharded),
+        )
 
     @torch.no_grad()
     def step_on_device(self) -> torch.Tensor:
@@ -360,8 +376,7 @@ class MegatronOptimizer:
         grads = self._masters_take_grads()
         if self.grad_scaler and grads:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-        counted, others = self._counted_and_other_grads()
-        stats = grad_stats(counted, others, groups=self._norm_groups())
+        stats = self._grad_stats()
         norm, found_inf = stats[0].sqrt(), (stats[1] > 0).float()
         if self.config.clip_grad > 0 and grads:
             self._clip(grads, (self.config.clip_grad / (norm + 1e-6)).clamp(max=1.0))
@@ -407,17 +422,14 @@ class MegatronOptimizer:
             groups += list(dict.fromkeys(c.group for c in self.ddp_chunks))
         return groups + self.fully_sharded_groups
 
-    def _unscale_check_and_norm(
-        self, grads: list[torch.Tensor], groups: list
-    ) -> tuple[bool, float]:
+    def _unscale_check_and_norm(self, grads: list[torch.Tensor]) -> tuple[bool, float]:
         """(whether any rank's gradients hold inf or nan, the global gradient norm), from one
         foreach norm pass, one all-reduce per group and one host sync."""
         if self.grad_scaler and grads:
             # One foreach pass; torch._amp_foreach_non_finite_check_and_unscale_ would also
             # flag inf/nan, but the norms below do that anyway.
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-        counted, others = self._counted_and_other_grads()
-        value, bad = grad_stats(counted, others, groups=groups).tolist()  # the one sync
+        value, bad = self._grad_stats().tolist()  # the one sync
         return bad > 0, norm_of(value, 2.0)
 
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
@@ -429,7 +441,8 @@ class MegatronOptimizer:
                 g.mul_(inv)
         bad = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([float(bad)], device=comm_device(grads))
-        for group in self._norm_groups():
+        # Expert gradients differ between expert-parallel ranks: their groups hear it too.
+        for group in self._norm_groups() + (expert_norm_groups(self.sharded) or []):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
@@ -437,13 +450,19 @@ class MegatronOptimizer:
         masters = [s.master for s in self.shards if s.master.grad is not None]
         device = comm_device(masters)
         # Summed on the device, so the count costs one host sync, not one per tensor.
-        total = torch.zeros(1, dtype=torch.int64, device=device)
-        for m in masters:
-            if counts_once(m):
-                total += (m.grad == 0).sum().to(device)
-        for group in groups:
-            dist.all_reduce(total, group=group)
-        return int(total.item())
+        expert_groups = expert_norm_groups(self.sharded)
+        totals = []
+        for expert, over in ((False, groups), (True, expert_groups)):
+            if expert and over is None:  # the expert layout is the dense one: counted above
+                break
+            total = torch.zeros(1, dtype=torch.int64, device=device)
+            for m in masters:
+                if counts_once(m) and (expert_groups is None or expert == (not m.allreduce)):
+                    total += (m.grad == 0).sum().to(device)
+            for group in over:
+                dist.all_reduce(total, group=group)
+            totals.append(int(total.item()))
+        return sum(totals)
 
     # -- state ------------------------------------------------------------------------------
 

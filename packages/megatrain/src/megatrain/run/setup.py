@@ -170,6 +170,8 @@ def build_run(config: Config, device: torch.device) -> Run:
         vpp if vpp and vpp > 1 else None,
         timeout=datetime.timedelta(seconds=p.collective_timeout),
         context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
     )
     # Shards verified once per node (`megatrain run` itself verifies before its workers start
     # and hands them a config that says so).

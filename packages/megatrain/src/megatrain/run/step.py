@@ -11,7 +11,7 @@ from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megatrain.config import Config
 from megatrain.models import moe
-from megatrain.parallelize import split_batch_for_context_parallel
+from megatrain.parallelize import split_batch_for_context_parallel, sum_expert_loads
 from megatrain.run.lr_schedule import learning_rate
 from megatrain.run.setup import Run, batches_for
 
@@ -191,7 +191,9 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
         aux = moe.aux_loss_value(run.chunks)
         if aux is not None:  # the load-balancing loss without its coefficient, this rank's
             stats["moe_aux_loss"] = aux.item()
-    # DeepSeek-V3's expert bias moves once per optimizer step, by the step's token counts.
+    # DeepSeek-V3's expert bias moves once per optimizer step, by the step's token counts
+    # (every rank's of the stage: the bias stays the same everywhere, as one process's).
+    sum_expert_loads(run.chunks)
     moe.update_expert_biases(run.chunks, run.model_config.moe_router_bias_update_rate)
     run.optimizer.zero_grad()
     run.iteration += 1

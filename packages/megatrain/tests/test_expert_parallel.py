@@ -1,0 +1,159 @@
+"""Expert parallelism in training (parallel.expert_model_parallel_size,
+expert_tensor_parallel_size, model.moe_token_dispatcher_type): every layout takes the
+one-process steps of a mixture-of-experts Llama.
+
+One 1-rank spawn trains the references (softmax top-2 with the aux and z losses; sigmoid
+with DeepSeek-V3's expert bias; a capacity that drops tokens); one 4-rank spawn trains the
+layouts: ep 2 and ep 4 (all-to-all and all-gather dispatch), tp 2 with sequence parallelism
+at etp 1 (with full recompute) and etp 2 (with the distributed optimizer), pp 2 under 1F1B
+and ZB-H1, ep 4 with capacity, and bf16 at ep 2.  Equal losses, gradient norms and
+validation loss show the expert gradients' reduction and scale, the norm that counts each
+expert once (Megatron-LM PR #5916), the aux loss over the sequence's TP ranks (#1652) and the
+expert-bias counts summed over the stage.  Every rank runs under the NCCL-semantics checker.
+megacore's tests prove the dispatchers against one process (test_token_dispatcher)."""
+
+import pytest
+
+from megacore.testing import run_distributed
+from megatrain.config import ConfigError, load_config, validate
+from megatrain.run.loop import train
+from megatrain.testing import QUIET_LOGGING, TINY_MODEL, assert_same_steps, write_counting_corpus
+
+VOCAB = 200
+STEPS = 2
+FP32_TOL = 2e-5
+COMMON = [
+    *TINY_MODEL,
+    "model.num_layers=2",
+    *QUIET_LOGGING,
+    "training.seq_length=16",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=8",
+    f"training.train_iters={STEPS}",
+    f"training.eval_interval={STEPS}",
+    "training.eval_iters=1",
+    "optimizer.lr=0.003",
+    "optimizer.lr_warmup_iters=1",
+]
+MOE = [
+    'model.kind="llama"',
+    "model.normalization='rmsnorm'",
+    "model.position_embedding_type='rope'",
+    "model.init_method_std=0.1",
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=16",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.moe_z_loss_coeff=0.001",
+    "model.moe_grouped_gemm=false",  # the loop: faster than torch's CPU grouped GEMM here
+]
+ROUTING = {
+    "softmax": [],
+    "sigmoid-bias": [
+        "model.moe_router_score_function='sigmoid'",
+        "model.moe_router_enable_expert_bias=true",
+        "model.moe_router_bias_update_rate=0.05",  # moves the routing of step 2
+    ],
+    "capacity": ["model.moe_expert_capacity_factor=1.0"],
+}
+
+
+def ep(size):
+    return [f"parallel.expert_model_parallel_size={size}"]
+
+
+TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+PP2 = ["parallel.pipeline_model_parallel_size=2"]
+# name: (routing, overrides); 4 ranks each (dp fills the rest).
+LAYOUTS = {
+    "ep2-alltoall": ("softmax", ep(2)),
+    "ep4-allgather": ("softmax", [*ep(4), "model.moe_token_dispatcher_type='allgather'"]),
+    "tp2-sp-ep2-etp1-full-recompute": (
+        "softmax", [*TP2_SP, *ep(2), "parallel.expert_tensor_parallel_size=1",
+                    'model.recompute="full"']),
+    "tp2-sp-ep2-etp2-distopt": (
+        "softmax", [*TP2_SP, *ep(2), "parallel.use_distributed_optimizer=true"]),
+    "pp2-ep2-1f1b": ("sigmoid-bias", [*PP2, *ep(2)]),
+    "pp2-ep2-zb-h1": ("sigmoid-bias", [*PP2, *ep(2), 'parallel.pipeline_schedule="zb-h1"']),
+    "ep4-capacity": ("capacity", ep(4)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return str(write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB))
+
+
+def _config(corpus, out, routing, overrides=()):
+    return load_config(
+        None,
+        [
+            f"data.corpus={corpus!r}",
+            f"training.output_dir={out!r}",
+            *COMMON,
+            *MOE,
+            *ROUTING[routing],
+            *overrides,
+        ],
+    )
+
+
+def _references(corpus, out):
+    return {routing: train(_config(corpus, f"{out}/{routing}", routing)) for routing in ROUTING}
+
+
+def _layouts(corpus, out):
+    runs = {
+        name: train(_config(corpus, f"{out}/{name}", routing, o))
+        for name, (routing, o) in LAYOUTS.items()
+    }
+    bf16 = [*ep(2), 'training.precision="bf16"']
+    runs["ep2-bf16"] = train(_config(corpus, f"{out}/bf16", "softmax", bf16))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("moe-one"))
+    return run_distributed(_references, 1, args=(corpus, out), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("moe-layouts"))
+    return run_distributed(_layouts, 4, args=(corpus, out), timeout=500)[0]
+
+
+def test_every_expert_parallel_layout_equals_one_process(references, layouts):
+    for name, (routing, _) in LAYOUTS.items():
+        assert_same_steps(layouts[name], references[routing], name, FP32_TOL)
+    # The routings train differently: each reference is its own.
+    losses = {tuple(r["loss"]) for r in references.values()}
+    assert len(losses) == len(ROUTING)
+    # bf16 at ep 2 follows fp32's steps, and is active (not fp32's numbers).
+    bf16, fp32 = layouts["ep2-bf16"], references["softmax"]
+    for a, b in zip(bf16["loss"], fp32["loss"], strict=True):
+        assert abs(a - b) < 0.05, (bf16["loss"], fp32["loss"])
+    assert bf16["loss"] != fp32["loss"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (ep(3), r"model.num_moe_experts \(4\) is not divisible by parallel.expert_model_paral"),
+        ([*ep(4), *PP2], r"4 processes, not divisible by the expert layout"),
+        (["parallel.tensor_model_parallel_size=2", *ep(2)], "needs parallel.sequence_parallel"),
+        ([*ep(2), "parallel.expert_tensor_parallel_size=3"], r"moe_ffn_hidden_size \(16, each"),
+        ([*ep(2), "parallel.data_parallel_sharding='full'"], "FSDP would shard the experts"),
+        (["model.moe_token_dispatcher_type='deepep'"], "moe_token_dispatcher_type: expected"),
+        (["model.num_moe_experts=8", "model.moe_router_topk=9"], "moe_router_topk"),
+    ],
+)
+def test_bad_expert_layouts_refused_naming_the_field(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(load_config(None, [*COMMON, *MOE, *overrides]), 4)
+
+
+def test_expert_sizes_without_experts_refused():
+    with pytest.raises(ConfigError, match=r"set model\.num_moe_experts"):
+        validate(load_config(None, [*COMMON, *ep(2)]), 4)
