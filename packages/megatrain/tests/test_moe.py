@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 from megacore import moe
 from megacore import parallel_state as ps
-from megatrain.config import ConfigError, load_config, validate
+from megatrain.config import (
+    MOE_DROP_POLICIES,
+    MOE_LOAD_BALANCING_TYPES,
+    MOE_SCORE_FUNCTIONS,
+    ConfigError,
+    load_config,
+    validate,
+)
 from megatrain.models import model_config
 from megatrain.models.moe import MoELayer, is_moe_layer, moe_layers
 from megatrain.models.transformer import TransformerConfig, _cpu_generator, _placement
@@ -160,6 +167,13 @@ MOE = ['model.kind="llama"', "model.num_layers=2", "model.num_moe_experts=4"]
 def test_bad_moe_settings_are_refused_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, overrides))
+
+
+def test_the_configs_choices_are_megacores():
+    """config.py names them without importing torch."""
+    assert MOE_SCORE_FUNCTIONS == moe.SCORE_FUNCTIONS
+    assert MOE_LOAD_BALANCING_TYPES == moe.LOAD_BALANCING_TYPES
+    assert MOE_DROP_POLICIES == moe.DROP_POLICIES
 
 
 @contextmanager
