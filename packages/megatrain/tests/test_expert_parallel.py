@@ -109,6 +109,21 @@ def _layouts(corpus, out):
     }
     bf16 = [*ep(2), 'training.precision="bf16"']
     runs["ep2-bf16"] = train(_config(corpus, f"{out}/bf16", "softmax", bf16))
+    # Stopped after a step with a save at ep 4; the second step at ep 4 (bitwise the
+    # uninterrupted run's), at tp 2 x ep 2 (each expert's SwiGLU columns split over etp 2)
+    # and at ep 1 with the distributed optimizer (expert state sharded over expert DP 4).
+    ckpt = f"{out}/ckpt"
+    save = ["training.exit_interval=1", f"checkpoint.save={ckpt!r}"]
+    load = [f"checkpoint.load={ckpt!r}"]
+    resumed = {
+        "at-ep4": ep(4),
+        "at-tp2-ep2": [*TP2_SP, *ep(2)],
+        "at-ep1-distopt": ["parallel.use_distributed_optimizer=true"],
+    }
+    runs["ep4"] = train(_config(corpus, f"{out}/ep4", "softmax", ep(4)))
+    runs["first"] = train(_config(corpus, f"{out}/first", "softmax", [*ep(4), *save]))
+    for name, o in resumed.items():
+        runs[name] = train(_config(corpus, f"{out}/{name}", "softmax", [*o, *load]))
     return runs
 
 
@@ -135,6 +150,21 @@ def test_every_expert_parallel_layout_equals_one_process(references, layouts):
     for a, b in zip(bf16["loss"], fp32["loss"], strict=True):
         assert abs(a - b) < 0.05, (bf16["loss"], fp32["loss"])
     assert bf16["loss"] != fp32["loss"]
+
+
+def test_an_ep4_checkpoint_goes_on_at_tp2_ep2_and_ep1(references, layouts):
+    reference, whole, first = references["softmax"], layouts["ep4"], layouts["first"]
+    assert first["stopped_at"] == 1
+    assert_same_steps(whole, reference, "ep4", FP32_TOL)
+    for name in ("at-ep4", "at-tp2-ep2", "at-ep1-distopt"):
+        run = layouts[name]
+        steps = {k: first[k] + run[k] for k in ("loss", "grad_norm")}
+        steps["valid"] = run["valid"]
+        assert_same_steps(steps, reference, name, FP32_TOL)
+    # At the saving layout the resumed step is the uninterrupted one, bit for bit.
+    resumed = layouts["at-ep4"]
+    assert resumed["loss"] == whole["loss"][1:] and resumed["grad_norm"] == whole["grad_norm"][1:]
+    assert resumed["valid"] == whole["valid"]
 
 
 @pytest.mark.parametrize(

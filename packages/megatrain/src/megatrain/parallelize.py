@@ -130,7 +130,8 @@ def _moe_layers(chunk) -> list:
 
 
 def apply_expert_parallel(chunk) -> None:
-    """A chunk's MoE layers set for megacore's process groups: the token dispatcher of the
+    """A chunk's MoE layers set for megacore's process groups: where its experts lie in the
+    whole expert weights (`expert_layout`, which checkpoints read), the token dispatcher of the
     expert layout (`megacore.moe.token_dispatcher`, by model.moe_token_dispatcher_type) and,
     where the tokens of one sequence are spread over TP (sequence parallelism) or CP ranks,
     that group for the router's load-balancing and z losses, whose token counts and
@@ -139,10 +140,18 @@ def apply_expert_parallel(chunk) -> None:
     if not parallel_state.model_parallel_is_initialized():
         return
     from megacore.moe.token_dispatcher import build_token_dispatcher
+    from megatrain.checkpoint.dcp import expert_layout
 
     spread = parallel_state.get_tensor_and_context_parallel_world_size() > 1
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     for layer in _moe_layers(chunk):
         cfg = layer.cfg
+        # Where this rank's experts lie in the whole [E, ...] weights (the checkpoint's).
+        experts, E = layer.experts, cfg.num_moe_experts
+        for w, dim, halves in ((experts.weight1, 2, 2 if cfg.swiglu else 1),
+                               (experts.weight2, 1, 1)):  # fmt: skip
+            w.expert_layout = expert_layout(w.shape, E, experts.first, etp_rank, etp, dim, halves)
         dropless = cfg.moe_expert_capacity_factor is None
         layer.dispatcher = build_token_dispatcher(
             cfg.num_moe_experts, cfg.moe_token_dispatcher_type, dropless

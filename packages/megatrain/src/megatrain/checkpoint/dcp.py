@@ -20,7 +20,17 @@ own shard, plus, while loading, one saved chunk (at most one parameter of the
 saving layout) that DCP reads and narrows.  What lands on disk is the same
 global tensor a gather would have written: the format does not depend on tp,
 pp, dp or the distributed optimizer, and the offline readers see whole tensors.
+
+Expert weights of a mixture of experts are saved whole too, by global expert id:
+`experts.weight1` [E, h, f or 2f], `experts.weight2` [E, f, h], whatever the expert
+layout.  A rank's [E / ep, h, f / etp] is one box of it (`ExpertLayout`, set on the
+parameter by `megatrain.parallelize.apply_expert_parallel`), two under SwiGLU at etp > 1
+(its gate columns and its up columns, which lie apart in [gate | up]); `placed` cuts a
+local box (a whole parameter, or a box of a flat range) into its pieces of the global
+tensor, so any ep x etp reads what any other wrote.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -76,15 +86,95 @@ def tp_split(like: torch.nn.Parameter, mesh: DeviceMesh) -> int | None:
     return like.partition_dim
 
 
-def global_tensor(p: torch.Tensor, like: torch.nn.Parameter, mesh: DeviceMesh):
-    """A tensor shaped like parameter `like` as DCP should see it: its global shape."""
+def global_tensor(p: torch.Tensor, like: torch.nn.Parameter, mesh: DeviceMesh, writing=False):
+    """A tensor shaped like parameter `like` as DCP should see it: its global shape (an
+    expert parameter: the pieces of it this rank holds, views of `p` to read into, or with
+    `writing` copies where a view is not contiguous)."""
+    layout = getattr(like, "expert_layout", None)
+    if layout is not None:
+        pieces = placed(like, mesh, [0] * p.dim(), p)
+        pieces = written_pieces(pieces) if writing else pieces
+        return Pieces(layout.shape, p.dtype, p.device, pieces)
     dim = tp_split(like, mesh)
     return p if dim is None else DTensor.from_local(p, mesh, [Shard(dim)], run_check=False)
 
 
+@dataclass(frozen=True)
+class Region:
+    """A box of a local parameter (`local` start, `size`) and where it lies in the global
+    tensor (`at`)."""
+
+    local: tuple[int, ...]
+    size: tuple[int, ...]
+    at: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """An expert parameter's global shape and the regions of it this rank holds."""
+
+    shape: tuple[int, ...]
+    regions: tuple[Region, ...]
+
+
+def expert_layout(
+    local_shape, num_experts: int, first: int, etp_rank: int, etp: int, split_dim: int, halves: int
+) -> ExpertLayout:
+    """The layout of a rank's expert weight [E_local, ...]: experts [first, first + E_local)
+    of `num_experts`, dimension `split_dim` split over `etp` ranks, in `halves` parts apart
+    (2 for SwiGLU's [gate | up] columns: each rank holds its slice of each half)."""
+    shape, size = list(local_shape), list(local_shape)
+    shape[0] = num_experts
+    shape[split_dim] *= etp
+    piece = local_shape[split_dim] // halves
+    size[split_dim] = piece
+    regions = []
+    for half in range(halves):
+        local, at = [0] * len(shape), [0] * len(shape)
+        local[split_dim] = half * piece
+        at[0] = first
+        at[split_dim] = half * piece * etp + etp_rank * piece
+        regions.append(Region(tuple(local), tuple(size), tuple(at)))
+    return ExpertLayout(tuple(shape), tuple(regions))
+
+
+def placed(
+    like: torch.nn.Parameter, mesh: DeviceMesh, offsets, box: torch.Tensor
+) -> list[tuple[list[int], torch.Tensor]]:
+    """`box` (a tensor at `offsets` in the local parameter `like`) as (offsets in the global
+    tensor, view of `box`) pieces: one for a dense parameter, a piece per region it meets
+    for an expert one."""
+    layout = getattr(like, "expert_layout", None)
+    if layout is None:
+        _, tp_offsets = tp_place(like, mesh)
+        return [([o + t for o, t in zip(offsets, tp_offsets, strict=True)], box)]
+    out = []
+    for r in layout.regions:
+        lo = [max(o, a) for o, a in zip(offsets, r.local, strict=True)]
+        hi = [
+            min(o + n, a + m)
+            for o, n, a, m in zip(offsets, box.shape, r.local, r.size, strict=True)
+        ]
+        if any(a >= b for a, b in zip(lo, hi, strict=True)):
+            continue
+        piece = box[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))]
+        out.append(([t + a - s for t, a, s in zip(r.at, lo, r.local, strict=True)], piece))
+    return out
+
+
+def written_pieces(pieces: list) -> list:
+    """Pieces DCP can write: a non-contiguous view (an expert's gate or up columns) copied,
+    as torch.save would write its whole storage otherwise."""
+    return [(o, own_storage(t) if t.is_contiguous() else t.contiguous()) for o, t in pieces]
+
+
 def tp_place(like: torch.nn.Parameter, mesh: DeviceMesh) -> tuple[tuple[int, ...], list[int]]:
     """(global shape, offset of this rank's TP shard in it) of parameter `like`, as `global_tensor`
-    places it: TP shards of equal size along the split dimension, in TP rank order."""
+    places it: TP shards of equal size along the split dimension, in TP rank order.  An
+    expert parameter: its global shape and its first region's offset (`placed` has all)."""
+    layout = getattr(like, "expert_layout", None)
+    if layout is not None:
+        return layout.shape, list(layout.regions[0].at)
     shape, offsets = list(like.shape), [0] * like.dim()
     dim = tp_split(like, mesh)
     if dim is not None:
@@ -207,7 +297,7 @@ def layout_of(run) -> dict:
     """The layout a run is saved with (meta.json's "layout"); a load at the same one also
     restores each rank's generators."""
     p = run.config.parallel
-    return {
+    layout = {
         "world_size": dist.get_world_size(),
         "tensor_model_parallel_size": p.tensor_model_parallel_size,
         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
@@ -215,3 +305,7 @@ def layout_of(run) -> dict:
         "data_parallel_size": run.dp_size,
         "use_distributed_optimizer": p.use_distributed_optimizer,
     }
+    if p.expert_model_parallel_size > 1 or p.expert_tensor_parallel_size is not None:
+        layout["expert_model_parallel_size"] = p.expert_model_parallel_size
+        layout["expert_tensor_parallel_size"] = p.expert_tensor_parallel_size
+    return layout

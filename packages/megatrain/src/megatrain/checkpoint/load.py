@@ -21,6 +21,7 @@ from megatrain.checkpoint.dcp import (
     global_tensor,
     layout_of,
     named_params,
+    placed,
     tp_mesh,
     tp_place,
 )
@@ -203,21 +204,21 @@ def _read_shard_state(
     names = {p: n for n, p in params.items()}  # the last stage's tied embeddings included
     pieces: dict[str, list] = {}
     for shard, state in targets:
-        shape, tp_offsets = tp_place(shard.param, mesh)
+        shape, _ = tp_place(shard.param, mesh)
         boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
         for k, flat in state.items():
             key = key_of(names[shard.param], k)
             rows = metadata[key].size[0] if shape else 0  # differs for padded embeddings
             for a, b, offsets, sizes in boxes:
                 box = flat[a - shard.start : b - shard.start].view(sizes)
-                at = [o + t for o, t in zip(offsets, tp_offsets, strict=True)]
-                if shape and rows != shape[0]:  # rows past the saved ones are padding: zero
-                    keep = max(0, min(sizes[0], rows - at[0]))
-                    box[keep:].zero_()
-                    box = box[:keep]
-                    if keep == 0:
-                        continue
-                pieces.setdefault(key, []).append((at, box))
+                for at, piece in placed(shard.param, mesh, offsets, box):
+                    if shape and rows != shape[0]:  # rows past the saved ones are padding: zero
+                        keep = max(0, min(piece.shape[0], rows - at[0]))
+                        piece[keep:].zero_()
+                        piece = piece[:keep]
+                        if keep == 0:
+                            continue
+                    pieces.setdefault(key, []).append((at, piece))
     # Every rank calls dcp.load (a collective), with or without pieces of its own.
     dcp.load(
         {

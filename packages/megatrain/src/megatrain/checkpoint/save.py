@@ -28,9 +28,11 @@ from megatrain.checkpoint.dcp import (
     layout_of,
     named_params,
     own_storage,
+    placed,
     root_cause,
     tp_mesh,
     tp_place,
+    written_pieces,
 )
 from megatrain.checkpoint.files import (
     FORMAT_VERSION,
@@ -81,15 +83,15 @@ def _rng_state() -> dict:
 
 def _range_boxes(shard, flat: torch.Tensor, mesh: DeviceMesh) -> list:
     """A shard's flat tensor (its elements [start, end) of the TP-local parameter) as DCP
-    chunks: (offsets in the global tensor, a box of `flat`, sharing its memory)."""
-    _, tp_offsets = tp_place(shard.param, mesh)
+    chunks: (offsets in the global tensor, a box of `flat`, sharing its memory; an expert
+    weight's box split at its regions, a non-contiguous piece copied: `placed`)."""
     boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
     return [
-        (
-            [o + t for o, t in zip(offsets, tp_offsets, strict=True)],
-            own_storage(flat[a - shard.start : b - shard.start].view(sizes)),
-        )
+        piece
         for a, b, offsets, sizes in boxes
+        for piece in written_pieces(
+            placed(shard.param, mesh, offsets, flat[a - shard.start : b - shard.start].view(sizes))
+        )
     ]
 
 
@@ -121,7 +123,7 @@ def _weights(run, params: dict, mesh: DeviceMesh) -> dict:
     same tensors every layout writes: nothing is gathered."""
     names = {p: n for n, p in params.items()}
     weights = {
-        n: global_tensor(own_storage(p.detach()), p, mesh)
+        n: global_tensor(own_storage(p.detach()), p, mesh, writing=True)
         for n, p in params.items()
         if not isinstance(p, DTensor)
     }
