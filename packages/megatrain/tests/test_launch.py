@@ -1,7 +1,8 @@
 """`megatrain run` as a launcher: SIGINT/SIGTERM save, stop and exit 130/143 with one line
 (also under torchrun), a second signal kills at once and leaves the last checkpoint whole;
-nodes meet on a run id they share (two nodes on loopback train as one node of 4), and a node
-left alone gives up after --rdzv-timeout, saying who came."""
+nodes meet on a run id they share (two nodes on loopback train as one node of 4, and Ctrl-C to
+one stops both, each saying so), and a node left alone gives up after --rdzv-timeout, saying
+who came."""
 
 import json
 import os
@@ -252,18 +253,31 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
 
 
-def test_two_nodes_on_loopback_train_as_one_node(corpus, tmp_path, procs):
+def test_two_nodes_on_loopback_train_as_one_node_and_stop_together(corpus, tmp_path, procs):
     """Two launchers, --nnodes 2, meeting at 127.0.0.1 (nothing else set), train the same
-    losses as one node of 4 ranks."""
-    port = _free_port()
-    short = ("training.train_iters=3",)
-    nodes = [procs(_node(corpus, tmp_path / f"node{r}", r, port, *short)) for r in (0, 1)]
-    one = procs(_run(corpus, tmp_path / "one", *short, "--nproc-per-node", "4"))
-    for p in (*nodes, one):
-        assert p.finish(300)[0] == 0, p.output[-4000:]
+    losses as one node of 4 ranks.  Ctrl-C to node 0 alone: every rank of both nodes saves the
+    same checkpoint and stops, and each launcher exits 130 with one line saying why."""
+    port, ckpt = _free_port(), tmp_path / "ckpt"
+    nodes = [procs(_node(corpus, tmp_path / f"node{r}", r, port, *LONG, "--save", str(ckpt)))
+             for r in (0, 1)]  # fmt: skip
+    one = procs(_run(corpus, tmp_path / "one", "training.train_iters=3", "--nproc-per-node", "4"))
+    nodes[0].wait_for(r"^iteration 3/")
+    os.killpg(nodes[0].popen.pid, signal.SIGINT)
+    for p in nodes:
+        assert p.finish(300)[0] == 130, p.output[-4000:]
+    assert one.finish(300)[0] == 0, one.output[-4000:]
     assert "4 ranks = tp 1 x pp 1 x dp 4" in nodes[0].output
+    stopped = _latest_iteration(ckpt)
+    assert stopped >= 3 and nodes[0].output.count("megatrain: saved ") == 1
+    assert _one_launcher_line(nodes[0]) == (
+        f"megatrain run: stopped by SIGINT at iteration {stopped}; checkpoint saved in {ckpt}"
+    )
+    assert _one_launcher_line(nodes[1]) == (
+        f"megatrain run: stopped by SIGINT on another node at iteration {stopped}; checkpoint "
+        f"saved in {ckpt}"
+    )
     two = _losses(tmp_path / "node0")
-    assert len(two) == 3 and two == _losses(tmp_path / "one")
+    assert len(two) == stopped and two[:3] == _losses(tmp_path / "one")
 
 
 def test_a_node_left_alone_gives_up_after_rdzv_timeout(corpus, tmp_path, procs):

@@ -63,11 +63,15 @@ class Interrupted(LaunchError):
     failed.
     """
 
-    def __init__(self, signum: int, results: dict | None = None, killed: bool = False):
+    def __init__(
+        self, signum: int, results: dict | None = None, killed: bool = False, elsewhere=False
+    ):
         self.signum, self.results, self.killed = signum, results, killed
         self.name = signal.Signals(signum).name
+        # The signal came to another node's launcher; this node's workers stopped with them.
+        self.by = f"{self.name} on another node" if elsewhere else self.name
         super().__init__(
-            f"{self.name} again: workers killed" if killed else f"stopped by {self.name}"
+            f"{self.name} again: workers killed" if killed else f"stopped by {self.by}"
         )
 
     @property
@@ -79,8 +83,7 @@ class Interrupted(LaunchError):
         """One line: the signal, the iteration and the checkpoint the run can resume from."""
         from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 
-        first = (self.results or {}).get(0)
-        stopped_at = first.get("stopped_at") if isinstance(first, dict) else None
+        stopped_at = stopped_iteration(self.results)
         saved = iteration = None
         if save_dir:
             with contextlib.suppress(CheckpointError):
@@ -89,10 +92,10 @@ class Interrupted(LaunchError):
         if self.killed:
             head = f"workers killed at the second {self.name}"
         elif self.results is None:
-            head = f"stopped by {self.name} before the workers could save"
+            head = f"stopped by {self.by} before the workers could save"
         else:
             stopped_at = stopped_at if stopped_at is not None else iteration
-            head = f"stopped by {self.name} at iteration {stopped_at}"
+            head = f"stopped by {self.by} at iteration {stopped_at}"
             if saved is not None and iteration == stopped_at:
                 return f"{head}; checkpoint saved in {save_dir}"
         if saved is None:
@@ -100,6 +103,22 @@ class Interrupted(LaunchError):
                 f"no checkpoint in {save_dir}" if save_dir else "nothing saved (no --save)"
             )
         return f"{head}; the last complete checkpoint is {saved} (iteration {iteration})"
+
+
+def stopped_iteration(results: dict | None) -> int | None:
+    """The iteration the workers stopped at, from their `train_worker` results."""
+    for result in (results or {}).values():
+        if isinstance(result, dict) and result.get("stopped_at") is not None:
+            return result["stopped_at"]
+    return None
+
+
+def agreed_signal(results: dict | None) -> int | None:
+    """The signal the workers agreed to stop on (any node's), from their results."""
+    for result in (results or {}).values():
+        if isinstance(result, dict) and result.get("signum"):
+            return result["signum"]
+    return None
 
 
 class RendezvousTimeout(LaunchError):
@@ -425,16 +444,25 @@ def launch(
             raise LaunchError(f"worker rank {rank} failed: {message}") from e
     if watch.signum is not None:
         raise Interrupted(watch.signum, results)
+    # A signal to another node's launcher: every rank agreed on it, saved and stopped; this
+    # node ends as that one does, not as a finished run.
+    if (signum := agreed_signal(results)) is not None:
+        raise Interrupted(signum, results, elsewhere=True)
     return results
 
 
-def train_worker(config_dict: dict):
+def train_worker(config_dict: dict) -> dict:
     """What each worker of `megatrain run` runs: the training loop on the config (a dict,
-    which pickles to the spawned processes); imported there, not in the launching process."""
-    from megatrain.config import Config
-    from megatrain.run.loop import train
+    which pickles to the spawned processes); imported there, not in the launching process.
 
-    return train(Config.from_dict(config_dict))
+    Every rank returns the signal its run stopped on (agreed by all ranks, whichever node got
+    it) and the iteration, so that every node's launcher can say so; rank 0 its history too."""
+    from megatrain.config import Config
+    from megatrain.run.loop import StopSignal, train
+
+    stop = StopSignal()
+    history = train(Config.from_dict(config_dict), stop)
+    return {"history": history, "signum": stop.signum, "stopped_at": stop.at}
 
 
 def run_workers(entrypoint: Callable, args: tuple, nproc: int) -> dict:
