@@ -162,6 +162,7 @@ MOE = ['model.kind="llama"', "model.num_layers=2", "model.num_moe_experts=4"]
         ([*MOE, "model.moe_router_enable_expert_bias=true"], "needs model.moe_router_score"),
         ([*MOE, "model.moe_shared_expert_gate=true"], "set model.moe_shared_expert_inter"),
         (['model.kind="gpt"', "model.num_moe_experts=4"], "experts have no biases"),
+        ([*MOE, "training.compile=true"], "compiled MoE layers are not built"),
     ],
 )  # fmt: skip
 def test_bad_moe_settings_are_refused_naming_the_field(overrides, message):

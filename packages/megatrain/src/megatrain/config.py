@@ -811,6 +811,12 @@ def _check_moe(config: Config) -> None:
         f"{why} with training.cuda_graphs = true: the tokens each expert gets change with "
         "every batch, which a captured graph cannot follow; turn one off",
     )
+    _need(
+        not config.training.compile,
+        f"{why} with training.compile = true: compiled MoE layers are not built (torch's "
+        "compiled grouped GEMM takes bf16 only, and the experts' token counts change with "
+        "every batch); turn one off",
+    )
 
 
 def _check_training(config: Config) -> None:

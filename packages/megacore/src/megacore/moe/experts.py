@@ -52,7 +52,8 @@ def grouped_gemm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `grouped_mlp` can take the grouped GEMM for these tensors: the kernel runs on
     their device in their dtype, and every row of x and of the weights starts on a 16-byte
     boundary (the kernel's alignment)."""
-    if not _grouped_mm_runs(x.device.type, x.dtype):
+    # Under torch.compile the eager probe cannot run, and the compiled op takes bf16 only.
+    if torch.compiler.is_compiling() or not _grouped_mm_runs(x.device.type, x.dtype):
         return False
     size = x.element_size()
     # The rows of x, of each weight and of the activations between (fc2's input rows).
