@@ -210,25 +210,47 @@ def test_run_joins_torchrun(corpus, tmp_path):
     _check_outputs(_run(command, out), out, ranks=2)
 
 
-def test_llama_tiny_at_cp2_takes_the_one_process_steps(corpus, tmp_path):
-    """`megatrain run` of the shipped llama-tiny with each sequence split over 2 CP workers."""
-    config = ROOT / "pipelines" / "models" / "llama-tiny.toml"
+def _layout_takes_the_one_process_steps(corpus, tmp_path, name, layout, said_ranks, extra=()):
+    """`megatrain run` of a shipped config alone and at `layout` (overrides) take the same
+    steps: losses, gradient norms and validation losses from log.jsonl."""
+    config = ROOT / "pipelines" / "models" / f"{name}.toml"
     steps, said = {}, {}
-    for name, extra in (("one", []), ("cp2", ["parallel.context_parallel_size=2"])):
-        out = tmp_path / name
+    for run, overrides in (("one", []), ("layout", layout)):
+        out = tmp_path / run
         command = [sys.executable, "-m", "megatrain.cli", "run", "--config", str(config),
                    f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
                    "training.train_iters=3", "training.eval_interval=3", "training.eval_iters=1",
                    "logging.log_interval=1", "logging.tensorboard=false",
-                   "training.seq_length=32", "optimizer.lr_warmup_iters=1", *extra]  # fmt: skip
-        said[name] = _run(command, out)
+                   "training.seq_length=32", "optimizer.lr_warmup_iters=1", *extra,
+                   *overrides]  # fmt: skip
+        said[run] = _run(command, out)
         records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-        steps[name] = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in records]
-    assert "2 ranks = tp 1 x cp 2 x pp 1 x dp 1" in said["cp2"]
+        steps[run] = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in records]
+    assert said_ranks in said["layout"]
     assert len(steps["one"]) == 3 and steps["one"][-1][2] is not None
     for (loss, norm, valid), (ref_loss, ref_norm, ref_valid) in zip(
-        steps["cp2"], steps["one"], strict=True
+        steps["layout"], steps["one"], strict=True
     ):
         assert abs(loss - ref_loss) < 2e-5 and abs(norm - ref_norm) < 2e-5 * ref_norm, steps
         assert (valid is None) == (ref_valid is None)
         assert valid is None or abs(valid - ref_valid) < 2e-5
+
+
+def test_llama_tiny_at_cp2_takes_the_one_process_steps(corpus, tmp_path):
+    """`megatrain run` of the shipped llama-tiny with each sequence split over 2 CP workers."""
+    _layout_takes_the_one_process_steps(
+        corpus, tmp_path, "llama-tiny", ["parallel.context_parallel_size=2"],
+        "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
+    )  # fmt: skip
+
+
+def test_mixtral_tiny_at_ep2_takes_the_one_process_steps(corpus, tmp_path):
+    """`megatrain run` of the shipped mixtral-tiny with its 8 experts over 2 expert-parallel
+    workers (4 each, tokens dispatched by all-to-all); a smaller batch and no grouped GEMM
+    to keep it quick on a CPU."""
+    _layout_takes_the_one_process_steps(
+        corpus, tmp_path, "mixtral-tiny", ["parallel.expert_model_parallel_size=2"],
+        "2 ranks = tp 1 x pp 1 x dp 2 (experts: etp 1 x ep 2 x edp 1)",
+        ["training.micro_batch_size=2", "training.global_batch_size=4",
+         "model.moe_grouped_gemm=false"],
+    )  # fmt: skip

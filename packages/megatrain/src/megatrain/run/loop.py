@@ -82,6 +82,16 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def _expert_layout(p, world: int) -> str:
+    """The expert layout for the start line, when experts are split (etp x ep x edp)."""
+    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size is None:
+        return ""
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    ep = p.expert_model_parallel_size
+    edp = world // (etp * ep * p.pipeline_model_parallel_size)
+    return f" (experts: etp {etp} x ep {ep} x edp {edp})"
+
+
 def train(config: Config, stop: StopSignal | None = None) -> dict | None:
     """Train as configured; every rank of the job calls it.  Returns the history on rank 0.
 
@@ -201,7 +211,8 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     log.info(
         f"megatrain: {config.name}: {world} ranks = tp {config.parallel.tensor_model_parallel_size}"
         f"{f' x cp {cp}' if (cp := config.parallel.context_parallel_size) > 1 else ''}"
-        f" x pp {config.parallel.pipeline_model_parallel_size} x dp {run.dp_size}, "
+        f" x pp {config.parallel.pipeline_model_parallel_size} x dp {run.dp_size}"
+        f"{_expert_layout(config.parallel, world)}, "
         f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {t.seq_length} tokens, "
         f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"
     )

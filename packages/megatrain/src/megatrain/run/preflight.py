@@ -4,6 +4,7 @@ started: the processes per node, GPUs enough for them, a run already finished, a
 checkpoint and output directory, a corpus and checkpoint that match the config, and the
 planner's memory estimate of the layout."""
 
+import math
 import os
 import tempfile
 
@@ -13,7 +14,8 @@ from megatrain.data.blend import open_run_blend
 
 
 def default_nproc(config: Config, nnodes: int) -> int:
-    """Processes on this node: the configured layout, else one per GPU, else tp x pp."""
+    """Processes on this node: the configured layout, else one per GPU, else the fewest that
+    hold a replica of both layouts (tp x cp x pp, and etp x ep x pp with split experts)."""
     p = config.parallel
     if p.data_parallel_size:
         total = config.ranks_per_replica * p.data_parallel_size
@@ -26,7 +28,9 @@ def default_nproc(config: Config, nnodes: int) -> int:
 
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return config.ranks_per_replica
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    experts = etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size
+    return math.lcm(config.ranks_per_replica, experts)
 
 
 def check_gpus(nproc: int, gpus: int) -> None:
