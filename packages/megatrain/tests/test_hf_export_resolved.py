@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from megacore.testing import run_distributed
 from megatrain.checkpoint.files import find_checkpoint
 from megatrain.checkpoint.load import read_full_state
 from megatrain.config import load_config
 from megatrain.hf import HFFormatError, export_hf, import_hf, read_model_types
 from megatrain.run.loop import train
-from megatrain.testing import write_bert_text_corpus, write_text_corpus
+from megatrain.testing import world_of_one, write_bert_text_corpus, write_text_corpus
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 WORDS = ["the", "a", "model", "layer", "of", "tensor", "pipeline", "data", "train", "token"]
@@ -67,12 +66,11 @@ def _run(path: Path, corpus: Path, out: Path, overrides=()):
     )
 
 
-def _check_export(out: Path) -> dict:
-    """Train, export, and read the export's tie flag beside its tensors."""
+def _check_export(out: Path, meta: dict, state: dict) -> dict:
+    """The export in `out / "hf"` of the checkpoint (`meta`, `state`): its tie flag beside its
+    tensors and as transformers loads it."""
     from safetensors import safe_open
 
-    meta, state = read_full_state(out / "ckpt", progress=False)
-    export_hf(out / "ckpt", out / "hf", progress=False)
     config = json.loads((out / "hf" / "config.json").read_text())
     with safe_open(str(out / "hf" / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
@@ -89,6 +87,7 @@ def _check_export(out: Path) -> dict:
         and not torch.equal(lm_head, state["embedding.weight"][:vocab]),
         "names": names,
         "ckpt": out / "ckpt",
+        "moe": bool(meta["config"]["model"].get("num_moe_experts")),
     }
     if result["kind"] != "bert":  # as transformers loads it: its output layer is ours
         import transformers
@@ -104,40 +103,76 @@ def _check_export(out: Path) -> dict:
 
 
 def _train_and_export(root: Path) -> dict:
-    """In one spawned rank (a gloo world of one, as `megatrain run` makes)."""
     texts = _texts(40)
     causal, _ = write_text_corpus(root / "corpus", texts, vocab_size=200)
     bert, _, _ = write_bert_text_corpus(root / "bert-corpus", texts, vocab_size=100)
-    runs = {}
-    cases = [(path.stem, path, ()) for path in _tiny_configs()]
-    # GPT-2 untied (not a shipped config): GPT2LMHeadModel with an lm_head of its own.
-    untied = ["model.untie_embeddings_and_output_weights=true"]
-    cases.append(("gpt2-tiny-untied", MODELS / "gpt2-tiny.toml", untied))
-    for name, path, overrides in cases:
-        kind = load_config(path, []).model.kind
-        if kind not in EXPORTED_KINDS:
+    runs, models = {}, {}
+    for path in _tiny_configs():
+        config = load_config(path, [])
+        if config.model.kind not in EXPORTED_KINDS:
             continue
-        out = root / name
-        corpus = bert if kind == "bert" else causal
-        history = train(_run(path, corpus, out, overrides))
-        assert history["loss"] and np.isfinite(history["loss"][0]), name  # a step was taken
-        runs[name] = _check_export(out)
+        # The export reads the [model] section alone: a config that differs only in its data
+        # (gpt2-tiny and gpt2-tiny-blend) is the model of one already checked.
+        model = json.dumps(config.to_dict()["model"], sort_keys=True)
+        if model in models:
+            runs[path.stem] = {"same_model_as": models[model]}
+            continue
+        models[model], out = path.stem, root / path.stem
+        corpus = bert if config.model.kind == "bert" else causal
+        history = train(_run(path, corpus, out))
+        assert history["loss"] and np.isfinite(history["loss"][0]), path  # a step was taken
+        meta, state = read_full_state(out / "ckpt", progress=False)
+        export_hf(out / "ckpt", out / "hf", progress=False)
+        runs[path.stem] = _check_export(out, meta, state)
+    # GPT-2 untied (no shipped config): gpt2-tiny's step with an output layer of its own.
+    from megatrain.hf.gpt2 import export_gpt2
+
+    gpt = root / runs["gpt2-tiny"].get("same_model_as", "gpt2-tiny")
+    meta, state = read_full_state(gpt / "ckpt", progress=False)
+    meta["config"]["model"]["untie_embeddings_and_output_weights"] = True
+    noise = torch.randn(state["embedding.weight"].shape, generator=torch.Generator().manual_seed(0))
+    state["output_layer.weight"] = state["embedding.weight"] + 0.01 * noise
+    tokenizer = find_checkpoint(gpt / "ckpt") / "tokenizer.json"
+    export_gpt2(meta, state, tokenizer, root / "gpt2-tiny-untied" / "hf", "float32")
+    runs["gpt2-tiny-untied"] = _check_export(root / "gpt2-tiny-untied", meta, state)
     return runs
+
+
+def _result(exports: dict, name: str) -> dict:
+    """The checked export of config `name`, or of the config with its model."""
+    r = exports[name]
+    return exports[r["same_model_as"]] if "same_model_as" in r else r
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return run_distributed(_train_and_export, 1, args=(root,), timeout=300)[0]
+    threads = torch.get_num_threads()
+    # Tiny models: more threads only contend on a shared CPU (train() keeps the thread count
+    # OMP_NUM_THREADS names).
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        try:
+            with world_of_one(root / "rendezvous"):  # train() joins it, as a job's rank 0
+                return _train_and_export(root)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_shipped_tiny_configs_export_the_tie_their_tensors_have(exports):
-    assert {"gpt2-tiny", "llama-tiny", "bert-tiny", "gpt2-tiny-untied"} <= set(exports)
-    # A Llama untie by default; GPT-2 and BERT tie; the override unties GPT-2.
+    shipped = {path.stem for path in _tiny_configs()}
+    assert shipped | {"gpt2-tiny-untied"} == set(exports)  # every shipped kind is exported
+    assert {"gpt2-tiny", "llama-tiny", "bert-tiny", "mixtral-tiny"} <= shipped
+    # A Llama (and the Mixtral of the same kind) unties by default; GPT-2 and BERT tie.
     assert exports["llama-tiny"]["untied_in_checkpoint"]
-    assert not exports["gpt2-tiny"]["untied_in_checkpoint"]
+    assert exports["mixtral-tiny"]["untied_in_checkpoint"] and exports["mixtral-tiny"]["moe"]
+    assert not _result(exports, "gpt2-tiny")["untied_in_checkpoint"]
     assert exports["gpt2-tiny-untied"]["untied_in_checkpoint"]
     for name, r in exports.items():
+        if "same_model_as" in r:
+            assert "same_model_as" not in exports[r["same_model_as"]], name
+            continue
         untied = r["untied_in_checkpoint"]
         assert r["tied_in_config"] == (not untied), (name, r)
         # An untied export stores our output layer as lm_head (not the embeddings); a tied one
@@ -174,7 +209,7 @@ def test_an_export_refuses_switches_its_family_cannot_compute(exports):
         ("llama-tiny", export_llama, "add_bias_linear", True),
         ("gpt2-tiny", export_gpt2, "position_embedding_type", "rope"),
     ):
-        ckpt = exports[name]["ckpt"]
+        ckpt = _result(exports, name)["ckpt"]
         meta, state = read_full_state(ckpt, progress=False)
         meta["config"]["model"][field] = value
         tokenizer = find_checkpoint(ckpt) / "tokenizer.json"

@@ -60,7 +60,17 @@ LLAMA = [
 ]
 # One key/value head for eight queries trains more sharply: a smaller rate keeps fp32's
 # layout differences (3e-6 in the first gradients) below the tolerance for three steps.
-MQA = ["model.num_query_groups=1", "optimizer.lr=0.001"]
+# With the attention switches of Qwen (issue 45): biases on q, k, v alone, split over TP
+# with their columns (the replicated `kv`'s whole on each rank), per-head q/k RMSNorms
+# replicated on every TP rank with their gradients summed over TP, and heads of 16 at
+# hidden 64 (kv_channels: the projection's input 8 x 16).
+MQA = [
+    "model.num_query_groups=1",
+    "optimizer.lr=0.001",
+    "model.add_qkv_bias=true",
+    "model.qk_layernorm=true",
+    "model.kv_channels=16",
+]
 # The speed levers of issue 33: the output layer and loss fused, weight gradients into main_grad.
 LEVERS = [
     "training.fused_linear_cross_entropy=true",
@@ -336,9 +346,9 @@ def test_bad_llama_layouts_are_refused_naming_fields(corpus, tmp_path):
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
             r"rope type llama3 without a number for low_freq_factor",
         ),
-        ({"model_type": "qwen2"}, r"model_type is 'qwen2': Qwen2's biases"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window is True"),
         ({"attention_bias": True}, r"attention_bias is True"),
-        ({"head_dim": 16}, r"head_dim is 16"),
+        ({"head_dim": 7}, r"head_dim is 7: expected an even"),
         ({"tie_word_embeddings": False, "drop": "lm_head"}, r"missing \['lm_head.weight'\]"),
     ],
 )

@@ -266,3 +266,24 @@ def cuda_graphs_on_cpu():
         yield
     finally:
         parallelize.make_graphed_callables, parallelize.check_cuda_graphs = saved
+
+
+@contextlib.contextmanager
+def world_of_one(rendezvous: Path):
+    """A gloo process group of this process alone (rendezvous through the file `rendezvous`),
+    with megacore's groups at tp = pp = 1, for tests that train, load or convert in-process
+    without a spawn; a group already there is used and left alone."""
+    import torch.distributed as dist
+
+    from megacore import parallel_state as ps
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{rendezvous}")
+    try:
+        yield
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()

@@ -1,6 +1,8 @@
 """Hugging Face conversions both ways (`megatrain export-hf`, `megatrain import-hf`): GPT-2
-(`gpt2`), BERT (`bert`) and Llama (`llama`), with what they share in `common`.  The two
-functions here pick the model kind; transformers is needed by export only."""
+(`gpt2`), BERT (`bert`), Llama and Mistral (`llama`), Qwen2 and Qwen3 (`qwen`, through
+`llama`'s reader and writer), Mixtral, Qwen2-MoE and Qwen3-MoE (`moe`), with what they
+share in `common`.  The two functions here pick
+the model kind; transformers is needed by export only."""
 
 import json
 from pathlib import Path
@@ -10,7 +12,9 @@ from megatrain.hf.common import HFFormatError
 
 def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True):
     """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`: a GPT-2
-    (`gpt2.export_gpt2`), or a BERT (model.kind "bert", `bert.export_bert`)."""
+    (`gpt2.export_gpt2`), a BERT (model.kind "bert", `bert.export_bert`) or a Llama-kind
+    model as the class its switches make (`llama.export_llama`: Llama, Qwen2, Qwen3, Mixtral,
+    Qwen2-MoE, Qwen3-MoE)."""
     from megatrain.checkpoint.convert import dtype_of
     from megatrain.checkpoint.files import CheckpointError, find_checkpoint
     from megatrain.checkpoint.load import read_full_state
@@ -45,15 +49,27 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
     return export_gpt2(meta, state, tokenizer_file, out, dtype)
 
 
-# The config.json model_types import reads (BERT's and Llama's from their modules).
+# The config.json model_types import reads (BERT's and the Llama family's from their modules).
 GPT2_TYPES = ("gpt2",)
+
+
+def _llama_family_importers() -> dict:
+    """model_type -> the importer of the Llama-like decoders (Llama and Mistral, Qwen2/3, and
+    the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    from megatrain.hf import llama, moe, qwen
+
+    return (
+        {t: llama.import_llama for t in llama.MODEL_TYPES}
+        | {t: qwen.import_qwen for t in qwen.MODEL_TYPES}
+        | {t: moe.import_moe for t in moe.MODEL_TYPES}
+    )
 
 
 def read_model_types() -> tuple[str, ...]:
     """Every config.json model_type `import_hf` reads."""
-    from megatrain.hf import bert, llama
+    from megatrain.hf import bert
 
-    return GPT2_TYPES + tuple(bert.BLOCK_ORDER) + llama.MODEL_TYPES
+    return GPT2_TYPES + tuple(bert.BLOCK_ORDER) + tuple(_llama_family_importers())
 
 
 def import_hf(
@@ -61,10 +77,11 @@ def import_hf(
 ) -> Path:
     """Write the Hugging Face model of `hf_dir` as a megatrain checkpoint (iteration 0, weights
     only) under `out_ckpt`; returns the iteration directory.  config.json's model_type picks
-    the reader: a BERT ("bert" or "megatron-bert") `bert.import_bert`, a Llama (or Mistral)
-    `llama.import_llama`, a GPT-2 `gpt2.import_gpt2`; any other model_type is refused naming
-    the kinds read (a Qwen2 by name, with what it lacks)."""
-    from megatrain.hf import bert, gpt2, llama
+    the reader: a BERT ("bert" or "megatron-bert") `bert.import_bert`, a Llama or Mistral
+    `llama.import_llama`, a Qwen2 or Qwen3 `qwen.import_qwen`, a Mixtral, Qwen2-MoE or
+    Qwen3-MoE `moe.import_moe`, a GPT-2 `gpt2.import_gpt2`;
+    any other model_type is refused naming the ones read."""
+    from megatrain.hf import bert, gpt2
 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
@@ -75,8 +92,9 @@ def import_hf(
     if bert.is_bert(hf_dir):
         return bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
     model_type = _model_type(hf_dir)
-    if model_type in llama.MODEL_TYPES + llama.REFUSED_TYPES:
-        return llama.import_llama(hf_dir, out_ckpt, tokenizer_file)
+    importers = _llama_family_importers()
+    if model_type in importers:
+        return importers[model_type](hf_dir, out_ckpt, tokenizer_file)
     if model_type is not None and model_type not in GPT2_TYPES:
         raise HFFormatError(
             f"{hf_dir / 'config.json'}: model_type is {model_type!r}; megatrain import-hf reads "

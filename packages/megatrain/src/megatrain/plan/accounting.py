@@ -36,15 +36,33 @@ MASKED_LM_PROB = 0.15
 # ---------------------------------------------------------------------------- parameters
 
 
+def _head_dim(cfg: TransformerConfig) -> int:
+    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _attention_width(cfg: TransformerConfig) -> int:
+    """The queries' width, the projection's input: heads x head_dim (h unless kv_channels)."""
+    return cfg.num_attention_heads * _head_dim(cfg)
+
+
+def _qk_norms(cfg: TransformerConfig) -> int:
+    """qk_layernorm's two norms over a head's width (replicated on every TP rank)."""
+    return (2 if cfg.normalization == "layernorm" else 1) * 2 * _head_dim(cfg) * cfg.qk_layernorm
+
+
 def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
     """(QKV's output width, MLP matrices of h x f, column-parallel biases, one norm's
-    parameters): h + 2 x groups x head_dim (3h without grouped-query attention); 3 matrices
-    with SwiGLU (gate, up, down), else 2; LayerNorm has a bias, RMSNorm not."""
+    parameters): heads x head_dim + 2 x groups x head_dim (3h without grouped-query attention
+    or kv_channels); 3 matrices with SwiGLU (gate, up, down), else 2; the QKV biases with
+    add_bias or add_qkv_bias; LayerNorm has a bias, RMSNorm not."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    head_dim = h // cfg.num_attention_heads
-    qkv = h + 2 * (cfg.num_query_groups or cfg.num_attention_heads) * head_dim
+    qkv = _attention_width(cfg) + 2 * (cfg.num_query_groups or cfg.num_attention_heads) * (
+        _head_dim(cfg)
+    )
     mlp = 3 if cfg.swiglu else 2
-    column_biases = (qkv + (mlp - 1) * f) if cfg.add_bias else 0
+    column_biases = (qkv if cfg.add_bias or cfg.add_qkv_bias else 0) + (
+        (mlp - 1) * f if cfg.add_bias else 0
+    )
     norm = 2 * h if cfg.normalization == "layernorm" else h
     return qkv, mlp, column_biases, norm
 
@@ -54,7 +72,8 @@ def layer_parameters(cfg: TransformerConfig) -> int:
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv, mlp, column_biases, norm = _layer_shapes(cfg)
     row_biases = 2 * h if cfg.add_bias else 0  # proj, fc2
-    return h * qkv + h * h + mlp * h * f + column_biases + row_biases + 2 * norm
+    attention = h * qkv + _attention_width(cfg) * h + _qk_norms(cfg)
+    return attention + mlp * h * f + column_biases + row_biases + 2 * norm
 
 
 def layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
@@ -63,11 +82,13 @@ def layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
     the key/value projection whole when there are fewer key/value groups than TP ranks."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv, mlp, column_biases, norm = _layer_shapes(cfg)
-    split = h * qkv + h * h + mlp * h * f + column_biases
-    replicated = (2 * h if cfg.add_bias else 0) + 2 * norm  # proj and fc2 biases, two norms
+    split = h * qkv + _attention_width(cfg) * h + mlp * h * f + column_biases
+    # proj and fc2 biases, two norms, the queries' and keys' norms
+    replicated = (2 * h if cfg.add_bias else 0) + 2 * norm + _qk_norms(cfg)
     groups = cfg.num_query_groups or cfg.num_attention_heads
     if groups < tp:  # the key/value projection (and its bias) whole on every rank
-        kv = 2 * groups * (h // cfg.num_attention_heads) * (h + (1 if cfg.add_bias else 0))
+        bias = 1 if cfg.add_bias or cfg.add_qkv_bias else 0
+        kv = 2 * groups * _head_dim(cfg) * (h + bias)
         split, replicated = split - kv, replicated + kv
     return split // tp + replicated
 
@@ -132,7 +153,8 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
     """
     b, s, n, h, f = batch, seq, cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
     qkv, mlp, _, _ = _layer_shapes(cfg)  # grouped-query K/V and SwiGLU's third matrix count
-    return n * 2 * b * s * h * (qkv + h + mlp * f), n * 4 * b * s * s * h
+    width = _attention_width(cfg)  # h, or heads x kv_channels
+    return n * 2 * b * s * h * (qkv + width + mlp * f), n * 4 * b * s * s * width
 
 
 def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: str | None) -> float:

@@ -1,0 +1,299 @@
+"""Hugging Face mixtures of experts both ways: Mixtral (`MixtralForCausalLM`), Qwen2-MoE
+(`Qwen2MoeForCausalLM`) and Qwen3-MoE (`Qwen3MoeForCausalLM`), as our Llama kind with
+`model.num_moe_experts` (`models.moe.MoELayer`), through `hf.llama`'s reader and writer.
+
+The storage differs only in the MLPs:
+
+- HF keeps each expert's three matrices apart, as nn.Linear weights (transformers 5 fuses
+  them in memory as `gate_up_proj` / `down_proj` but writes, and reads, the per-expert
+  names): Mixtral's `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), Qwen's
+  `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`.  Ours are one 3-D tensor each for
+  the grouped GEMM: `mlp.experts.weight1` [E, h, 2f] (x @ weight1 = [gate | up]) and
+  `mlp.experts.weight2` [E, f, h] (the down projection, transposed);
+- the router is HF's `gate.weight` [E, h], ours `mlp.router.weight`;
+- Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj/up_proj/down_proj`) and its
+  sigmoid gate (`mlp.shared_expert_gate.weight` [1, h]) are our `mlp.shared_expert.gate /
+  fc1 / fc2` and `mlp.shared_expert_gate.weight`.
+
+Routing: HF takes the softmax over all experts, then the top k, renormalized by Mixtral
+always and by Qwen when `norm_topk_prob`; ours is `moe_router_pre_softmax` with
+`moe_router_norm_topk_prob` (a softmax over the k chosen logits, Megatron's default, is the
+renormalized case).  Which layers are MoE: Qwen's `mlp_only_layers` and
+`decoder_sparse_step` (layer i when (i + 1) % step == 0 and i is not MLP-only) become a 0/1
+`moe_layer_freq` list, the dense layers of `intermediate_size` and the experts of
+`moe_intermediate_size`.  Import refuses, by field and before any weight is read, what our
+MoE cannot compute (router jitter, a sliding window, DeepSeek's latent attention, ...);
+export refuses a router HF has no switch for (sigmoid scores, an expert bias, a capacity,
+a scaling factor).
+"""
+
+from pathlib import Path
+
+import torch
+
+from megatrain.checkpoint.files import CheckpointError
+from megatrain.hf.llama import (
+    Family,
+    decoder_fields,
+    dense_mlp_from_hf,
+    dense_mlp_shapes,
+    dense_mlp_to_hf,
+    import_llama,
+    load_hf_config,
+    refuser,
+)
+from megatrain.hf.qwen import read_qwen_config
+
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Fields of the mixtures of experts that change what a model computes and that we have no
+# switch for, refused when set (DeepSeek's latent attention; Qwen's gate on every expert).
+UNREPRESENTED = ("kv_lora_rank", "q_lora_rank", "n_routed_experts", "n_shared_experts",
+                 "topk_method", "routed_scaling_factor")  # fmt: skip
+# Per expert: ours (rows of weight1 [gate | up], weight2) -> HF's, by family.
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")),
+    "qwen": ("mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")),
+}
+SHARED = {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}  # ours -> Qwen2-MoE's
+
+
+def _names(model_type: str) -> tuple[str, str, tuple[str, str, str]]:
+    return EXPERT_NAMES["mixtral" if model_type == "mixtral" else "qwen"]
+
+
+def moe_layers(c: dict) -> list[bool]:
+    """Which layers are MoE, as HF decides: every layer in Mixtral; in Qwen's MoE layer i when
+    (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    step, dense = c.get("sparse_step", 1), set(c.get("mlp_only", ()))
+    return [(i + 1) % step == 0 and i not in dense for i in range(c["layers"])]
+
+
+def _experts(c: dict, default: int | None):
+    """The number of experts, under either name transformers writes (its configs map
+    num_experts to num_local_experts: Qwen3-MoE's hub files say num_experts, transformers 5
+    saves num_local_experts)."""
+    return c.get("num_local_experts", c.get("num_experts", default))
+
+
+def read_moe_config(hf_dir: Path) -> dict:
+    """config.json of a Mixtral, Qwen2-MoE or Qwen3-MoE as `llama.decoder_fields` reads it, with
+    the experts' fields {experts, topk, expert_ffn, shared_ffn, norm_topk, sparse_step,
+    mlp_only, aux}; refuses, by field, what our MoE cannot compute."""
+    config_file, c = load_hf_config(hf_dir)
+    refuse = refuser(config_file, c)
+    model_type = c.get("model_type")
+    if model_type not in MODEL_TYPES:
+        refuse("model_type", f"expected one of {MODEL_TYPES}")
+    for field in UNREPRESENTED:
+        if c.get(field) is not None:
+            refuse(field, "not supported by our mixture of experts")
+    if c.get("router_jitter_noise"):
+        refuse("router_jitter_noise", "router jitter is not supported; expected 0")
+    if model_type == "mixtral":
+        if c.get("sliding_window") is not None:
+            refuse("sliding_window", "sliding-window attention is not supported")
+        fields = decoder_fields(config_file, c, required=("intermediate_size",))
+        experts, expert_ffn, shared_ffn = _experts(c, 8), fields["ffn"], None
+        norm_topk, sparse_step, mlp_only = True, 1, []
+    else:
+        fields = read_qwen_config(hf_dir, required=("moe_intermediate_size",))
+        experts, expert_ffn = _experts(c, None), c["moe_intermediate_size"]
+        shared_ffn = c.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+        norm_topk, sparse_step = (
+            bool(c.get("norm_topk_prob", False)),
+            c.get("decoder_sparse_step", 1),
+        )
+        mlp_only = c.get("mlp_only_layers") or []
+        if not isinstance(sparse_step, int) or sparse_step < 1:
+            refuse("decoder_sparse_step", "expected a positive integer")
+        if not all(isinstance(i, int) for i in mlp_only):
+            refuse("mlp_only_layers", "expected a list of layer numbers")
+    topk = c.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or experts < 1:
+        field = "num_local_experts" if "num_local_experts" in c else "num_experts"
+        refuse(field, "expected a positive number of experts")
+    if not isinstance(topk, int) or not 1 <= topk <= experts:
+        refuse("num_experts_per_tok", f"expected 1 to the {experts} experts")
+    if model_type == "qwen2_moe" and not shared_ffn:
+        refuse("shared_expert_intermediate_size", "Qwen2-MoE's shared expert needs its size")
+    return fields | {
+        "experts": experts, "topk": topk, "expert_ffn": int(expert_ffn), "shared_ffn": shared_ffn,
+        "norm_topk": norm_topk, "sparse_step": sparse_step, "mlp_only": mlp_only,
+        "aux": float(c.get("router_aux_loss_coef", 0.0)),
+    }  # fmt: skip
+
+
+def moe_mlp_shapes(c: dict, i: int) -> dict[str, tuple]:
+    """HF's layer i's MLP: a dense one (of intermediate_size) or the router and experts."""
+    if not moe_layers(c)[i]:
+        return dense_mlp_shapes(c, i)
+    h, f, E = c["hidden"], c["expert_ffn"], c["experts"]
+    prefix, router, (gate, up, down) = _names(c["model_type"])
+    shapes = {prefix + router: (E, h)}
+    for e in range(E):
+        shapes |= {f"{prefix}experts.{e}.{gate}.weight": (f, h),
+                   f"{prefix}experts.{e}.{up}.weight": (f, h),
+                   f"{prefix}experts.{e}.{down}.weight": (h, f)}  # fmt: skip
+    if c["shared_ffn"]:
+        s = c["shared_ffn"]
+        shapes |= {"mlp.shared_expert.gate_proj.weight": (s, h),
+                   "mlp.shared_expert.up_proj.weight": (s, h),
+                   "mlp.shared_expert.down_proj.weight": (h, s),
+                   "mlp.shared_expert_gate.weight": (1, h)}  # fmt: skip
+    return shapes
+
+
+def moe_mlp_from_hf(hf: dict, c: dict, i: int) -> dict[str, torch.Tensor]:
+    """Our layer i's MLP (names under layers.i.) from HF's: the experts stacked into the
+    grouped GEMM's 3-D weights."""
+    if not moe_layers(c)[i]:
+        return dense_mlp_from_hf(hf, c, i)
+    layer = f"model.layers.{i}."
+    prefix, router, (gate, up, down) = _names(c["model_type"])
+    experts = f"{layer}{prefix}experts."
+    weight1 = [
+        torch.cat([hf[f"{experts}{e}.{gate}.weight"], hf[f"{experts}{e}.{up}.weight"]]).t()
+        for e in range(c["experts"])
+    ]
+    weight2 = [hf[f"{experts}{e}.{down}.weight"].t() for e in range(c["experts"])]
+    out = {
+        "mlp.router.weight": hf[layer + prefix + router],
+        "mlp.experts.weight1": torch.stack(weight1),
+        "mlp.experts.weight2": torch.stack(weight2),
+    }
+    if c["shared_ffn"]:
+        out |= {f"mlp.shared_expert.{ours}.weight": hf[f"{layer}mlp.shared_expert.{theirs}.weight"]
+                for ours, theirs in SHARED.items()}  # fmt: skip
+        out["mlp.shared_expert_gate.weight"] = hf[layer + "mlp.shared_expert_gate.weight"]
+    return out
+
+
+def _configure(m, c: dict) -> None:
+    """Our [model] MoE fields from `read_moe_config`'s."""
+    m.num_moe_experts, m.moe_router_topk = c["experts"], c["topk"]
+    if c["model_type"] == "mixtral":
+        m.ffn_hidden_size = c["expert_ffn"]  # no dense layers
+    else:
+        m.moe_ffn_hidden_size = c["expert_ffn"]
+    # HF's order: the softmax over every expert, the top k, renormalized or not.
+    m.moe_router_pre_softmax, m.moe_router_norm_topk_prob = True, c["norm_topk"]
+    m.moe_router_score_function = "softmax"
+    layers = moe_layers(c)
+    m.moe_layer_freq = 1 if all(layers) else [int(x) for x in layers]
+    if c["shared_ffn"]:
+        m.moe_shared_expert_intermediate_size, m.moe_shared_expert_gate = c["shared_ffn"], True
+    m.moe_router_load_balancing_type = "aux_loss"
+    m.moe_aux_loss_coeff = c["aux"]
+
+
+def import_moe(hf_dir: Path, out_ckpt, tokenizer_file) -> Path:
+    """Write the Mixtral, Qwen2-MoE or Qwen3-MoE of `hf_dir` as a megatrain checkpoint of kind
+    llama with num_moe_experts (iteration 0, weights only); returns the iteration directory."""
+    c = read_moe_config(hf_dir)
+    return import_llama(
+        hf_dir, out_ckpt, tokenizer_file, c, _configure, moe_mlp_shapes, moe_mlp_from_hf
+    )
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def _layer_is_moe(m: dict) -> list[bool]:
+    freq, n = m["moe_layer_freq"], m["num_layers"]
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    return [bool(x) for x in freq]
+
+
+def _mlp_to_hf(model_type: str):
+    prefix, router, (gate, up, down) = _names(model_type)
+
+    def to_hf(weights: dict, m: dict, i: int) -> dict[str, torch.Tensor]:
+        if not _layer_is_moe(m)[i]:
+            return dense_mlp_to_hf(weights, m, i)
+        ours = f"layers.{i}.mlp."
+        weight1, weight2 = weights[ours + "experts.weight1"], weights[ours + "experts.weight2"]
+        f = weight2.shape[1]
+        out = {prefix + router: weights[ours + "router.weight"]}
+        for e in range(weight1.shape[0]):
+            out[f"{prefix}experts.{e}.{gate}.weight"] = weight1[e, :, :f].t()
+            out[f"{prefix}experts.{e}.{up}.weight"] = weight1[e, :, f:].t()
+            out[f"{prefix}experts.{e}.{down}.weight"] = weight2[e].t()
+        if m["moe_shared_expert_intermediate_size"]:
+            for o, theirs in SHARED.items():
+                out[f"mlp.shared_expert.{theirs}.weight"] = weights[
+                    f"{ours}shared_expert.{o}.weight"
+                ]
+            out["mlp.shared_expert_gate.weight"] = weights[ours + "shared_expert_gate.weight"]
+        return out
+
+    return to_hf
+
+
+def _renormalized(m: dict) -> bool:
+    """Whether our router's k weights sum to one: a softmax over the k chosen logits, or the
+    softmax over all renormalized (HF's norm_topk_prob; Mixtral's always)."""
+    return not m["moe_router_pre_softmax"] or m["moe_router_norm_topk_prob"]
+
+
+def _mixtral_fields(m: dict) -> dict:
+    return {"num_local_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
+            "intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
+            "router_aux_loss_coef": m["moe_aux_loss_coeff"], "router_jitter_noise": 0.0,
+            "sliding_window": None}  # fmt: skip
+
+
+def _qwen_moe_fields(m: dict) -> dict:
+    layers = _layer_is_moe(m)
+    fields = {
+        "num_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
+        "moe_intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
+        "norm_topk_prob": _renormalized(m), "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, moe in enumerate(layers) if not moe],
+        "router_aux_loss_coef": m["moe_aux_loss_coeff"], "use_sliding_window": False,
+    }  # fmt: skip
+    if m["moe_shared_expert_intermediate_size"]:  # Qwen2-MoE
+        fields["shared_expert_intermediate_size"] = m["moe_shared_expert_intermediate_size"]
+        fields["qkv_bias"] = m["add_qkv_bias"]
+    else:
+        fields["attention_bias"] = False
+    return fields
+
+
+# What every HF mixture here routes as: softmax scores, no expert bias, no capacity (dropless).
+ROUTER = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+          "moe_expert_capacity_factor": None, "moe_router_topk_scaling_factor": None}  # fmt: skip
+MIXTRAL = Family(
+    "Mixtral", "MixtralForCausalLM", "MixtralConfig",
+    ROUTER | {"qk_layernorm": False, "add_qkv_bias": False, "moe_layer_freq": 1,
+              "moe_shared_expert_intermediate_size": None},
+    _mixtral_fields, _mlp_to_hf("mixtral"),
+)  # fmt: skip
+QWEN2_MOE = Family(
+    "Qwen2-MoE", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+    ROUTER | {"qk_layernorm": False, "moe_shared_expert_gate": True},
+    _qwen_moe_fields, _mlp_to_hf("qwen2_moe"),
+)  # fmt: skip
+QWEN3_MOE = Family(
+    "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+    ROUTER | {"qk_layernorm": True, "add_qkv_bias": False,
+              "moe_shared_expert_intermediate_size": None},
+    _qwen_moe_fields, _mlp_to_hf("qwen3_moe"),
+)  # fmt: skip
+
+
+def moe_family(m: dict) -> Family:
+    """The HF class a mixture of experts exports as: Qwen3-MoE with q/k norms, Qwen2-MoE with a
+    shared expert, else Mixtral (whose router always renormalizes its k weights: a router
+    that does not is refused naming the field)."""
+    if m["qk_layernorm"]:
+        return QWEN3_MOE
+    if m["moe_shared_expert_intermediate_size"]:
+        return QWEN2_MOE
+    if not _renormalized(m):
+        raise CheckpointError(
+            "model.moe_router_norm_topk_prob is false with model.moe_router_pre_softmax: "
+            "Mixtral renormalizes the top-k weights, and a Qwen-MoE export needs q/k norms "
+            "(Qwen3) or a shared expert (Qwen2)"
+        )
+    return MIXTRAL
