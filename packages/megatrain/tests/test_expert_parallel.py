@@ -13,9 +13,14 @@ expert-bias counts summed over the stage.  Every rank runs under the NCCL-semant
 megacore's tests prove the dispatchers against one process (test_token_dispatcher)."""
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from megacore import parallel_state as ps
 from megacore.testing import run_distributed
 from megatrain.config import ConfigError, load_config, validate
+from megatrain.models import build_model_chunks, model_config, moe
+from megatrain.parallelize import sum_expert_loads
 from megatrain.run.loop import train
 from megatrain.testing import QUIET_LOGGING, TINY_MODEL, assert_same_steps, write_counting_corpus
 
@@ -120,11 +125,31 @@ def _layouts(corpus, out):
         "at-tp2-ep2": [*TP2_SP, *ep(2)],
         "at-ep1-distopt": ["parallel.use_distributed_optimizer=true"],
     }
+    runs["loads"] = _expert_loads_summed(_config(corpus, f"{out}/loads", "sigmoid-bias", PP2))
     runs["ep4"] = train(_config(corpus, f"{out}/ep4", "softmax", ep(4)))
     runs["first"] = train(_config(corpus, f"{out}/first", "softmax", [*ep(4), *save]))
     for name, o in resumed.items():
         runs[name] = train(_config(corpus, f"{out}/{name}", "softmax", [*o, *load]))
     return runs
+
+
+def _expert_loads_summed(config):
+    """At pp 2 x dp 2: each rank's MoE layers given loads of their own, summed over the stage
+    (`sum_expert_loads`), then the expert-bias update: (loads, biases) of this rank."""
+    ps.initialize_model_parallel(1, 2)
+    try:
+        chunks = build_model_chunks("llama", model_config(config, VOCAB), 1)
+        rank = dist.get_rank()
+        for i, layer in enumerate(moe.moe_layers(chunks)):
+            layer.tokens_per_expert.copy_(torch.tensor([rank, 4 - rank, i, 2 * (rank % 2)]))
+        sum_expert_loads(chunks)
+        moe.update_expert_biases(chunks, 0.05)
+        return [
+            (layer.tokens_per_expert.tolist(), layer.router.expert_bias.tolist())
+            for layer in moe.moe_layers(chunks)
+        ]
+    finally:
+        ps.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +161,8 @@ def references(corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def layouts(corpus, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("moe-layouts"))
-    return run_distributed(_layouts, 4, args=(corpus, out), timeout=500)[0]
+    results = run_distributed(_layouts, 4, args=(corpus, out), timeout=500)
+    return {**results[0], "loads_by_rank": [r["loads"] for r in results]}
 
 
 def test_every_expert_parallel_layout_equals_one_process(references, layouts):
@@ -150,6 +176,17 @@ def test_every_expert_parallel_layout_equals_one_process(references, layouts):
     for a, b in zip(bf16["loss"], fp32["loss"], strict=True):
         assert abs(a - b) < 0.05, (bf16["loss"], fp32["loss"])
     assert bf16["loss"] != fp32["loss"]
+
+
+def test_expert_loads_summed_over_the_stage_before_the_bias_update(layouts):
+    # pp 2 x dp 2: ranks 0, 1 hold stage 0, ranks 2, 3 stage 1 (one MoE layer each); the
+    # loads every rank of the job gave, as one stage's ranks summed them.
+    for rank, loads in enumerate(layouts["loads_by_rank"]):
+        ((tokens, bias),) = loads
+        stage = [r for r in range(4) if r // 2 == rank // 2]
+        assert tokens == [sum(r for r in stage), sum(4 - r for r in stage), 0, 2], rank
+        mean = sum(tokens) / 4
+        assert bias == pytest.approx([0.05 * ((mean > t) - (mean < t)) for t in tokens]), rank
 
 
 def test_an_ep4_checkpoint_goes_on_at_tp2_ep2_and_ep1(references, layouts):
