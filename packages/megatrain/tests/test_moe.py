@@ -6,17 +6,14 @@ expert layout, the config's refusals, and pipelines/models/mixtral-tiny.toml tra
 The routing functions themselves: megacore/tests/test_moe_core.py."""
 
 import math
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacore import moe
-from megacore import parallel_state as ps
 from megatrain.config import (
     MOE_DROP_POLICIES,
     MOE_LOAD_BALANCING_TYPES,
@@ -28,7 +25,7 @@ from megatrain.config import (
 from megatrain.models import model_config
 from megatrain.models.moe import MoELayer, is_moe_layer, moe_layers
 from megatrain.models.transformer import TransformerConfig, _cpu_generator, _placement
-from megatrain.testing import write_counting_corpus
+from megatrain.testing import world_of_one, write_counting_corpus
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
 E, K, H = 4, 2, 16
@@ -177,22 +174,6 @@ def test_the_configs_choices_are_megacores():
     assert MOE_DROP_POLICIES == moe.DROP_POLICIES
 
 
-@contextmanager
-def _world_of_one(tmp_path):
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(
-            "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rendezvous'}"
-        )
-    try:
-        yield
-    finally:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
-
-
 SMALL = [
     "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=64",
     "model.max_position_embeddings=64", "training.seq_length=32", "training.micro_batch_size=4",
@@ -208,7 +189,7 @@ def test_mixtral_tiny_trains_and_the_expert_bias_moves_once_a_step(tmp_path):
     path = MODELS / "mixtral-tiny.toml"
     config = load_config(path, [*SMALL, f"data.corpus={str(corpus)!r}", "training.train_iters=30"])
     assert model_config(config, 200).num_moe_experts == 8
-    with _world_of_one(tmp_path):
+    with world_of_one(tmp_path / "rendezvous"):
         run = build_run(config, torch.device("cpu"))
         steps = [train_step(run) for _ in range(30)]
         layers = moe_layers(run.chunks)
@@ -229,7 +210,7 @@ def test_mixtral_tiny_trains_and_the_expert_bias_moves_once_a_step(tmp_path):
         "training.train_iters=2",
     ]  # fmt: skip
     config = load_config(path, [*SMALL, f"data.corpus={str(corpus)!r}", *biased])
-    with _world_of_one(tmp_path):
+    with world_of_one(tmp_path / "rendezvous"):
         run = build_run(config, torch.device("cpu"))
         biases = [[m.router.expert_bias.clone() for m in moe_layers(run.chunks)]]
         for _ in range(2):
