@@ -223,7 +223,9 @@ def generate_command(
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
-@main.command("export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2, BERT or Llama.")
+@main.command(
+    "export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2, BERT, Llama, Qwen or MoE."
+)
 @click.option(
     "--ckpt",
     required=True,
@@ -237,7 +239,9 @@ def export_hf_command(ckpt, out, dtype):
     model.safetensors, tokenizer files) that `AutoTokenizer` and
     `transformers.GPT2LMHeadModel.from_pretrained` load, for a BERT
     `MegatronBertForPreTraining` (block_order pre_ln) or `BertForPreTraining` (post_ln), for a
-    Llama `LlamaForCausalLM`.
+    Llama-kind model the class its switches make: `LlamaForCausalLM`, `Qwen2ForCausalLM`
+    (add_qkv_bias), `Qwen3ForCausalLM` (qk_layernorm), and with num_moe_experts
+    `MixtralForCausalLM`, `Qwen2MoeForCausalLM` (a shared expert) or `Qwen3MoeForCausalLM`.
     Needs transformers: pip install 'megatrain[hf]'."""
     from megatrain.hf import export_hf
 
@@ -248,7 +252,9 @@ def export_hf_command(ckpt, out, dtype):
     click.echo(f"megatrain export-hf: wrote {out}")
 
 
-@main.command("import-hf", short_help="Import a Hugging Face GPT-2, BERT or Llama as a checkpoint.")
+@main.command(
+    "import-hf", short_help="Import a Hugging Face GPT-2, BERT, Llama, Qwen or MoE as a checkpoint."
+)
 @click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
 @click.option(
     "--out",
@@ -263,15 +269,17 @@ def export_hf_command(ckpt, out, dtype):
     default=None,
     help="Keep this tokenizer.json (e.g. the corpus's, so its sha256 matches), or for a BERT "
     "build it from this vocab.txt, instead of HF_DIR's vocab.json + merges.txt (GPT-2) or "
-    "vocab.txt (BERT), else its tokenizer.json (a Llama: always its tokenizer.json).",
+    "vocab.txt (BERT), else its tokenizer.json (the Llama family: always its tokenizer.json).",
 )
 def import_hf_command(hf_dir, out, tokenizer_file):
     """Write the GPT2LMHeadModel, BertForPreTraining, MegatronBertForPreTraining or
-    LlamaForCausalLM (or a Mistral without a sliding window) of HF_DIR (config.json,
+    LlamaForCausalLM (or a Mistral without a sliding window), Qwen2ForCausalLM,
+    Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM of
+    HF_DIR (config.json,
     model.safetensors or pytorch_model.bin, tokenizer) as a megatrain checkpoint of weights
     only, which `megatrain run --load OUT` fine-tunes from (iteration 0, fresh optimizer); a
     BERT becomes model.kind "bert", block_order post_ln (BERT) or pre_ln (MegatronBERT), a
-    Llama model.kind "llama" (read from safetensors only)."""
+    Llama-family model model.kind "llama" (read from safetensors only)."""
     from megatrain.hf import import_hf
 
     try:
