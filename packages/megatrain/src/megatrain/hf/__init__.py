@@ -96,9 +96,14 @@ def import_hf(
     if model_type in importers:
         return importers[model_type](hf_dir, out_ckpt, tokenizer_file)
     if model_type is not None and model_type not in GPT2_TYPES:
+        from megatrain.hf.moe import UNREPRESENTED
+
+        fields = json.loads((hf_dir / "config.json").read_text())
+        named = [f for f in UNREPRESENTED if fields.get(f) is not None]  # DeepSeek's, say
         raise HFFormatError(
-            f"{hf_dir / 'config.json'}: model_type is {model_type!r}; megatrain import-hf reads "
-            f"{', '.join(read_model_types())}"
+            f"{hf_dir / 'config.json'}: model_type is {model_type!r}"
+            + (f" (with {', '.join(named)}: not supported)" if named else "")
+            + f"; megatrain import-hf reads {', '.join(read_model_types())}"
         )
     # GPT-2, or a config.json that is missing, unreadable or without model_type: the GPT-2
     # reader names what is wrong with it.

@@ -45,8 +45,8 @@ from megatrain.hf.llama import (
 from megatrain.hf.qwen import read_qwen_config
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# Fields of the mixtures of experts that change what a model computes and that we have no
-# switch for, refused when set (DeepSeek's latent attention; Qwen's gate on every expert).
+# Fields that change what a model computes and that we have no switch for, refused when set
+# (DeepSeek's latent attention and its grouped, scaled routing, should a config carry them).
 UNREPRESENTED = ("kv_lora_rank", "q_lora_rank", "n_routed_experts", "n_shared_experts",
                  "topk_method", "routed_scaling_factor")  # fmt: skip
 # Per expert: ours (rows of weight1 [gate | up], weight2) -> HF's, by family.
