@@ -1,16 +1,16 @@
 """Checkpoints written in the background (`checkpoint.async_save = true`).
 
-At a save step each rank copies its share of the state (`saving.snapshot`: the weights, the
+At a save step each rank copies its share of the state (`save.snapshot`: the weights, the
 optimizer's shards as they are, the generators, the data position; nothing gathered) into
 host buffers of its own (pinned on CUDA, kept from one save to the next), and training goes
 on while a thread of the same process writes that copy through the path a synchronous save
 takes: `.tmp-iter_N/`, every file checked, `publish` (meta.json, the rename, `latest`).
 
-A thread, not a process: the write is file I/O and DCP's torch.save of host tensors, which
-release the GIL (benchmarks/bench_async_checkpoint.py measures the steps taken during a write
-at the pace of the steps without one), and a thread shares the staged copy without a second
-one or a pickling pass; a process (Megatron-LM's persistent worker, DCP's PROCESS type) pays
-those to be safe from a GIL-holding writer, which this one is not.
+A thread, not a process: a thread writes the host copy as it is, where a process
+(Megatron-LM's persistent worker, DCP's PROCESS type) needs it handed over in shared memory.
+The write is mostly file I/O, which leaves the GIL, and training steps spend their time in
+torch operations, which leave it too; benchmarks/bench_async_checkpoint.py measures the steps
+beside a write and the writer's share of the GIL (docs/checkpoints.md has the numbers).
 
 The writers agree among themselves over a gloo group of their own (`AsyncSaver.group`, made
 once on the main thread): the training collectives run on other groups at the same time, and
