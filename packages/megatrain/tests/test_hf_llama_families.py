@@ -215,3 +215,32 @@ def test_unsupported_fields_are_refused_before_any_weight_is_read(
     with pytest.raises(HFFormatError, match=message):
         import_hf(hf_dir, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_a_file_of_fused_experts_reads_as_the_per_expert_one(tmp_path, name):
+    """transformers 5 holds the experts as 3-D `mlp.experts.gate_up_proj` / `down_proj` (and
+    Mixtral's under mlp., not block_sparse_moe.); a file saved from that state dict imports
+    to the same checkpoint as the per-expert file save_pretrained writes."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from megatrain.checkpoint.load import read_full_state
+    from megatrain.hf import import_hf
+
+    model_type, overrides = MODELS[name]
+    hf = random_hf(tmp_path / "per-expert", model_type, **overrides)
+    shutil.copytree(tmp_path / "per-expert", tmp_path / "fused")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    save_file(state, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    with safe_open(str(tmp_path / "fused" / "model.safetensors"), framework="pt") as f:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in set(f.keys())
+    states = []
+    for kind in ("per-expert", "fused"):
+        import_hf(tmp_path / kind, tmp_path / f"{kind}-ckpt")
+        states.append(read_full_state(tmp_path / f"{kind}-ckpt", progress=False)[1])
+    per_expert, fused = states
+    assert set(per_expert) == set(fused) and "layers.1.mlp.experts.weight1" in fused
+    assert all(torch.equal(per_expert[k], fused[k]) for k in fused)

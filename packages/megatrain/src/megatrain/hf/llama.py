@@ -255,9 +255,9 @@ def hf_shapes(c: dict, mlp_shapes=dense_mlp_shapes) -> dict[str, tuple]:
     return shapes
 
 
-def read_weights(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """The safetensors of `hf_dir` (sharded or not): names and shapes checked against
-    `expected` (config.json's) from the files' headers, before any tensor is read."""
+def weight_shapes(hf_dir: Path, c: dict) -> tuple[dict[str, tuple], dict[str, str]]:
+    """({name: shape}, {name: file}) of the safetensors of `hf_dir` (sharded or not), from
+    the files' headers alone (no tensor read)."""
     from safetensors import safe_open
 
     index = hf_dir / "model.safetensors.index.json"
@@ -281,6 +281,15 @@ def read_weights(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> dict[str,
                         where[key] = name
         except Exception as e:
             raise HFFormatError(f"{hf_dir / name}: cannot be read as safetensors ({e})") from e
+    return shapes, where
+
+
+def read_weights(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The safetensors of `hf_dir` (sharded or not): names and shapes checked against
+    `expected` (config.json's) from the files' headers, before any tensor is read."""
+    from safetensors import safe_open
+
+    shapes, where = weight_shapes(hf_dir, c)
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or extra:
         raise HFFormatError(
@@ -300,7 +309,7 @@ def read_weights(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> dict[str,
                 f"{hf_dir}: {name} has shape {shapes[name]}, config.json says {shape}"
             )
     tensors = {}
-    for name in files:
+    for name in sorted(set(where.values())):
         with safe_open(str(hf_dir / name), framework="pt") as f:
             tensors |= {k: f.get_tensor(k) for k, file in where.items() if file == name}
     return tensors

@@ -5,8 +5,9 @@
 The storage differs only in the MLPs:
 
 - HF keeps each expert's three matrices apart, as nn.Linear weights (transformers 5 fuses
-  them in memory as `gate_up_proj` / `down_proj` but writes, and reads, the per-expert
-  names): Mixtral's `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), Qwen's
+  them in memory as `mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f] but
+  writes, and reads, the per-expert names; a file holding the fused ones is read too):
+  Mixtral's `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), Qwen's
   `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`.  Ours are one 3-D tensor each for
   the grouped GEMM: `mlp.experts.weight1` [E, h, 2f] (x @ weight1 = [gate | up]) and
   `mlp.experts.weight2` [E, f, h] (the down projection, transposed);
@@ -41,6 +42,7 @@ from megatrain.hf.llama import (
     import_llama,
     load_hf_config,
     refuser,
+    weight_shapes,
 )
 from megatrain.hf.qwen import read_qwen_config
 
@@ -129,11 +131,15 @@ def moe_mlp_shapes(c: dict, i: int) -> dict[str, tuple]:
         return dense_mlp_shapes(c, i)
     h, f, E = c["hidden"], c["expert_ffn"], c["experts"]
     prefix, router, (gate, up, down) = _names(c["model_type"])
-    shapes = {prefix + router: (E, h)}
-    for e in range(E):
-        shapes |= {f"{prefix}experts.{e}.{gate}.weight": (f, h),
-                   f"{prefix}experts.{e}.{up}.weight": (f, h),
-                   f"{prefix}experts.{e}.{down}.weight": (h, f)}  # fmt: skip
+    if c["fused"]:  # transformers 5's modules as they hold them
+        shapes = {"mlp." + router: (E, h), "mlp.experts.gate_up_proj": (E, 2 * f, h),
+                  "mlp.experts.down_proj": (E, h, f)}  # fmt: skip
+    else:
+        shapes = {prefix + router: (E, h)}
+        for e in range(E):
+            shapes |= {f"{prefix}experts.{e}.{gate}.weight": (f, h),
+                       f"{prefix}experts.{e}.{up}.weight": (f, h),
+                       f"{prefix}experts.{e}.{down}.weight": (h, f)}  # fmt: skip
     if c["shared_ffn"]:
         s = c["shared_ffn"]
         shapes |= {"mlp.shared_expert.gate_proj.weight": (s, h),
@@ -150,16 +156,21 @@ def moe_mlp_from_hf(hf: dict, c: dict, i: int) -> dict[str, torch.Tensor]:
         return dense_mlp_from_hf(hf, c, i)
     layer = f"model.layers.{i}."
     prefix, router, (gate, up, down) = _names(c["model_type"])
-    experts = f"{layer}{prefix}experts."
-    weight1 = [
-        torch.cat([hf[f"{experts}{e}.{gate}.weight"], hf[f"{experts}{e}.{up}.weight"]]).t()
-        for e in range(c["experts"])
-    ]
-    weight2 = [hf[f"{experts}{e}.{down}.weight"].t() for e in range(c["experts"])]
+    if c["fused"]:  # [E, 2f, h] (gate rows, then up) and [E, h, f]: transposed per expert
+        prefix = "mlp."
+        weight1 = hf[f"{layer}mlp.experts.gate_up_proj"].transpose(1, 2)
+        weight2 = hf[f"{layer}mlp.experts.down_proj"].transpose(1, 2)
+    else:
+        experts = f"{layer}{prefix}experts."
+        weight1 = torch.stack([
+            torch.cat([hf[f"{experts}{e}.{gate}.weight"], hf[f"{experts}{e}.{up}.weight"]]).t()
+            for e in range(c["experts"])
+        ])  # fmt: skip
+        weight2 = torch.stack([hf[f"{experts}{e}.{down}.weight"].t() for e in range(c["experts"])])
     out = {
         "mlp.router.weight": hf[layer + prefix + router],
-        "mlp.experts.weight1": torch.stack(weight1),
-        "mlp.experts.weight2": torch.stack(weight2),
+        "mlp.experts.weight1": weight1,
+        "mlp.experts.weight2": weight2,
     }
     if c["shared_ffn"]:
         out |= {f"mlp.shared_expert.{ours}.weight": hf[f"{layer}mlp.shared_expert.{theirs}.weight"]
@@ -190,6 +201,10 @@ def import_moe(hf_dir: Path, out_ckpt, tokenizer_file) -> Path:
     """Write the Mixtral, Qwen2-MoE or Qwen3-MoE of `hf_dir` as a megatrain checkpoint of kind
     llama with num_moe_experts (iteration 0, weights only); returns the iteration directory."""
     c = read_moe_config(hf_dir)
+    # The per-expert matrices as transformers writes them, or its in-memory 3-D `gate_up_proj`
+    # / `down_proj` (a state dict saved as it is held): the headers say which.
+    names = weight_shapes(hf_dir, c)[0]
+    c["fused"] = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
     return import_llama(
         hf_dir, out_ckpt, tokenizer_file, c, _configure, moe_mlp_shapes, moe_mlp_from_hf
     )
