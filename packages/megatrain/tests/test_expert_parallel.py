@@ -7,7 +7,8 @@ with DeepSeek-V3's expert bias; a capacity that drops tokens); one 4-rank spawn 
 layouts: ep 2 with the distributed optimizer (experts sharded over expert DP 2) and ep 4
 (all-to-all dispatch), tp 2 with sequence parallelism at etp 1 (full recompute, the
 distributed optimizer) and etp 2 (all-gather dispatch), pp 2 under 1F1B and ZB-H1, ep 4 with
-capacity, and bf16 at ep 2; a run saved at ep 4 goes on at ep 4 (bitwise), tp 2 x ep 2 and
+capacity, cp 2 x ep 2 (the aux and z losses' shares under context parallelism), and bf16 at
+ep 2; a run saved at ep 4 goes on at ep 4 (bitwise), tp 2 x ep 2 and
 ep 1.  Equal losses, gradient norms and validation loss show the expert gradients' reduction
 and scale, the norm that counts each expert once (Megatron-LM PR #5916) and the aux loss over
 the sequence's TP ranks (#1652); the expert-bias counts are checked summed over the stage.
@@ -83,6 +84,7 @@ LAYOUTS = {
     "pp2-ep2-1f1b": ("sigmoid-bias", [*PP2, *ep(2)]),
     "pp2-ep2-zb-h1": ("sigmoid-bias", [*PP2, *ep(2), 'parallel.pipeline_schedule="zb-h1"']),
     "ep4-capacity": ("capacity", ep(4)),
+    "cp2-ep2": ("softmax", [*ep(2), "parallel.context_parallel_size=2"]),
 }  # fmt: skip
 
 

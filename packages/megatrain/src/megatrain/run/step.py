@@ -164,9 +164,12 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
         group["lr"] = lr
     micro = [to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
     # MoE: the auxiliary losses' gradients scaled as the main loss's (1 / microbatches, x the
-    # fp16 loss scale), each layer's load counted from zero.
+    # fp16 loss scale), each layer's load counted from zero.  Times cp: a CP rank's aux and z
+    # losses are its share of its sequences' (the shares add up over the CP ranks), while the
+    # data-parallel reduction averages the gradients over them.
     one = torch.ones((), device=run.device)
-    moe.begin_step(run.chunks, run.optimizer.scale_loss(one) / run.num_microbatches)
+    cp = ps.get_context_parallel_world_size()
+    moe.begin_step(run.chunks, run.optimizer.scale_loss(one) / run.num_microbatches * cp)
     if run.config.training.one_sync_per_iteration:
         totals = forward_backward(run, micro, read=False)
         parts = [totals, run.optimizer.step_on_device()]
