@@ -137,32 +137,25 @@ class AllToAllDispatcher:
             gathered = received.new_empty((self.etp * self.ep, self.local))
             all_gather_flat(gathered, received, group=self.etp_group)
             received = gathered
-        matrix = received.view(self.etp, self.ep, self.local).tolist()  # the host sync
-        mine = matrix[self.etp_rank]
-        self.input_splits = counts.view(self.ep, self.local).sum(1).tolist()
-        self.output_splits = [sum(row) for row in mine]
+        matrix = received.view(self.etp, self.ep, self.local)
+        # The split sizes, which all_to_all_single takes as lists: the dispatch's host sync.
+        sent_per_rank = counts.view(self.ep, self.local).sum(1)
+        sizes = torch.cat([matrix.sum((1, 2)), matrix[self.etp_rank].sum(1), sent_per_rank])
+        sizes = sizes.tolist()
+        self.etp_sizes = sizes[: self.etp]
+        self.output_splits = sizes[self.etp : self.etp + self.ep]
+        self.input_splits = sizes[self.etp + self.ep :]
         x = _AllToAll.apply(sent, self.ep_group, self.output_splits, self.input_splits)
-        self.etp_sizes = [sum(map(sum, m)) for m in matrix]
         x = gather_rows(x, self.etp_group, self.etp_sizes)
-        # Rows arrive ordered (etp source, ep source, local expert): regroup by local expert.
-        starts, start = {}, 0
-        for s in range(self.etp):
-            for j in range(self.ep):
-                for e in range(self.local):
-                    starts[s, j, e] = start
-                    start += matrix[s][j][e]
-        ranges = [
-            torch.arange(starts[s, j, e], starts[s, j, e] + matrix[s][j][e])
-            for e in range(self.local)
-            for s in range(self.etp)
-            for j in range(self.ep)
-        ]
-        self.regroup = torch.cat(ranges).to(hidden.device)
-        per_expert = [
-            sum(matrix[s][j][e] for s in range(self.etp) for j in range(self.ep))
-            for e in range(self.local)
-        ]
-        tokens_per_local_expert = torch.tensor(per_expert, dtype=torch.int64, device=counts.device)
+        # Rows arrive in blocks ordered (etp source, ep source, local expert): a stable sort of
+        # each row's block by (local expert, etp source, ep source) groups them by expert.
+        blocks = torch.arange(matrix.numel(), device=matrix.device)
+        by_expert = blocks.view(self.etp, self.ep, self.local).permute(2, 0, 1).reshape(-1)
+        place = torch.empty_like(blocks)
+        place[by_expert] = blocks  # each arriving block's place in expert order
+        rows = torch.repeat_interleave(place, matrix.reshape(-1), output_size=x.size(0))
+        self.regroup = torch.argsort(rows, stable=True)
+        tokens_per_local_expert = matrix.sum((0, 1))
         return x.index_select(0, self.regroup), tokens_per_local_expert
 
     def combine(self, expert_output):
