@@ -38,8 +38,6 @@ TARGETS = {
     "llama3-8b-32k": GPU_MEMORY["h100-80gb"],
     "llama3-8b-128k": GPU_MEMORY["h100-80gb"],
     "llama3-70b": GPU_MEMORY["h100-80gb"],
-    # Counted as dense until the memory estimate counts experts (issue 45 item 7): at their
-    # expert-parallel sizes a rank's experts per layer weigh one dense MLP's.
     "mixtral-8x7b": GPU_MEMORY["h100-80gb"],
     "qwen3-30b-a3b": GPU_MEMORY["h100-80gb"],
 }
@@ -75,6 +73,7 @@ def test_parameter_term_is_num_parameters(name):
     once, plus the replicated pieces on every TP rank and the last stage's embedding copy."""
     config, vocab = _shipped(name)
     config.parallel.tensor_model_parallel_size = config.parallel.pipeline_model_parallel_size = 1
+    config.parallel.expert_model_parallel_size = 1  # every expert on the one GPU
     cfg = model_config(config, vocab)
     kind = config.model.kind
     assert memory_breakdown(config, vocab_size=vocab)["parameters"] == parameter_count(kind, cfg)

@@ -6,8 +6,14 @@ nothing here builds a model or imports the training loop.
 
 - **Parameters**: `layer_parameters`, `layer_parameters_per_rank`; the whole model by kind,
   tied embeddings counted once (`gpt_parameters`, `bert_parameters`, `parameter_count`);
-  what one GPU of a pipeline stage holds (`parameters_per_gpu`).
-- **FLOPs**: the forward pass of the layers (`transformer_forward_flops`) plus each kind's
+  what one GPU of a pipeline stage holds (`parameters_per_gpu`, of which experts:
+  `expert_parameters_per_gpu`).  A mixture of experts (`num_moe_experts`) holds, on each of
+  its MoE layers (`moe_layer_count`), E experts of 2 or 3 (SwiGLU) matrices of h x f_e in
+  place of the dense MLP, the router [E, h] and the shared expert (`moe_mlp_parameters`); a
+  token uses k of the experts (`active_parameters`).
+- **FLOPs**: the forward pass of the layers (`transformer_forward_flops`; a MoE layer's MLP
+  at its k active experts and its shared expert, as Megatron-LM's
+  `num_floating_point_operations` counts them) plus each kind's
   heads (`gpt_forward_flops`, `bert_forward_flops`); an iteration's model FLOPs, the
   numerator of MFU (`*_model_flops_per_iteration`), and hardware FLOPs, the numerator of HFU,
   which add what recomputation runs again (`recomputed_flops`,
@@ -23,10 +29,13 @@ nothing here builds a model or imports the training loop.
 `kind` is a run config's `model.kind`: "gpt", "bert" or "llama" (`KINDS`).
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from megatrain.config import RECOMPUTE_CHOICES, Config
+from megatrain.models.moe import is_moe_layer
 from megatrain.models.transformer import TransformerConfig
 
 # The fraction of tokens BERT predicts (its masking rate), for the FLOP count.
@@ -50,6 +59,41 @@ def _qk_norms(cfg: TransformerConfig) -> int:
     return (2 if cfg.normalization == "layernorm" else 1) * 2 * _head_dim(cfg) * cfg.qk_layernorm
 
 
+def expert_ffn_size(cfg: TransformerConfig) -> int:
+    """Each routed expert's hidden size f_e (`moe_ffn_hidden_size`, else `ffn_hidden_size`)."""
+    return cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+
+
+def moe_layer_count(cfg: TransformerConfig, first: int = 0, end: int | None = None) -> int:
+    """How many of layers first..end-1 (all by default) are MoE layers (`is_moe_layer`)."""
+    end = cfg.num_layers if end is None else end
+    if not cfg.num_moe_experts:
+        return 0
+    freq = cfg.moe_layer_freq
+    return _moe_count(freq if isinstance(freq, int) else tuple(freq), first, end)
+
+
+@functools.cache
+def _moe_count(freq: int | tuple, first: int, end: int) -> int:
+    """`moe_layer_count`, remembered: `megatrain plan` asks it for every layout it weighs."""
+    pattern = SimpleNamespace(num_moe_experts=1, moe_layer_freq=freq)
+    return sum(is_moe_layer(pattern, i) for i in range(first, end))
+
+
+def moe_mlp_parameters(cfg: TransformerConfig) -> dict[str, int]:
+    """One MoE layer's MLP (in place of the dense one), whole: the routed experts (E x 2 or 3
+    matrices of h x f_e; no biases, refused with MoE), the router [E, h] (no bias; the expert
+    bias is a buffer) and the shared expert (its matrices, and its gate [1, h])."""
+    h, E = cfg.hidden_size, cfg.num_moe_experts
+    mlp = 3 if cfg.swiglu else 2
+    shared = mlp * h * (cfg.moe_shared_expert_intermediate_size or 0)
+    return {
+        "experts": E * mlp * h * expert_ffn_size(cfg),
+        "router": E * h,
+        "shared_expert": shared + (h if cfg.moe_shared_expert_gate else 0),
+    }
+
+
 def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
     """(QKV's output width, MLP matrices of h x f, column-parallel biases, one norm's
     parameters): heads x head_dim + 2 x groups x head_dim (3h without grouped-query attention
@@ -67,30 +111,45 @@ def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
     return qkv, mlp, column_biases, norm
 
 
-def layer_parameters(cfg: TransformerConfig) -> int:
-    """Parameters of one TransformerLayer (whole, all TP ranks together)."""
+def layer_parameters(cfg: TransformerConfig, moe: bool = False) -> int:
+    """Parameters of one TransformerLayer (whole, all TP ranks together); `moe`: a MoE layer,
+    its experts, router and shared expert in place of the dense MLP."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv, mlp, column_biases, norm = _layer_shapes(cfg)
     row_biases = 2 * h if cfg.add_bias else 0  # proj, fc2
     attention = h * qkv + _attention_width(cfg) * h + _qk_norms(cfg)
-    return attention + mlp * h * f + column_biases + row_biases + 2 * norm
+    mlp_params = sum(moe_mlp_parameters(cfg).values()) if moe else mlp * h * f
+    return attention + mlp_params + column_biases + row_biases + 2 * norm
 
 
-def layer_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
+def layer_parameters_per_rank(
+    cfg: TransformerConfig, tp: int, moe: bool = False, ep: int = 1, etp: int | None = None
+) -> int:
     """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
     row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1), and
-    the key/value projection whole when there are fewer key/value groups than TP ranks."""
+    the key/value projection whole when there are fewer key/value groups than TP ranks.  A MoE
+    layer (`moe`) holds E / ep experts, each / etp (None: tp), the router and the shared
+    expert's gate whole, the shared expert / tp."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv, mlp, column_biases, norm = _layer_shapes(cfg)
-    split = h * qkv + _attention_width(cfg) * h + mlp * h * f + column_biases
+    split = h * qkv + _attention_width(cfg) * h + column_biases
     # proj and fc2 biases, two norms, the queries' and keys' norms
     replicated = (2 * h if cfg.add_bias else 0) + 2 * norm + _qk_norms(cfg)
+    experts = 0
+    if moe:
+        parts = moe_mlp_parameters(cfg)
+        gate = h if cfg.moe_shared_expert_gate else 0
+        split += parts["shared_expert"] - gate
+        replicated += parts["router"] + gate
+        experts = parts["experts"] // (ep * (tp if etp is None else etp))
+    else:
+        split += mlp * h * f
     groups = cfg.num_query_groups or cfg.num_attention_heads
     if groups < tp:  # the key/value projection (and its bias) whole on every rank
         bias = 1 if cfg.add_bias or cfg.add_qkv_bias else 0
         kv = 2 * groups * _head_dim(cfg) * (h + bias)
         split, replicated = split - kv, replicated + kv
-    return split // tp + replicated
+    return split // tp + replicated + experts
 
 
 def _positions(cfg: TransformerConfig) -> int:
@@ -103,7 +162,22 @@ def gpt_parameters(cfg: TransformerConfig) -> int:
     h = cfg.hidden_size
     words = cfg.vocab_size * h * (1 if cfg.tie_output else 2)
     final_norm = _layer_shapes(cfg)[3]
-    return cfg.num_layers * layer_parameters(cfg) + words + _positions(cfg) * h + final_norm
+    return _layers_parameters(cfg) + words + _positions(cfg) * h + final_norm
+
+
+def _layers_parameters(cfg: TransformerConfig) -> int:
+    moe = moe_layer_count(cfg)
+    dense = (cfg.num_layers - moe) * layer_parameters(cfg)
+    return dense + (moe * layer_parameters(cfg, True) if moe else 0)
+
+
+def active_parameters(cfg: TransformerConfig) -> int:
+    """Parameters one token of a GPT or Llama goes through: `gpt_parameters` with each MoE
+    layer's k of its E experts (the router and shared expert whole; the model's count for a
+    dense model).  Mixtral 8x7B: 12.9 B of 46.7 B."""
+    unused = cfg.num_moe_experts - cfg.moe_router_topk if cfg.num_moe_experts else 0
+    per_expert = (3 if cfg.swiglu else 2) * cfg.hidden_size * expert_ffn_size(cfg)
+    return gpt_parameters(cfg) - moe_layer_count(cfg) * unused * per_expert
 
 
 def bert_parameters(cfg: TransformerConfig) -> int:
@@ -112,15 +186,44 @@ def bert_parameters(cfg: TransformerConfig) -> int:
     embeddings = v * h + cfg.max_position_embeddings * h + cfg.num_tokentypes * h
     norms = 2 * h  # the final LayerNorm (pre_ln) or the embeddings' (post_ln)
     heads = (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)  # LM head, pooler, SOP
-    return cfg.num_layers * layer_parameters(cfg) + embeddings + norms + heads
+    return _layers_parameters(cfg) + embeddings + norms + heads
 
 
-def parameters_per_gpu(cfg: TransformerConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+def _stage_layers(cfg: TransformerConfig, pp: int, stage: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) of pipeline stage `stage`: layers stage x n/pp onwards."""
+    n = cfg.num_layers // pp
+    moe = moe_layer_count(cfg, stage * n, (stage + 1) * n)
+    return n - moe, moe
+
+
+def expert_parameters_per_gpu(
+    cfg: TransformerConfig, pp: int = 1, stage: int = 0, ep: int = 1, etp: int = 1
+) -> int:
+    """The routed experts' parameters one GPU of stage `stage` holds (E / ep experts of each
+    MoE layer, each / etp): what is reduced and sharded over the expert data-parallel group
+    rather than the dense one.  0 for a dense model."""
+    if not cfg.num_moe_experts:
+        return 0
+    return _stage_layers(cfg, pp, stage)[1] * moe_mlp_parameters(cfg)["experts"] // (ep * etp)
+
+
+def parameters_per_gpu(
+    cfg: TransformerConfig,
+    tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    ep: int = 1,
+    etp: int | None = None,
+) -> int:
     """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
-    embeddings included).  At tp = pp = 1 this is the model's `parameter_count`.  A
-    bidirectional config is BERT: token types, and its heads on the last stage."""
+    embeddings included).  At tp = pp = 1 (and ep 1) this is the model's `parameter_count`.
+    A bidirectional config is BERT: token types, and its heads on the last stage.  MoE layers
+    hold E / ep experts, each / etp (None: tp)."""
     h = cfg.hidden_size
-    count = cfg.num_layers // pp * layer_parameters_per_rank(cfg, tp)
+    dense, moe = _stage_layers(cfg, pp, stage)
+    count = dense * layer_parameters_per_rank(cfg, tp)
+    if moe:
+        count += moe * layer_parameters_per_rank(cfg, tp, True, ep, etp)
     words = cfg.vocab_size * h // tp
     if stage == 0:
         count += words + (_positions(cfg) + cfg.num_tokentypes) * h
@@ -146,15 +249,27 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
     Only matrix multiplies count, a multiply-add as 2 FLOPs (Narayanan et al. 2021, appendix).
     Per layer, for B s tokens: QKV 2Bsh(3h), projection 2Bsh^2, MLP 2Bsh(f) twice, so
     8Bsh^2 + 4Bshf (= 24Bsh^2 at f = 4h); with grouped-query attention QKV is 2Bsh(h + 2gd)
-    (g key/value heads of d), and SwiGLU's MLP three matrices, 6Bshf; the attention core,
+    (g key/value heads of d), and SwiGLU's MLP three matrices, 6Bshf (a MoE layer's at
+    `active_ffn_width`, k f_e + the shared expert, for f); the attention core,
     scores QK^T 2Bs^2h and scores x V 2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper
     counts it, though a causal kernel skips the masked half).  Embeddings, norms, GeLU,
     softmax and dropout are not matmuls and are left out.
     """
-    b, s, n, h, f = batch, seq, cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
+    b, s, n, h = batch, seq, cfg.num_layers, cfg.hidden_size
     qkv, mlp, _, _ = _layer_shapes(cfg)  # grouped-query K/V and SwiGLU's third matrix count
     width = _attention_width(cfg)  # h, or heads x kv_channels
-    return n * 2 * b * s * h * (qkv + width + mlp * f), n * 4 * b * s * s * width
+    moe = moe_layer_count(cfg)
+    mlp_width = (n - moe) * cfg.ffn_hidden_size + moe * active_ffn_width(cfg)
+    return 2 * b * s * h * (n * (qkv + width) + mlp * mlp_width), n * 4 * b * s * s * width
+
+
+def active_ffn_width(cfg: TransformerConfig) -> int:
+    """The MLP width one token of a MoE layer goes through: k f_e + the shared expert's.
+    Megatron-LM's FLOP formula counts these (topk x moe_ffn_hidden_size + the shared
+    expert) and leaves out the router's 2 h E per token, as this count does."""
+    return cfg.moe_router_topk * expert_ffn_size(cfg) + (
+        cfg.moe_shared_expert_intermediate_size or 0
+    )
 
 
 def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: str | None) -> float:
@@ -353,7 +468,47 @@ def _context_parallel(config: Config) -> tuple[int, int, int]:
     return cp, s, s // cp
 
 
-def activations_per_layer(config: Config, recompute: str) -> float:
+def expert_layout(config: Config) -> tuple[int, int]:
+    """(ep, etp) of a config: parallel.expert_model_parallel_size and
+    expert_tensor_parallel_size (None: the tensor-parallel size)."""
+    p = config.parallel
+    etp = p.expert_tensor_parallel_size
+    return p.expert_model_parallel_size, p.tensor_model_parallel_size if etp is None else etp
+
+
+def moe_mlp_activations(config: Config) -> float:
+    """A MoE layer's MLP activations per token, in the units of `activations_per_layer`'s
+    TP-split term (bytes / (s b h) at 16 bits; what replaces the dense MLP's 4 or 8 f / h):
+    the router's fp32 logits and scores (8 E / h); the permuted tokens the experts take and
+    the outputs they give back, kept for the weights' gradients (2 x 2 k, each of the k
+    copies of a token; x etp, whose ranks all take the tokens of their group); each copy's
+    f_e-wide tensors (4 or 8 f_e / h, at f_e / etp on etp x the tokens: the same bytes); the
+    shared expert's (4 or 8 f_s / h).  Tokens spread evenly over the experts (a balanced
+    router): an expert-parallel rank takes as many copies as its tokens make."""
+    m = config.model
+    h, E, k = m.hidden_size, m.num_moe_experts, m.moe_router_topk
+    f_tensors = 8 if config.model_switch("swiglu") else 4
+    f_e = m.moe_ffn_hidden_size or config.ffn_hidden_size
+    shared = m.moe_shared_expert_intermediate_size or 0
+    etp = expert_layout(config)[1]
+    return 8 * E / h + 4 * k * etp + f_tensors * (k * f_e + shared) / h
+
+
+def moe_dispatch_bytes(config: Config) -> float:
+    """Bytes the token dispatch of one MoE layer holds while it runs (once per stage, not
+    kept): the all-to-all's send and receive buffers of the rank's s b / tp tokens x k
+    copies x h (16 bits; x etp: gathered over the expert-tensor-parallel group); 0 when the
+    experts are not split over ranks (ep = etp = 1)."""
+    ep, etp = expert_layout(config)
+    if ep * etp == 1:
+        return 0.0
+    m, t = config.model, config.training
+    tokens = t.seq_length // config.parallel.context_parallel_size * t.micro_batch_size
+    tokens /= config.parallel.tensor_model_parallel_size
+    return 2 * 2 * tokens * etp * m.moe_router_topk * m.hidden_size
+
+
+def activations_per_layer(config: Config, recompute: str, moe: bool = False) -> float:
     """Bytes one layer keeps for one microbatch (Korthikanti et al. 2022, section 4; 16-bit
     activations, 1-byte dropout masks), s sequence, b micro batch, h hidden, a heads, t tp:
 
@@ -372,7 +527,8 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     f-wide tensors (16 at f = 4h); the 10 what it does not (the norms' and the linears'
     inputs, the dropout masks).  In general 4 + 4 g/a + 4 f/h for g key/value groups, and
     4 + 4 g/a + 8 f/h with SwiGLU, which keeps four f-wide tensors (gate, up, SiLU(gate),
-    their product).
+    their product).  A MoE layer (`moe`) has `moe_mlp_activations` in place of the MLP's
+    4 or 8 f/h (TP-split: MoE at tp > 1 runs with sequence parallelism).
 
     Context parallelism (cp > 1): every per-token tensor above is the rank's s / cp tokens,
     so the per-token bytes are exactly 1/cp of cp 1's; in place of the 5 a s / h term,
@@ -392,7 +548,8 @@ def activations_per_layer(config: Config, recompute: str) -> float:
     # k and v: g groups split over tp, or one whole group per rank when g < tp
     groups = max(m.num_query_groups or a, tp)
     f_tensors = 8 if config.model_switch("swiglu") else 4
-    split = 4 + 4 * groups / a + f_tensors * config.ffn_hidden_size / h
+    mlp = moe_mlp_activations(config) if moe else f_tensors * config.ffn_hidden_size / h
+    split = 4 + 4 * groups / a + mlp
     dense = (10 + split) / tp if sp else 10 + split / tp
     per_token = s * b * h * dense
     if recompute == "selective":
@@ -469,11 +626,16 @@ __all__ = [
     "MASKED_LM_PROB",
     "ModelKind",
     "activations_per_layer",
+    "active_ffn_width",
+    "active_parameters",
     "bert_forward_flops",
     "bert_hardware_flops_per_iteration",
     "bert_model_flops_per_iteration",
     "bert_parameters",
     "context_parallel_attention_per_layer",
+    "expert_ffn_size",
+    "expert_layout",
+    "expert_parameters_per_gpu",
     "flops_per_iteration",
     "fsdp_gathered_bytes",
     "gpt_forward_flops",
@@ -482,6 +644,10 @@ __all__ = [
     "gpt_parameters",
     "layer_parameters",
     "layer_parameters_per_rank",
+    "moe_dispatch_bytes",
+    "moe_layer_count",
+    "moe_mlp_activations",
+    "moe_mlp_parameters",
     "parameter_count",
     "parameters_per_gpu",
     "recomputed_flops",

@@ -81,6 +81,7 @@ from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
     flops_per_iteration,
+    moe_layer_count,
 )
 from megatrain.plan.hardware import Gpu, Profile
 from megatrain.plan.memory import HEADROOM, memory_breakdown
@@ -91,7 +92,9 @@ from megatrain.plan.memory import HEADROOM, memory_breakdown
 # zeroing the gradient buffer writes it (4).  Sharded by the distributed optimizer but the
 # last: the whole buffer is zeroed.
 ADAM_BYTES = {"sharded": 28 + 4, "copy_16bit": 6, "zero_grads": 4}
-TIME_PARTS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer")
+TIME_PARTS = (
+    "compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer",
+)  # fmt: skip
 MEMORY_PARTS = ("weights", "gradients", "optimizer_state", "activations")
 
 
@@ -109,6 +112,12 @@ class Layout:
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_comm: str = "p2p"  # its attention's communication: "p2p" (a ring) or "allgather"
     fsdp: bool = False  # parallel.data_parallel_sharding = "full" (torch's FSDP2)
+    ep: int = 1  # a mixture of experts: parallel.expert_model_parallel_size
+    etp: int | None = None  # parallel.expert_tensor_parallel_size (None: tp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def sharding(self) -> str:
@@ -135,6 +144,8 @@ class Layout:
             parts.append("distopt")
         if self.fsdp:
             parts.append("fsdp")
+        if self.ep > 1 or self.etp is not None:
+            parts.append(f"ep {self.ep} etp {self.expert_tp}")
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -149,6 +160,14 @@ class Layout:
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
             f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
             *(['parallel.data_parallel_sharding="full"'] if self.fsdp else []),
+            *(
+                [
+                    f"parallel.expert_model_parallel_size={self.ep}",
+                    f"parallel.expert_tensor_parallel_size={self.expert_tp}",
+                ]
+                if self.ep > 1 or self.etp is not None
+                else []
+            ),
             f"training.micro_batch_size={self.micro_batch}",
             f"model.recompute={self.recompute}",
         ]
@@ -172,6 +191,8 @@ def layout_of(config: Config, dp: int) -> Layout:
         cp=p.context_parallel_size,
         cp_comm=p.cp_comm_type if p.context_parallel_size > 1 else "p2p",
         fsdp=p.data_parallel_sharding == "full",
+        ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size,
     )
 
 
@@ -197,6 +218,8 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             overlap_param_gather=p.overlap_param_gather and layout.distributed_optimizer,
             distribute_saved_activations=p.distribute_saved_activations
             and not layout.sequence_parallel,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
         ),
         training=replace(
             t,
@@ -262,17 +285,28 @@ def group_bandwidth(gpu: Gpu, members: int, stride: int) -> float:
 
 
 def layer_seconds(
-    config: Config, layout: Layout, costs: Costs, bandwidth: float, cp_bandwidth: float = 0.0
+    config: Config,
+    layout: Layout,
+    costs: Costs,
+    bandwidth: float,
+    cp_bandwidth: float = 0.0,
+    moe: bool = False,
+    ep_bandwidth: float = 0.0,
 ) -> dict:
     """Seconds one layer takes for one microbatch on one TP rank, by part (`bandwidth`: the
-    TP group's, `cp_bandwidth`: the CP group's)."""
+    TP group's, `cp_bandwidth`: the CP group's); `moe`: a MoE layer (`moe_seconds`, its
+    all-to-alls over `ep_bandwidth`)."""
     m, t = config.model, config.training
     cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
     local = s // cp  # the rank's tokens of each sequence
     h, a, f = m.hidden_size, m.num_attention_heads, config.ffn_hidden_size
     tokens, head = local * b, h // a
     shapes = _dense_shapes(h, f, tp)
+    if moe:  # the experts in place of the dense MLP (the shared expert is a dense MLP)
+        shared = m.moe_shared_expert_intermediate_size
+        shapes = shapes[:2] + (_dense_shapes(h, shared, tp)[2:] if shared else [])
     dense = [costs.gemm_fwd_bwd(tokens, n, k) for k, n in shapes]
+    experts = moe_seconds(config, layout, costs, tokens, ep_bandwidth) if moe else {}
     heads = b * a / tp
     # The attention core: the local queries against every key (QK^T, then scores x V); the
     # ring's block attention runs in float32 torch ops (megacore.context_parallel).
@@ -284,8 +318,8 @@ def layer_seconds(
         core_costs.gemm_fwd_bwd(local, head, s, heads),
     ]
     scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
-    kept = activations_per_layer(config, "none")
-    selective = activations_per_layer(config, "selective")
+    kept = activations_per_layer(config, "none", moe)
+    selective = activations_per_layer(config, "selective", moe)
     # What the attention core's softmax and masks move: the s x s scores as this model counts
     # them at cp 1 (Korthikanti's 5 a s / h, at the rank's s / cp queries against s keys), or
     # what the ring keeps of them in float32 where that is more.
@@ -301,6 +335,10 @@ def layer_seconds(
     backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + 2 * ops
     # The dense weights' gradients: what ZB-H1 defers to its W steps.
     weight = sum(costs.gemm(k, n, tokens) for k, n in shapes)
+    if moe:
+        forward += experts["forward"]
+        backward += experts["backward"]
+        weight += experts["weight_grads"]
     recompute = {
         "none": 0.0,
         "selective": sum(g[0] for g in core) + core_ops,
@@ -311,11 +349,55 @@ def layer_seconds(
     return {
         "compute": forward + backward + recompute,
         "tp_comm": comm,
+        # dispatch and combine in the forward, their gradients in the backward, the forward's
+        # again under full recompute
+        "ep_comm": experts.get("all_to_all", 0.0) * (3 if layout.recompute == "full" else 2),
         "cp_comm": context_parallel_seconds(
             config, layout, costs, sum(g[0] for g in core), cp_bandwidth
         ),
         "backward": backward + recompute,
         "weight_grads": weight,
+    }
+
+
+def moe_seconds(
+    config: Config, layout: Layout, costs: Costs, tokens: float, bandwidth: float
+) -> dict:
+    """One MoE layer's experts for one microbatch on one rank, the dense MLP's replacement:
+
+    - the router, [T, h] x [h, E] (T = the rank's tokens, / tp: MoE at tp > 1 runs with
+      sequence parallelism);
+    - the experts' GEMMs at their active size: T k copies of tokens spread evenly over the
+      E / ep local experts (a balanced router), x etp (an etp group takes its ranks' tokens)
+      at f_e / etp, as one grouped GEMM per matrix (a batch of E / ep);
+    - permute and unpermute: each copy read and written, forward and backward
+      (memory-bound);
+    - "all_to_all": the dispatch and the combine of one pass, each the rank's T k copies of
+      h over the ep group (expert-parallel ranks etp apart; NVLink when the group fits a
+      node: `bandwidth`).  The step runs it forward and backward: 4 all-to-alls a layer.
+    """
+    m = config.model
+    h, E, k = m.hidden_size, m.num_moe_experts, m.moe_router_topk
+    f_e = m.moe_ffn_hidden_size or config.ffn_hidden_size
+    tp, ep, etp = layout.tp, layout.ep, layout.expert_tp
+    local = tokens / tp  # sequence parallel: each TP rank routes its own tokens
+    copies = local * k * etp  # what this rank's experts take (its etp group's tokens)
+    per_expert = copies / (E // ep)
+    up = 2 * f_e if config.model_switch("swiglu") else f_e
+    shapes = [  # (m, n, k, batch): [m, k] x [k, n]
+        (local, E, h, 1),  # the router
+        (per_expert, up / etp, h, E // ep),  # fc1
+        (per_expert, h, f_e / etp, E // ep),  # fc2
+    ]
+    gemms = [costs.gemm_fwd_bwd(*shape) for shape in shapes]
+    # permute and unpermute, forward and backward: each copy of h read and written
+    moved = 2 * 2 * costs.element * local * k * h
+    a2a = costs.element * local * k * h
+    return {
+        "forward": sum(g[0] for g in gemms) + costs.memory_bound(moved),
+        "backward": sum(g[1] for g in gemms) + costs.memory_bound(moved),
+        "weight_grads": sum(costs.gemm(kk, n, mm, bb) for mm, n, kk, bb in shapes),
+        "all_to_all": 2 * costs.collective("all_to_all", a2a, ep, bandwidth),
     }
 
 
@@ -432,6 +514,7 @@ def memory_per_gpu(config: Config, vocab: int, dp: int) -> dict:
         **{part: fullest[part] for part in MEMORY_PARTS},
         "total": fullest["total"],
         "parameters": max(b["parameters"] for b in stages.values()),
+        "expert_parameters": max(b["expert_parameters"] for b in stages.values()),
         "host_checkpoint_copy": max(b["host_checkpoint_copy"] for b in stages.values()),
         "stage": stage,
     }
@@ -459,6 +542,12 @@ def estimate(
     # tp-cp-dp-pp: a CP group's members are tp ranks apart, its data-parallel peers tp x cp.
     cp_bandwidth = group_bandwidth(gpu, cp, tp)
     layer = layer_seconds(config, layout, costs, tp_bandwidth, cp_bandwidth)
+    moe_layer = layer
+    if cfg.num_moe_experts:  # expert-parallel ranks are etp apart (tp-ep-dp-pp for experts)
+        ep_bandwidth = group_bandwidth(gpu, layout.ep, layout.expert_tp)
+        moe_layer = layer_seconds(
+            config, layout, costs, tp_bandwidth, cp_bandwidth, True, ep_bandwidth
+        )
     embed, head = _ends(config, layout, costs, cfg.vocab_size, tp_bandwidth)
     # Point-to-point: each chunk of each microbatch sends its output on and its input's
     # gradient back (split over TP under sequence parallelism); over the network as soon
@@ -473,16 +562,23 @@ def estimate(
     layers = cfg.num_layers // pp
     stages = []
     for stage in range(pp):
-        parts = {k: layers * layer[k] for k in ("compute", "tp_comm", "cp_comm")}
+        moe = moe_layer_count(cfg, stage * layers, (stage + 1) * layers)
+        parts = {
+            k: (layers - moe) * layer[k] + moe * moe_layer[k]
+            for k in ("compute", "tp_comm", "cp_comm", "ep_comm")
+        }
         for end, here in ((embed, stage == 0), (head, stage == pp - 1)):
             if here:
                 parts = {k: parts[k] + end.get(k, 0.0) for k in parts}
         stages.append({**parts, "pp_p2p": p2p})
     totals = [sum(s.values()) for s in stages]
     slowest = stages[totals.index(max(totals))]
-    time = {k: microbatches * slowest[k] for k in ("compute", "tp_comm", "cp_comm", "pp_p2p")}
+    time = {
+        k: microbatches * slowest[k] for k in ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_p2p")
+    }
     fill = None
     if layout.schedule == "zb-h1":  # the deferred weight gradients fill the drain
+        layer = moe_layer  # (the MoE layers' shares where there are any)
         forward = layer["compute"] - layer["backward"]
         input_grads = layer["backward"] - layer["weight_grads"]
         fill = (forward + max(0.0, input_grads - layer["weight_grads"])) / layer["compute"]
@@ -530,8 +626,25 @@ def estimate(
             "all_reduce", 4 * cfg.vocab_size * cfg.hidden_size / tp, 2, link
         )
     time["dp_comm"] = reduce + gather + embedding
+    experts = memory["expert_parameters"]
+    if experts:  # the experts' gradients over their own data-parallel group (ranks etp x ep
+        # apart), as the dense ones; `reduce` and `gather` above took them with the dense ones
+        edp = max(1, replicas * tp // (layout.ep * layout.expert_tp))
+        edp_bandwidth = group_bandwidth(gpu, edp, layout.ep * layout.expert_tp)
+        share = experts / params
+        if layout.distributed_optimizer:
+            expert_comm = costs.collective(
+                "reduce_scatter", 4 * experts, edp, edp_bandwidth
+            ) + costs.collective("all_gather", costs.element * experts, edp, edp_bandwidth)
+        else:
+            expert_comm = costs.collective("all_reduce", 4 * experts, edp, edp_bandwidth)
+        if p.overlap_grad_reduce and edp > 1:
+            expert_comm = max(0.0, expert_comm - layers * layer["backward"])
+        time["dp_comm"] = (1 - share) * (reduce + gather) + expert_comm + embedding
     sharded = layout.distributed_optimizer or layout.fsdp
     shard = params / replicas if sharded else params
+    if experts and sharded:  # the experts' shard is over their data-parallel group
+        shard = (params - experts) / replicas + experts / edp
     # FSDP's gradients are sharded too, and its masters are the parameters (no 16-bit copy).
     moved = (
         shard * ADAM_BYTES["sharded"]

@@ -26,6 +26,16 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   gradient-accumulation fusion, its weights' gradients.  Under "full" the layer being
   recomputed holds one layer's "none" activations besides.  fp32 activations count
   twice the 16-bit bytes.
+- **Mixture of experts** (`model.num_moe_experts`): a MoE layer's weights are its E / ep
+  experts, each / etp (`accounting.expert_parameters_per_gpu`), besides the router and
+  shared expert; their gradients and optimizer state as the dense ones', the distributed
+  optimizer sharding them over the expert data-parallel group (tp x cp x dp / (etp x ep)
+  ranks of a stage) instead of dp x cp.  Its activations put the router's fp32 logits, the
+  k permuted copies of each token and their expert tensors, and the shared expert's, in
+  place of the dense MLP's (`accounting.moe_mlp_activations`, tokens spread evenly over the
+  experts), and one layer's all-to-all buffers are held while it dispatches
+  (`accounting.moe_dispatch_bytes`).  ZB-H1's deferred weight-gradient inputs are counted
+  as a dense layer's.
 - **Context parallelism** (`parallel.context_parallel_size` cp): every per-token
   activation above is the rank's s / cp tokens (exactly 1/cp of cp 1's bytes: the layers',
   the embedding's mask, the logits), and the attention over the whole sequence holds the
@@ -57,8 +67,12 @@ from megatrain.plan.accounting import (
     activations_per_layer,
     checkpoint_copy_bytes_per_parameter,
     context_parallel_attention_per_layer,
+    expert_layout,
+    expert_parameters_per_gpu,
     fsdp_gathered_bytes,
     layer_parameters_per_rank,
+    moe_dispatch_bytes,
+    moe_layer_count,
     parameters_per_gpu,
     state_bytes_per_parameter,
     weight_grad_inputs_per_layer,
@@ -81,12 +95,14 @@ def memory_breakdown(
     data_parallel_size: int | None = None,
     stage: int = 0,
 ) -> dict[str, float]:
-    """Bytes per GPU of pipeline stage `stage`: parameters (count), weights, gradients,
+    """Bytes per GPU of pipeline stage `stage`: parameters (count; of them
+    expert_parameters, the routed experts'), weights, gradients,
     optimizer_state, their sum weights_and_optimizer, activations, total; and the host bytes
     of a background save's copy (host_checkpoint_copy; 0 without checkpoint.async_save).
     `recompute` defaults to the config's; `vocab_size` (the tokenizer's, before padding) to
     `model.vocab_size`; the data-parallel size (which only the distributed optimizer's
-    sharding depends on, over dp x cp) to `parallel.data_parallel_size` or 1."""
+    sharding depends on, over dp x cp) to `parallel.data_parallel_size`, else the least the
+    expert layout allows (etp x ep / (tp x cp); 1 for a dense model)."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
     if recompute not in RECOMPUTE_CHOICES:
@@ -98,16 +114,21 @@ def memory_breakdown(
         )
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size or 1
-    dp = data_parallel_size or p.data_parallel_size or 1
     cp = p.context_parallel_size
     cfg = model_config(config, vocab_size)
-    params = parameters_per_gpu(cfg, tp, pp, stage)
-    # CP ranks hold whole replicas of the stage: the distributed optimizer shards over dp x cp.
+    ep, etp = expert_layout(config)
+    # Unset, at least the data parallelism the expert layout needs (etp x ep ranks a stage).
+    dp = data_parallel_size or p.data_parallel_size or max(1, ep * etp // (tp * cp))
+    params = parameters_per_gpu(cfg, tp, pp, stage, ep, etp)
+    experts = expert_parameters_per_gpu(cfg, pp, stage, ep, etp)
+    # CP ranks hold whole replicas of the stage: the distributed optimizer shards over dp x cp;
+    # the experts over their own data-parallel group, the etp x ep x edp ranks of a stage.
     full = p.data_parallel_sharding == "full"
-    held = state_bytes_per_parameter(
-        t.precision, p.use_distributed_optimizer, dp * cp, "full" if full else None
-    )
-    held = {name: params * per_parameter for name, per_parameter in held.items()}
+    sharding = "full" if full else None
+    dense = state_bytes_per_parameter(t.precision, p.use_distributed_optimizer, dp * cp, sharding)
+    edp = max(1, dp * cp * tp // (ep * etp))
+    expert = state_bytes_per_parameter(t.precision, p.use_distributed_optimizer, edp, sharding)
+    held = {name: (params - experts) * dense[name] + experts * expert[name] for name in dense}
     if full:  # what FSDP gathers for compute (and accumulates unsharded), on top
         reshard = p.reshard_after_forward
         held["gathered"] = fsdp_gathered_bytes(
@@ -123,7 +144,11 @@ def memory_breakdown(
     # The rank's tokens of each sequence: s / cp under context parallelism.
     s, b, h, v = t.seq_length // cp, t.micro_batch_size, m.hidden_size, cfg.vocab_size
     sp = p.sequence_parallel and tp > 1
-    per_microbatch = cfg.num_layers // pp * activations_per_layer(config, recompute)
+    layers = cfg.num_layers // pp
+    moe = moe_layer_count(cfg, stage * layers, (stage + 1) * layers)
+    per_microbatch = (layers - moe) * activations_per_layer(config, recompute)
+    if moe:
+        per_microbatch += moe * activations_per_layer(config, recompute, moe=True)
     if stage == 0:
         per_microbatch += s * b * h / (tp if sp else 1)  # embedding dropout mask
     in_flight = 1.0
@@ -137,7 +162,9 @@ def memory_breakdown(
         deferred = min(stage, microbatches - 1)
         activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
     if recompute == "full":  # the layer being recomputed holds all of its activations
-        activations += activations_per_layer(config, "none")
+        activations += activations_per_layer(config, "none", moe=moe > 0)
+    if moe:  # one MoE layer's all-to-all buffers at a time
+        activations += moe_dispatch_bytes(config)
     elif recompute == "selective":  # the attention being recomputed: over the whole sequence
         activations += context_parallel_attention_per_layer(config)
     fp32_bytes = 0.0  # held in fp32 whatever the precision
@@ -160,10 +187,16 @@ def memory_breakdown(
         activations *= 2
     activations += fp32_bytes
     copy = checkpoint_copy_bytes_per_parameter(
-        t.precision, p.use_distributed_optimizer, dp * cp, "full" if full else None
+        t.precision, p.use_distributed_optimizer, dp * cp, sharding
     )
+    if experts:  # the experts' optimizer shard is over their data-parallel group
+        expert_copy = checkpoint_copy_bytes_per_parameter(
+            t.precision, p.use_distributed_optimizer, edp, sharding
+        )
+        copy = ((params - experts) * copy + experts * expert_copy) / params
     return {
         "parameters": params,
+        "expert_parameters": experts,
         **held,
         "weights_and_optimizer": state,
         "activations": activations,

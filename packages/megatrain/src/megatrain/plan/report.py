@@ -65,12 +65,12 @@ def plan_dict(plan: Plan, top: int) -> dict:
 
 _LAYOUT = (
     f"{'#':>3} {'tp':>3} {'cp':<6} {'pp':>3} {'sched':<5} {'dp':>4} {'mb':>3} {'m':>4} "
-    f"{'recompute':<9} {'sp':<3} {'dopt':<4}"
+    f"{'recompute':<9} {'sp':<3} {'dopt':<4} {'ep/etp':<6}"
 )
 _MEMORY = f"{'weight':>6} {'grad':>5} {'optim':>5} {'activ':>5} {'total':>5}"
 _TIME = (
-    f"{'compute':>7} {'tp':>6} {'cp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6} {'optim':>6} "
-    f"{'step':>7}"
+    f"{'compute':>7} {'tp':>6} {'cp':>6} {'ep':>6} {'bubble':>6} {'p2p':>6} {'dp':>6} "
+    f"{'optim':>6} {'step':>7}"
 )
 _HEADER = f"{_LAYOUT} | {_MEMORY} | {_TIME} | {'MFU':>5}"
 _GROUPS = (
@@ -93,6 +93,13 @@ def _context(layout) -> str:
     return f"{layout.cp} {'ag' if layout.cp_comm == 'allgather' else layout.cp_comm}"
 
 
+def _experts(layout) -> str:
+    """ep/etp in the table: the experts' parallel and tensor-parallel sizes (- when dense)."""
+    if layout.ep == 1 and layout.etp is None:
+        return "-"
+    return f"{layout.ep}/{layout.expert_tp}"
+
+
 def _row(rank: int, e: Estimate) -> str:
     layout, mem, time = e.layout, e.memory, e.time
     flag = {True: "yes", False: "no"}
@@ -100,7 +107,8 @@ def _row(rank: int, e: Estimate) -> str:
         f"{rank:>3} {layout.tp:>3} {_context(layout):<6} {layout.pp:>3} {_schedule(layout):<5} "
         f"{layout.dp:>4} {layout.micro_batch:>3} {e.notes['microbatches']:>4} "
         f"{layout.recompute:<9} {flag[layout.sequence_parallel]:<3} "
-        f"{'full' if layout.fsdp else flag[layout.distributed_optimizer]:<4} | "
+        f"{'full' if layout.fsdp else flag[layout.distributed_optimizer]:<4} "
+        f"{_experts(layout):<6} | "
         + " ".join(
             f"{mem[k] / GIB:>{w}.1f}"
             for k, w in zip((*MEMORY_PARTS, "total"), (6, 5, 5, 5, 5), strict=True)
@@ -108,7 +116,7 @@ def _row(rank: int, e: Estimate) -> str:
         + " | "
         + " ".join(
             f"{time[k]:>{w}.3f}"
-            for k, w in zip((*TIME_PARTS, "total"), (7, 6, 6, 6, 6, 6, 6, 7), strict=True)
+            for k, w in zip((*TIME_PARTS, "total"), (7, 6, 6, 6, 6, 6, 6, 6, 7), strict=True)
         )
         + f" | {e.mfu:>5.1%}"
     )
@@ -135,7 +143,8 @@ def format_plan(plan: Plan, top: int) -> str:
             *(_row(i + 1, e) for i, e in enumerate(plan.ranked[:top])),
             "",
             "m: microbatches per iteration; memory: the fullest pipeline stage; cp: context "
-            "parallel size and its attention's communication (p2p ring, ag all-gather)",
+            "parallel size and its attention's communication (p2p ring, ag all-gather); "
+            "ep/etp: the experts' parallel and tensor-parallel sizes",
             "to run #1: megatrain run --config <config> "
             + " ".join(plan.ranked[0].layout.overrides()),
         ]

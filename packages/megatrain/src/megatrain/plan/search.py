@@ -4,10 +4,13 @@ A layout is tp x cp x pp x dp = the GPUs, a virtual pipeline size (interleaving)
 batch size, a recompute mode, sequence parallelism (tp > 1), the distributed optimizer
 (dp x cp > 1), and for context parallelism (cp: 1, 2, 4, ... dividing the GPUs; the
 sequence must cut into 2 x cp chunks) its attention's communication, "p2p" or
-"allgather".  Each candidate goes through megatrain.config.validate, the check `megatrain run`
-makes before starting workers, so the plan refuses exactly what a run would; the ones that
-pass are estimated (cost_model.py) and kept if the fullest stage leaves memory.HEADROOM of
-the GPU free.  What is refused is summed up by reason, with an example of each.
+"allgather"; for a mixture of experts (`model.num_moe_experts`) the expert-parallel size ep
+(dividing the experts) and the experts' tensor-parallel size etp (1, or tp), where etp x ep
+divides the GPUs of a pipeline stage.  Each candidate goes through megatrain.config.validate,
+the check `megatrain run` makes before starting workers, so the plan refuses exactly what a
+run would; the ones that pass are estimated (cost_model.py) and kept if the fullest stage
+leaves memory.HEADROOM of the GPU free.  What is refused is summed up by reason, with an
+example of each.
 """
 
 import re
@@ -72,13 +75,33 @@ def _candidates(config: Config, gpus: int, global_batch: int):
         for cp in _context_parallel_sizes(gpus // tp):
             for pp in _divisors(gpus // (tp * cp)):
                 for comm in ("p2p", "allgather") if cp > 1 else ("p2p",):
-                    yield from _layouts_of(config, gpus, global_batch, tp, cp, pp, comm)
+                    for ep, etp in _expert_layouts(config, gpus // pp, tp):
+                        yield from _layouts_of(
+                            config, gpus, global_batch, tp, cp, pp, comm, ep, etp
+                        )
 
 
-def _layouts_of(config: Config, gpus: int, global_batch: int, tp: int, cp: int, pp: int, comm):
-    """`candidates` at one tp, cp, pp and CP communication."""
+def _expert_layouts(config: Config, stage_gpus: int, tp: int) -> list[tuple[int, int | None]]:
+    """(ep, etp) pairs to try: ep dividing the experts, etp the tensor-parallel size (None)
+    or 1, etp x ep dividing a stage's GPUs (megatron-core's parallel folding); (1, None) for a
+    dense model."""
+    experts = config.model.num_moe_experts
+    if not experts:
+        return [(1, None)]
+    return [
+        (ep, etp)
+        for etp in ([None, 1] if tp > 1 else [None])
+        for ep in _divisors(experts)
+        if stage_gpus % (ep * (tp if etp is None else etp)) == 0
+    ]
+
+
+def _layouts_of(
+    config: Config, gpus: int, global_batch: int, tp: int, cp: int, pp: int, comm, ep=1, etp=None
+):
+    """`candidates` at one tp, cp, pp, CP communication and expert layout."""
     dp = gpus // (tp * cp * pp)
-    base = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm)
+    base = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, etp=etp)
     try:
         validate(apply_layout(config, base, global_batch), gpus)
     except ConfigError as e:
@@ -95,7 +118,7 @@ def _layouts_of(config: Config, gpus: int, global_batch: int, tp: int, cp: int, 
                     for sharding in SHARDINGS if dp * cp > 1 else SHARDINGS[:1]:
                         layout = Layout(
                             tp, pp, dp, vpp, mb, recompute, sp, sharding == "optimizer",
-                            schedule, cp, comm, fsdp=sharding == "full",
+                            schedule, cp, comm, fsdp=sharding == "full", ep=ep, etp=etp,
                         )  # fmt: skip
                         config_at = apply_layout(config, layout, global_batch)
                         try:
