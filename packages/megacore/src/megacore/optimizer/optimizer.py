@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from megacore import parallel_state as ps
 from megacore.distributed import DistributedDataParallel
+from megacore.distributed.data_parallel import is_expert_param
 from megacore.optimizer.clip_grads import (
     clip_coefficient,
     clip_grad_norm,
@@ -352,7 +353,7 @@ class MegatronOptimizer:
         return split_grad_stats(
             [m.grad for m in counted],
             [m.grad for m in others],
-            [not m.allreduce for m in counted + others],
+            [is_expert_param(m) for m in counted + others],
             groups=self._norm_groups(),
             expert_groups=expert_norm_groups(self.sharded),
         )
@@ -457,7 +458,7 @@ class MegatronOptimizer:
                 break
             total = torch.zeros(1, dtype=torch.int64, device=device)
             for m in masters:
-                if counts_once(m) and (expert_groups is None or expert == (not m.allreduce)):
+                if counts_once(m) and (expert_groups is None or expert == is_expert_param(m)):
                     total += (m.grad == 0).sum().to(device)
             for group in over:
                 dist.all_reduce(total, group=group)
