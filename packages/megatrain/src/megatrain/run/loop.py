@@ -36,6 +36,7 @@ from megatrain.data.blend import BlendedBatches
 from megatrain.plan.accounting import flops_per_iteration
 from megatrain.run import failures
 from megatrain.run.distributed import init_distributed
+from megatrain.run.expert_load import ExpertLoad
 from megatrain.run.metrics import RunLog, device_peak_tflops
 from megatrain.run.setup import Run, build_run
 from megatrain.run.step import STATISTICS, evaluate, train_step
@@ -222,6 +223,10 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     interval, interval_start = [], time.perf_counter()
     loop_start, first_iteration = interval_start, run.iteration
     names = STATISTICS[run.kind]
+    cfg = run.model_config
+    loads = None  # MoE: the experts' load over each log interval
+    if cfg.num_moe_experts:
+        loads = ExpertLoad(run.chunks, cfg.num_layers, cfg.num_moe_experts, run.device)
     saver = None
     if c.save and c.async_save:
         saver = AsyncSaver(c.save, c.keep, config.parallel.collective_timeout)
@@ -235,6 +240,8 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             run.history.setdefault(n, []).append(step[n])
         run.history["grad_norm"].append(step["grad_norm"])
         interval.append([step[n] for n in names])
+        if loads is not None:
+            loads.add()
         record = None
         if run.iteration % lg.log_interval == 0 or run.iteration == t.train_iters:
             elapsed = (time.perf_counter() - interval_start) / len(interval)
@@ -255,6 +262,10 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
                 "hfu": hardware_flops / elapsed / world / 1e12 / peak,
                 **run.train_data.log_fields(),
             }
+            if "moe_aux_loss" in step:  # the step's load-balancing loss, without its coefficient
+                record["moe_aux_loss"] = step["moe_aux_loss"]
+            if loads is not None:  # every rank: the pipeline stages' layers summed
+                record.update(loads.fields(cfg.moe_expert_capacity_factor is not None))
         if run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters:
             record = record or {"iteration": run.iteration, "train_iters": t.train_iters}
             valid = evaluate(run, statistics=True)
@@ -269,6 +280,10 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             pace = elapsed / (run.iteration - first_iteration)
             record["eta_s"] = pace * (t.train_iters - run.iteration)
             log.record(record)
+            if loads is not None and "moe_load" in record:
+                collapse = loads.collapse_line(record, run.iteration)
+                if collapse:
+                    log.info(collapse)
         stopping = stop.settle(step["stop"]) if "stop" in step else stop.agreed(run.device)
         if t.exit_interval and run.iteration % t.exit_interval == 0:
             stopping, stop.received = True, stop.received or f"exit_interval {t.exit_interval}"

@@ -98,6 +98,7 @@ def format_line(record: dict) -> str:
         "tflops": "{:.3g} TFLOP/s/device",
         "mfu": "MFU {:.1%}",
         "hfu": "HFU {:.1%}",
+        "moe_aux_loss": "aux loss {:.3f}",
         "valid_loss": "valid loss {:.4f}",
         "valid_mlm_loss": "valid MLM {:.4f}",
         "valid_sop_loss": "valid SOP {:.4f}",
@@ -107,6 +108,10 @@ def format_line(record: dict) -> str:
     for key, pattern in fmt.items():
         if record.get(key) is not None:
             parts.append(pattern.format(record[key]))
+    if record.get("moe_load"):  # the least balanced MoE layer (each layer's in log.jsonl)
+        parts.append(f"expert load max/mean {max(record['moe_load'].values()):.2f}")
+    if record.get("moe_dropped"):
+        parts.append(f"dropped {max(record['moe_dropped'].values()):.1%}")
     if record.get("elapsed_s") is not None:
         parts.append(f"elapsed {duration(record['elapsed_s'])}")
     if record.get("eta_s") is not None and record["iteration"] < record["train_iters"]:
