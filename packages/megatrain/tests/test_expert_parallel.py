@@ -15,6 +15,9 @@ the sequence's TP ranks (#1652); the expert-bias counts are checked summed over 
 Every rank runs under the NCCL-semantics checker.
 megacore's tests prove the dispatchers against one process (test_token_dispatcher)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,13 +110,22 @@ def _config(corpus, out, routing, overrides=()):
     )
 
 
+def _trained(config) -> dict | None:
+    """`train`'s history, with the logged load-balancing loss of each step (rank 0)."""
+    run = train(config)
+    if run is not None:
+        log = Path(config.training.output_dir) / "log.jsonl"
+        run["aux"] = [json.loads(line)["moe_aux_loss"] for line in log.read_text().splitlines()]
+    return run
+
+
 def _references(corpus, out):
-    return {routing: train(_config(corpus, f"{out}/{routing}", routing)) for routing in ROUTING}
+    return {routing: _trained(_config(corpus, f"{out}/{routing}", routing)) for routing in ROUTING}
 
 
 def _layouts(corpus, out):
     runs = {
-        name: train(_config(corpus, f"{out}/{name}", routing, o))
+        name: _trained(_config(corpus, f"{out}/{name}", routing, o))
         for name, (routing, o) in LAYOUTS.items()
     }
     bf16 = [*ep(2), 'training.precision="bf16"']
@@ -171,6 +183,9 @@ def layouts(corpus, tmp_path_factory):
 def test_every_expert_parallel_layout_equals_one_process(references, layouts):
     for name, (routing, _) in LAYOUTS.items():
         assert_same_steps(layouts[name], references[routing], name, FP32_TOL)
+        # The logged load-balancing loss is one process's too (Megatron-LM #1652, #3672).
+        for a, b in zip(layouts[name]["aux"], references[routing]["aux"], strict=True):
+            assert abs(a - b) < FP32_TOL, (name, layouts[name]["aux"], references[routing]["aux"])
     # The routings train differently: each reference is its own.
     losses = {tuple(r["loss"]) for r in references.values()}
     assert len(losses) == len(ROUTING)

@@ -160,6 +160,32 @@ def apply_expert_parallel(chunk) -> None:
             layer.router.aux_loss_group = parallel_state.get_tensor_and_context_parallel_group()
 
 
+def aux_loss_over_layout(chunks, cfg, device) -> torch.Tensor | None:
+    """The step's load-balancing loss (without its coefficient) as one process reports it: each
+    MoE layer's mean over the step's microbatches, its ranks' shares summed over TP x CP (each
+    rank's loss is its share of its sequences', `megacore.moe.switch_load_balancing_loss`),
+    averaged over DP, then the mean over every MoE layer of the model (the stages' layers
+    summed over PP).  None when the model computes no such loss (the config says so on every
+    rank alike); else every rank must call it."""
+    from megatrain.models.moe import moe_layers
+
+    if not (cfg.num_moe_experts and cfg.moe_aux_loss_coeff):
+        return None
+    if cfg.moe_router_load_balancing_type == "none":
+        return None
+    means = [torch.stack(m.aux_losses).mean() for m in moe_layers(chunks) if m.aux_losses]
+    value = torch.stack(means).sum().reshape(1) if means else torch.zeros(1, device=device)
+    value = value.to(device, torch.float32)
+    if parallel_state.model_parallel_is_initialized():
+        dist.all_reduce(value, group=parallel_state.get_tensor_and_data_parallel_group(True))
+        value /= parallel_state.get_data_parallel_world_size()
+    layers = torch.tensor([float(len(means))], device=device)
+    stats = torch.cat([value, layers])
+    if parallel_state.model_parallel_is_initialized():
+        dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
+    return stats[0] / stats[1].clamp(min=1)
+
+
 def sum_expert_loads(chunks) -> None:
     """Each MoE layer's step load (tokens per expert, dropped choices) summed over the ranks
     of its pipeline stage (TP x DP x CP, which together saw the step's tokens), so the

@@ -11,7 +11,11 @@ from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megatrain.config import Config
 from megatrain.models import moe
-from megatrain.parallelize import split_batch_for_context_parallel, sum_expert_loads
+from megatrain.parallelize import (
+    aux_loss_over_layout,
+    split_batch_for_context_parallel,
+    sum_expert_loads,
+)
 from megatrain.run.lr_schedule import learning_rate
 from megatrain.run.setup import Run, batches_for
 
@@ -175,7 +179,7 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
         parts = [totals, run.optimizer.step_on_device()]
         if stop_flag is not None:
             parts.append(stop_flag.to(totals.device, totals.dtype))
-        aux = moe.aux_loss_value(run.chunks)
+        aux = aux_loss_over_layout(run.chunks, run.model_config, run.device)
         if aux is not None:
             parts.append(aux.to(totals.device, totals.dtype).view(1))
         values = torch.cat(parts).tolist()  # the iteration's one host sync
@@ -191,8 +195,8 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
         ok, grad_norm, _ = run.optimizer.step()
         if stop_flag is not None:
             stats["stop"] = stop_flag.item()
-        aux = moe.aux_loss_value(run.chunks)
-        if aux is not None:  # the load-balancing loss without its coefficient, this rank's
+        aux = aux_loss_over_layout(run.chunks, run.model_config, run.device)
+        if aux is not None:  # the load-balancing loss without its coefficient, one process's
             stats["moe_aux_loss"] = aux.item()
     # DeepSeek-V3's expert bias moves once per optimizer step, by the step's token counts
     # (every rank's of the stage: the bias stays the same everywhere, as one process's).
