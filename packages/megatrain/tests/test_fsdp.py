@@ -268,6 +268,8 @@ OPTIMIZER = ['parallel.data_parallel_sharding="optimizer"']
 # name: (sharding and layout that saves after 2 steps, those that take the third step)
 CHECKPOINTS = {
     "full-at-full": (FULL, FULL),
+    # The background writer (issue 49) takes FSDP's shards as they are: the same files.
+    "full-async-at-full": ([*FULL, "checkpoint.async_save=true"], FULL),
     "full-at-optimizer-tp2": (FULL, [*OPTIMIZER, "parallel.tensor_model_parallel_size=2"]),
     "full-at-none-pp2": (FULL, PP2),
     "optimizer-at-full-pp2": (OPTIMIZER, [*FULL, *PP2]),
@@ -358,6 +360,24 @@ def test_full_checkpoints_load_at_every_sharding_and_layout(references, layouts)
     assert first["loss"] + resumed["loss"] == uninterrupted["loss"]
     assert first["grad_norm"] + resumed["grad_norm"] == uninterrupted["grad_norm"]
     assert resumed["valid"] == uninterrupted["valid"]
+    background = layouts["full-async-at-full"]
+    assert all(background[k] == resumed[k] for k in ("loss", "grad_norm", "valid"))
+
+
+def test_a_background_save_of_fsdp_shards_writes_the_same_tensors(layouts):
+    """`checkpoint.async_save` at "full": each rank's host copy of its FSDP shards, written by
+    the background thread, holds bitwise what the synchronous save wrote."""
+    import torch
+
+    from megatrain.checkpoint.load import read_full_state
+
+    sync = read_full_state(layouts["full-at-full/ckpt"], with_optimizer=True, progress=False)
+    background = read_full_state(
+        layouts["full-async-at-full/ckpt"], with_optimizer=True, progress=False
+    )
+    assert sorted(sync[1]) == sorted(background[1])
+    for name, tensor in sync[1].items():
+        assert torch.equal(tensor, background[1][name]), name
 
 
 def test_a_full_checkpoint_holds_what_any_layout_saves(layouts):
