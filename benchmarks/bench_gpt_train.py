@@ -2,9 +2,17 @@
 
     python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
     python benchmarks/bench_gpt_train.py --model llama --out bench-results/llama_train.json
+    python benchmarks/bench_gpt_train.py --model mixtral --out bench-results/mixtral_train.json
 
 `--model llama` trains our Llama (`LLAMA` below) beside `transformers.LlamaForCausalLM` of the
-same shape, everything else as for GPT-2.
+same shape, everything else as for GPT-2.  `--model mixtral` makes every MLP of that Llama a
+mixture of 8 SwiGLU experts of 1024, 2 per token (`MIXTRAL`), beside
+`transformers.MixtralForCausalLM` at its default experts implementation (recorded in the
+JSON); neither side computes a load-balancing loss (HF's only with output_router_logits),
+so both do the same work.  For the mixture the JSON also says what the token dispatch costs
+(`moe_dispatch`): one MoE layer of ours on the step's tokens, forward and backward, its
+router, permute (dispatch) and unpermute (combine) timed apart from the experts' grouped
+GEMMs, and their share of the step.
 
 Our side is the step `megatrain run` takes: a `megatrain.run.setup.Run` from
 `build_run` (a 1-process gloo group, DDP-wrapped chunks, `MegatronOptimizer`,
@@ -37,6 +45,7 @@ up as slow, scattered steps.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -56,6 +65,7 @@ import torch.nn.functional as F
 
 from megacommon.corpus_format import SHARD_BATCH_ROWS
 from megacore import parallel_state as ps
+from megacore.moe import grouped_gemm_available as moe_grouped_gemm_available
 from megatrain.config import load_config
 from megatrain.data.corpus import open_corpus
 from megatrain.data.samples import GPTBatches
@@ -69,6 +79,10 @@ VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 8192, 6, 384, 6, 256, 8
 # --model llama: the same depth and width as a Llama (6 heads sharing 2 key/value heads,
 # SwiGLU of 1024, about 8h/3, RMSNorm, rotary positions, no biases, an untied output layer).
 LLAMA = ['model.kind="llama"', "model.num_query_groups=2", "model.ffn_hidden_size=1024"]
+# --model mixtral: that Llama with 8 experts of 1024 in every layer, 2 per token (Mixtral's
+# routing: the top 2 logits, a softmax over them), dropless, no load-balancing loss.
+MIXTRAL = [*LLAMA, "model.num_moe_experts=8", "model.moe_router_topk=2",
+           'model.moe_router_load_balancing_type="none"', "model.moe_aux_loss_coeff=0"]  # fmt: skip
 
 
 # -- a synthetic corpus, written by megatrain.testing.write_corpus in megadata's format ----------
@@ -151,6 +165,12 @@ def hf_llama_config(config, vocab_size: int):
     m = dataclasses.asdict(config.model) | {n: config.model_switch(n) for n in MODEL_SWITCHES}
     m["ffn_hidden_size"] = config.ffn_hidden_size
     fields = llama_config_fields(m, vocab_size, EOD, EOD, "float32")
+    if m["num_moe_experts"]:  # Mixtral, as `megatrain export-hf` writes it
+        from megatrain.hf.moe import moe_family
+
+        family = moe_family(m)
+        fields = fields | family.fields(m) | {"architectures": [family.architecture]}
+        return getattr(transformers, family.config_class)(**fields, attn_implementation="sdpa")
     return transformers.LlamaConfig(**fields, attn_implementation="sdpa")
 
 
@@ -183,7 +203,9 @@ class HFTrainer:
         self.autocast_dtype = autocast_dtype
         torch.manual_seed(seed)
         if m.kind == "llama":
-            self.model = transformers.LlamaForCausalLM(hf_llama_config(config, vocab_size))
+            hf_config = hf_llama_config(config, vocab_size)
+            model_class = getattr(transformers, hf_config.architectures[0])
+            self.model = model_class(hf_config)
         else:
             self.model = transformers.GPT2LMHeadModel(hf_gpt2_config(config, vocab_size))
         self.model.to(self.device)
@@ -206,6 +228,11 @@ class HFTrainer:
     @property
     def attn_implementation(self) -> str:
         return self.model.config._attn_implementation
+
+    @property
+    def experts_implementation(self) -> str | None:
+        """A mixture's experts as HF runs them (its default: grouped_mm where torch can)."""
+        return getattr(self.model.config, "_experts_implementation", None)
 
     def step(self) -> dict:
         o = self.config.optimizer
@@ -302,6 +329,79 @@ def profile_step(step, rows: int, cuda: bool = False) -> list[dict]:
     ]
 
 
+def moe_dispatch_cost(run, step_seconds: float, repeats: int = 7) -> dict:
+    """What the token dispatch costs in a step of ours: the first MoE layer of `run` on a
+    step's tokens (SEQ x BATCH of HIDDEN, random), each part run forward and then backward on
+    its own (the parts cut apart by detached inputs, so each backward is its own), the median
+    of `repeats`: the router (logits, softmax, top k), the permute (dispatch: the sort and the
+    gather), the experts' GEMMs (fc1, SwiGLU, fc2 as torch's grouped GEMM where it runs, else
+    the loop), the unpermute (combine: the weighted scatter back).  Times the MoE layers of
+    the model gives a step's; over the median step time of ours, the share."""
+    from megatrain.models.moe import moe_layers
+
+    layers = moe_layers(run.chunks)
+    layer = layers[0]
+    x = torch.randn(SEQ * BATCH, HIDDEN, generator=torch.Generator().manual_seed(0))
+    names = ("router", "permute", "experts", "unpermute")
+    seconds = {n: [] for n in names}
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_()
+
+    @contextlib.contextmanager
+    def clock(name):
+        start = time.perf_counter()
+        yield
+        seconds[name].append(time.perf_counter() - start)
+
+    for _ in range(repeats + 1):  # the first round warms up
+        tokens = leaf(x)
+        with clock("router"):
+            probs, indices = layer.router(tokens, BATCH)
+        tokens_d, probs_d = leaf(x), leaf(probs)
+        with clock("permute"):
+            expert_input, counts = layer.dispatcher.dispatch(tokens_d, probs_d, indices)
+        expert_in = leaf(expert_input)
+        with clock("experts"):
+            expert_output = layer.experts(expert_in, counts)
+        expert_out = leaf(expert_output)
+        with clock("unpermute"):
+            out = layer.dispatcher.combine(expert_out)
+        # backward, last part first, each from the gradient its output got
+        with clock("unpermute"):
+            out.backward(torch.ones_like(out))
+        with clock("experts"):
+            expert_output.backward(expert_out.grad)
+        with clock("permute"):
+            expert_input.backward(expert_in.grad)
+        with clock("router"):
+            probs.backward(probs_d.grad)
+        layer.zero_grad(set_to_none=True)
+    # each part ran twice a round (forward, backward): pair them up, drop the warm-up
+    per_layer = {
+        n: statistics.median(f + b for f, b in zip(v[2::2], v[3::2], strict=True))
+        for n, v in seconds.items()
+    }
+    dispatch = per_layer["router"] + per_layer["permute"] + per_layer["unpermute"]
+    step = len(layers) * (dispatch + per_layer["experts"])
+    return {
+        "method": "one MoE layer of ours on a step's tokens, forward + backward of each part "
+        f"apart, median of {repeats}; x {len(layers)} MoE layers for a step",
+        "ms_per_layer": {n: round(v * 1e3, 3) for n, v in per_layer.items()},
+        "dispatch_ms_per_layer": round(dispatch * 1e3, 3),
+        "dispatch_over_experts": dispatch / per_layer["experts"],
+        "moe_layers": len(layers),
+        "dispatch_ms_per_step": round(len(layers) * dispatch * 1e3, 2),
+        "experts_ms_per_step": round(len(layers) * per_layer["experts"] * 1e3, 2),
+        "dispatch_share_of_step": len(layers) * dispatch / step_seconds,
+        "moe_share_of_step": step / step_seconds,
+        "grouped_gemm": bool(
+            layer.experts.grouped
+            and moe_grouped_gemm_available(x, layer.experts.weight1, layer.experts.weight2)
+        ),
+    }
+
+
 def loader(corpus: Path, vocab_size: int, seq: int, batch: int, seed: int):
     """A GPTBatches of one microbatch per step over the train split: built twice with the same
     seed, it gives the second model the very batches `build_run` gives ours."""
@@ -329,9 +429,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--model",
-        choices=("gpt", "llama"),
+        choices=("gpt", "llama", "mixtral"),
         default="gpt",
-        help="GPT-2 beside GPT2LMHeadModel, or a Llama beside LlamaForCausalLM",
+        help="GPT-2 beside GPT2LMHeadModel, a Llama beside LlamaForCausalLM, or a mixture of "
+        "experts beside MixtralForCausalLM",
     )
     parser.add_argument(
         "--set",
@@ -375,7 +476,7 @@ def main() -> None:
             f'training.output_dir="{work / "run"}"',
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",
-            *(LLAMA if args.model == "llama" else []),
+            *{"llama": LLAMA, "mixtral": MIXTRAL}.get(args.model, []),
             *args.set,
         ],
     )
@@ -432,6 +533,9 @@ def main() -> None:
         ours_digests, hf_digests = run.train_data.digests, hf.batches.digests
         if ours_digests != hf_digests:
             raise RuntimeError("the two models were trained on different batches")
+        dispatch = None
+        if args.model == "mixtral":
+            dispatch = moe_dispatch_cost(run, statistics.median(times["megatrain"]))
         profiles = None
         if args.profile:
             profiles = {name: profile_step(steps[name], 12) for name in steps}
@@ -454,6 +558,8 @@ def main() -> None:
         results["megatrain"]["parameters"] = ours_params
         results["hf"]["parameters"] = hf_params
         results["hf"]["attn_implementation"] = hf.attn_implementation
+        if hf.experts_implementation is not None:
+            results["hf"]["experts_implementation"] = hf.experts_implementation
         ratio = results["megatrain"]["tokens_per_s_median"] / results["hf"]["tokens_per_s_median"]
         ratio_mean = m["tokens_per_s_mean"] / h["tokens_per_s_mean"]
         ratio_best = m["tokens_per_s_best"] / h["tokens_per_s_best"]
@@ -480,6 +586,10 @@ def main() -> None:
                 "num_attention_heads": HEADS,
                 "num_query_groups": config.model.num_query_groups or HEADS,
                 "ffn_hidden_size": config.ffn_hidden_size,
+                "num_moe_experts": config.model.num_moe_experts,
+                "moe_router_topk": config.model.moe_router_topk
+                if config.model.num_moe_experts
+                else None,
                 "kind": args.model,
                 "seq_length": SEQ,
                 "vocab_size": run.model_config.vocab_size,
@@ -497,7 +607,9 @@ def main() -> None:
                 f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
                 "ours": "megatrain.run.step.train_step(build_run(config)), 1-process gloo group",
                 "ours_overrides": args.set,
-                "hf": f"{type(hf.model).__name__} (sdpa) + AdamW (decay on 2-D params) + "
+                "hf": f"{type(hf.model).__name__} (sdpa"
+                + (f", experts {hf.experts_implementation}" if hf.experts_implementation else "")
+                + ") + AdamW (decay on 2-D params) + "
                 "clip_grad_norm_ 1.0, same lr schedule; loss = F.cross_entropy(logits, our "
                 "loader's labels)",
                 "batches": "identical: two GPTBatches over the same synthetic corpus and seed; "
@@ -520,6 +632,8 @@ def main() -> None:
             "ratio_tokens_per_s_mean_ours_over_hf": ratio_mean,
             "ratio_tokens_per_s_best_ours_over_hf": ratio_best,
         }
+        if dispatch is not None:
+            record["moe_dispatch"] = dispatch
         if profiles is not None:
             record["profile_top_self_cpu"] = profiles
     finally:
@@ -531,7 +645,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(
-        f"\n{'Llama' if args.model == 'llama' else 'GPT-2'} {LAYERS}x{HIDDEN}, {HEADS} heads, "
+        f"\n{ {'gpt': 'GPT-2', 'llama': 'Llama', 'mixtral': 'Mixtral'}[args.model] } "
+        f"{LAYERS}x{HIDDEN}, {HEADS} heads, "
         f"seq {SEQ}, vocab {VOCAB}, batch {BATCH}, fp32, "
         f"{torch.get_num_threads()} threads on {cpu_model()}; peak (measured fp32 matmul) "
         f"{peak:.3f} TFLOP/s (best of {', '.join(f'{x:.3f}' for x in peaks)})"
@@ -547,6 +662,14 @@ def main() -> None:
         f"  ours / HF tokens/s: {ratio:.3f} (median), {ratio_mean:.3f} (mean), "
         f"{ratio_best:.3f} (best step); load average before {load_before[0]:.1f}"
     )
+    if dispatch is not None:
+        d = dispatch
+        print(
+            f"  dispatch (router + permute + unpermute): {d['dispatch_ms_per_layer']:.1f} ms a "
+            f"layer against the experts' {d['ms_per_layer']['experts']:.1f} ms "
+            f"({d['dispatch_over_experts']:.2f}x); {d['dispatch_ms_per_step']:.0f} ms of a "
+            f"{m['ms_per_step_median']:.0f} ms step ({d['dispatch_share_of_step']:.1%})"
+        )
     if profiles is not None:
         for name, rows in profiles.items():
             print(f"  top self-CPU ops, {name}:")

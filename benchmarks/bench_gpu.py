@@ -4,6 +4,8 @@
     python benchmarks/bench_gpu.py --micro-batch 4 --recompute none --out bench-results/gpu.json
     python benchmarks/bench_gpu.py --small --out bench-results/gpu-small.json   # on a CPU
     python benchmarks/bench_gpu.py --config pipelines/models/llama3-8b.toml --layers 4
+    python benchmarks/bench_gpu.py --config pipelines/models/mixtral-8x7b.toml --layers 2 \
+        --experts 4 --peers none                    # a mixture of experts, on one GPU
 
 The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
 1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
@@ -24,6 +26,13 @@ precision), gradient checkpointing when we recompute fully, `torch.optim.AdamW` 
 betas, eps, decay and clipping, on the very same batches. Each model runs alone: built,
 `--warmup` steps, `--iters` timed steps (`torch.cuda.synchronize()` before and after each),
 then freed, so `torch.cuda.max_memory_allocated` is its own peak.
+
+A mixture-of-experts config (mixtral-8x7b, qwen3-30b-a3b, mixtral-tiny) runs with every
+expert on the one device (expert parallelism 1), `--experts` / `--expert-ffn` to shrink it;
+HF's side is `MixtralForCausalLM` / `Qwen3MoeForCausalLM` (bench_gpt_train's HFTrainer, as
+`megatrain export-hf` writes the config), at its default experts implementation; the model
+FLOPs count the k active experts.  The peers' runners build dense models only: they are
+recorded as skipped for a mixture.
 
 After them, each of `--peers` (default both; benchmarks/peers/) alone in the same way on the
 same batches: megatron-core's own GPTModel (local layer spec, no Transformer Engine) with its
@@ -124,6 +133,10 @@ def parse_args() -> argparse.Namespace:
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--groups", type=int, default=None, help="a Llama's key/value heads")
     parser.add_argument("--ffn", type=int, default=None, help="the MLP's hidden width")
+    parser.add_argument("--experts", type=int, default=None, help="a mixture's experts per layer")
+    parser.add_argument(
+        "--expert-ffn", type=int, default=None, help="a mixture's expert hidden width"
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face model")
     parser.add_argument(
         "--no-levers",
@@ -228,6 +241,14 @@ def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
             o.append(f"model.{field}={getattr(args, name)}")
     if args.seq is not None:
         o += [f"training.seq_length={args.seq}", f"model.max_position_embeddings={args.seq}"]
+    if load_config(args.config).model.num_moe_experts:  # every expert on the one device
+        o += ["parallel.expert_model_parallel_size=1", "parallel.expert_tensor_parallel_size=1"]
+        if args.experts is not None:
+            o.append(f"model.num_moe_experts={args.experts}")
+        if args.expert_ffn is not None:
+            o.append(f"model.moe_ffn_hidden_size={args.expert_ffn}")
+    elif args.experts is not None or args.expert_ffn is not None:
+        raise SystemExit(f"--experts / --expert-ffn: {args.config} is not a mixture of experts")
     return o
 
 
@@ -471,6 +492,8 @@ def run_peers(config, corpus: Path, model_config, device, args, ours_digests) ->
     results = {}
     for name in args.peers:
         reason = peers.unavailable(name)
+        if model_config.num_moe_experts:
+            reason = "a mixture of experts: the peer runners here build dense models only"
         if reason is None:
             try:
                 result = measure_peer(name, config, corpus, model_config, device, args)
@@ -613,6 +636,9 @@ def main() -> None:
             "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads,
             "ffn_hidden_size": config.ffn_hidden_size,
+            "num_moe_experts": m.num_moe_experts,
+            "moe_router_topk": m.moe_router_topk if m.num_moe_experts else None,
+            "moe_ffn_hidden_size": model_config.moe_ffn_hidden_size,
             "seq_length": seq,
             "vocab_size": m.vocab_size,
             "vocab_size_padded": model_config.vocab_size,
@@ -679,6 +705,8 @@ def config_path(path: Path) -> Path:
 def print_table(record: dict) -> None:
     s, method = record["shape"], record["method"]
     kind = "Llama" if s["kind"] == "llama" else "GPT-2"
+    if s.get("num_moe_experts"):
+        kind += f" with {s['num_moe_experts']} experts ({s['moe_router_topk']} a token)"
     print(
         f"\n{kind} {s['num_layers']}x{s['hidden_size']}, {s['num_attention_heads']} heads, seq "
         f"{s['seq_length']}, vocab {s['vocab_size_padded']}, micro batch {s['micro_batch_size']}, "
