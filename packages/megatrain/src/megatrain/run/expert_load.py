@@ -96,6 +96,4 @@ class ExpertLoad:
         limits = f"max/mean >= {COLLAPSE_RATIO:g}, under half the experts used"
         if dropped:
             limits += f" or >= {COLLAPSE_DROPPED:.0%} dropped"
-        return f"megatrain: router collapse by iteration {iteration} ({limits}): " + "; ".join(
-            bad
-        )
+        return f"megatrain: router collapse by iteration {iteration} ({limits}): " + "; ".join(bad)
