@@ -196,12 +196,19 @@ def sum_expert_loads(chunks) -> None:
     group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) == 1:
         return
-    for chunk in chunks:
-        for layer in _moe_layers(chunk):
-            dist.all_reduce(layer.tokens_per_expert, group=group)
-            dist.all_reduce(layer.dropped, group=group)
-            # Every rank of a stage routes as many tokens (the same microbatch shape).
-            layer.choices *= dist.get_world_size(group)
+    layers = [layer for chunk in chunks for layer in _moe_layers(chunk)]
+    if not layers:
+        return
+    # One all-reduce for every layer of the rank (a step of a 64-layer MoE would otherwise
+    # issue 128 latency-bound collectives over a group of up to tp x dp x cp ranks).
+    loads = [t for layer in layers for t in (layer.tokens_per_expert, layer.dropped)]
+    flat = torch.cat([t.reshape(-1) for t in loads])
+    dist.all_reduce(flat, group=group)
+    for t, summed in zip(loads, flat.split([t.numel() for t in loads]), strict=True):
+        t.copy_(summed.view_as(t))
+    for layer in layers:
+        # Every rank of a stage routes as many tokens (the same microbatch shape).
+        layer.choices *= dist.get_world_size(group)
 
 
 @dataclass(frozen=True)
