@@ -177,8 +177,8 @@ def test_llama_families_both_ways_exact(families):
         assert r["config"]["tie_word_embeddings"] == (name == "qwen2")
         cached, uncached, theirs = r["generated"]
         assert cached == uncached == theirs and len(cached) == 12, (name, r["generated"])
-        if name in ("qwen2", "qwen3"):  # kv_channels, q/k norms, qkv biases counted (MoE: item 7)
-            assert r["counted"] == r["built"], name
+        # kv_channels, q/k norms, qkv biases, experts, routers and shared experts counted
+        assert r["counted"] == r["built"], name
     assert families["qwen3"]["config"]["head_dim"] == 16
     assert families["qwen2_moe"]["config"]["mlp_only_layers"] == [0]
     assert families["qwen2_moe"]["config"]["norm_topk_prob"] is False
