@@ -3,18 +3,23 @@ expert_tensor_parallel_size, model.moe_token_dispatcher_type): every layout take
 one-process steps of a mixture-of-experts Llama.
 
 One 1-rank spawn trains the references (softmax top-2 with the aux and z losses; sigmoid
-with DeepSeek-V3's expert bias; a capacity that drops tokens); one 4-rank spawn trains the
-layouts: ep 2 with the distributed optimizer (experts sharded over expert DP 2) and ep 4
-(all-to-all dispatch), tp 2 with sequence parallelism at etp 1 (full recompute, the
-distributed optimizer) and etp 2 (all-gather dispatch), pp 2 under 1F1B and ZB-H1, ep 4 with
-capacity, cp 2 x ep 2 (the aux and z losses' shares under context parallelism), and bf16 at
-ep 2; a run saved at ep 4 goes on at ep 4 (bitwise), tp 2 x ep 2 and
-ep 1.  Equal losses, gradient norms and validation loss show the expert gradients' reduction
-and scale, the norm that counts each expert once (Megatron-LM PR #5916) and the aux loss over
-the sequence's TP ranks (#1652); the expert-bias counts are checked summed over the stage.
+with DeepSeek-V3's expert bias, at 2 and 4 layers; a capacity that drops tokens); one 4-rank
+spawn trains the layouts: ep 2 with the distributed optimizer (experts sharded over expert
+DP 2) and ep 4 (all-to-all dispatch), tp 2 with sequence parallelism at etp 1 (full
+recompute, the distributed optimizer) and etp 2 (all-gather dispatch), pp 2 under 1F1B, ZB-H1
+and interleaved (vpp 2), ep 4 with capacity, cp 2 x ep 2 (the aux and z losses' shares under
+context parallelism), and bf16 at ep 2; a run saved at ep 4 goes on at ep 4 (bitwise),
+tp 2 x ep 2 and ep 1, and, with the expert bias switched on, from zero biases with a warning;
+the sigmoid run at pp 2 x ep 2 (ZB-H1, distributed optimizer), saved in the background after
+a step, resumes bitwise, its expert biases with it.  Equal losses, gradient norms and
+validation loss show the expert gradients' reduction and scale, the norm that counts each
+expert once (Megatron-LM PR #5916) and the aux loss over the sequence's TP ranks (#1652); the
+expert-bias counts are checked summed over the stage.
 Every rank runs under the NCCL-semantics checker.
 megacore's tests prove the dispatchers against one process (test_token_dispatcher)."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -24,6 +29,8 @@ import torch.distributed as dist
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
+from megatrain.checkpoint.convert import convert
+from megatrain.checkpoint.load import read_full_state
 from megatrain.config import ConfigError, load_config, validate
 from megatrain.models import build_model_chunks, model_config, moe
 from megatrain.parallelize import sum_expert_loads
@@ -67,6 +74,8 @@ ROUTING = {
     ],
     "capacity": ["model.moe_expert_capacity_factor=1.0"],
 }
+# Two layers a chunk for the interleaved pipeline (pp 2 x vpp 2).
+ROUTING["sigmoid-bias-4-layers"] = [*ROUTING["sigmoid-bias"], "model.num_layers=4"]
 
 
 def ep(size):
@@ -85,7 +94,11 @@ LAYOUTS = {
     "tp2-sp-ep2-etp2-allgather": (
         "softmax", [*TP2_SP, *ep(2), "model.moe_token_dispatcher_type='allgather'"]),
     "pp2-ep2-1f1b": ("sigmoid-bias", [*PP2, *ep(2)]),
-    "pp2-ep2-zb-h1": ("sigmoid-bias", [*PP2, *ep(2), 'parallel.pipeline_schedule="zb-h1"']),
+    "pp2-ep2-zb-h1-distopt": (
+        "sigmoid-bias", [*PP2, *ep(2), 'parallel.pipeline_schedule="zb-h1"',
+                         "parallel.use_distributed_optimizer=true"]),
+    "pp2-vpp2-ep2": (
+        "sigmoid-bias-4-layers", [*PP2, *ep(2), "parallel.virtual_pipeline_model_parallel_size=2"]),
     "ep4-capacity": ("capacity", ep(4)),
     "cp2-ep2": ("softmax", [*ep(2), "parallel.context_parallel_size=2"]),
 }  # fmt: skip
@@ -123,11 +136,43 @@ def _references(corpus, out):
     return {routing: _trained(_config(corpus, f"{out}/{routing}", routing)) for routing in ROUTING}
 
 
+# The layout whose run also saves at its end: the expert biases the resumed run must reach.
+BIAS_LAYOUT = "pp2-ep2-zb-h1-distopt"
+
+
+def _bias_resumed(corpus, out):
+    """The sigmoid-bias run at pp 2 (ZB-H1) x ep 2 (the distributed optimizer) stopped after
+    a step with a background save (checkpoint.async_save), then resumed and saved at its end;
+    returns the two runs and, on rank 0, every tensor (expert biases and optimizer state
+    included) of the first save, the resumed end and the uninterrupted end."""
+    zb, first_ckpt = LAYOUTS[BIAS_LAYOUT][1], f"{out}/bias-ckpt"
+    save = [
+        "training.exit_interval=1",
+        f"checkpoint.save={first_ckpt!r}",
+        "checkpoint.async_save=true",
+    ]
+    first = train(_config(corpus, f"{out}/bias-first", "sigmoid-bias", [*zb, *save]))
+    resume = [f"checkpoint.load={first_ckpt!r}", f"checkpoint.save='{out}/bias-end'"]
+    resumed = train(_config(corpus, f"{out}/bias-resumed", "sigmoid-bias", [*zb, *resume]))
+    ends = None
+    if dist.get_rank() == 0:
+        ends = {
+            name: read_full_state(ckpt, with_optimizer=True, progress=False)[1]
+            for name, ckpt in (
+                ("first", first_ckpt),
+                ("resumed", f"{out}/bias-end"),
+                ("whole", f"{out}/{BIAS_LAYOUT}/ckpt"),
+            )
+        }
+    return {"bias-first": first, "bias-resumed": resumed, "bias-ends": ends, "out": out}
+
+
 def _layouts(corpus, out):
-    runs = {
-        name: _trained(_config(corpus, f"{out}/{name}", routing, o))
-        for name, (routing, o) in LAYOUTS.items()
-    }
+    runs = {}
+    for name, (routing, o) in LAYOUTS.items():
+        end = [f"checkpoint.save='{out}/{name}/ckpt'"] if name == BIAS_LAYOUT else []
+        runs[name] = _trained(_config(corpus, f"{out}/{name}", routing, [*o, *end]))
+    runs.update(_bias_resumed(corpus, out))
     bf16 = [*ep(2), 'training.precision="bf16"']
     runs["ep2-bf16"] = train(_config(corpus, f"{out}/bf16", "softmax", bf16))
     # Stopped after a step with a save at ep 4; the second step at ep 4 (bitwise the
@@ -145,6 +190,11 @@ def _layouts(corpus, out):
     runs["first"] = train(_config(corpus, f"{out}/first", "softmax", [*ep(4), *save]))
     for name, o in resumed.items():
         runs[name] = train(_config(corpus, f"{out}/{name}", "softmax", [*o, *load]))
+    # The softmax checkpoint holds no expert bias: switched on, the biases start from zero,
+    # with a warning naming the field.
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        from_none = train(_config(corpus, f"{out}/from-none", "sigmoid-bias", [*ep(4), *load]))
+    runs["bias-from-none"] = from_none and {**from_none, "said": said.getvalue()}
     return runs
 
 
@@ -219,6 +269,35 @@ def test_an_ep4_checkpoint_goes_on_at_tp2_ep2_and_ep1(references, layouts):
     resumed = layouts["at-ep4"]
     assert resumed["loss"] == whole["loss"][1:] and resumed["grad_norm"] == whole["grad_norm"][1:]
     assert resumed["valid"] == whole["valid"]
+    # With the expert bias switched on, the biases the checkpoint lacks start from zero.
+    from_none = layouts["bias-from-none"]
+    assert "stopped_at" not in from_none and len(from_none["loss"]) == 1, from_none
+    assert "holds no expert bias for model.moe_router_enable_expert_bias" in from_none["said"]
+
+
+def test_a_run_with_expert_bias_resumes_bitwise(layouts, tmp_path):
+    # Saved after step 1 (in the background) at pp 2 x ep 2 under ZB-H1 with the distributed
+    # optimizer, the biases moved by step 1's counts: the resumed step 2 is the uninterrupted
+    # one, bit for bit, and so are the expert biases (and every other tensor) both runs saved
+    # at the end.
+    whole, first, resumed = layouts[BIAS_LAYOUT], layouts["bias-first"], layouts["bias-resumed"]
+    assert first["stopped_at"] == 1
+    assert first["loss"] == whole["loss"][:1] and resumed["loss"] == whole["loss"][1:]
+    assert resumed["grad_norm"] == whole["grad_norm"][1:] and resumed["valid"] == whole["valid"]
+    ends = layouts["bias-ends"]
+    biases = [n for n in ends["whole"] if n.endswith("router.expert_bias")]
+    # Step 1 moved every bias: a resume that lost them would route step 2 otherwise.
+    assert len(biases) == 2 and all(ends["first"][n].abs().min() > 0 for n in biases)
+    assert ends["resumed"].keys() == ends["whole"].keys()
+    for name, tensor in ends["whole"].items():
+        assert torch.equal(ends["resumed"][name], tensor), name
+    # `megatrain convert` to bf16 keeps the biases fp32, bit for bit.
+    out = convert(f"{layouts['out']}/bias-end", tmp_path / "bf16", "bfloat16", progress=False)
+    converted = read_full_state(out.parent, progress=False)[1]
+    for name in biases:
+        assert converted[name].dtype == torch.float32, name
+        assert torch.equal(converted[name], ends["whole"][name]), name
+    assert converted["embedding.weight"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

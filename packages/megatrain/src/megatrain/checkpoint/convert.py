@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from megatrain.checkpoint.dcp import STATE_BUFFERS
 from megatrain.checkpoint.files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -109,7 +110,11 @@ def convert(
     config = check_layout(meta, tp, pp, directory)
     keep_optimizer = has_optimizer_state(meta) and not weights_only
     meta, state = read_full_state(ckpt, with_optimizer=keep_optimizer, progress=progress)
-    weights = {n: t.to(torch_dtype) for n, t in state.items() if "/" not in n}
+    weights = {  # the expert biases stay fp32 (`STATE_BUFFERS`)
+        n: t if n.endswith(STATE_BUFFERS) else t.to(torch_dtype)
+        for n, t in state.items()
+        if "/" not in n
+    }
     optimizer = {n: t.float() for n, t in state.items() if "/" in n} if keep_optimizer else None
     converted = {
         **meta,

@@ -69,6 +69,24 @@ def named_params(chunks, loading: bool = False) -> dict[str, torch.nn.Parameter]
     return out
 
 
+# Model state that is not a parameter, saved with the weights under its global name: DeepSeek-
+# V3's expert bias (`moe_router_enable_expert_bias`), moved each step by the token counts,
+# not by the optimizer.  Every rank holding the layer holds the same values (the counts are
+# summed over the stage), so it is saved as a replicated tensor (DCP writes it once) and
+# kept in fp32 whatever the weights' dtype (Megatron's), by `convert` too.
+STATE_BUFFERS = ("router.expert_bias",)
+
+
+def named_buffers(chunks) -> dict[str, torch.Tensor]:
+    """Global name -> buffer for this rank's chunks' `STATE_BUFFERS`."""
+    return {
+        name: b
+        for chunk in chunks
+        for name, b in module_of(chunk).named_buffers()
+        if name.endswith(STATE_BUFFERS)
+    }
+
+
 def tp_mesh(device: torch.device) -> DeviceMesh:
     return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), device.type)
 

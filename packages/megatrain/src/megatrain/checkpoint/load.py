@@ -20,6 +20,7 @@ from megatrain.checkpoint.dcp import (
     flat_range_boxes,
     global_tensor,
     layout_of,
+    named_buffers,
     named_params,
     placed,
     tp_mesh,
@@ -84,7 +85,8 @@ def read_full_state(
 
     Every tensor is whole, at the global shape and dtype the DCP metadata records,
     whatever layout saved it (DCP joins the TP shards).  Weights are keyed by global
-    parameter name (the word embeddings keep their vocabulary padding); optimizer state
+    parameter name (the word embeddings keep their vocabulary padding), the expert biases
+    (`STATE_BUFFERS`, fp32) by their buffers' global names beside them; optimizer state
     by "<name>/master", "<name>/exp_avg" and "<name>/exp_avg_sq".
     """
     directory = find_checkpoint(ckpt)
@@ -145,6 +147,24 @@ def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh)
     return direct
 
 
+def saved_buffers(chunks, directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The `STATE_BUFFERS` of `chunks` that checkpoint iteration `directory` holds, as
+    `_load_into` takes them.  One it lacks (saved by a model without the expert bias, or by a
+    megatrain that did not save it) starts from zero, with a note: the routing then differs
+    from the saved run's until the biases have moved again."""
+    saved = dcp.FileSystemReader(str(directory / "model")).read_metadata().state_dict_metadata
+    buffers = named_buffers(chunks)
+    missing = sorted(n for n in buffers if n not in saved)
+    if missing and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(
+            f"megatrain: warning: {directory} holds no expert bias for "
+            f"model.moe_router_enable_expert_bias = true ({', '.join(missing)}): saved by a model "
+            "without it, or by a megatrain that did not save it; these biases start from zero",
+            flush=True,
+        )
+    return {n: (b, b) for n, b in buffers.items() if n in saved}
+
+
 def load_weights(chunks, directory: Path, device: torch.device, optional: tuple[str, ...] = ()):
     """Fill this rank's parameters of `chunks` from the weights of checkpoint iteration
     `directory` (any layout).  A parameter whose name starts with a prefix in `optional` is
@@ -157,10 +177,9 @@ def load_weights(chunks, directory: Path, device: torch.device, optional: tuple[
         for n, p in named_params(chunks, loading=True).items()
         if n in saved or not n.startswith(optional)
     }
+    targets = {n: (p.data, p) for n, p in params.items()} | saved_buffers(chunks, directory)
     with torch.no_grad():
-        _load_into(
-            {n: (p.data, p) for n, p in params.items()}, "", directory / "model", tp_mesh(device)
-        )
+        _load_into(targets, "", directory / "model", tp_mesh(device))
 
 
 def _saved_shape_problem(metadata, key: str, like: torch.nn.Parameter, mesh) -> str | None:
@@ -253,7 +272,9 @@ def _start_from_weights(run, params: dict, directory: Path, mesh: DeviceMesh, me
 def load_checkpoint(run, ckpt: str | Path) -> dict:
     """Restore `run` from the checkpoint `latest` names; returns its meta.json.
 
-    Any (tp, pp, dp) layout loads any other; RNG states are restored only under the
+    Any (tp, pp, dp) layout loads any other, the expert biases with the weights (ones the
+    checkpoint lacks start from zero, with a warning: `saved_buffers`); RNG states are
+    restored only under the
     layout they were saved at (elsewhere the generators are seeded from the iteration).
     A checkpoint of weights only (`has_optimizer_state` false) starts training from its
     weights at iteration 0 (the returned meta says iteration 0).
@@ -273,6 +294,7 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
     # FSDP2's parameters (DTensors over DP) are their fp32 masters: the optimizer state's
     # "master" (or the weights, for a checkpoint of weights only) fills them below.
     plain = {n: (p.data, p) for n, p in params.items() if not isinstance(p, DTensor)}
+    plain.update(saved_buffers(run.chunks, directory))  # the expert biases
     with torch.no_grad():
         _load_into(plain, "", directory / "model", mesh)
     if not has_optimizer_state(meta):

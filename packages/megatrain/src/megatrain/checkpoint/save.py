@@ -26,6 +26,7 @@ from megatrain.checkpoint.dcp import (
     flat_range_boxes,
     global_tensor,
     layout_of,
+    named_buffers,
     named_params,
     own_storage,
     placed,
@@ -119,14 +120,17 @@ def _weights(run, params: dict, mesh: DeviceMesh) -> dict:
     """The weights as DCP should see them, at their global shapes in the run's dtype: a TP
     shard as a DTensor over TP, a replicated parameter as it is; a parameter FSDP2 shards
     (a DTensor over DP, `data_parallel_sharding = "full"`) as the boxes of this rank's rows,
-    its fp32 master (in the run's dtype: a copy of the rank's rows only, when 16-bit).  The
-    same tensors every layout writes: nothing is gathered."""
+    its fp32 master (in the run's dtype: a copy of the rank's rows only, when 16-bit); the
+    `STATE_BUFFERS` (expert biases) as they are.  The same tensors every layout writes:
+    nothing is gathered."""
     names = {p: n for n, p in params.items()}
     weights = {
         n: global_tensor(own_storage(p.detach()), p, mesh, writing=True)
         for n, p in params.items()
         if not isinstance(p, DTensor)
     }
+    # The expert biases (fp32, the same on every rank holding the layer: written once).
+    weights.update(named_buffers(run.chunks))
     for shard in run.optimizer.shards:
         name = names.get(shard.param)
         if name is None or not isinstance(shard.param, DTensor) or shard.start == shard.end:
