@@ -30,8 +30,10 @@ import torch.distributed as dist
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
 from megatrain.checkpoint.convert import convert
+from megatrain.checkpoint.files import CheckpointError
 from megatrain.checkpoint.load import read_full_state
 from megatrain.config import ConfigError, load_config, validate
+from megatrain.hf.llama import export_llama
 from megatrain.models import build_model_chunks, model_config, moe
 from megatrain.parallelize import sum_expert_loads
 from megatrain.run.loop import train
@@ -298,6 +300,11 @@ def test_a_run_with_expert_bias_resumes_bitwise(layouts, tmp_path):
         assert converted[name].dtype == torch.float32, name
         assert torch.equal(converted[name], ends["whole"][name]), name
     assert converted["embedding.weight"].dtype == torch.bfloat16
+    # export-hf refuses the biases (HF's mixtures route without one), naming the field.
+    meta, state = read_full_state(out.parent, progress=False)
+    meta["config"]["model"]["moe_router_score_function"] = "softmax"  # the bias alone differs
+    with pytest.raises(CheckpointError, match=r"model\.moe_router_enable_expert_bias is True"):
+        export_llama(meta, state, out / "tokenizer.json", tmp_path / "hf", "float32")
 
 
 @pytest.mark.parametrize(
