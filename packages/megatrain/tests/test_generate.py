@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +11,11 @@ from click.testing import CliRunner
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
+from megatrain.checkpoint.files import find_checkpoint, read_meta
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.inference.generate import Sampling, filter_logits, generate
-from megatrain.inference.load import load_model
+from megatrain.inference.load import check_layout, load_model
 from megatrain.run.loop import train
 from megatrain.testing import grammar_texts, write_text_corpus
 
@@ -26,7 +28,7 @@ def corpus(tmp_path_factory):
     return str(root)
 
 
-def _config(corpus, out, ckpt):
+def _config(corpus, out, ckpt, overrides=()):
     return load_config(
         None,
         [
@@ -50,8 +52,15 @@ def _config(corpus, out, ckpt):
             f"data.corpus={corpus!r}",
             f"training.output_dir={out!r}",
             f"checkpoint.save={ckpt!r}",
+            *overrides,
         ],
     )
+
+
+# A Llama whose MLPs are 4 experts, 2 a token, trained with them over 2 expert-parallel ranks.
+MOE = ['model.kind="llama"', "model.num_moe_experts=4", "model.moe_router_topk=2",
+       "parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2",
+       "training.train_iters=8", "training.eval_interval=8"]  # fmt: skip
 
 
 def _generations(ckpt: str) -> dict:
@@ -91,6 +100,15 @@ def _train_then_generate(corpus, out):
         ps.initialize_model_parallel(tp, 1)
         results[f"tp{tp}"] = _generations(ckpt)
         ps.destroy_model_parallel()
+    # Experts trained at ep 2 read at tp 2 (split over TP as expert tensor parallelism, the
+    # TP ranks' shared tokens dispatched without sequence parallelism) and whole at tp 1.
+    moe = f"{out}/moe-ckpt"
+    train(_config(corpus, f"{out}/moe-run", moe, MOE))
+    check_layout(read_meta(find_checkpoint(moe)), 2, 1, Path(moe))
+    for tp in (2, 1):
+        ps.initialize_model_parallel(tp, 1)
+        results[f"moe-tp{tp}"] = _generations(moe)
+        ps.destroy_model_parallel()
     return results
 
 
@@ -119,6 +137,11 @@ def test_kv_cache_and_tp_do_not_change_generation(generated):
         assert all(v == values[0] for v in values), key
     # The tiny grammar: after "the cat sat on" a trained model says " the".
     assert first["tp2"]["text"].startswith(" the"), first["tp2"]["text"]
+    # The mixture of experts: the same tokens at tp 2 and tp 1, with and without the cache.
+    moe = [r[f"moe-{tp}"] for r in ranks for tp in ("tp2", "tp1")]
+    for g in moe:
+        assert g["greedy_cache"] == g["greedy_full"] == moe[0]["greedy_cache"]
+        assert g["cache_max_diff"] < 1e-5
 
 
 def test_generate_command_at_tp2_and_tp1(generated):

@@ -7,6 +7,7 @@ checkpoint directory and is checked against the hash the training corpus had,
 so a model is never run with another tokenizer's ids.
 """
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,8 +144,16 @@ def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
     # own (context parallelism splits sequences, not the model).
     p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
     p.context_parallel_size = 1
+    # Forward passes split experts over tp (expert tensor parallelism, no expert parallelism)
+    # and have no gradients, so training's rule that MoE at tp > 1 needs sequence parallelism
+    # (else each token's expert gradient counts once per TP rank) is not checked here: the TP
+    # ranks' shared tokens each come back from the experts once.
+    checked = copy.deepcopy(config)
+    checked.parallel.expert_model_parallel_size = 1
+    checked.parallel.expert_tensor_parallel_size = None
+    checked.parallel.sequence_parallel |= config.model.num_moe_experts is not None
     try:
-        validate(config)
+        validate(checked)
     except ConfigError as e:
         raise CheckpointError(f"{where}: cannot be split to --tp {tp} --pp {pp}: {e}") from e
     return config
