@@ -75,6 +75,8 @@ ROUTING = {
         "model.moe_router_bias_update_rate=0.05",  # moves the routing of step 2
     ],
     "capacity": ["model.moe_expert_capacity_factor=1.0"],
+    # Per-sequence balance: its counts are per sequence, whose tokens SP and CP split apart.
+    "seq-aux": ["model.moe_router_load_balancing_type='seq_aux_loss'"],
 }
 # Two layers a chunk for the interleaved pipeline (pp 2 x vpp 2).
 ROUTING["sigmoid-bias-4-layers"] = [*ROUTING["sigmoid-bias"], "model.num_layers=4"]
@@ -103,6 +105,7 @@ LAYOUTS = {
         "sigmoid-bias-4-layers", [*PP2, *ep(2), "parallel.virtual_pipeline_model_parallel_size=2"]),
     "ep4-capacity": ("capacity", ep(4)),
     "cp2-ep2": ("softmax", [*ep(2), "parallel.context_parallel_size=2"]),
+    "tp2-sp-cp2-ep2-seq-aux": ("seq-aux", [*TP2_SP, "parallel.context_parallel_size=2", *ep(2)]),
 }  # fmt: skip
 
 
