@@ -2,6 +2,7 @@
 this machine.
 
     python benchmarks/bench_plan.py                  # writes benchmarks/results/plan-cpu.json
+    python benchmarks/bench_plan.py --published      # writes benchmarks/results/plan-published.json
 
 Calibrates the time model here (`megatrain.plan.calibrate`: GEMMs, a copy and layers, one thread
 per rank, all-reduces over 2 gloo processes), then trains a small GPT (4 layers, hidden 256,
@@ -11,6 +12,12 @@ taking turns for `--rounds` rounds of `--warmup` + `--iters` steps (a barrier on
 each step); a layout's time is its fastest step (the machine may be shared).  Each layout is also
 estimated by the planner with the calibrated profile.  Reported: both times, both rankings,
 Kendall's tau between them and the share of pairs ordered alike.  About a minute on 2 cores.
+
+`--published` instead sets the planner beside published runs (megatrain/plan/published_runs.toml,
+`megatrain.plan.published`): for each, the planner's number at the run's own layout (the
+built-in profile, or `--profile FILE`), the published one, their ratio and whether it is within
+15%; then how many "check" rows (never used for fitting) are within 15% and their median
+absolute error.  Seconds; no workers.
 """
 
 import argparse
@@ -30,6 +37,8 @@ from bench_gpt_train import random_docs, write_corpus
 from megatrain.config import Config, ModelConfig, TrainingConfig
 from megatrain.plan.calibrate import calibrate
 from megatrain.plan.cost_model import Layout, apply_layout, estimate
+from megatrain.plan.hardware import builtin_profile, load_profile
+from megatrain.plan.published import load_runs, predict
 from megatrain.run import launch
 
 VOCAB = 2048
@@ -95,13 +104,92 @@ def _kendall(a: list[float], b: list[float]) -> tuple[float, float]:
     return float(np.mean(signs)), float(np.mean([s > 0 for s in signs]))
 
 
+TOLERANCE = 0.15  # issue 50: the plan within 15% of each checking row
+
+
+def published(out: Path, profile_path: str | None) -> dict:
+    """The planner beside every published run; the record written to `out`."""
+    started = time.perf_counter()
+    profile = load_profile(profile_path) if profile_path else builtin_profile()
+    rows = []
+    for run in load_runs():
+        value, result = predict(run, profile)
+        ratio = value / run.value
+        rows.append(
+            {
+                "name": run.name,
+                "use": run.use,
+                "gpu": run.gpu,
+                "gpus": run.gpus,
+                "layout": run.layout.describe(),
+                "seq_length": run.seq_length,
+                "global_batch": run.global_batch,
+                "metric": run.metric,
+                "published": run.value,
+                "predicted": value,
+                "ratio": ratio,
+                "within_15pct": abs(ratio - 1) <= TOLERANCE,
+                "predicted_mfu": result.mfu,
+                "predicted_fits": result.fits,
+                "assumed": list(run.assumed),
+                "source": run.source,
+            }
+        )
+    print(f"profile: {profile.source}")
+    print(f"{'run':<40} {'use':<5} {'metric':<10} {'published':>10} {'predicted':>10} ratio")
+    short = {"tokens_per_s_per_gpu": "tok/s/GPU", "hardware_tflops_per_gpu": "HW TF/GPU"}
+    for row in rows:
+        mark = "ok" if row["within_15pct"] else "off"
+        fits = "" if row["predicted_fits"] else "  (plan: does not fit)"
+        print(
+            f"{row['name']:<40} {row['use']:<5} {short.get(row['metric'], 'model TF/GPU'):<10} "
+            f"{row['published']:>10.1f} {row['predicted']:>10.1f} {row['ratio']:5.2f} {mark}{fits}"
+        )
+    summary = {}
+    for use in ("check", "fit"):
+        part = [r for r in rows if r["use"] == use]
+        errors = [abs(r["ratio"] - 1) for r in part]
+        summary[use] = {
+            "rows": len(part),
+            "within_15pct": sum(r["within_15pct"] for r in part),
+            "median_abs_error": statistics.median(errors) if errors else None,
+        }
+        if part:
+            print(
+                f"{use} rows: {summary[use]['within_15pct']} of {len(part)} within 15%, "
+                f"median absolute error {summary[use]['median_abs_error']:.0%}"
+            )
+    record = {
+        "benchmark": "plan-published",
+        "profile": profile.source,
+        "tolerance": TOLERANCE,
+        "summary": summary,
+        "runs": rows,
+        "seconds": time.perf_counter() - started,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/plan-cpu.json")
+    parser.add_argument(
+        "--out", help="default: benchmarks/results/plan-cpu.json (plan-published.json)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--published", action="store_true", help="the planner beside published runs instead"
+    )
+    parser.add_argument("--profile", help="with --published: a profile file (default: built-in)")
     args = parser.parse_args()
+    if args.published:
+        published(Path(args.out or "benchmarks/results/plan-published.json"), args.profile)
+        return
+    args.out = args.out or "benchmarks/results/plan-cpu.json"
     started, load_before = time.perf_counter(), os.getloadavg()
 
     torch.set_num_threads(1)  # as each of the 2 ranks will run

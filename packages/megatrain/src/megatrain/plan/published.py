@@ -1,0 +1,234 @@
+"""Published training runs (published_runs.toml) and the planner's prediction of each.
+
+`load_runs` reads the table into `PublishedRun`s, refusing a malformed row with an error
+that names the row and the field; `predict` estimates a run at its own layout with
+cost_model.estimate and returns the number the source published (tokens/s per GPU, or
+hardware or model TFLOP/s per GPU).  `benchmarks/bench_plan.py --published` prints the two
+side by side.  Rows marked use = "check" were never used to fit the profile.
+"""
+
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from megatrain.config import Config, ConfigError, ModelConfig, TrainingConfig, validate
+from megatrain.plan.cost_model import Estimate, Layout, estimate
+from megatrain.plan.hardware import PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+USES = ("fit", "check")
+METRICS = ("tokens_per_s_per_gpu", "hardware_tflops_per_gpu", "model_tflops_per_gpu")
+KINDS = ("gpt", "llama", "bert")
+RECOMPUTE = ("none", "selective", "full")
+SHARDING = ("none", "optimizer", "full")
+# (field, type, required) per section; ints are sizes (> 0).
+_TOP = {"name": str, "use": str, "source": str, "where": str}
+_MODEL = {"kind": str, "layers": int, "hidden": int, "heads": int, "ffn": int, "vocab": int}
+_MODEL_OPTIONAL = {"query_groups": int}
+_LAYOUT = {
+    "gpu": str, "gpus": int, "tp": int, "pp": int, "dp": int, "micro_batch": int,
+    "global_batch": int, "seq_length": int, "precision": str, "recompute": str, "sharding": str,
+}  # fmt: skip
+_LAYOUT_OPTIONAL = {"vpp": int, "cp": int, "ep": int, "sequence_parallel": bool}
+_PUBLISHED = {"metric": str, "value": float, "definition": str}
+_PUBLISHED_OPTIONAL = {"assumed": list}
+_TYPE_NAMES = {str: "a string", int: "a whole number", float: "a number", bool: "true or false",
+               list: "a list"}  # fmt: skip
+
+
+class PublishedError(ValueError):
+    """A published_runs.toml row that cannot be used; the message names the row and field."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    use: str  # "fit" or "check"
+    source: str
+    where: str
+    model: dict  # kind, layers, hidden, heads, ffn, vocab, query_groups (optional)
+    gpu: str  # a key of the GPU table
+    gpus: int
+    layout: Layout
+    global_batch: int
+    seq_length: int
+    precision: str
+    metric: str
+    value: float
+    definition: str
+    assumed: tuple = field(default_factory=tuple)
+
+    def config(self) -> Config:
+        """The run as a megatrain config (its layout applied by `estimate`)."""
+        m = self.model
+        return Config(
+            model=ModelConfig(
+                kind=m["kind"],
+                num_layers=m["layers"],
+                hidden_size=m["hidden"],
+                num_attention_heads=m["heads"],
+                num_query_groups=m.get("query_groups"),
+                ffn_hidden_size=m["ffn"],
+                max_position_embeddings=self.seq_length,
+                vocab_size=m["vocab"],
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                recompute=self.layout.recompute,
+            ),
+            training=TrainingConfig(
+                seq_length=self.seq_length,
+                micro_batch_size=self.layout.micro_batch,
+                global_batch_size=self.global_batch,
+                precision=self.precision,
+            ),
+        )
+
+
+def _fields(row: dict, section: str, where: str, required: dict, optional: dict) -> dict:
+    """`row`'s fields of `required` (all present) and `optional`, type-checked."""
+    known = {**required, **optional}
+    unknown = [k for k in row if k not in known]
+    if unknown:
+        raise PublishedError(
+            f"{where}: unknown field {section}{unknown[0]}; known: {', '.join(known)}"
+        )
+    out = {}
+    for name, kind in known.items():
+        if name not in row:
+            if name in required:
+                raise PublishedError(f"{where}: {section}{name} is missing")
+            continue
+        value = row[name]
+        ok = (
+            isinstance(value, int | float) and not isinstance(value, bool)
+            if kind is float
+            else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        )
+        if not ok:
+            raise PublishedError(f"{where}: {section}{name} = {value!r} is not {_TYPE_NAMES[kind]}")
+        if kind in (int, float) and value <= 0:
+            raise PublishedError(f"{where}: {section}{name} = {value!r} must be positive")
+        out[name] = float(value) if kind is float else value
+    return out
+
+
+def _choice(value: str, choices: tuple, where: str, name: str) -> None:
+    if value not in choices:
+        raise PublishedError(f"{where}: {name} = {value!r}; expected one of {', '.join(choices)}")
+
+
+def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedRun:
+    where = f"{source}: run {index + 1}"
+    if not isinstance(row, dict):
+        raise PublishedError(f"{where}: not a table")
+    if isinstance(row.get("name"), str):
+        where = f"{source}: run {row['name']!r}"
+    top = _fields(
+        {k: v for k, v in row.items() if k not in ("model", "layout", "published")},
+        "", where, _TOP, {},
+    )  # fmt: skip
+    for section in ("model", "layout", "published"):
+        if not isinstance(row.get(section), dict):
+            raise PublishedError(f"{where}: [run.{section}] is missing")
+    model = _fields(row["model"], "model.", where, _MODEL, _MODEL_OPTIONAL)
+    lay = _fields(row["layout"], "layout.", where, _LAYOUT, _LAYOUT_OPTIONAL)
+    pub = _fields(row["published"], "published.", where, _PUBLISHED, _PUBLISHED_OPTIONAL)
+    _choice(top["use"], USES, where, "use")
+    _choice(model["kind"], KINDS, where, "model.kind")
+    _choice(lay["precision"], PRECISIONS, where, "layout.precision")
+    _choice(lay["recompute"], RECOMPUTE, where, "layout.recompute")
+    _choice(lay["sharding"], SHARDING, where, "layout.sharding")
+    _choice(pub["metric"], METRICS, where, "published.metric")
+    _choice(lay["gpu"], tuple(gpus), where, "layout.gpu")
+    vpp = lay.get("vpp", 1)
+    layout = Layout(
+        tp=lay["tp"],
+        pp=lay["pp"],
+        dp=lay["dp"],
+        vpp=vpp,
+        cp=lay.get("cp", 1),
+        ep=lay.get("ep", 1),
+        micro_batch=lay["micro_batch"],
+        recompute=lay["recompute"],
+        sequence_parallel=lay.get("sequence_parallel", False),
+        distributed_optimizer=lay["sharding"] == "optimizer",
+        fsdp=lay["sharding"] == "full",
+        schedule="interleaved" if vpp > 1 else "1f1b",
+    )
+    if layout.gpus != lay["gpus"]:
+        raise PublishedError(
+            f"{where}: layout.gpus = {lay['gpus']} but tp x cp x pp x dp = {layout.gpus}"
+        )
+    run = PublishedRun(
+        **top,
+        model=model,
+        gpu=lay["gpu"],
+        gpus=lay["gpus"],
+        layout=layout,
+        global_batch=lay["global_batch"],
+        seq_length=lay["seq_length"],
+        precision=lay["precision"],
+        metric=pub["metric"],
+        value=pub["value"],
+        definition=pub["definition"],
+        assumed=tuple(pub.get("assumed", ())),
+    )
+    try:  # the same checks a run of this config gets before any worker starts
+        from megatrain.plan.cost_model import apply_layout
+
+        validate(apply_layout(run.config(), layout), world_size=layout.gpus)
+    except ConfigError as e:
+        raise PublishedError(f"{where}: not a valid layout for its model: {e}") from e
+    return run
+
+
+def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
+    """The runs of `path` (default: the package's published_runs.toml), checked."""
+    if path is None:
+        text, source = (
+            resources.files(__package__).joinpath("published_runs.toml").read_text(),
+            "published_runs.toml",
+        )
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise PublishedError(f"published runs file {path} does not exist")
+        text, source = path.read_text(), str(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PublishedError(f"{source}: not valid TOML: {e}") from e
+    rows = data.get("run")
+    if not isinstance(rows, list) or not rows:
+        raise PublishedError(f"{source}: no [[run]] tables")
+    gpus = load_gpus()
+    runs = [_run(row, i, source, gpus) for i, row in enumerate(rows)]
+    names = [r.name for r in runs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise PublishedError(f"{source}: run name {twice[0]!r} appears twice")
+    return runs
+
+
+def predicted(run: PublishedRun, result: Estimate, gpu: Gpu) -> float:
+    """The planner's number for `run.metric` from its estimate `result`."""
+    if run.metric == "tokens_per_s_per_gpu":
+        return run.global_batch * run.seq_length / (result.time["total"] * run.gpus)
+    if run.metric == "hardware_tflops_per_gpu":
+        return result.tflops_per_gpu
+    return result.mfu * gpu.peak_flops(run.precision) / 1e12
+
+
+def predict(run: PublishedRun, profile: Profile | None = None) -> tuple[float, Estimate]:
+    """(the planner's number for `run.metric` at the run's layout, the whole estimate)."""
+    gpu = load_gpus()[run.gpu]
+    result = estimate(
+        run.config(), run.layout, gpu, profile or builtin_profile(), run.model["vocab"],
+        run.global_batch,
+    )  # fmt: skip
+    return predicted(run, result, gpu), result
