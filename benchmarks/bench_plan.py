@@ -153,11 +153,14 @@ def published(out: Path, profile_path: str | None) -> dict:
             "rows": len(part),
             "within_15pct": sum(r["within_15pct"] for r in part),
             "median_abs_error": statistics.median(errors) if errors else None,
+            # every one of these ran: a plan that says it does not fit over-counts memory
+            "plan_says_does_not_fit": sum(not r["predicted_fits"] for r in part),
         }
         if part:
             print(
                 f"{use} rows: {summary[use]['within_15pct']} of {len(part)} within 15%, "
-                f"median absolute error {summary[use]['median_abs_error']:.0%}"
+                f"median absolute error {summary[use]['median_abs_error']:.0%}; "
+                f"{summary[use]['plan_says_does_not_fit']} that ran would not fit by the plan"
             )
     record = {
         "benchmark": "plan-published",
