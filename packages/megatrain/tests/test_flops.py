@@ -148,3 +148,64 @@ def test_bert_flops_by_hand():
     assert hardware == model  # the config recomputes nothing
     cfg.recompute = "full"
     assert bert.hardware_flops_per_iteration(cfg, b, s) == pytest.approx(4 * layers + 3 * heads)
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2-1.2b", "bert-336m", "llama3-8b", "qwen3-30b-a3b", "mixtral-8x7b"]
+)
+def test_layer_gemms_are_the_counted_flops_and_weights(name):
+    """accounting.layer_gemms, the one description of a layer the time model reads: its
+    FLOPs per token are the closed forms of Narayanan et al. (GPT-2, BERT), with grouped K/V
+    and SwiGLU's third matrix (Llama 3), kv_channels (Qwen3) and k active experts (MoE), and
+    its weights every matrix layer_parameters counts."""
+    from megatrain.plan.accounting import (
+        expert_ffn_size,
+        layer_gemms,
+        layer_parameters,
+        moe_layer_count,
+        transformer_forward_flops,
+    )
+
+    cfg = model_config(load_config(MODELS / f"{name}.toml"), 32000)
+    h, f, a = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
+    d = cfg.kv_channels or h // a
+    g = cfg.num_query_groups or a
+    mlp = 3 if cfg.swiglu else 2
+    attention = 2 * h * (2 * a * d + 2 * g * d)  # q and proj, k and v
+    moe = cfg.num_moe_experts is not None and cfg.num_moe_experts > 0
+    k_active = cfg.moe_router_topk * expert_ffn_size(cfg) if moe else 0
+    shared = (cfg.moe_shared_expert_intermediate_size or 0) if moe else 0
+    want = attention + 2 * mlp * h * (k_active + shared if moe else f)
+    gemms = layer_gemms(cfg, moe)
+    assert sum(x.flops_per_token for x in gemms if x.model_flops) == want
+    # the router's 2 h E per token is timed, not counted (Megatron-LM's count)
+    assert [x.name for x in gemms if not x.model_flops] == (["router"] if moe else [])
+    if name == "gpt2-1.2b":
+        assert want == 24 * h * h  # 8 h^2 attention + 16 h^2 MLP at f = 4h
+        assert [x.name for x in gemms] == ["qkv", "proj", "fc1", "fc2"]
+    if name == "llama3-8b":  # 8 query heads a group; gate, fc1 (up) and fc2 (down)
+        assert [x.name for x in gemms] == ["q", "kv", "proj", "gate", "fc1", "fc2"]
+        assert want == 2 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    # The whole forward pass of the layers: these per token, for every layer and token.
+    b, s, n = 2, 512, cfg.num_layers
+    layers = moe_layer_count(cfg)
+    dense = sum(x.flops_per_token for x in layer_gemms(cfg) if x.model_flops)
+    per_token = (n - layers) * dense + layers * sum(
+        x.flops_per_token for x in layer_gemms(cfg, True) if x.model_flops
+    )
+    assert transformer_forward_flops(cfg, b, s) == (b * s * per_token, n * 4 * b * s * s * a * d)
+    # Weights: the matrices of layer_parameters (E experts each), without biases and norms.
+    experts = cfg.num_moe_experts if moe else 1
+    matrices = sum(x.weights * (experts if x.name.startswith("experts.") else 1) for x in gemms)
+    gate = h if moe and cfg.moe_shared_expert_gate else 0
+    bias_and_norms = layer_parameters(cfg, moe) - matrices + gate
+    qkv_bias = (a * d + 2 * g * d) if cfg.add_bias or cfg.add_qkv_bias else 0
+    norms = (4 if cfg.normalization == "layernorm" else 2) * h
+    qk_norms = (2 if cfg.normalization == "layernorm" else 1) * 2 * d if cfg.qk_layernorm else 0
+    other_biases = (f * (mlp - 1) + 2 * h) if cfg.add_bias else 0
+    assert bias_and_norms == qkv_bias + norms + qk_norms + other_biases + gate
+    # per rank: the key/value groups split over tp, one whole group a rank when fewer
+    for x in gemms:
+        if x.split == "kv":
+            assert x.per_rank(2 * g) == (h, 2 * d)
+            assert x.per_rank(g // 2 or 1)[1] * (g // 2 or 1) == x.n

@@ -353,12 +353,19 @@ def _plan_error(message: str) -> None:
     help="The time model's constants measured by --calibrate [default: the built-in ones, "
     "fitted to the paper's V100 runs].",
 )
+@click.option(
+    "--attention",
+    type=click.Choice(["flash", "unfused"]),
+    help="The attention kernel the time and memory model assume: flash (fused: O(s h) bytes, "
+    "causal half skipped, no s x s scores kept) or unfused (the scores materialized, the "
+    "2019 kernels) [default: the GPU table's: flash on A100 and newer, unfused on V100].",
+)
 @click.option("--calibrate", is_flag=True, help="Measure this machine's constants and write --out.")
 @click.option("--out", type=click.Path(dir_okay=False), help="--calibrate's file.")
 @click.option("--ranks", type=click.IntRange(min=1), default=2, help="--calibrate, CPU: processes.")
 def plan_command(
     config_path, overrides, gpus, gpu_key, gpu_file, nodes_of, global_batch, top, as_json,
-    profile_path, calibrate, out, ranks,
+    profile_path, attention, calibrate, out, ranks,
 ):  # fmt: skip
     """Rank the layouts of --config on --gpus GPUs by predicted step time.
 
@@ -396,7 +403,9 @@ def plan_command(
         if not gpus:
             _plan_error("--gpus is required: the GPUs of the job")
         profile = hardware.load_profile(profile_path) if profile_path else None
-        gpu = hardware.job_gpu(gpus, gpu_key, gpu_file, nodes_of, profile)
+        gpu = hardware.with_attention(
+            hardware.job_gpu(gpus, gpu_key, gpu_file, nodes_of, profile), attention
+        )
         config = load_config(config_path, list(overrides))
         if not config.model.vocab_size:
             _plan_error(

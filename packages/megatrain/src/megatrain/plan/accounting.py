@@ -242,6 +242,99 @@ def parameters_per_gpu(
 # ---------------------------------------------------------------------------- FLOPs
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """One weight GEMM of a layer, as the model runs it: each token's [k] x [k, n] (whole,
+    all TP ranks together), `copies` times (a MoE token goes through its k routed experts),
+    split over tensor parallelism as `split` says (`per_rank`):
+
+    - "column": the outputs / tp (column-parallel: qkv, q, gate, fc1);
+    - "row": the inputs / tp (row-parallel: proj, fc2);
+    - "kv": grouped-query attention's key/value projection, its g groups / tp, or one
+      whole group per rank when g < tp (`ReplicatedKV`);
+    - "expert_column", "expert_row": a routed expert's, over etp;
+    - "replicated": whole on every rank (the router, the shared expert's gate).
+
+    `model_flops`: counted in the FLOPs of MFU (the router's and the shared expert gate's
+    2 h E and 2 h per token are not, as Megatron-LM's `num_floating_point_operations`)."""
+
+    name: str
+    k: int
+    n: int
+    split: str
+    copies: int = 1
+    groups: int = 0  # "kv": the key/value groups
+    model_flops: bool = True
+
+    @property
+    def flops_per_token(self) -> int:
+        return 2 * self.copies * self.k * self.n
+
+    @property
+    def weights(self) -> int:
+        """The weight's parameters (one expert's for a routed expert: x E for all)."""
+        return self.k * self.n
+
+    def per_rank(self, tp: int, etp: int | None = None) -> tuple[float, float]:
+        """(k, n) of this GEMM on one rank at tensor parallelism tp (experts: etp, None: tp)."""
+        etp = tp if etp is None else etp
+        if self.split == "kv":
+            return self.k, self.n / self.groups * max(self.groups, tp) / tp
+        divide = {"column": (1, tp), "row": (tp, 1), "expert_column": (1, etp),
+                  "expert_row": (etp, 1), "replicated": (1, 1)}[self.split]  # fmt: skip
+        return self.k / divide[0], self.n / divide[1]
+
+
+def _mlp_gemms(h: int, f: int, swiglu: bool, prefix: str = "") -> list[Gemm]:
+    """A dense MLP's GEMMs: SwiGLU's gate and fc1 (SiLU(gate) x fc1), or GeLU's fc1; fc2."""
+    up = [Gemm(prefix + "gate", h, f, "column")] if swiglu else []
+    return [*up, Gemm(prefix + "fc1", h, f, "column"), Gemm(prefix + "fc2", f, h, "row")]
+
+
+def layer_gemms(cfg: TransformerConfig, moe: bool = False) -> list[Gemm]:
+    """The weight GEMMs of one TransformerLayer, as models/transformer.py and models/moe.py
+    run them (one description of a layer for the FLOP count and `megatrain plan`'s time
+    model): the attention's qkv (3 x heads x head_dim), or with grouped-query attention q
+    and kv (2 g d); the projection; the MLP (`_mlp_gemms`); a MoE layer (`moe`) has in
+    place of the MLP the router [h, E], the routed experts' weight1 (h x f_e, 2 f_e with
+    SwiGLU, gate and up in one) and weight2 (f_e x h), `moe_router_topk` copies of each
+    token, and the shared expert (an MLP of `moe_shared_expert_intermediate_size`) with its
+    gate [h, 1].  The attention core (scores and context) is not a weight GEMM:
+    `attention_core_flops`."""
+    h, d, a = cfg.hidden_size, _head_dim(cfg), cfg.num_attention_heads
+    width, groups = _attention_width(cfg), cfg.num_query_groups or a
+    if groups == a:
+        attention = [Gemm("qkv", h, 3 * width, "column")]
+    else:
+        attention = [Gemm("q", h, width, "column"), Gemm("kv", h, 2 * groups * d, "kv", 1, groups)]
+    attention.append(Gemm("proj", width, h, "row"))
+    if not moe:
+        return attention + _mlp_gemms(h, cfg.ffn_hidden_size, cfg.swiglu)
+    f_e, k = expert_ffn_size(cfg), cfg.moe_router_topk
+    up = 2 * f_e if cfg.swiglu else f_e
+    experts = [
+        Gemm("router", h, cfg.num_moe_experts, "replicated", model_flops=False),
+        Gemm("experts.weight1", h, up, "expert_column", copies=k),
+        Gemm("experts.weight2", f_e, h, "expert_row", copies=k),
+    ]
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        experts += _mlp_gemms(h, shared, cfg.swiglu, "shared_expert.")
+        if cfg.moe_shared_expert_gate:
+            experts.append(Gemm("shared_expert_gate", h, 1, "replicated", model_flops=False))
+    return attention + experts
+
+
+def attention_core_flops(
+    cfg: TransformerConfig, queries: int, keys: int, causal_skip: bool
+) -> float:
+    """FLOPs of one layer's attention core for `queries` against `keys` (one sequence):
+    scores QK^T and scores x V, 2 x 2 queries keys (heads x head_dim).  `causal_skip`: a
+    kernel that skips the masked blocks of causal attention (flash) does half."""
+    full = 4 * queries * keys * _attention_width(cfg)
+    return full / 2 if causal_skip and cfg.causal else full
+
+
 def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float]:
     """FLOPs of one forward pass of the layers, in two parts the recompute modes redo
     differently: (the dense matmuls, the attention cores).
@@ -255,12 +348,14 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
     counts it, though a causal kernel skips the masked half).  Embeddings, norms, GeLU,
     softmax and dropout are not matmuls and are left out.
     """
-    b, s, n, h = batch, seq, cfg.num_layers, cfg.hidden_size
-    qkv, mlp, _, _ = _layer_shapes(cfg)  # grouped-query K/V and SwiGLU's third matrix count
-    width = _attention_width(cfg)  # h, or heads x kv_channels
-    moe = moe_layer_count(cfg)
-    mlp_width = (n - moe) * cfg.ffn_hidden_size + moe * active_ffn_width(cfg)
-    return 2 * b * s * h * (n * (qkv + width) + mlp * mlp_width), n * 4 * b * s * s * width
+    n, moe = cfg.num_layers, moe_layer_count(cfg)
+    per_token = (n - moe) * _gemm_flops(cfg, False) + (moe * _gemm_flops(cfg, True) if moe else 0)
+    return batch * seq * per_token, n * batch * attention_core_flops(cfg, seq, seq, False)
+
+
+def _gemm_flops(cfg: TransformerConfig, moe: bool) -> int:
+    """Model FLOPs per token of one layer's weight GEMMs (`layer_gemms`)."""
+    return sum(g.flops_per_token for g in layer_gemms(cfg, moe) if g.model_flops)
 
 
 def active_ffn_width(cfg: TransformerConfig) -> int:
@@ -508,7 +603,9 @@ def moe_dispatch_bytes(config: Config) -> float:
     return 2 * 2 * tokens * etp * m.moe_router_topk * m.hidden_size
 
 
-def activations_per_layer(config: Config, recompute: str, moe: bool = False) -> float:
+def activations_per_layer(
+    config: Config, recompute: str, moe: bool = False, attention: str = "unfused"
+) -> float:
     """Bytes one layer keeps for one microbatch (Korthikanti et al. 2022, section 4; 16-bit
     activations, 1-byte dropout masks), s sequence, b micro batch, h hidden, a heads, t tp:
 
@@ -519,9 +616,13 @@ def activations_per_layer(config: Config, recompute: str, moe: bool = False) -> 
         full       2 s b h, the layer's input (/ t with sequence parallelism or
                    distribute_saved_activations)
 
-    The 5 a s / h term is what attention that materializes its s x s scores keeps; the fused
-    SDPA kernels (flash, memory-efficient) keep only their output and a row statistic, so
-    "none" is an upper bound there.
+    The 5 a s / h term is what attention that materializes its s x s scores keeps
+    (`attention` "unfused", the default: the paper's kernels, and an upper bound for a real
+    run whatever SDPA picks).  `attention` "flash" (what SDPA runs in 16 bits on Ampere and
+    newer; `flash_attention`) keeps no scores: in place of the term, "none" keeps the
+    kernel's fp32 row statistic (log-sum-exp), 4 a s b / t bytes, and its output is the
+    projection's input counted above.  Under context parallelism the choice does not apply
+    (see below: as megacore runs it).
 
     The 24 is what TP splits: q, k, v and the projection's input (8), the MLP's two
     f-wide tensors (16 at f = 4h); the 10 what it does not (the norms' and the linears'
@@ -556,7 +657,28 @@ def activations_per_layer(config: Config, recompute: str, moe: bool = False) -> 
         return per_token
     if cp > 1:
         return per_token + context_parallel_attention_per_layer(config)
+    if flash_attention(config, attention):
+        return per_token + 4 * a * s * b / tp
     return per_token + s * b * h * 5 * a * whole / (h * tp)
+
+
+ATTENTION_CHOICES = ("flash", "unfused")
+
+
+def flash_attention(config: Config, attention: str) -> bool:
+    """Whether a layer's attention core runs as a flash kernel (no s x s scores in memory,
+    causal blocks skipped): asked for (`attention` "flash"), in 16 bits (SDPA's flash kernel
+    takes no fp32) and without context parallelism (megacore's ring attention is plain
+    torch ops; its all-gather variant passes a mask).  "unfused": the scores materialized,
+    the 2019 kernels."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, not {attention!r}")
+    c = config
+    return (
+        attention == "flash"
+        and c.training.precision != "fp32"
+        and (c.parallel.context_parallel_size == 1)
+    )
 
 
 def context_parallel_attention_per_layer(config: Config) -> float:
@@ -620,14 +742,17 @@ def weight_grad_inputs_per_layer(config: Config) -> float:
 
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "BERT",
     "GPT",
     "KINDS",
     "MASKED_LM_PROB",
+    "Gemm",
     "ModelKind",
     "activations_per_layer",
     "active_ffn_width",
     "active_parameters",
+    "attention_core_flops",
     "bert_forward_flops",
     "bert_hardware_flops_per_iteration",
     "bert_model_flops_per_iteration",
@@ -636,12 +761,14 @@ __all__ = [
     "expert_ffn_size",
     "expert_layout",
     "expert_parameters_per_gpu",
+    "flash_attention",
     "flops_per_iteration",
     "fsdp_gathered_bytes",
     "gpt_forward_flops",
     "gpt_hardware_flops_per_iteration",
     "gpt_model_flops_per_iteration",
     "gpt_parameters",
+    "layer_gemms",
     "layer_parameters",
     "layer_parameters_per_rank",
     "moe_dispatch_bytes",

@@ -13,9 +13,17 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   per-head products at a small head size: why more heads scale worse, the paper's Table
   7), plus a fixed time tau per GEMM (`gemm_overhead_us`), equivalently an efficiency
   e W / (W + W_half) that falls with the per-GPU size W of the GEMM, W_half = tau e peak:
-  why splitting a small model over more GPUs gains less (Table 8).  Per layer: QKV, the
-  projection, the two MLP GEMMs (each / tp), the two attention products per head; the
-  backward runs two GEMMs per forward one (the input's and the weight's gradients).
+  why splitting a small model over more GPUs gains less (Table 8).  Per layer: the
+  model's own GEMMs (`accounting.layer_gemms`, the list the FLOP count sums: QKV, or Q and
+  grouped K/V; the projection; the MLP's two, or SwiGLU's three; a MoE layer's router,
+  experts and shared expert), each split over tp as the model splits it; the backward
+  runs two GEMMs per forward one (the input's and the weight's gradients).
+- **The attention core** (`attention_core_seconds`), as the GPU's entry says it runs
+  (`Gpu.attention`, `megatrain plan --attention`): "unfused", the 2019 kernels, two
+  products per head (the s x s scores written and read, their softmax and dropout among
+  the non-GEMM ops); "flash" (16 bits, cp 1), one fused kernel at
+  `attention_efficiency` of peak (FlashAttention's published figures), moving O(s h)
+  bytes, doing half the score FLOPs of causal attention, its backward 2.5 x its forward.
 - **Non-GEMM ops** (LayerNorm, GeLU, softmax, dropout, residual adds) are memory-bound:
   `elementwise_passes` x the bytes of activations the layer stores
   (`accounting.activations_per_layer`, recompute "none") / HBM bandwidth, twice that in the
@@ -77,10 +85,14 @@ from dataclasses import dataclass, field, replace
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
 from megatrain.config import Config
 from megatrain.models import model_config
+from megatrain.models.transformer import TransformerConfig
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
+    attention_core_flops,
+    flash_attention,
     flops_per_iteration,
+    layer_gemms,
     moe_layer_count,
 )
 from megatrain.plan.hardware import Gpu, Profile
@@ -248,6 +260,9 @@ class Costs:
         self.flops = gpu.peak_flops(precision) * profile.gemm_efficiency
         self.hbm = gpu.hbm_gbps * 1e9
         self.element = 4 if precision == "fp32" else 2
+        # the attention kernel (gpus.toml's `attention`): flash at this fraction of peak
+        self.attention = gpu.attention
+        self.attention_flops = gpu.peak_flops(precision) * (gpu.attention_efficiency or 0.0)
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """[m, k] x [k, n], `batch` times (a batched GEMM is one kernel)."""
@@ -259,6 +274,16 @@ class Costs:
         """A GEMM's forward and its backward: the input's gradient [m, n] x [n, k] and the
         weight's (or other operand's) [k, m] x [m, n]."""
         return self.gemm(m, n, k, batch), self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
+
+    def flash_attention(self, flops: float, nbytes: float) -> tuple[float, float]:
+        """A flash kernel's forward and backward doing `flops` in the forward (the backward
+        2.5 x: it recomputes the scores, 5 products to the forward's 2) and reading and
+        writing `nbytes` (q, k, v and the output; twice in the backward, with the
+        gradients): one kernel each, at `attention_efficiency` of peak."""
+        overhead = self.profile.gemm_overhead_s
+        forward = max(flops / self.attention_flops, nbytes / self.hbm) + overhead
+        backward = max(2.5 * flops / self.attention_flops, 2 * nbytes / self.hbm) + overhead
+        return forward, backward
 
     def elementwise(self, stored_bytes: float) -> float:
         return self.profile.elementwise_passes * stored_bytes / self.hbm
@@ -292,38 +317,33 @@ def layer_seconds(
     cp_bandwidth: float = 0.0,
     moe: bool = False,
     ep_bandwidth: float = 0.0,
+    cfg: TransformerConfig | None = None,
 ) -> dict:
     """Seconds one layer takes for one microbatch on one TP rank, by part (`bandwidth`: the
     TP group's, `cp_bandwidth`: the CP group's); `moe`: a MoE layer (`moe_seconds`, its
-    all-to-alls over `ep_bandwidth`)."""
+    all-to-alls over `ep_bandwidth`).  The GEMMs are the model's (`accounting.layer_gemms`
+    of `cfg`, the config's model when None)."""
     m, t = config.model, config.training
     cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
     local = s // cp  # the rank's tokens of each sequence
-    h, a, f = m.hidden_size, m.num_attention_heads, config.ffn_hidden_size
-    tokens, head = local * b, h // a
-    shapes = _dense_shapes(h, f, tp)
-    if moe:  # the experts in place of the dense MLP (the shared expert is a dense MLP)
-        shared = m.moe_shared_expert_intermediate_size
-        shapes = shapes[:2] + (_dense_shapes(h, shared, tp)[2:] if shared else [])
+    cfg = cfg or model_config(config, m.vocab_size or 1)  # the layers do not see the vocabulary
+    tokens, h = local * b, m.hidden_size
+    shapes = _dense_shapes(cfg, tp, moe)
     dense = [costs.gemm_fwd_bwd(tokens, n, k) for k, n in shapes]
-    experts = moe_seconds(config, layout, costs, tokens, ep_bandwidth) if moe else {}
-    heads = b * a / tp
-    # The attention core: the local queries against every key (QK^T, then scores x V); the
-    # ring's block attention runs in float32 torch ops (megacore.context_parallel).
-    core_costs = costs
-    if cp > 1 and layout.cp_comm == "p2p" and "fp32" in costs.gpu.peak_tflops:
-        core_costs = Costs(costs.gpu, costs.profile, "fp32")
-    core = [
-        core_costs.gemm_fwd_bwd(local, s, head, heads),
-        core_costs.gemm_fwd_bwd(local, head, s, heads),
-    ]
+    experts = moe_seconds(config, layout, costs, tokens, ep_bandwidth, cfg) if moe else {}
+    core = attention_core_seconds(config, cfg, layout, costs)
     scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
-    kept = activations_per_layer(config, "none", moe)
-    selective = activations_per_layer(config, "selective", moe)
+    attention = costs.attention
+    kept = activations_per_layer(config, "none", moe, attention)
+    selective = activations_per_layer(config, "selective", moe, attention)
     # What the attention core's softmax and masks move: the s x s scores as this model counts
     # them at cp 1 (Korthikanti's 5 a s / h, at the rank's s / cp queries against s keys), or
-    # what the ring keeps of them in float32 where that is more.
+    # what the ring keeps of them in float32 where that is more; nothing outside the kernel
+    # with flash.
+    a = m.num_attention_heads
     core_bytes = max(5 * a * local * s * b / tp, kept - selective)
+    if flash_attention(config, attention):
+        core_bytes = 0.0
     ops = costs.elementwise(scale * (selective + core_bytes))
     core_ops = costs.elementwise(scale * core_bytes)
     activation = costs.element * tokens * h
@@ -360,8 +380,45 @@ def layer_seconds(
     }
 
 
+def attention_core_seconds(
+    config: Config, cfg: TransformerConfig, layout: Layout, costs: Costs
+) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of one layer's attention core for one microbatch on one
+    TP rank: the rank's s / cp queries of each sequence against all s keys.
+
+    - flash (`accounting.flash_attention`: the GPU's `attention`, 16 bits, cp 1): one kernel
+      at `attention_efficiency` of peak, the masked half of causal attention skipped,
+      moving q, k, v and the output (O(s h) bytes: `Costs.flash_attention`);
+    - unfused (the 2019 path): two batched GEMMs per head, QK^T and scores x V, each
+      max(FLOPs, bytes) at `gemm_efficiency`; the softmax and dropout over the s x s scores
+      are the layer's element-wise passes.  The ring's block attention (cp > 1, "p2p") runs
+      in float32 torch ops (megacore.context_parallel), its GEMMs at the fp32 peak."""
+    m, t = config.model, config.training
+    cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
+    local, a = s // cp, m.num_attention_heads
+    head = cfg.kv_channels or cfg.hidden_size // a
+    heads = b * a / tp
+    if flash_attention(config, costs.attention):
+        flops = b * attention_core_flops(cfg, local, s, causal_skip=True) / tp
+        groups = b * max(cfg.num_query_groups or a, tp) / tp  # key/value heads on the rank
+        nbytes = costs.element * head * (2 * heads * local + 2 * groups * s)
+        return [costs.flash_attention(flops, nbytes)]
+    core_costs = costs
+    if cp > 1 and layout.cp_comm == "p2p" and "fp32" in costs.gpu.peak_tflops:
+        core_costs = Costs(costs.gpu, costs.profile, "fp32")
+    return [
+        core_costs.gemm_fwd_bwd(local, s, head, heads),
+        core_costs.gemm_fwd_bwd(local, head, s, heads),
+    ]
+
+
 def moe_seconds(
-    config: Config, layout: Layout, costs: Costs, tokens: float, bandwidth: float
+    config: Config,
+    layout: Layout,
+    costs: Costs,
+    tokens: float,
+    bandwidth: float,
+    cfg: TransformerConfig | None = None,
 ) -> dict:
     """One MoE layer's experts for one microbatch on one rank, the dense MLP's replacement:
 
@@ -377,17 +434,17 @@ def moe_seconds(
       node: `bandwidth`).  The step runs it forward and backward: 4 all-to-alls a layer.
     """
     m = config.model
+    cfg = cfg or model_config(config, m.vocab_size or 1)
     h, E, k = m.hidden_size, m.num_moe_experts, m.moe_router_topk
-    f_e = m.moe_ffn_hidden_size or config.ffn_hidden_size
     tp, ep, etp = layout.tp, layout.ep, layout.expert_tp
     local = tokens / tp  # sequence parallel: each TP rank routes its own tokens
     copies = local * k * etp  # what this rank's experts take (its etp group's tokens)
     per_expert = copies / (E // ep)
-    up = 2 * f_e if config.model_switch("swiglu") else f_e
+    gemms = {g.name: g.per_rank(tp, etp) for g in layer_gemms(cfg, moe=True)}
     shapes = [  # (m, n, k, batch): [m, k] x [k, n]
-        (local, E, h, 1),  # the router
-        (per_expert, up / etp, h, E // ep),  # fc1
-        (per_expert, h, f_e / etp, E // ep),  # fc2
+        (local, *gemms["router"][::-1], 1),
+        (per_expert, *gemms["experts.weight1"][::-1], E // ep),  # gate and up in one
+        (per_expert, *gemms["experts.weight2"][::-1], E // ep),
     ]
     gemms = [costs.gemm_fwd_bwd(*shape) for shape in shapes]
     # permute and unpermute, forward and backward: each copy of h read and written
@@ -426,10 +483,15 @@ def context_parallel_seconds(
     return forward + backward + again
 
 
-def _dense_shapes(h: int, f: int, tp: int) -> list[tuple[float, float]]:
-    """(input, output) sizes of a layer's dense GEMMs on one TP rank: QKV, the projection,
-    the MLP's up and down."""
-    return [(h, 3 * h / tp), (h / tp, h), (h, f / tp), (f / tp, h)]
+# A MoE layer's GEMMs `moe_seconds` times (as grouped GEMMs, over the expert layout).
+_ROUTED = ("router", "experts.weight1", "experts.weight2")
+
+
+def _dense_shapes(cfg: TransformerConfig, tp: int, moe: bool) -> list[tuple[float, float]]:
+    """(input, output) sizes of a layer's dense GEMMs on one TP rank, as the model runs them
+    (`accounting.layer_gemms`: qkv or q and kv, the projection, the MLP or the shared
+    expert)."""
+    return [g.per_rank(tp) for g in layer_gemms(cfg, moe) if g.name not in _ROUTED]
 
 
 def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: float):
@@ -501,11 +563,13 @@ def schedule_seconds(
     return max(end for _, end in times.values())
 
 
-def memory_per_gpu(config: Config, vocab: int, dp: int) -> dict:
+def memory_per_gpu(config: Config, vocab: int, dp: int, attention: str = "unfused") -> dict:
     """Bytes per GPU of the fullest pipeline stage (megatrain.plan.memory), by part."""
     pp = config.parallel.pipeline_model_parallel_size
     stages = {
-        stage: memory_breakdown(config, vocab_size=vocab, data_parallel_size=dp, stage=stage)
+        stage: memory_breakdown(
+            config, vocab_size=vocab, data_parallel_size=dp, stage=stage, attention=attention
+        )
         for stage in sorted({0, pp - 1})
     }
     stage = max(stages, key=lambda s: stages[s]["total"])
@@ -536,17 +600,17 @@ def estimate(
     microbatches = t.global_batch_size // (layout.micro_batch * dp)
     cfg = model_config(config, vocab_size)
     costs = Costs(gpu, profile, t.precision)
-    memory = memory_per_gpu(config, vocab_size, dp)
+    memory = memory_per_gpu(config, vocab_size, dp, gpu.attention)
 
     tp_bandwidth = group_bandwidth(gpu, tp, 1)
     # tp-cp-dp-pp: a CP group's members are tp ranks apart, its data-parallel peers tp x cp.
     cp_bandwidth = group_bandwidth(gpu, cp, tp)
-    layer = layer_seconds(config, layout, costs, tp_bandwidth, cp_bandwidth)
+    layer = layer_seconds(config, layout, costs, tp_bandwidth, cp_bandwidth, cfg=cfg)
     moe_layer = layer
     if cfg.num_moe_experts:  # expert-parallel ranks are etp apart (tp-ep-dp-pp for experts)
         ep_bandwidth = group_bandwidth(gpu, layout.ep, layout.expert_tp)
         moe_layer = layer_seconds(
-            config, layout, costs, tp_bandwidth, cp_bandwidth, True, ep_bandwidth
+            config, layout, costs, tp_bandwidth, cp_bandwidth, True, ep_bandwidth, cfg
         )
     embed, head = _ends(config, layout, costs, cfg.vocab_size, tp_bandwidth)
     # Point-to-point: each chunk of each microbatch sends its output on and its input's

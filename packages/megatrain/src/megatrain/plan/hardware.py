@@ -32,6 +32,9 @@ _GPU_FIELDS = (
     "inter_node_gbps",
     "gpus_per_node",
 )
+# Optional: the attention kernel a plan assumes on this GPU ("unfused" when not given) and,
+# for "flash", the fraction of the 16-bit peak its FLOPs run at.
+_OPTIONAL_FIELDS = ("attention", "attention_efficiency")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ class Gpu:
     intra_node_gbps: float  # one direction, per GPU
     inter_node_gbps: float  # one direction, per GPU (its share of the node's adapters)
     gpus_per_node: int
+    # The attention core's kernel: "flash" (fused, what SDPA runs in 16 bits on Ampere and
+    # newer: O(s h) bytes, the causal half skipped) or "unfused" (the s x s scores written and
+    # read, the 2019 kernels); `attention_efficiency` the flash kernel's fraction of peak.
+    attention: str = "unfused"
+    attention_efficiency: float | None = None
 
     @property
     def memory_bytes(self) -> float:
@@ -63,9 +71,33 @@ class HardwareError(ValueError):
     """A GPU table or profile that cannot be used; the message says which file and field."""
 
 
+def check_attention(attention: str, efficiency: float | None) -> None:
+    """ValueError naming the field unless `attention` is "flash" with an efficiency in
+    (0, 1] or "unfused"."""
+    if attention not in ("flash", "unfused"):
+        raise ValueError(f'attention must be "flash" or "unfused", not {attention!r}')
+    if attention == "flash" and not (isinstance(efficiency, int | float) and 0 < efficiency <= 1):
+        raise ValueError(
+            "attention_efficiency (the flash kernel's fraction of peak, in (0, 1]) is "
+            f'needed for attention = "flash", not {efficiency!r}'
+        )
+
+
+def with_attention(gpu: Gpu, attention: str | None) -> Gpu:
+    """`gpu` with the attention kernel a user asked for (`megatrain plan --attention`);
+    HardwareError when "flash" is asked of a GPU whose entry gives no attention_efficiency."""
+    if attention is None:
+        return gpu
+    try:
+        check_attention(attention, gpu.attention_efficiency)
+    except ValueError as e:
+        raise HardwareError(f"--attention {attention} on {gpu.key}: {e}") from e
+    return replace(gpu, attention=attention)
+
+
 def _gpu(key: str, entry: dict, source: str) -> Gpu:
     missing = [f for f in _GPU_FIELDS if f not in entry]
-    unknown = [f for f in entry if f not in _GPU_FIELDS]
+    unknown = [f for f in entry if f not in _GPU_FIELDS + _OPTIONAL_FIELDS]
     if missing or unknown:
         raise HardwareError(
             f"{source}: [gpu.{key}] "
@@ -81,6 +113,10 @@ def _gpu(key: str, entry: dict, source: str) -> Gpu:
     for name in ("memory_gib", "hbm_gbps", "intra_node_gbps", "inter_node_gbps", "gpus_per_node"):
         if not isinstance(entry[name], int | float) or entry[name] <= 0:
             raise HardwareError(f"{source}: [gpu.{key}] {name} must be a positive number")
+    try:
+        check_attention(entry.get("attention", "unfused"), entry.get("attention_efficiency"))
+    except ValueError as e:
+        raise HardwareError(f"{source}: [gpu.{key}] {e}") from e
     return Gpu(key=key, **{**entry, "peak_tflops": dict(entry["peak_tflops"])})
 
 

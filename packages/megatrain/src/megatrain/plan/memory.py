@@ -94,6 +94,7 @@ def memory_breakdown(
     vocab_size: int | None = None,
     data_parallel_size: int | None = None,
     stage: int = 0,
+    attention: str = "unfused",
 ) -> dict[str, float]:
     """Bytes per GPU of pipeline stage `stage`: parameters (count; of them
     expert_parameters, the routed experts'), weights, gradients,
@@ -102,7 +103,10 @@ def memory_breakdown(
     `recompute` defaults to the config's; `vocab_size` (the tokenizer's, before padding) to
     `model.vocab_size`; the data-parallel size (which only the distributed optimizer's
     sharding depends on, over dp x cp) to `parallel.data_parallel_size`, else the least the
-    expert layout allows (etp x ep / (tp x cp); 1 for a dense model)."""
+    expert layout allows (etp x ep / (tp x cp); 1 for a dense model).  `attention`:
+    "unfused" (the s x s scores kept: the paper's kernels, and an upper bound on what a real
+    run's SDPA keeps, which on a CPU may run its math path) or "flash" (`megatrain plan` on a
+    GPU whose entry says so: `accounting.activations_per_layer`)."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
     if recompute not in RECOMPUTE_CHOICES:
@@ -146,9 +150,9 @@ def memory_breakdown(
     sp = p.sequence_parallel and tp > 1
     layers = cfg.num_layers // pp
     moe = moe_layer_count(cfg, stage * layers, (stage + 1) * layers)
-    per_microbatch = (layers - moe) * activations_per_layer(config, recompute)
+    per_microbatch = (layers - moe) * activations_per_layer(config, recompute, False, attention)
     if moe:
-        per_microbatch += moe * activations_per_layer(config, recompute, moe=True)
+        per_microbatch += moe * activations_per_layer(config, recompute, True, attention)
     if stage == 0:
         per_microbatch += s * b * h / (tp if sp else 1)  # embedding dropout mask
     in_flight = 1.0
@@ -162,7 +166,7 @@ def memory_breakdown(
         deferred = min(stage, microbatches - 1)
         activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
     if recompute == "full":  # the layer being recomputed holds all of its activations
-        activations += activations_per_layer(config, "none", moe=moe > 0)
+        activations += activations_per_layer(config, "none", moe > 0, attention)
     if moe:  # one MoE layer's all-to-all buffers at a time
         activations += moe_dispatch_bytes(config)
     elif recompute == "selective":  # the attention being recomputed: over the whole sequence

@@ -18,6 +18,16 @@ def describe_profile(profile: Profile) -> str:
     )
 
 
+def describe_attention(gpu) -> str:
+    if gpu.attention == "flash":
+        return (
+            f"flash (one fused kernel at {gpu.attention_efficiency:.0%} of peak, causal half "
+            "skipped, no s x s scores kept; in 16 bits without context parallelism; "
+            "--attention unfused for the 2019 kernels)"
+        )
+    return "unfused (the s x s scores written, read and kept; --attention flash for a fused kernel)"
+
+
 def _estimate_dict(rank: int, e: Estimate) -> dict:
     return {
         "rank": rank,
@@ -131,6 +141,7 @@ def format_plan(plan: Plan, top: int) -> str:
         f"global batch {plan.global_batch}, on {plan.gpus} x {gpu.key} in nodes of "
         f"{gpu.gpus_per_node}",
         f"time model: {describe_profile(plan.profile)}",
+        f"attention: {describe_attention(gpu)}",
         f"{plan.enumerated} layouts: {len(plan.ranked)} fit in "
         f"{(1 - HEADROOM) * gpu.memory_gib:.1f} GiB ({1 - HEADROOM:.0%} of {gpu.memory_gib:g}), "
         f"{plan.enumerated - len(plan.ranked)} refused",

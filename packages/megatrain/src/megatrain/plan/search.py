@@ -155,7 +155,7 @@ def plan(
         if error is None:
             # Memory first: the step time only of the layouts that fit (at long sequences
             # most do not).
-            memory = memory_per_gpu(config_at, vocab_size, layout.dp)
+            memory = memory_per_gpu(config_at, vocab_size, layout.dp, gpu.attention)
             if memory["total"] <= usable:
                 result.ranked.append(
                     estimate(config, layout, gpu, profile, vocab_size, global_batch)

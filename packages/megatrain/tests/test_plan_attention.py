@@ -1,0 +1,163 @@
+"""`megatrain plan`'s attention as it runs: flash (Ampere and newer) against the 2019 unfused
+kernels (V100, or asked for), in the time model, the memory model and the CLI; and the time
+model's GEMMs from `accounting.layer_gemms`, the list the FLOP count sums."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from megatrain.cli import main
+from megatrain.config import load_config
+from megatrain.models import model_config
+from megatrain.plan import hardware
+from megatrain.plan.accounting import activations_per_layer, layer_gemms
+from megatrain.plan.cost_model import (
+    Costs,
+    Layout,
+    apply_layout,
+    attention_core_seconds,
+    estimate,
+    layer_seconds,
+)
+from megatrain.plan.memory import memory_breakdown
+
+MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
+GPUS = hardware.load_gpus()
+H100, V100 = GPUS["h100-80gb"], GPUS["v100-32gb"]
+VOCAB = 128256
+
+
+def test_gpu_table_says_which_attention_runs():
+    """Flash on A100 and newer (with a published efficiency), the unfused kernels on V100; a
+    GPU file asking for flash without an efficiency is refused, naming the field."""
+    for key, gpu in GPUS.items():
+        if key.startswith("v100"):
+            assert gpu.attention == "unfused" and gpu.attention_efficiency is None
+        else:
+            assert gpu.attention == "flash" and 0 < gpu.attention_efficiency < 1, key
+    with pytest.raises(hardware.HardwareError, match="attention_efficiency"):
+        hardware.with_attention(V100, "flash")
+    assert hardware.with_attention(H100, "unfused").attention == "unfused"
+    assert hardware.with_attention(H100, None) is H100
+
+
+def test_gpu_file_attention_fields(tmp_path):
+    entry = (
+        '[gpu.x]\nname = "x"\nmemory_gib = 80\npeak_tflops = { bf16 = 100.0 }\nhbm_gbps = 1000\n'
+        "intra_node_gbps = 100\ninter_node_gbps = 10\ngpus_per_node = 8\n"
+    )
+    path = tmp_path / "gpus.toml"
+    path.write_text(entry + 'attention = "flash"\n')
+    with pytest.raises(hardware.HardwareError, match=r"\[gpu.x\] attention_efficiency"):
+        hardware.load_gpus(path)
+    path.write_text(entry + 'attention = "fused"\n')
+    with pytest.raises(hardware.HardwareError, match="attention must be"):
+        hardware.load_gpus(path)
+    path.write_text(entry + 'attention = "flash"\nattention_efficiency = 0.5\n')
+    assert hardware.load_gpus(path)["x"].attention_efficiency == 0.5
+
+
+def test_flash_attention_terms_by_hand():
+    """Llama 3 8B's attention core at tp 2, s 8192 on an H100: causal, so half of 4 s^2 (a d)
+    FLOPs, at attention_efficiency of the bf16 peak, the backward 2.5 x, one kernel each;
+    unfused: the two products per head as GEMMs, all s^2, as on a V100.  No flash in fp32."""
+    config = apply_layout(load_config(MODELS / "llama3-8b.toml"), Layout(2, 1, 1, micro_batch=2))
+    cfg = model_config(config, VOCAB)
+    layout = Layout(tp=2, pp=1, dp=1, micro_batch=2)
+    profile = hardware.builtin_profile()
+    costs = Costs(H100, profile, "bf16")
+    s, b, heads, d = 8192, 2, 32 / 2, 128
+    flops = b * heads * 4 * s * s * d / 2
+    rate = 989.4e12 * 0.35
+    [(forward, backward)] = attention_core_seconds(config, cfg, layout, costs)
+    assert forward == pytest.approx(flops / rate + 320e-6)
+    assert backward == pytest.approx(2.5 * flops / rate + 320e-6)
+    unfused = Costs(replace(H100, attention="unfused"), profile, "bf16")
+    core = attention_core_seconds(config, cfg, layout, unfused)
+    assert core == [
+        unfused.gemm_fwd_bwd(s, s, d, b * heads),  # QK^T, every score
+        unfused.gemm_fwd_bwd(s, d, s, b * heads),  # scores x V
+    ]
+    fp32 = apply_layout(
+        replace(config, training=replace(config.training, precision="fp32")), layout
+    )
+    assert len(attention_core_seconds(fp32, cfg, layout, Costs(H100, profile, "fp32"))) == 2
+    # The layer: the same but for the core and the passes over the s x s scores (Korthikanti's
+    # 5 a s^2 b / t bytes, forward once and backward twice), which flash does not make.
+    fast, slow = (layer_seconds(config, layout, c, 450e9, cfg=cfg) for c in (costs, unfused))
+    scores = 3 * unfused.elementwise(5 * 32 * s * s * b / 2)
+    unfused_core = sum(f + bw for f, bw in core)
+    assert slow["compute"] - fast["compute"] == pytest.approx(
+        unfused_core + scores - forward - backward
+    )
+    assert fast["compute"] < slow["compute"]
+
+
+def test_time_model_gemms_are_the_models():
+    """The layer's dense GEMMs on one TP rank are layer_gemms': Llama's q, grouped kv (one
+    whole group a rank at tp 16 > 8 groups) and SwiGLU's three; GPT-2's four, as in 2019."""
+    llama = model_config(load_config(MODELS / "llama3-8b.toml"), VOCAB)
+    got = {g.name: g.per_rank(16) for g in layer_gemms(llama)}
+    assert got == {
+        "q": (4096, 256),
+        "kv": (4096, 256),
+        "proj": (256, 4096),
+        "gate": (4096, 896),
+        "fc1": (4096, 896),
+        "fc2": (896, 4096),
+    }
+    gpt = model_config(load_config(MODELS / "gpt2-1.2b.toml"), 50257)
+    h = gpt.hidden_size
+    assert [g.per_rank(8) for g in layer_gemms(gpt)] == [
+        (h, 3 * h / 8), (h / 8, h), (h, 4 * h / 8), (4 * h / 8, h)
+    ]  # fmt: skip
+
+
+def test_flash_memory_keeps_no_scores_and_the_plan_uses_it():
+    """Recompute "none" with flash keeps the row statistic (4 a s b / t) where the unfused
+    kernels keep Korthikanti's 5 a s^2 b / t; memory_breakdown's default (a real run's
+    estimate) stays unfused; the plan on an H100 counts flash's, on a V100 the scores'."""
+    config = apply_layout(load_config(MODELS / "llama3-8b.toml"), Layout(2, 1, 4, micro_batch=1))
+    s, b, a, tp = 8192, 1, 32, 2
+    selective = activations_per_layer(config, "selective")
+    assert (
+        activations_per_layer(config, "none", attention="flash") == selective + 4 * a * s * b / tp
+    )
+    assert activations_per_layer(config, "none") == selective + 5 * a * s * s * b / tp
+    assert activations_per_layer(config, "selective", attention="flash") == selective
+    unfused = memory_breakdown(config, "none", vocab_size=VOCAB, data_parallel_size=4)
+    flash = memory_breakdown(
+        config, "none", vocab_size=VOCAB, data_parallel_size=4, attention="flash"
+    )
+    assert memory_breakdown(config, "none", vocab_size=VOCAB, data_parallel_size=4) == unfused
+    layers = 32
+    assert unfused["activations"] - flash["activations"] == pytest.approx(
+        layers * (5 * a * s * s * b / tp - 4 * a * s * b / tp)
+    )
+    layout = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="none", sequence_parallel=True,
+                    distributed_optimizer=True)  # fmt: skip
+    profile = hardware.builtin_profile()
+    on_h100 = estimate(config, layout, H100, profile, VOCAB, 512)
+    asked = estimate(config, layout, hardware.with_attention(H100, "unfused"), profile, VOCAB, 512)
+    assert on_h100.memory["activations"] < asked.memory["activations"]
+    assert on_h100.time["compute"] < asked.time["compute"] and on_h100.mfu > asked.mfu
+
+
+def test_cli_attention_flag():
+    config = str(MODELS / "llama-tiny.toml")  # a small search, to keep it quick
+    args = ["plan", "--config", config, "--gpus", "2", "--gpu", "h100-80gb", "--top", "1",
+            "model.vocab_size=256", "training.precision=bf16", "--json"]  # fmt: skip
+    runs = {}
+    for flag in ([], ["--attention", "unfused"]):
+        result = CliRunner().invoke(main, [*args, *flag])
+        assert result.exit_code == 0, result.output
+        runs[tuple(flag)] = json.loads(result.output)
+    assert runs[()]["gpu"]["attention"] == "flash"
+    assert runs[("--attention", "unfused")]["gpu"]["attention"] == "unfused"
+    assert runs[()]["layouts"][0]["mfu"] > runs[("--attention", "unfused")]["layouts"][0]["mfu"]
+    bad = ["plan", "--config", config, "--gpus", "16", "--gpu", "v100-32gb", "--attention", "flash"]
+    result = CliRunner().invoke(main, bad)
+    assert result.exit_code == 2 and "attention_efficiency" in result.output
