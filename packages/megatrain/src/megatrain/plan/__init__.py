@@ -11,6 +11,8 @@ cluster before running it.
 - search.py: every valid layout, ranked, with why the others are out;
 - calibrate.py: the constants measured on the machine at hand;
 - validation.py: the paper's scaling results the built-in constants are fitted to;
+- published.py: public training runs (published_runs.toml) and the plan's number for each,
+  which `benchmarks/bench_plan.py --published` sets side by side;
 - report.py: the plan as text or JSON.
 
 The package imports nothing here, so megatrain.plan.accounting and megatrain.plan.memory (and
