@@ -345,8 +345,10 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
     (g key/value heads of d), and SwiGLU's MLP three matrices, 6Bshf (a MoE layer's at
     `active_ffn_width`, k f_e + the shared expert, for f); the attention core,
     scores QK^T 2Bs^2h and scores x V 2Bs^2h, 4Bs^2h (the full s x s matrix, as the paper
-    counts it, though a causal kernel skips the masked half).  Embeddings, norms, GeLU,
-    softmax and dropout are not matmuls and are left out.
+    counts it, though a causal kernel skips the masked half: `megatrain plan` times that
+    half, MFU counts it all).  Embeddings, norms, GeLU, softmax and dropout are not
+    matmuls and are left out.  The dense matmuls are `layer_gemms`' summed, the list the
+    time model times (test_flops holds them to these closed forms).
     """
     n, moe = cfg.num_layers, moe_layer_count(cfg)
     per_token = (n - moe) * _gemm_flops(cfg, False) + (moe * _gemm_flops(cfg, True) if moe else 0)
