@@ -192,7 +192,7 @@ def _collect(ranks: list[_Rank], deadline: float) -> None:
         for conn in wait(list(pending), timeout=remaining):
             r = pending.pop(conn)
             try:
-                status, value = conn.recv()
+                status, value = pickle.loads(conn.recv_bytes())
             except EOFError:  # exited without a report: a crash, os._exit, a signal
                 r.process.join(_STACK_DUMP_S)
                 r.died = True
@@ -316,10 +316,12 @@ def _rank_main(rank: int, launch: _Launch, payload: bytes, conn: Connection, sta
     except BaseException:
         report = ("error", (traceback.format_exc(), time.time()))
     try:
-        conn.send(report)
+        # Plain pickle: tensors travel by value.  conn.send would pass their storage as file
+        # descriptors that the parent fetches from this process later, after it may have exited.
+        conn.send_bytes(pickle.dumps(report))
     except Exception:
         error = f"the rank's return value cannot be sent back:\n{traceback.format_exc()}"
-        conn.send(("error", (error, time.time())))
+        conn.send_bytes(pickle.dumps(("error", (error, time.time()))))
     finally:
         conn.close()
         if dist.is_initialized():
