@@ -225,3 +225,49 @@ def test_context_parallelism_divides_the_activations():
         memory_breakdown(sharded, vocab_size=vocab, data_parallel_size=2)["optimizer_state"]
         == memory_breakdown(flat, vocab_size=vocab, data_parallel_size=8)["optimizer_state"]
     )
+
+
+def _saved_elements(config, vocab: int) -> int:
+    """Elements of the distinct tensors autograd saves in one training forward of `config`'s
+    model (one microbatch, on this CPU), counted by storage."""
+    import torch
+
+    from megatrain.models import build_model_chunks
+
+    (chunk,) = build_model_chunks("gpt", model_config(config, vocab), 1)
+    chunk.train()
+    t = config.training
+    tokens = torch.randint(0, vocab, (t.micro_batch_size, t.seq_length))
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes() // (
+            tensor.element_size()
+        )
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        chunk(tokens, tokens)
+    return sum(saved.values())
+
+
+def test_no_dropout_masks_without_dropout(gloo_world_of_one):
+    """What autograd saves for a GPT without hidden dropout (Llama's, MPT's) is what it saves
+    with it less the masks: two a layer and the embedding's, s b h elements each, as
+    activations_per_layer's 10 s b h (8 without masks) and memory's embedding mask count
+    them (1 byte an element in 16 bits; fp32, as here, doubles every term)."""
+    overrides = [
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.max_position_embeddings=32", "model.attention_dropout=0.0",
+        "training.seq_length=32", "training.micro_batch_size=2",
+    ]  # fmt: skip
+    vocab = 128
+    saved, planned = {}, {}
+    for dropout in (0.1, 0.0):
+        config = load_config(None, [*overrides, f"model.hidden_dropout={dropout}"])
+        saved[dropout] = _saved_elements(config, vocab)
+        planned[dropout] = memory_breakdown(config, "none", vocab_size=vocab)["activations"]
+    s, b, h, layers = 32, 2, 64, 2
+    masks = (2 * layers + 1) * s * b * h
+    assert saved[0.1] - saved[0.0] == masks
+    assert planned[0.1] - planned[0.0] == 2 * masks  # fp32: twice the 16-bit bytes

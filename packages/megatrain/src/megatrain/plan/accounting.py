@@ -628,7 +628,10 @@ def activations_per_layer(
 
     The 24 is what TP splits: q, k, v and the projection's input (8), the MLP's two
     f-wide tensors (16 at f = 4h); the 10 what it does not (the norms' and the linears'
-    inputs, the dropout masks).  In general 4 + 4 g/a + 4 f/h for g key/value groups, and
+    inputs, 8, and the two hidden dropout masks, 1 byte an element each).  Without hidden
+    dropout (`model.hidden_dropout` 0: Llama's, MPT's) there are no masks and it is 8:
+    megatrain's `_dropout` returns its input untouched at p = 0, so nothing is saved for it.
+    In general 4 + 4 g/a + 4 f/h for g key/value groups, and
     4 + 4 g/a + 8 f/h with SwiGLU, which keeps four f-wide tensors (gate, up, SiLU(gate),
     their product).  A MoE layer (`moe`) has `moe_mlp_activations` in place of the MLP's
     4 or 8 f/h (TP-split: MoE at tp > 1 runs with sequence parallelism).
@@ -653,7 +656,9 @@ def activations_per_layer(
     f_tensors = 8 if config.model_switch("swiglu") else 4
     mlp = moe_mlp_activations(config) if moe else f_tensors * config.ffn_hidden_size / h
     split = 4 + 4 * groups / a + mlp
-    dense = (10 + split) / tp if sp else 10 + split / tp
+    # the norms' and the linears' inputs, and the two hidden dropout masks where there is dropout
+    unsplit = 8 + (2 if m.hidden_dropout else 0)
+    dense = (unsplit + split) / tp if sp else unsplit + split / tp
     per_token = s * b * h * dense
     if recompute == "selective":
         return per_token

@@ -17,7 +17,8 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   gradient inputs (`accounting.weight_grad_inputs_per_layer`, each about a microbatch's
   activations without recompute) until their deferred W: the first stage as under 1F1B,
   the last one close to pp microbatches, and recompute saves nothing on those.  Stage 0
-  adds the embedding dropout mask (s b h per microbatch, / t with sequence parallelism);
+  adds the embedding dropout mask (s b h per microbatch, / t with sequence parallelism;
+  none, as no layer's masks, without `model.hidden_dropout`);
   the last stage the output layer's input, the final LayerNorm's and the fp32 logits the
   loss keeps (the paper's 4 s b h / t (1 + v / h)); with `training.fused_linear_cross_entropy`
   instead the output layer's input and its gradient (4 s b h), its weight's fp32 gradient
@@ -153,8 +154,8 @@ def memory_breakdown(
     per_microbatch = (layers - moe) * activations_per_layer(config, recompute, False, attention)
     if moe:
         per_microbatch += moe * activations_per_layer(config, recompute, True, attention)
-    if stage == 0:
-        per_microbatch += s * b * h / (tp if sp else 1)  # embedding dropout mask
+    if stage == 0 and m.hidden_dropout:  # embedding dropout mask (none without dropout)
+        per_microbatch += s * b * h / (tp if sp else 1)
     in_flight = 1.0
     if pp > 1 and stage == 0:  # 1F1B's warm-up; the interleaved one runs further ahead
         in_flight = pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else pp
