@@ -4,7 +4,8 @@ every layout takes the one-process steps, for GPT-2, Llama and BERT.
 One 1-rank spawn trains the references (fp32 and bf16); one 4-rank spawn trains the layouts:
 dp 4 (ZeRO-3 and ZeRO-2), tp 2 x dp 2 with sequence parallelism, pp 2 x dp 2 under 1F1B
 (tied embeddings over the stages) and interleaved, selective and full recompute, bf16, each
-with 2-4 microbatches a step (the reduce-scatter once a step) and clipping active (the norm
+with 2-4 microbatches a step (the reduce-scatter once a step; every microbatch with
+parallel.reduce_every_microbatch) and clipping active (the norm
 over the shards).  Every rank runs under the NCCL-semantics checker, and every layout runs
 with gloo's ReduceOp.AVG turned into a silent SUM, the bug of pytorch#162338 (torch 2.13's
 gloo averages correctly; the trap is put back on purpose): the layouts still equal one
@@ -12,7 +13,9 @@ process because our reduce-scatters never ask for AVG, and a negative control wi
 own reduction (AVG) comes out wrong and is caught by the same comparison.  The same spawn
 saves "full", "optimizer" and "none" checkpoints after two steps and takes the third step at
 another sharding and layout (at "full" again: bitwise), and measures the bytes a dp 4 run
-holds at each sharding ("none", "optimizer", "full") against megatrain.plan.accounting; and a
+holds at each sharding ("none", "optimizer", "full") and the unsharded gradients FSDP holds
+between microbatches (with and without parallel.reduce_every_microbatch) against
+megatrain.plan.accounting; and a
 "full" checkpoint of a corpus with a tokenizer goes through `megatrain export-hf` as the
 distributed optimizer's does."""
 
@@ -73,6 +76,9 @@ LAYOUTS = {
     "gpt-tp2-seqpar-dp2-selective": ("gpt", False, [*FULL, *TP2_SP, 'model.recompute="selective"']),
     "gpt-pp2-dp2-1f1b-full": ("gpt", False, [*FULL, *PP2, 'model.recompute="full"']),
     "gpt-dp4-bf16": ("gpt", True, [*FULL, *BF16]),
+    # a reduce-scatter every microbatch, the shards accumulating (torchtitan's, Composer's way)
+    "gpt-dp4-bf16-reduce-every-microbatch": (
+        "gpt", True, [*FULL, *BF16, "parallel.reduce_every_microbatch=true"]),
     "gpt-cp2-dp2": ("gpt", False, [*FULL, "parallel.context_parallel_size=2"]),  # over dp x cp
     "llama-pp2-vpp2-dp2": ("llama", False, [*FULL, *VPP2]),
     "llama-tp2-seqpar-dp2-full-bf16": (
@@ -184,6 +190,39 @@ def _measured_bytes(config) -> dict:
         ps.destroy_model_parallel()
 
 
+def _unsharded_gradient_bytes(config) -> dict:
+    """Bytes of unsharded gradients rank 0's FSDP holds after a microbatch that is not a step's
+    last (its backward inside `chunk.no_sync()`, as the schedules run it): FSDP2's fp32
+    accumulated gradients or its unsharded parameters' gradients; and the rank's parameter
+    count (its whole TP-local model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from megacore import parallel_state as ps
+    from megatrain.run.distributed import init_distributed
+    from megatrain.run.setup import build_run
+    from megatrain.run.step import to_device
+
+    device, _ = init_distributed(60)
+    run = build_run(config, device)
+    try:
+        (chunk,) = run.chunks
+        batch = to_device(next(run.train_data), device)
+        with chunk.no_sync():
+            chunk(batch["tokens"], batch["labels"]).float().mean().backward()
+        held = 0
+        for module in chunk.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                grad = fsdp_param.unsharded_accumulated_grad
+                if grad is None:
+                    grad = fsdp_param._unsharded_param.grad
+                held += 0 if grad is None else grad.nbytes
+        return {"bytes": held, "parameters": sum(p.numel() for p in chunk.parameters())}
+    finally:
+        ps.destroy_model_parallel()
+
+
 def _gather_order(config) -> list:
     """One step's events in order: ("gather", i) when FSDP all-gathers layer i's parameters,
     ("forward", i) when layer i's attention starts its forward, ("backward", i) when its
@@ -246,7 +285,9 @@ def _layouts(corpora, out):
         runs["ops"] = sorted({str(op) for op in seen})
         # The negative control: FSDP's own reduction (ReduceOp.AVG) meets the trap.
         seen.clear()
-        setup.apply_fsdp = lambda *args: apply_fsdp(*args, sum_then_divide=False)
+        setup.apply_fsdp = lambda *args, **kwargs: apply_fsdp(
+            *args, **kwargs, sum_then_divide=False
+        )
         runs["avg"] = train(_config(corpora, f"{out}/avg", "gpt", False, FULL))
         runs["avg-ops"] = sorted({str(op) for op in seen})
     finally:
@@ -256,6 +297,11 @@ def _layouts(corpora, out):
         overrides = [f"parallel.data_parallel_sharding={sharding!r}"]
         runs[f"bytes-{sharding}"] = _measured_bytes(
             _config(corpora, f"{out}/bytes-{sharding}", "gpt", True, overrides)
+        )
+    for every in (False, True):  # what a microbatch under no_sync leaves unsharded
+        overrides = [*FULL, *BF16, f"parallel.reduce_every_microbatch={str(every).lower()}"]
+        runs[f"unsharded-every-{every}"] = _unsharded_gradient_bytes(
+            _config(corpora, f"{out}/unsharded-{every}", "gpt", True, overrides)
         )
     one = ["training.global_batch_size=4"]  # one microbatch a rank
     runs["order"] = _gather_order(_config(corpora, f"{out}/order", "gpt", False, [*FULL, *one]))
@@ -465,6 +511,24 @@ def test_state_bytes_are_the_accounting_figures(layouts, sharding):
         assert planned[part] == per_rank[part] * measured["parameters"], part
 
 
+def test_unsharded_gradients_are_the_accounting_figures(layouts):
+    """What FSDP2 holds unsharded between a step's microbatches (dp 4, bf16), as
+    accounting.fsdp_gathered_bytes counts it: by default every parameter's fp32 gradient
+    (4 bytes each, on every rank), accumulated for the reduce-scatter after the last
+    microbatch; with parallel.reduce_every_microbatch none, each microbatch's gradients
+    reduce-scattered into the shards as its backward makes them."""
+    from megatrain.plan.accounting import fsdp_gathered_bytes
+
+    accumulated = layouts["unsharded-every-False"]
+    assert accumulated["bytes"] == 4 * accumulated["parameters"]
+    assert layouts["unsharded-every-True"]["bytes"] == 0
+    # the formula's gradient term: all of them, or one layer's in flight (here: after it)
+    params, layer = accumulated["parameters"], 1000
+    with_accumulation = fsdp_gathered_bytes(params, layer, 2, "bf16", True, 2)
+    reducing = fsdp_gathered_bytes(params, layer, 2, "bf16", True, 2, reduce_every_microbatch=True)
+    assert with_accumulation - reducing == 4 * params - (2 + 4) * layer
+
+
 def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
     """megatrain plan weighs the three shardings: Llama 3 8B on one node of H100s at tp 1, pp 1,
     dp 8 (full recompute, flash attention's activations) fits 80 GB with "optimizer" and, in
@@ -528,5 +592,9 @@ def test_optimizer_sharding_is_the_distributed_optimizer():
     assert config.parallel.data_parallel_sharding == "optimizer"
     with pytest.raises(ConfigError, match=r"parallel\.reshard_after_forward is for"):
         validate(load_config(None, ["parallel.reshard_after_forward=false"]), 8)
+    for sharding in ("none", "optimizer"):
+        overrides = [f"parallel.data_parallel_sharding={sharding!r}"]
+        with pytest.raises(ConfigError, match=r"parallel\.reduce_every_microbatch is for .*"):
+            validate(load_config(None, [*overrides, "parallel.reduce_every_microbatch=true"]), 8)
     with pytest.raises(ConfigError, match="expected one of none, optimizer, full"):
         load_config(None, ['parallel.data_parallel_sharding="zero3"'])

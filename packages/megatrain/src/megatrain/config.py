@@ -188,6 +188,11 @@ class ParallelConfig:
     # them until its backward (ZeRO-2 in memory); None = the layout's (off under pipeline
     # parallelism, as torchtitan, where microbatches' forwards and backwards interleave).
     reshard_after_forward: bool | None = None
+    # "full" only: reduce-scatter every microbatch's gradients into the shards (torchtitan's
+    # and Composer's way: one layer's unsharded gradient at a time) instead of accumulating
+    # every parameter's unsharded fp32 gradient over the step's microbatches and reducing
+    # once, after the last (the default: one reduce-scatter a step, 4 bytes a parameter more).
+    reduce_every_microbatch: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     # Leave the distributed optimizer's parameter all-gather running into the next forward.
@@ -636,6 +641,12 @@ def _check_data_parallel_sharding(config: Config) -> None:
             p.reshard_after_forward is None,
             "parallel.reshard_after_forward is for parallel.data_parallel_sharding = 'full' "
             f"(FSDP), not {sharding!r}: leave it unset",
+        )
+        _need(
+            not p.reduce_every_microbatch,
+            "parallel.reduce_every_microbatch is for parallel.data_parallel_sharding = 'full' "
+            f"(FSDP), not {sharding!r}: megacore's DDP accumulates into its fp32 buffer, "
+            "which holds every gradient anyway; leave it false",
         )
         if p.use_distributed_optimizer or sharding == "optimizer":
             p.use_distributed_optimizer, p.data_parallel_sharding = True, "optimizer"

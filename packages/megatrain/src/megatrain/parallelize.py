@@ -443,6 +443,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     *,
     sum_then_divide: bool = True,
+    reduce_every_microbatch: bool = False,
 ):
     """Fully shard `chunk` over the data-parallel process group `group` with torch's FSDP2
     (`parallel.data_parallel_sharding = "full"`), as torchtitan does: `fully_shard` on each
@@ -467,7 +468,11 @@ def apply_fsdp(
       next layer's in the forward, the previous one's in the backward).
     - Microbatches accumulate without communication: `chunk.no_sync()` (which the pipeline
       schedules call) turns FSDP's gradient sync off, so the last microbatch's backward
-      reduce-scatters the step's gradients once.
+      reduce-scatters the step's gradients once, every parameter's unsharded fp32 gradient
+      held until then.  `reduce_every_microbatch` (`parallel.reduce_every_microbatch`):
+      `no_sync()` does nothing, and every microbatch's backward reduce-scatters each layer's
+      gradient into the shards, which accumulate there (torchtitan's and Composer's way: a
+      reduce-scatter a microbatch, one layer's unsharded gradient at a time).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -508,7 +513,9 @@ def apply_fsdp(
     # The chunk's output (the loss per token, a view) meets no in-place op: the schedules
     # divide it out of place and free a sent activation by swapping its storage.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    chunk.no_sync = partial(_fsdp_no_sync, chunk)
+    chunk.no_sync = (
+        contextlib.nullcontext if reduce_every_microbatch else partial(_fsdp_no_sync, chunk)
+    )
     chunk.fully_sharded_group = group  # for the optimizer's gradient norm
     return chunk
 

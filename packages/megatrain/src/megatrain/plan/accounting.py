@@ -527,6 +527,7 @@ def fsdp_gathered_bytes(
     precision: str,
     reshard_after_forward: bool,
     microbatches: int,
+    reduce_every_microbatch: bool = False,
 ) -> float:
     """Bytes FSDP2 holds unsharded on top of its shards (`data_parallel_sharding = "full"`),
     for a stage of `params` parameters per rank, `layers` layers of `layer_params` each:
@@ -535,14 +536,17 @@ def fsdp_gathered_bytes(
       own (embeddings, output layer: kept from forward to backward) and, with
       `reshard_after_forward`, two layers' (the one computing, the one prefetched), else
       every layer's;
-    - gradients: with one microbatch, one layer's unsharded gradient and its fp32
-      reduce-scatter copy; with gradient accumulation every parameter's unsharded fp32
-      gradient, held from the first microbatch's backward to the last one's reduce-scatter.
+    - gradients: with one microbatch, or with `reduce_every_microbatch`
+      (`parallel.reduce_every_microbatch`: each microbatch reduce-scattered into the
+      shards), one layer's unsharded gradient and its fp32 reduce-scatter copy; with
+      gradient accumulation otherwise every parameter's unsharded fp32 gradient, held from
+      the first microbatch's backward to the last one's reduce-scatter.
     """
     compute = 4 if precision == "fp32" else 2
     own = params - layers * layer_params
     gathered = own + (min(2, layers) if reshard_after_forward else layers) * layer_params
-    gradients = 4 * params if microbatches > 1 else (compute + 4) * layer_params
+    accumulated = microbatches > 1 and not reduce_every_microbatch
+    gradients = 4 * params if accumulated else (compute + 4) * layer_params
     return compute * gathered + gradients
 
 

@@ -71,7 +71,8 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
   `overlap_grad_reduce` it runs behind the last microbatch's backward and only what is
   left over (at least the last bucket) is exposed.  With pp > 1 the tied embedding's
   gradients are all-reduced between the first and last stage.  Fully sharded (`fsdp`,
-  `data_parallel_sharding = "full"`): the fp32 gradients reduce-scattered once a step, and the
+  `data_parallel_sharding = "full"`): the fp32 gradients reduce-scattered once a step (every
+  microbatch with `reduce_every_microbatch`, each behind that microbatch's backward), and the
   16-bit weights all-gathered in every microbatch's forward (and again in its backward when
   resharded after the forward), each layer's gather behind the previous layer's compute.
 - **Optimizer step**: memory-bound, the bytes Adam reads and writes per parameter / HBM.
@@ -227,6 +228,7 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             use_distributed_optimizer=layout.distributed_optimizer,
             data_parallel_sharding=layout.sharding,
             reshard_after_forward=p.reshard_after_forward if layout.fsdp else None,
+            reduce_every_microbatch=p.reduce_every_microbatch and layout.fsdp,
             overlap_param_gather=p.overlap_param_gather and layout.distributed_optimizer,
             distribute_saved_activations=p.distribute_saved_activations
             and not layout.sequence_parallel,
@@ -659,8 +661,11 @@ def estimate(
     grads = 4 * params  # megacore reduces the fp32 gradient buffer
     bucket = costs.collective("all_reduce", 4 * min(p.bucket_size, params), replicas, dp_bandwidth)
     gather = 0.0
+    reductions = 1  # the gradients are reduced once a step, after the last microbatch's backward
     if layout.fsdp:  # FSDP2: fp32 gradients reduce-scattered, 16-bit parameters gathered
-        reduce = costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
+        if p.reduce_every_microbatch:  # ... after every microbatch's backward
+            reductions = microbatches
+        reduce = reductions * costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
         reshard = pp == 1 if p.reshard_after_forward is None else p.reshard_after_forward
         # every microbatch's forward gathers each layer (resharded after its backward), and
         # its backward again when resharded after the forward
@@ -680,8 +685,8 @@ def estimate(
     else:
         reduce = costs.collective("all_reduce", grads, replicas, dp_bandwidth)
     if p.overlap_grad_reduce and replicas > 1:
-        # buckets go out as the last microbatch's backward produces their gradients
-        reduce = max(min(bucket, reduce), reduce - layers * layer["backward"])
+        # buckets go out as a reducing microbatch's backward produces their gradients
+        reduce = max(min(bucket, reduce), reduce - reductions * layers * layer["backward"])
     embedding = 0.0
     if pp > 1:  # the tied word embeddings' gradients, first and last stage
         crosses = layout.gpus > gpu.gpus_per_node

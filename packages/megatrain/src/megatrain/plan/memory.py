@@ -8,7 +8,9 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   (`accounting.state_bytes_per_parameter`): fp32 16, fp16/bf16 18, the fp32 state
   sharded over data parallelism under `use_distributed_optimizer`; under
   `data_parallel_sharding = "full"` (FSDP2) 16/d, plus what FSDP gathers for compute
-  ("gathered": `accounting.fsdp_gathered_bytes`).
+  and the unsharded gradients it holds ("gathered": `accounting.fsdp_gathered_bytes`; every
+  parameter's fp32 gradient over a step's microbatches unless
+  `parallel.reduce_every_microbatch`).
 - **Activations**: Korthikanti et al. 2022's bytes per layer per microbatch
   (`accounting.activations_per_layer`: none, selective, full) times the stage's layers
   times the microbatches in flight: under 1F1B stage 0 holds pp of them (interleaved:
@@ -143,6 +145,7 @@ def memory_breakdown(
             t.precision,
             pp == 1 if reshard is None else reshard,
             t.global_batch_size // (t.micro_batch_size * dp),
+            p.reduce_every_microbatch,
         )
     state = sum(held.values())
 

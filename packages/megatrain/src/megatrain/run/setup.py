@@ -124,7 +124,13 @@ def prepare_training(
     # Context-parallel ranks hold the whole model too: their gradients are summed.
     dp_group = ps.get_data_parallel_group(with_context_parallel=True)
     if p.data_parallel_sharding == "full":
-        chunks = [apply_fsdp(c, dp_group, dtype, _reshard_after_forward(p)) for c in chunks]
+        chunks = [
+            apply_fsdp(
+                c, dp_group, dtype, _reshard_after_forward(p),
+                reduce_every_microbatch=p.reduce_every_microbatch,
+            )
+            for c in chunks
+        ]  # fmt: skip
     else:
         chunks = [_ddp(c, config, dtype, dp_group) for c in chunks]
     # Dropout masks: the same on the TP ranks of a stage, different between stages.
