@@ -112,6 +112,74 @@ def test_the_metrics_are_one_estimate_counted_three_ways(tmp_path):
     assert hardware > model  # selective recompute reruns the attention core
 
 
+def test_the_optional_fields_reach_the_config_and_the_estimate(tmp_path):
+    """dropout, the data-parallel overlaps and FSDP's reduction every microbatch become the
+    run's config (and so the estimate's); gpu_memory_gib decides whether it fits; a recorded
+    tp_comm_overlap changes no number."""
+    path = tmp_path / "runs.toml"
+    path.write_text(ROW)
+    (plain,) = load_runs(path)
+    assert plain.config().model.hidden_dropout == 0.0 and not plain.tp_comm_overlap
+    assert plain.config().parallel.overlap_grad_reduce  # megatrain's defaults
+    assert not plain.config().parallel.overlap_param_gather
+    model = "vocab = 1024\ndropout = 0.1"
+    layout = (
+        'sharding = "optimizer"\noverlap_grad_reduce = false\noverlap_param_gather = true\n'
+        "tp_comm_overlap = true"
+    )
+    path.write_text(ROW.replace("vocab = 1024", model).replace('sharding = "optimizer"', layout))
+    (run,) = load_runs(path)
+    config = run.config()
+    assert (config.model.hidden_dropout, config.model.attention_dropout) == (0.1, 0.1)
+    assert not config.parallel.overlap_grad_reduce and config.parallel.overlap_param_gather
+    assert run.tp_comm_overlap
+    # the masks cost memory; the parameters' gather waits for no forward, the reduction for
+    # no backward: the data-parallel time changes
+    (_, a), (_, b) = predict(plain), predict(run)
+    assert b.memory["activations"] > a.memory["activations"]
+    assert b.time["dp_comm"] != a.time["dp_comm"]
+    assert predict(replace(run, tp_comm_overlap=False))[0] == predict(run)[0]
+    # FSDP: reduce-scatter every microbatch (2 of them here) instead of holding the gradients
+    full = ROW.replace('sharding = "optimizer"', 'sharding = "full"').replace(
+        "sequence_parallel = true\n", ""
+    )
+    path.write_text(full)
+    (once,) = load_runs(path)
+    path.write_text(
+        full.replace('sharding = "full"', 'sharding = "full"\nreduce_every_microbatch = true')
+    )
+    (every,) = load_runs(path)
+    assert every.config().parallel.reduce_every_microbatch
+    (_, a), (_, b) = predict(once), predict(every)
+    assert b.memory["total"] < a.memory["total"] and b.time["dp_comm"] > a.time["dp_comm"]
+    # the run's own GPUs' memory, where it is not the GPU entry's, decides whether it fits
+    assert predict(once)[1].fits
+    path.write_text(full.replace('sharding = "full"', 'sharding = "full"\ngpu_memory_gib = 0.01'))
+    (small,) = load_runs(path)
+    assert small.gpu_memory_gib == 0.01 and not predict(small)[1].fits
+
+
+# Runs whose layout megatrain cannot take as they ran, so that the plan's memory for them is
+# not theirs: torchtitan's "selective" is its op-level policy (every other GEMM's output kept),
+# which keeps less than megatrain's (everything but the attention core).
+NOT_MEGATRAINS_LAYOUT = {
+    "torchtitan-llama3.1-8b-8xh100-fsdp": "torchtitan's op-level selective recompute",
+    "torchtitan-llama3.1-8b-128xh100-fsdp": "torchtitan's op-level selective recompute",
+}
+
+
+def test_every_run_that_ran_fits_the_plans_memory():
+    """Each row ran, so the plan's memory estimate at its layout must fit its GPUs, but for the
+    runs megatrain cannot lay out as they ran (NOT_MEGATRAINS_LAYOUT; those still do not fit,
+    or the entry would be stale)."""
+    for run in load_runs():
+        _, result = predict(run)
+        assert result.fits == (run.name not in NOT_MEGATRAINS_LAYOUT), (
+            run.name,
+            result.memory["total"] / 2**30,
+        )
+
+
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
@@ -119,6 +187,12 @@ def test_the_metrics_are_one_estimate_counted_three_ways(tmp_path):
         ("heads = 8\n", "", "run 'tiny': model.heads is missing"),
         ("layers = 4", 'layers = "four"', "model.layers = 'four' is not a whole number"),
         ("value = 1000.0", "value = -1.0", "published.value = -1.0 must be positive"),
+        ("vocab = 1024", "vocab = 1024\ndropout = 1.0", "model.dropout = 1.0 must be in [0, 1)"),
+        (
+            "sharding =",
+            "reduce_every_microbatch = true\nsharding =",
+            "layout.reduce_every_microbatch = true is for sharding = 'full', not 'optimizer'",
+        ),
         ('metric = "tokens_per_s_per_gpu"', 'metric = "mfu"', "published.metric = 'mfu'"),
         ('gpu = "h100-80gb"', 'gpu = "tpu"', "layout.gpu = 'tpu'"),
         ("gpus = 8", "gpus = 16", "layout.gpus = 16 but tp x cp x pp x dp = 8"),

@@ -12,9 +12,17 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from megatrain.config import Config, ConfigError, ModelConfig, TrainingConfig, validate
+from megatrain.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    validate,
+)
 from megatrain.plan.cost_model import Estimate, Layout, estimate
-from megatrain.plan.hardware import PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
+from megatrain.plan.hardware import GIB, PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
+from megatrain.plan.memory import HEADROOM
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,12 +37,23 @@ SHARDING = ("none", "optimizer", "full")
 # (field, type, required) per section; ints are sizes (> 0).
 _TOP = {"name": str, "use": str, "source": str, "where": str}
 _MODEL = {"kind": str, "layers": int, "hidden": int, "heads": int, "ffn": int, "vocab": int}
-_MODEL_OPTIONAL = {"query_groups": int}
+# dropout: the hidden and attention dropout probability (absent: 0, none)
+_MODEL_OPTIONAL = {"query_groups": int, "dropout": float}
 _LAYOUT = {
     "gpu": str, "gpus": int, "tp": int, "pp": int, "dp": int, "micro_batch": int,
     "global_batch": int, "seq_length": int, "precision": str, "recompute": str, "sharding": str,
 }  # fmt: skip
-_LAYOUT_OPTIONAL = {"vpp": int, "cp": int, "ep": int, "sequence_parallel": bool}
+# The data-parallel overlaps (absent: the config's defaults, overlap_grad_reduce on and
+# overlap_param_gather off), FSDP reducing every microbatch (absent: once a step), whether the
+# run overlapped TP communication with its GEMMs (recorded; megatrain does not, and the plan
+# charges TP collectives on the critical path), and the memory of the run's GPUs in GiB where
+# it is not the GPU entry's (absent: the entry's; only the fits check reads it).
+_LAYOUT_OPTIONAL = {
+    "vpp": int, "cp": int, "ep": int, "sequence_parallel": bool, "overlap_grad_reduce": bool,
+    "overlap_param_gather": bool, "reduce_every_microbatch": bool, "tp_comm_overlap": bool,
+    "gpu_memory_gib": float,
+}  # fmt: skip
+_MAY_BE_ZERO = {"dropout"}  # numbers that may be 0 (the rest must be positive)
 _PUBLISHED = {"metric": str, "value": float, "definition": str}
 _PUBLISHED_OPTIONAL = {"assumed": list}
 _TYPE_NAMES = {str: "a string", int: "a whole number", float: "a number", bool: "true or false",
@@ -51,7 +70,7 @@ class PublishedRun:
     use: str  # "fit" or "check"
     source: str
     where: str
-    model: dict  # kind, layers, hidden, heads, ffn, vocab, query_groups (optional)
+    model: dict  # kind, layers, hidden, heads, ffn, vocab, query_groups, dropout (optional)
     gpu: str  # a key of the GPU table
     gpus: int
     layout: Layout
@@ -62,6 +81,10 @@ class PublishedRun:
     value: float
     definition: str
     assumed: tuple = field(default_factory=tuple)
+    # the [run.layout] fields of the parallel section that Layout does not carry
+    parallel: dict = field(default_factory=dict)
+    tp_comm_overlap: bool = False
+    gpu_memory_gib: float | None = None
 
     def config(self) -> Config:
         """The run as a megatrain config (its layout applied by `estimate`)."""
@@ -76,10 +99,11 @@ class PublishedRun:
                 ffn_hidden_size=m["ffn"],
                 max_position_embeddings=self.seq_length,
                 vocab_size=m["vocab"],
-                hidden_dropout=0.0,
-                attention_dropout=0.0,
+                hidden_dropout=m.get("dropout", 0.0),
+                attention_dropout=m.get("dropout", 0.0),
                 recompute=self.layout.recompute,
             ),
+            parallel=ParallelConfig(**self.parallel),
             training=TrainingConfig(
                 seq_length=self.seq_length,
                 micro_batch_size=self.layout.micro_batch,
@@ -111,7 +135,9 @@ def _fields(row: dict, section: str, where: str, required: dict, optional: dict)
         )
         if not ok:
             raise PublishedError(f"{where}: {section}{name} = {value!r} is not {_TYPE_NAMES[kind]}")
-        if kind in (int, float) and value <= 0:
+        if kind in (int, float) and name in _MAY_BE_ZERO and not 0 <= value < 1:
+            raise PublishedError(f"{where}: {section}{name} = {value!r} must be in [0, 1)")
+        if kind in (int, float) and name not in _MAY_BE_ZERO and value <= 0:
             raise PublishedError(f"{where}: {section}{name} = {value!r} must be positive")
         out[name] = float(value) if kind is float else value
     return out
@@ -160,6 +186,16 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         fsdp=lay["sharding"] == "full",
         schedule="interleaved" if vpp > 1 else "1f1b",
     )
+    # what apply_layout would quietly drop at another sharding
+    for name, sharding in (
+        ("reduce_every_microbatch", "full"),
+        ("overlap_param_gather", "optimizer"),
+    ):
+        if lay.get(name) and lay["sharding"] != sharding:
+            raise PublishedError(
+                f"{where}: layout.{name} = true is for sharding = {sharding!r}, not "
+                f"{lay['sharding']!r}"
+            )
     if layout.gpus != lay["gpus"]:
         raise PublishedError(
             f"{where}: layout.gpus = {lay['gpus']} but tp x cp x pp x dp = {layout.gpus}"
@@ -177,6 +213,13 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         value=pub["value"],
         definition=pub["definition"],
         assumed=tuple(pub.get("assumed", ())),
+        parallel={
+            name: lay[name]
+            for name in ("overlap_grad_reduce", "overlap_param_gather", "reduce_every_microbatch")
+            if name in lay
+        },
+        tp_comm_overlap=lay.get("tp_comm_overlap", False),
+        gpu_memory_gib=lay.get("gpu_memory_gib"),
     )
     try:  # the same checks a run of this config gets before any worker starts
         from megatrain.plan.cost_model import apply_layout
@@ -231,4 +274,6 @@ def predict(run: PublishedRun, profile: Profile | None = None) -> tuple[float, E
         run.config(), run.layout, gpu, profile or builtin_profile(), run.model["vocab"],
         run.global_batch,
     )  # fmt: skip
+    if run.gpu_memory_gib:  # the run's GPUs held other than the entry's memory
+        result.fits = result.memory["total"] <= (1 - HEADROOM) * run.gpu_memory_gib * GIB
     return predicted(run, result, gpu), result
