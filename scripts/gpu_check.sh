@@ -69,6 +69,12 @@ step bench-gpu-llama 240 "${BENCH[@]}" BENCH_GPU_ARGS="--config pipelines/models
 for name in bench-gpu bench-gpu-llama; do  # the tables bench_gpu.py printed
     awk '/^(GPT-2|Llama) [0-9]+x[0-9]+/,/^wrote /' "$OUT/$name.log"
 done
+# The two measured tokens/s as rows of the published-runs table (OUTDIR/gpu-rows.toml, to be
+# appended to packages/megatrain/src/megatrain/plan/published_runs.toml), each beside the plan
+# for its one GPU: FAIL when one is off by more than 10% (issue 50 item 4).
+step gpu-rows 60 "$PY" benchmarks/gpu_rows.py "$OUT/gpu.json" "$OUT/gpu-llama.json" \
+    --out "$OUT/gpu-rows.toml" --check
+grep '^bench-gpu-' "$OUT/gpu-rows.log"
 # CUDA graphs against the real capture (a minute): the layers equal eager ones, fresh dropout
 # masks per replay, and the CPU's emulation of the capture held to torch's own contract.
 step cuda-graphs 180 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_cuda_graphs.py \

@@ -47,12 +47,16 @@ _LAYOUT = {
 # overlap_param_gather off), FSDP reducing every microbatch (absent: once a step), whether the
 # run overlapped TP communication with its GEMMs (recorded; megatrain does not, and the plan
 # charges TP collectives on the critical path), and the memory of the run's GPUs in GiB where
-# it is not the GPU entry's (absent: the entry's; only the fits check reads it).
+# it is not the GPU entry's (absent: the entry's; only the fits check reads it); whether the
+# output layer and its loss ran fused (training.fused_linear_cross_entropy; absent: not).
 _LAYOUT_OPTIONAL = {
     "vpp": int, "cp": int, "ep": int, "sequence_parallel": bool, "overlap_grad_reduce": bool,
     "overlap_param_gather": bool, "reduce_every_microbatch": bool, "tp_comm_overlap": bool,
-    "gpu_memory_gib": float,
+    "gpu_memory_gib": float, "fused_linear_cross_entropy": bool,
 }  # fmt: skip
+# the [run.layout] fields that are megatrain config fields, by section
+_PARALLEL_FIELDS = ("overlap_grad_reduce", "overlap_param_gather", "reduce_every_microbatch")
+_TRAINING_FIELDS = ("fused_linear_cross_entropy",)
 _MAY_BE_ZERO = {"dropout"}  # numbers that may be 0 (the rest must be positive)
 _PUBLISHED = {"metric": str, "value": float, "definition": str}
 _PUBLISHED_OPTIONAL = {"assumed": list}
@@ -81,8 +85,9 @@ class PublishedRun:
     value: float
     definition: str
     assumed: tuple = field(default_factory=tuple)
-    # the [run.layout] fields of the parallel section that Layout does not carry
+    # the [run.layout] fields of the parallel and training sections that Layout does not carry
     parallel: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
     tp_comm_overlap: bool = False
     gpu_memory_gib: float | None = None
 
@@ -109,6 +114,7 @@ class PublishedRun:
                 micro_batch_size=self.layout.micro_batch,
                 global_batch_size=self.global_batch,
                 precision=self.precision,
+                **self.training,
             ),
         )
 
@@ -213,11 +219,8 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         value=pub["value"],
         definition=pub["definition"],
         assumed=tuple(pub.get("assumed", ())),
-        parallel={
-            name: lay[name]
-            for name in ("overlap_grad_reduce", "overlap_param_gather", "reduce_every_microbatch")
-            if name in lay
-        },
+        parallel={name: lay[name] for name in _PARALLEL_FIELDS if name in lay},
+        training={name: lay[name] for name in _TRAINING_FIELDS if name in lay},
         tp_comm_overlap=lay.get("tp_comm_overlap", False),
         gpu_memory_gib=lay.get("gpu_memory_gib"),
     )
