@@ -14,10 +14,11 @@ estimated by the planner with the calibrated profile.  Reported: both times, bot
 Kendall's tau between them and the share of pairs ordered alike.  About a minute on 2 cores.
 
 `--published` instead sets the planner beside published runs (megatrain/plan/published_runs.toml,
-`megatrain.plan.published`): for each, the planner's number at the run's own layout (the
-built-in profile, or `--profile FILE`), the published one, their ratio and whether it is within
-15%; then how many "check" rows (never used for fitting) are within 15% and their median
-absolute error.  Seconds; no workers.
+`megatrain.plan.published`): for each, the planner's number at the run's own layout (with the
+profile its GPU names in gpus.toml: volta, ampere or hopper; or `--profile FILE` for every run),
+the published one, their ratio and whether it is within 15%; then how many "check" rows (never
+used for fitting) are within 15% and their median absolute error, in all and by profile.
+Seconds; no workers.
 """
 
 import argparse
@@ -37,7 +38,7 @@ from bench_gpt_train import random_docs, write_corpus
 from megatrain.config import Config, ModelConfig, TrainingConfig
 from megatrain.plan.calibrate import calibrate
 from megatrain.plan.cost_model import Layout, apply_layout, estimate
-from megatrain.plan.hardware import builtin_profile, load_profile
+from megatrain.plan.hardware import load_gpus, load_profile
 from megatrain.plan.published import load_runs, predict
 from megatrain.run import launch
 
@@ -123,16 +124,18 @@ def _notes(run) -> list[str]:
 def published(out: Path, profile_path: str | None) -> dict:
     """The planner beside every published run; the record written to `out`."""
     started = time.perf_counter()
-    profile = load_profile(profile_path) if profile_path else builtin_profile()
+    profile = load_profile(profile_path) if profile_path else None
+    gpus = load_gpus()
     rows = []
     for run in load_runs():
-        value, result = predict(run, profile)
+        value, result = predict(run, profile)  # None: the run's GPU's profile
         ratio = value / run.value
         rows.append(
             {
                 "name": run.name,
                 "use": run.use,
                 "gpu": run.gpu,
+                "profile": profile.name if profile else gpus[run.gpu].profile,
                 "gpus": run.gpus,
                 "layout": run.layout.describe(),
                 "seq_length": run.seq_length,
@@ -149,7 +152,8 @@ def published(out: Path, profile_path: str | None) -> dict:
                 "source": run.source,
             }
         )
-    print(f"profile: {profile.source}")
+    used = profile.source if profile else "each run's GPU's, gpus.toml (volta, ampere, hopper)"
+    print(f"profile: {used}")
     print(f"{'run':<40} {'use':<5} {'metric':<10} {'published':>10} {'predicted':>10} ratio")
     short = {"tokens_per_s_per_gpu": "tok/s/GPU", "hardware_tflops_per_gpu": "HW TF/GPU"}
     for row in rows:
@@ -180,6 +184,20 @@ def published(out: Path, profile_path: str | None) -> dict:
                 f"median absolute error {summary[use]['median_abs_error']:.0%}; "
                 f"{summary[use]['plan_says_does_not_fit']} that ran would not fit by the plan"
             )
+    summary["check_by_profile"] = {}
+    for name in sorted({r["profile"] for r in rows if r["use"] == "check"}):
+        part = [r for r in rows if r["use"] == "check" and r["profile"] == name]
+        errors = [abs(r["ratio"] - 1) for r in part]
+        within = sum(r["within_15pct"] for r in part)
+        summary["check_by_profile"][name] = {
+            "rows": len(part),
+            "within_15pct": within,
+            "median_abs_error": statistics.median(errors),
+        }
+        print(
+            f"  check rows, profile {name}: {within} of {len(part)} within 15%, median "
+            f"absolute error {statistics.median(errors):.0%}"
+        )
     overlapped = [r for r in rows if any(n.startswith("tp-comm") for n in r["notes"])]
     if overlapped:
         print(
@@ -189,7 +207,7 @@ def published(out: Path, profile_path: str | None) -> dict:
         )
     record = {
         "benchmark": "plan-published",
-        "profile": profile.source,
+        "profile": used,
         "tolerance": TOLERANCE,
         "summary": summary,
         "runs": rows,
@@ -212,7 +230,9 @@ def main() -> None:
     parser.add_argument(
         "--published", action="store_true", help="the planner beside published runs instead"
     )
-    parser.add_argument("--profile", help="with --published: a profile file (default: built-in)")
+    parser.add_argument(
+        "--profile", help="with --published: a profile file (default: each run's GPU's, gpus.toml)"
+    )
     args = parser.parse_args()
     if args.published:
         published(Path(args.out or "benchmarks/results/plan-published.json"), args.profile)

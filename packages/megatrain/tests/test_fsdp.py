@@ -542,7 +542,7 @@ def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
 
     config = load_config(Path(__file__).parents[3] / "pipelines/models/llama3-8b.toml")
     h100 = hardware.load_gpus()["h100-80gb"]
-    result = plan(config, 8, h100, hardware.builtin_profile(), 128256, 512)
+    result = plan(config, 8, h100, hardware.gpu_profile(h100), 128256, 512)
     assert {e.layout.sharding for e in result.ranked} == {"none", "optimizer", "full"}
     totals = {}
     for sharding in ("none", "optimizer", "full"):

@@ -69,14 +69,14 @@ def test_plan_answers_for_mixtral_8x7b_on_64_h100s(monkeypatch):
     monkeypatch.setattr(search, "_context_parallel_sizes", lambda n: [1])
     config = load_config(MODELS / "mixtral-8x7b.toml")
     h100 = hardware.load_gpus()["h100-80gb"]
-    result = search.plan(config, 64, h100, hardware.builtin_profile(), 32000, 64)
+    result = search.plan(config, 64, h100, hardware.gpu_profile(h100), 32000, 64)
     best = result.ranked[0]
     assert best.layout.ep > 1 and 8 % best.layout.ep == 0
     assert (64 // best.layout.pp) % (best.layout.ep * best.layout.expert_tp) == 0
     assert best.memory["total"] <= 0.9 * 80 * GIB
     # The experts weigh less per GPU at ep 8 than at ep 1, the same layout otherwise.
     at_one = replace(best.layout, ep=1, etp=None)
-    one = estimate(config, at_one, h100, hardware.builtin_profile(), 32000, 64)
+    one = estimate(config, at_one, h100, hardware.gpu_profile(h100), 32000, 64)
     assert one.memory["weights"] > best.memory["weights"]
     cfg = model_config(apply_layout(config, best.layout, 64), 32000)
     flops, _ = accounting.flops_per_iteration("llama", cfg, 64, 4096)

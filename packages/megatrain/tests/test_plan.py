@@ -294,6 +294,7 @@ def test_calibration_fits_and_profile_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "GEMM_SIZES_CPU", (32, 64, 128))
     monkeypatch.setattr(calibrate, "COPY_BYTES", {"cpu": 4 << 20})
     monkeypatch.setattr(calibrate, "LAYERS_CPU", ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)))
+    monkeypatch.setattr(calibrate, "ATTENTION_SEQ_CPU", (64, 128))
     out = tmp_path / "cpu.json"
     result = CliRunner().invoke(
         main, ["plan", "--calibrate", "--out", str(out), "--ranks", "1"], catch_exceptions=False
@@ -301,12 +302,19 @@ def test_calibration_fits_and_profile_round_trip(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     profile = hardware.load_profile(out)
     assert profile.device.key == "cpu" and profile.gemm_efficiency == pytest.approx(1.0)
+    # the whole profile measured: GEMMs by size (the 3 square and 2 thin ones), attention by
+    # sequence length, the copy being the CPU's bandwidth itself
+    assert profile.measured and len(profile.gemm_efficiency_by_size) == 5
+    assert [s for s, _ in profile.attention_tflops] == [64, 128]
+    assert all(t > 0 for _, t in profile.attention_tflops)
+    assert profile.hbm_efficiency == pytest.approx(1.0)
     assert profile.collective_latency_us == hardware.builtin_profile().collective_latency_us
     args = ["plan", "--config", str(MODELS / "gpt2-tiny.toml"), "model.vocab_size=1000"]
     result = CliRunner().invoke(main, [*args, "--gpus", "1", "--profile", str(out), "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["profile"]["source"].startswith(str(out)) and data["gpu"]["key"] == "cpu"
+    assert data["profile"]["name"] == str(out) and data["profile"]["measured"]
+    assert data["profile"]["source"].startswith("calibrated on ") and data["gpu"]["key"] == "cpu"
     assert data["layouts"][0]["layout"]["tp"] == 1
 
 
@@ -421,7 +429,7 @@ def test_plan_answers_for_llama3_8b_on_8_h100s():
 
     config = load_config(MODELS / "llama3-8b.toml")
     h100 = hardware.load_gpus()["h100-80gb"]
-    result = plan(config, 8, h100, hardware.builtin_profile(), 128256, 512)
+    result = plan(config, 8, h100, hardware.gpu_profile(h100), 128256, 512)
     assert result.ranked and all(e.fits and e.layout.gpus == 8 for e in result.ranked)
     assert all(8 % e.layout.tp == 0 for e in result.ranked)  # 8 key/value groups
     best = result.ranked[0]
@@ -516,10 +524,11 @@ def test_context_parallel_communication_by_hand():
     # cp 2 against cp 1 at the same tp on the same 8 GPUs: half the tokens per rank in twice
     # the microbatches (the same TP traffic an iteration), the gradients' all-reduce over the
     # same 8 / tp ranks, the K/V on the wire.
-    one = estimate(config, Layout(tp=2, pp=1, dp=4, recompute="full"), H100, costs.profile,
+    h100 = hardware.with_attention(H100, "unfused")  # volta's profile cannot time flash
+    one = estimate(config, Layout(tp=2, pp=1, dp=4, recompute="full"), h100, costs.profile,
                    LLAMA3_VOCAB)  # fmt: skip
     two = estimate(config, Layout(tp=2, pp=1, dp=2, cp=2, cp_comm="allgather",
-                                  recompute="full"), H100, costs.profile, LLAMA3_VOCAB)  # fmt: skip
+                                  recompute="full"), h100, costs.profile, LLAMA3_VOCAB)  # fmt: skip
     assert two.memory["activations"] < 0.6 * one.memory["activations"]
     assert two.time["cp_comm"] > 0 == one.time["cp_comm"]
     assert two.time["dp_comm"] == pytest.approx(one.time["dp_comm"])

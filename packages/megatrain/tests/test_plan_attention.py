@@ -31,17 +31,22 @@ VOCAB = 128256
 
 
 def test_gpu_table_says_which_attention_runs():
-    """Flash on A100 and newer (with a published efficiency), the unfused kernels on V100; a
-    GPU file asking for flash without an efficiency is refused, naming the field."""
+    """Flash on A100 and newer (their profiles giving the kernel's published rate), the
+    unfused kernels on V100, whose profile cannot time flash: asking for it is refused,
+    naming the field."""
     for key, gpu in GPUS.items():
+        rates = hardware.gpu_profile(gpu).attention_tflops
         if key.startswith("v100"):
-            assert gpu.attention == "unfused" and gpu.attention_efficiency is None
+            assert gpu.attention == "unfused" and not rates
         else:
-            assert gpu.attention == "flash" and 0 < gpu.attention_efficiency < 1, key
-    with pytest.raises(hardware.HardwareError, match="attention_efficiency"):
-        hardware.with_attention(V100, "flash")
-    assert hardware.with_attention(H100, "unfused").attention == "unfused"
-    assert hardware.with_attention(H100, None) is H100
+            assert gpu.attention == "flash" and all(0 < t < 1000 for _, t in rates), key
+    volta, hopper = hardware.gpu_profile(V100), hardware.gpu_profile(H100)
+    with pytest.raises(hardware.HardwareError, match="attention_tflops"):
+        hardware.with_attention(V100, "flash", volta)
+    assert hardware.with_attention(H100, "unfused", hopper).attention == "unfused"
+    assert hardware.with_attention(H100, None, hopper) is H100
+    with pytest.raises(hardware.HardwareError, match="profile volta has none"):
+        hardware.with_attention(H100, None, volta)
 
 
 def test_gpu_file_attention_fields(tmp_path):
@@ -50,31 +55,33 @@ def test_gpu_file_attention_fields(tmp_path):
         "intra_node_gbps = 100\ninter_node_gbps = 10\ngpus_per_node = 8\n"
     )
     path = tmp_path / "gpus.toml"
+    # a new entry naming no profile gets volta's, which cannot time flash
     path.write_text(entry + 'attention = "flash"\n')
-    with pytest.raises(hardware.HardwareError, match=r"\[gpu.x\] attention_efficiency"):
+    with pytest.raises(hardware.HardwareError, match=r"\[gpu.x\] attention = \"flash\" needs"):
         hardware.load_gpus(path)
-    path.write_text(entry + 'attention = "fused"\n')
+    path.write_text(entry + 'attention = "fused"\nprofile = "hopper"\n')
     with pytest.raises(hardware.HardwareError, match="attention must be"):
         hardware.load_gpus(path)
-    path.write_text(entry + 'attention = "flash"\nattention_efficiency = 0.5\n')
-    assert hardware.load_gpus(path)["x"].attention_efficiency == 0.5
+    path.write_text(entry + 'attention = "flash"\nprofile = "hopper"\n')
+    assert hardware.load_gpus(path)["x"].profile == "hopper"
 
 
 def test_flash_attention_terms_by_hand():
     """Llama 3 8B's attention core at tp 2, s 8192 on an H100: causal, so half of 4 s^2 (a d)
-    FLOPs, at attention_efficiency of the bf16 peak, the backward 2.5 x, one kernel each;
-    unfused: the two products per head as GEMMs, all s^2, as on a V100.  No flash in fp32."""
+    FLOPs, at the hopper profile's attention_tflops at s 8192 (FlashAttention-2's 308), the
+    backward 2.5 x, one kernel each; unfused: the two products per head as GEMMs, all s^2,
+    as on a V100.  No flash in fp32."""
     config = apply_layout(load_config(MODELS / "llama3-8b.toml"), Layout(2, 1, 1, micro_batch=2))
     cfg = model_config(config, VOCAB)
     layout = Layout(tp=2, pp=1, dp=1, micro_batch=2)
-    profile = hardware.builtin_profile()
+    profile = hardware.gpu_profile(H100)
     costs = Costs(H100, profile, "bf16")
     s, b, heads, d = 8192, 2, 32 / 2, 128
     flops = b * heads * 4 * s * s * d / 2
-    rate = 989.4e12 * 0.35
+    rate = 308e12
     [(forward, backward)] = attention_core_seconds(config, cfg, layout, costs)
-    assert forward == pytest.approx(flops / rate + 320e-6)
-    assert backward == pytest.approx(2.5 * flops / rate + 320e-6)
+    assert forward == pytest.approx(flops / rate + 20e-6)
+    assert backward == pytest.approx(2.5 * flops / rate + 20e-6)
     unfused = Costs(replace(H100, attention="unfused"), profile, "bf16")
     core = attention_core_seconds(config, cfg, layout, unfused)
     assert core == [
@@ -139,9 +146,10 @@ def test_flash_memory_keeps_no_scores_and_the_plan_uses_it():
     )
     layout = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="none", sequence_parallel=True,
                     distributed_optimizer=True)  # fmt: skip
-    profile = hardware.builtin_profile()
+    profile = hardware.gpu_profile(H100)
     on_h100 = estimate(config, layout, H100, profile, VOCAB, 512)
-    asked = estimate(config, layout, hardware.with_attention(H100, "unfused"), profile, VOCAB, 512)
+    unfused = hardware.with_attention(H100, "unfused", profile)
+    asked = estimate(config, layout, unfused, profile, VOCAB, 512)
     assert on_h100.memory["activations"] < asked.memory["activations"]
     assert on_h100.time["compute"] < asked.time["compute"] and on_h100.mfu > asked.mfu
 
@@ -160,4 +168,4 @@ def test_cli_attention_flag():
     assert runs[()]["layouts"][0]["mfu"] > runs[("--attention", "unfused")]["layouts"][0]["mfu"]
     bad = ["plan", "--config", config, "--gpus", "16", "--gpu", "v100-32gb", "--attention", "flash"]
     result = CliRunner().invoke(main, bad)
-    assert result.exit_code == 2 and "attention_efficiency" in result.output
+    assert result.exit_code == 2 and "attention_tflops" in result.output

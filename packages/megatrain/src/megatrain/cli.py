@@ -350,15 +350,17 @@ def _plan_error(message: str) -> None:
     "--profile",
     "profile_path",
     type=click.Path(dir_okay=False),
-    help="The time model's constants measured by --calibrate [default: the built-in ones, "
-    "fitted to the paper's V100 runs].",
+    help="A profile of the time model measured by --calibrate [default: the one the GPU's "
+    "entry names: volta (fitted to the paper's V100 runs), ampere or hopper (published kernel "
+    "figures)].",
 )
 @click.option(
     "--attention",
     type=click.Choice(["flash", "unfused"]),
     help="The attention kernel the time and memory model assume: flash (fused: O(s h) bytes, "
     "causal half skipped, no s x s scores kept) or unfused (the scores materialized, the "
-    "2019 kernels) [default: the GPU table's: flash on A100 and newer, unfused on V100].",
+    "2019 kernels) [default: the GPU table's: flash on A100 and newer, unfused on V100]; "
+    "flash needs a profile with the kernel's rate (attention_tflops).",
 )
 @click.option("--calibrate", is_flag=True, help="Measure this machine's constants and write --out.")
 @click.option("--out", type=click.Path(dir_okay=False), help="--calibrate's file.")
@@ -376,13 +378,16 @@ def plan_command(
     fullest pipeline stage), its step time (compute, TP communication, pipeline bubble and
     point-to-point, exposed data-parallel communication, optimizer) and MFU; the best
     --top of those that fit 90% of the GPU's memory, and why the others were refused.
+    The report names the time model's profile (--profile, else the GPU's generation in the
+    GPU table), whether it was measured or comes from published figures, and how far it is
+    off the published runs of that generation it was not fitted to.
     OVERRIDES are section.field=value, as for `megatrain run`.  Exit status 1 when no
     layout fits.
 
-    With --calibrate, measure GEMMs, memory bandwidth, transformer layers and all-reduces
-    (over every GPU of this node, or --ranks processes on a CPU) on this machine and write
-    the time model's constants as a profile to --out, for --profile; without --gpu a plan
-    with a CPU's profile is for that CPU.
+    With --calibrate, measure GEMMs by size, memory bandwidth, SDPA's causal attention by
+    sequence length, transformer layers and all-reduces (over every GPU of this node, or
+    --ranks processes on a CPU) on this machine and write the time model's profile to --out,
+    for --profile; without --gpu a plan with a CPU's profile is for that CPU.
     """
     import json
 
@@ -402,30 +407,28 @@ def plan_command(
             _plan_error("--config is required (e.g. pipelines/models/gpt2-8.3b.toml)")
         if not gpus:
             _plan_error("--gpus is required: the GPUs of the job")
-        profile = hardware.load_profile(profile_path) if profile_path else None
-        gpu = hardware.with_attention(
-            hardware.job_gpu(gpus, gpu_key, gpu_file, nodes_of, profile), attention
-        )
+        from_file = hardware.load_profile(profile_path) if profile_path else None
+        gpu = hardware.job_gpu(gpus, gpu_key, gpu_file, nodes_of, from_file)
+        profile = from_file or hardware.gpu_profile(gpu)
+        gpu = hardware.with_attention(gpu, attention, profile)
         config = load_config(config_path, list(overrides))
         if not config.model.vocab_size:
             _plan_error(
                 "model.vocab_size is 0 (the corpus's): give the tokenizer's, e.g. "
                 "model.vocab_size=50257"
             )
+        from megatrain.plan.published import check_rows_summary
         from megatrain.plan.report import format_plan, plan_dict
         from megatrain.plan.search import plan
 
-        result = plan(
-            config,
-            gpus,
-            gpu,
-            profile or hardware.builtin_profile(),
-            config.model.vocab_size,
-            global_batch,
-        )
+        result = plan(config, gpus, gpu, profile, config.model.vocab_size, global_batch)
+        check = check_rows_summary(gpu, profile)
     except (ConfigError, hardware.HardwareError, ValueError) as e:
         _plan_error(str(e))
-    text = json.dumps(plan_dict(result, top), indent=2) if as_json else format_plan(result, top)
+    if as_json:
+        text = json.dumps(plan_dict(result, top, check), indent=2)
+    else:
+        text = format_plan(result, top, check)
     click.echo(text)
     if not result.ranked:
         sys.exit(1)

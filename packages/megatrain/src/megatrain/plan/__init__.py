@@ -4,15 +4,17 @@ cluster before running it.
 
 - accounting.py: every count from a config alone (parameters, FLOPs, bytes of state and of
   activations), which MFU logging counts with too;
-- hardware.py: the GPU table (gpus.toml) and the time model's constants (a `Profile`);
+- hardware.py: the GPU table (gpus.toml) and the time model's profiles, one per GPU
+  generation (a `Profile`), or a measured one from a file;
 - memory.py: the memory per GPU of a config (accounting's counts added up per pipeline
   stage) and the cheapest recompute that fits a GPU;
 - cost_model.py: memory (memory.py) and step time of one layout;
 - search.py: every valid layout, ranked, with why the others are out;
-- calibrate.py: the constants measured on the machine at hand;
-- validation.py: the paper's scaling results the built-in constants are fitted to;
+- calibrate.py: a profile measured on the machine at hand;
+- validation.py: the paper's scaling results the volta profile is fitted to;
 - published.py: public training runs (published_runs.toml) and the plan's number for each,
-  which `benchmarks/bench_plan.py --published` sets side by side;
+  which `benchmarks/bench_plan.py --published` sets side by side and the plan summarizes for
+  its GPU's generation;
 - report.py: the plan as text or JSON.
 
 The package imports nothing here, so megatrain.plan.accounting and megatrain.plan.memory (and

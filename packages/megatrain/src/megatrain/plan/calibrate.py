@@ -1,12 +1,20 @@
 """Measure the time model's constants on the machine at hand: `megatrain plan --calibrate`.
 
-- **GEMMs**: square and tall-skinny matrix multiplies from 128 to 8192 (2048 on a CPU) in
-  the training precision (bf16 on a GPU, fp32 on a CPU), best of a few runs each; a least-
-  squares fit of time = FLOPs / rate + tau (weighted by 1/time, so small GEMMs count as
-  much as large) gives `gemm_efficiency` = rate / peak, the peak being the data sheet's
+- **GEMMs**: square and tall-skinny matrix multiplies from 256 to 8192 (128 to 2048 on a
+  CPU) in the training precision (bf16 on a GPU, fp32 on a CPU), best of a few runs each; a
+  least-squares fit of time = FLOPs / rate + tau (weighted by 1/time, so small GEMMs count
+  as much as large) gives `gemm_efficiency` = rate / peak, the peak being the data sheet's
   (megatrain.run.metrics) on a GPU, and the fitted rate itself on a CPU (no vendor number
-  applies to an arbitrary CPU); tau alone is recorded (the layers below give the one used).
-- **Memory bandwidth**: a large tensor copied (bytes read + written / time).
+  applies to an arbitrary CPU); each GEMM's own FLOPs / ((time - tau) peak) gives
+  `gemm_efficiency_by_size`, by its GFLOP; tau alone is recorded (the layers below give the
+  one used).
+- **Attention**: torch's SDPA, causal, forward and backward, head dimension 128, at sequence
+  lengths 512 to 16384 in bf16 on a GPU (16 heads, 16k tokens a call, as FlashAttention's
+  benchmarks; whichever kernel SDPA picks there) and 128 to 512 in fp32 on a CPU: FLOPs
+  counted as the cost model counts a flash kernel's (the causal half, the backward 2.5 x
+  the forward) over the time give `attention_tflops`.
+- **Memory bandwidth**: a large tensor copied (bytes read + written / time); over the data
+  sheet's bandwidth on a GPU, `hbm_efficiency` (1 on a CPU, whose bandwidth is this one).
 - **Collectives**: all-reduces of 16 KiB to 64 MiB over the GPUs of this node (NCCL), or
   over `ranks` local processes on a CPU (gloo); time = latency + 2 (n-1)/n bytes /
   bandwidth fitted gives `collective_latency_us` and the bus bandwidth, over the link's
@@ -20,8 +28,10 @@
   `gemm_overhead_us` and `elementwise_passes`.
 
 On a GPU the profile's device is the GPU table's entry of the same model (memory and
-link bandwidths from the data sheet); on a CPU it is the measured machine, so
-`megatrain plan --profile cpu.json` without --gpu plans for it.
+link bandwidths from the data sheet), and what is not measured (collectives on one GPU) is
+that entry's built-in profile's; on a CPU it is the measured machine, so `megatrain plan
+--profile cpu.json` without --gpu plans for it.  The profile is `measured`, its source the
+machine, the device and the date.
 """
 
 import os
@@ -32,7 +42,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from megatrain.plan.hardware import GIB, Gpu, Profile, builtin_profile, load_gpus
+from megatrain.plan.hardware import DEFAULT_PROFILE, GIB, Gpu, Profile, builtin_profile, load_gpus
 
 # (hidden, heads, seq, batch) of the layers timed
 LAYERS_GPU = ((1024, 16, 1024, 1), (1024, 16, 1024, 4), (2048, 16, 1024, 2), (4096, 32, 1024, 2))
@@ -40,6 +50,11 @@ LAYERS_CPU = ((128, 4, 128, 1), (256, 4, 128, 2), (256, 8, 128, 4), (512, 8, 128
 GEMM_SIZES_GPU = (256, 512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (128, 256, 512, 1024, 2048)
 ALL_REDUCE_BYTES = tuple(2**p for p in range(14, 27, 2))  # 16 KiB .. 64 MiB
+ATTENTION_SEQ_GPU = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_SEQ_CPU = (128, 256, 512)
+ATTENTION_HEAD_DIM = 128
+# (heads, tokens a call: batch = tokens / seq) of the attention timed
+ATTENTION_SHAPE = {"cuda": (16, 16384), "cpu": (2, 512)}
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}  # well above the caches
 
 
@@ -74,9 +89,44 @@ def fit_gemms(measured: list) -> tuple[float, float]:
     seconds = np.array([s for *_, s in measured])
     design = np.stack([work, np.ones_like(work)], axis=1) / seconds[:, None]
     (inverse_rate, overhead), *_ = np.linalg.lstsq(design, np.ones_like(seconds), rcond=None)
-    if overhead < 0:  # no measurable fixed cost: the rate alone
+    if overhead < 0 or inverse_rate <= 0:  # no measurable fixed cost (or noise): the rate alone
         inverse_rate, overhead = float(np.sum(work / seconds) / np.sum((work / seconds) ** 2)), 0.0
     return 1.0 / float(inverse_rate), float(overhead)
+
+
+def gemm_efficiency_by_size(measured: list, overhead: float, peak: float) -> tuple:
+    """((GFLOP, fraction of peak), ...) ascending: each GEMM's FLOPs / ((time - overhead)
+    peak), the time beyond the fixed overhead (at least half the time: a GEMM timed below
+    the fitted overhead is noise); GEMMs of the same FLOPs averaged."""
+    by_size: dict[float, list] = {}
+    for m, n, k, seconds in measured:
+        flops = 2.0 * m * n * k
+        busy = max(seconds - overhead, seconds / 2)
+        by_size.setdefault(flops / 1e9, []).append(flops / (busy * peak))
+    return tuple((size, float(np.mean(f))) for size, f in sorted(by_size.items()))
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, seqs, repeats: int = 5) -> list:
+    """[(seq, TFLOP/s)] of SDPA's causal attention, forward and backward, at head dimension
+    ATTENTION_HEAD_DIM; FLOPs as the cost model counts a flash kernel's."""
+    heads, tokens = ATTENTION_SHAPE[device.type]
+    d = ATTENTION_HEAD_DIM
+    out = []
+    for seq in seqs:
+        batch = max(1, tokens // seq)
+        q, k, v = (
+            torch.randn(batch, heads, seq, d, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        grad = torch.randn(batch, heads, seq, d, device=device, dtype=dtype)
+
+        def step(q=q, k=k, v=v, grad=grad):
+            q.grad = k.grad = v.grad = None
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        forward = 4 * batch * heads * seq * seq * d / 2  # the causal half of QK^T and PV
+        out.append((seq, 3.5 * forward / _best_seconds(step, device, repeats) / 1e12))
+    return out
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -202,7 +252,10 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
         f"calibrate: GEMM {rate / 1e12:.2f} TFLOP/s + {overhead * 1e6:.1f} us; "
         f"copy {copy / 1e9:.1f} GB/s"
     )
-    base = builtin_profile()
+    seqs = ATTENTION_SEQ_GPU if cuda else ATTENTION_SEQ_CPU
+    log(f"calibrate: causal attention (SDPA) at s {seqs[0]}..{seqs[-1]}, forward and backward")
+    attention = measure_attention(device, dtype, seqs)
+    log("calibrate: attention " + ", ".join(f"{t:.1f} TFLOP/s at {s}" for s, t in attention))
     precision = "bf16" if cuda else "fp32"
     if cuda:
         props = torch.cuda.get_device_properties(device)
@@ -224,6 +277,8 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
             inter_node_gbps=copy / 1e9,
             gpus_per_node=ranks,
         )
+    # What is not measured here (collectives on one GPU) is the device's generation's.
+    base = builtin_profile(gpu.profile if gpu is not None else DEFAULT_PROFILE)
     device_name = torch.cuda.get_device_name(device) if cuda else gpu.name
     # The device the layer fit is made against: the table's, else the one measured here.
     measured_gpu = gpu or Gpu(
@@ -236,13 +291,21 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
         inter_node_gbps=1.0,
         gpus_per_node=1,
     )
+    by_size = gemm_efficiency_by_size(gemms, overhead, peak)
+    hbm = copy / (measured_gpu.hbm_gbps * 1e9)
+    log(
+        f"calibrate: GEMMs at {by_size[0][1]:.0%}..{by_size[-1][1]:.0%} of peak from "
+        f"{by_size[0][0]:.2g} to {by_size[-1][0]:.3g} GFLOP; copy at {hbm:.0%} of the data sheet"
+    )
     shapes = LAYERS_GPU if cuda else LAYERS_CPU
     log(f"calibrate: {len(shapes)} transformer layers, forward and backward")
     layers = launch.run_workers(_layer_worker, (shapes, precision, 5), 1)[0]
     overhead_us, passes = fit_layers(
         list(zip(shapes, layers, strict=True)),
         measured_gpu,
-        replace(base, gemm_efficiency=rate / peak),
+        replace(
+            base, gemm_efficiency=rate / peak, gemm_efficiency_by_size=by_size, hbm_efficiency=hbm
+        ),
         precision,
     )
     log(f"calibrate: layers give {overhead_us:.1f} us per GEMM, {passes:.2f} passes")
@@ -257,13 +320,24 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
             for (h, a, sq, b), t in zip(shapes, layers, strict=True)
         ],
         "copy_gbps": copy / 1e9,
+        "attention": {
+            "kernel": "torch.nn.functional.scaled_dot_product_attention, is_causal=True",
+            "head_dim": ATTENTION_HEAD_DIM,
+            "heads_tokens": ATTENTION_SHAPE[device.type],
+            "torch": torch.__version__,
+        },
     }
     profile = replace(
         base,
         gemm_efficiency=rate / peak,
+        gemm_efficiency_by_size=by_size,
         gemm_overhead_us=overhead_us,
+        hbm_efficiency=hbm,
         elementwise_passes=passes,
+        attention_tflops=tuple((float(s), t) for s, t in attention),
+        name="calibrated",
         source=f"calibrated on {platform.node()} ({device_name}) {time.strftime('%Y-%m-%d')}",
+        measured=True,
         measurements=measured,
     )
     if ranks > 1:
@@ -280,5 +354,5 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
             efficiency = bandwidth / (gpu.intra_node_gbps * 1e9)
             profile = replace(profile, collective_efficiency=efficiency)
     else:
-        measured["all_reduce"] = "not measured (one GPU): the built-in constants"
+        measured["all_reduce"] = f"not measured (one GPU): profile {base.name}'s"
     return replace(profile, device=gpu)

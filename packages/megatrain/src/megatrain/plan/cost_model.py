@@ -5,15 +5,17 @@ gradients and optimizer state by megacore's bytes-per-parameter table, with and 
 the distributed optimizer; Korthikanti et al.'s activations with sequence parallelism and
 selective/full recompute; the microbatches 1F1B and interleaved 1F1B keep in flight).
 
-Time of one iteration, built from the data sheet (`Gpu`) and five constants (`Profile`),
-for one TP rank of each pipeline stage and one microbatch of b sequences of s tokens:
+Time of one iteration, built from the data sheet (`Gpu`) and its profile (`Profile`: the
+GPU's generation in gpus.toml, or `--profile FILE`), for one TP rank of each pipeline stage
+and one microbatch of b sequences of s tokens:
 
 - **GEMMs**: each takes max(FLOPs / (peak e), bytes / HBM) + tau: compute-bound at e of
-  peak (`gemm_efficiency`), memory-bound when its operands are thin (the attention's
-  per-head products at a small head size: why more heads scale worse, the paper's Table
-  7), plus a fixed time tau per GEMM (`gemm_overhead_us`), equivalently an efficiency
-  e W / (W + W_half) that falls with the per-GPU size W of the GEMM, W_half = tau e peak:
-  why splitting a small model over more GPUs gains less (Table 8).  Per layer: the
+  peak (`gemm_efficiency`, or `gemm_efficiency_by_size` at the GEMM's FLOPs), memory-bound
+  when its operands are thin (the attention's per-head products at a small head size: why
+  more heads scale worse, the paper's Table 7), plus a fixed time tau per GEMM
+  (`gemm_overhead_us`), equivalently an efficiency e W / (W + W_half) that falls with the
+  per-GPU size W of the GEMM, W_half = tau e peak: why splitting a small model over more
+  GPUs gains less (Table 8).  Per layer: the
   model's own GEMMs (`accounting.layer_gemms`, the list the FLOP count sums: QKV, or Q and
   grouped K/V; the projection; the MLP's two, or SwiGLU's three; a MoE layer's router,
   experts and shared expert), each split over tp as the model splits it; the backward
@@ -21,12 +23,13 @@ for one TP rank of each pipeline stage and one microbatch of b sequences of s to
 - **The attention core** (`attention_core_seconds`), as the GPU's entry says it runs
   (`Gpu.attention`, `megatrain plan --attention`): "unfused", the 2019 kernels, two
   products per head (the s x s scores written and read, their softmax and dropout among
-  the non-GEMM ops); "flash" (16 bits, cp 1), one fused kernel at
-  `attention_efficiency` of peak (FlashAttention's published figures), moving O(s h)
+  the non-GEMM ops); "flash" (16 bits, cp 1), one fused kernel at the profile's
+  `attention_tflops` for the sequence length (FlashAttention's figures), moving O(s h)
   bytes, doing half the score FLOPs of causal attention, its backward 2.5 x its forward.
 - **Non-GEMM ops** (LayerNorm, GeLU, softmax, dropout, residual adds) are memory-bound:
   `elementwise_passes` x the bytes of activations the layer stores
-  (`accounting.activations_per_layer`, recompute "none") / HBM bandwidth, twice that in the
+  (`accounting.activations_per_layer`, recompute "none") / HBM bandwidth (the data
+  sheet's x `hbm_efficiency`, as for every memory-bound term), twice that in the
   backward.  Without sequence parallelism the LayerNorms and dropouts run whole on every
   TP rank, as the formula's replicated 10 s b h says.
 - **Recompute**: full reruns each layer's forward (GEMMs, ops and its all-reduces) in the
@@ -259,32 +262,38 @@ class Costs:
 
     def __init__(self, gpu: Gpu, profile: Profile, precision: str):
         self.gpu, self.profile = gpu, profile
-        self.flops = gpu.peak_flops(precision) * profile.gemm_efficiency
-        self.hbm = gpu.hbm_gbps * 1e9
+        self.peak = gpu.peak_flops(precision)
+        self.flops = self.peak * profile.gemm_efficiency  # a large GEMM's rate
+        # what memory-bound kernels reach of the data sheet's bandwidth
+        self.hbm = gpu.hbm_gbps * 1e9 * profile.hbm_efficiency
         self.element = 4 if precision == "fp32" else 2
-        # the attention kernel (gpus.toml's `attention`): flash at this fraction of peak
-        self.attention = gpu.attention
-        self.attention_flops = gpu.peak_flops(precision) * (gpu.attention_efficiency or 0.0)
+        self.attention = gpu.attention  # gpus.toml's `attention` (or --attention)
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
-        """[m, k] x [k, n], `batch` times (a batched GEMM is one kernel)."""
-        work = 2 * m * n * k * batch / self.flops
+        """[m, k] x [k, n], `batch` times (a batched GEMM is one kernel), at the profile's
+        fraction of peak for a GEMM of its size."""
+        flops = 2 * m * n * k * batch
+        rate = self.flops
+        if self.profile.gemm_efficiency_by_size:
+            rate = self.peak * self.profile.gemm_fraction(flops)
         traffic = self.element * batch * (m * k + k * n + m * n) / self.hbm
-        return max(work, traffic) + self.profile.gemm_overhead_s
+        return max(flops / rate, traffic) + self.profile.gemm_overhead_s
 
     def gemm_fwd_bwd(self, m: float, n: float, k: float, batch: float = 1) -> tuple[float, float]:
         """A GEMM's forward and its backward: the input's gradient [m, n] x [n, k] and the
         weight's (or other operand's) [k, m] x [m, n]."""
         return self.gemm(m, n, k, batch), self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
 
-    def flash_attention(self, flops: float, nbytes: float) -> tuple[float, float]:
-        """A flash kernel's forward and backward doing `flops` in the forward (the backward
-        2.5 x: it recomputes the scores, 5 products to the forward's 2) and reading and
-        writing `nbytes` (q, k, v and the output; twice in the backward, with the
-        gradients): one kernel each, at `attention_efficiency` of peak."""
+    def flash_attention(self, flops: float, nbytes: float, seq: int) -> tuple[float, float]:
+        """A flash kernel's forward and backward at sequence length `seq`, doing `flops` in
+        the forward (the backward 2.5 x: it recomputes the scores, 5 products to the
+        forward's 2) and reading and writing `nbytes` (q, k, v and the output; twice in the
+        backward, with the gradients): one kernel each, at the profile's `attention_tflops`
+        for `seq` (a forward-and-backward rate, so both at it)."""
+        rate = self.profile.attention_flops(seq)
         overhead = self.profile.gemm_overhead_s
-        forward = max(flops / self.attention_flops, nbytes / self.hbm) + overhead
-        backward = max(2.5 * flops / self.attention_flops, 2 * nbytes / self.hbm) + overhead
+        forward = max(flops / rate, nbytes / self.hbm) + overhead
+        backward = max(2.5 * flops / rate, 2 * nbytes / self.hbm) + overhead
         return forward, backward
 
     def elementwise(self, stored_bytes: float) -> float:
@@ -404,7 +413,7 @@ def attention_core_seconds(
         flops = b * attention_core_flops(cfg, local, s, causal_skip=True) / tp
         groups = b * max(cfg.num_query_groups or a, tp) / tp  # key/value heads on the rank
         nbytes = costs.element * head * (2 * heads * local + 2 * groups * s)
-        return [costs.flash_attention(flops, nbytes)]
+        return [costs.flash_attention(flops, nbytes, s)]
     core_costs = costs
     if cp > 1 and layout.cp_comm == "p2p" and "fp32" in costs.gpu.peak_tflops:
         core_costs = Costs(costs.gpu, costs.profile, "fp32")

@@ -271,12 +271,36 @@ def predicted(run: PublishedRun, result: Estimate, gpu: Gpu) -> float:
 
 
 def predict(run: PublishedRun, profile: Profile | None = None) -> tuple[float, Estimate]:
-    """(the planner's number for `run.metric` at the run's layout, the whole estimate)."""
+    """(the planner's number for `run.metric` at the run's layout, the whole estimate), with
+    `profile`, else the profile the run's GPU names in gpus.toml."""
     gpu = load_gpus()[run.gpu]
     result = estimate(
-        run.config(), run.layout, gpu, profile or builtin_profile(), run.model["vocab"],
-        run.global_batch,
+        run.config(), run.layout, gpu, profile or builtin_profile(gpu.profile),
+        run.model["vocab"], run.global_batch,
     )  # fmt: skip
     if run.gpu_memory_gib:  # the run's GPUs held other than the entry's memory
         result.fits = result.memory["total"] <= (1 - HEADROOM) * run.gpu_memory_gib * GIB
     return predicted(run, result, gpu), result
+
+
+def check_rows_summary(gpu: Gpu, profile: Profile, tolerance: float = 0.15) -> dict:
+    """How far a plan on `gpu` with `profile` is off the published runs it was not fitted to:
+    the "check" rows on GPUs of `gpu`'s generation (those naming the same gpus.toml profile),
+    each predicted with `profile`; how many are within `tolerance` and the median absolute
+    error (None without rows).  Rows on flash-attention GPUs are left out (and counted) when
+    `profile` has no attention_tflops to time them."""
+    table = load_gpus()
+    same = [r for r in load_runs() if r.use == "check" and table[r.gpu].profile == gpu.profile]
+    runs = [r for r in same if profile.attention_tflops or table[r.gpu].attention != "flash"]
+    errors = sorted(abs(predict(r, profile)[0] / r.value - 1) for r in runs)
+    middle = len(errors) // 2
+    median = (errors[middle] + errors[~middle]) / 2 if errors else None
+    return {
+        "generation": gpu.profile,
+        "rows": len(runs),
+        "within": sum(e <= tolerance for e in errors),
+        "tolerance": tolerance,
+        "median_abs_error": median,
+        "gpus": sorted({r.gpu for r in runs}),
+        "left_out": len(same) - len(runs),
+    }

@@ -8,22 +8,58 @@ from megatrain.plan.memory import HEADROOM
 from megatrain.plan.search import Plan
 
 
+def _number(value: float) -> str:
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
+def _curve(points: tuple, x: str, y: str) -> str:
+    """A profile's curve in brief: its values at its two ends."""
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    return f"{y} {_number(y0)}-{_number(y1)} at {x} {_number(x0)}-{_number(x1)}"
+
+
 def describe_profile(profile: Profile) -> str:
+    kind = "measured" if profile.measured else "not measured"
+    gemms = f"{profile.gemm_efficiency:.0%} of peak"
+    if profile.gemm_efficiency_by_size:
+        gemms = _curve(profile.gemm_efficiency_by_size, "GFLOP", "fraction of peak")
     return (
-        f"{profile.source}: GEMMs at {profile.gemm_efficiency:.0%} of peak + "
-        f"{profile.gemm_overhead_us:g} us each; non-GEMM ops move "
+        f"profile {profile.name} ({kind}: {profile.source}): GEMMs at {gemms} + "
+        f"{profile.gemm_overhead_us:g} us each; memory-bound kernels at "
+        f"{profile.hbm_efficiency:.0%} of HBM bandwidth, non-GEMM ops moving "
         f"{profile.elementwise_passes:g} x the activation bytes; collectives at "
         f"{profile.collective_efficiency:.0%} of link bandwidth + "
         f"{profile.collective_latency_us:g} us"
     )
 
 
-def describe_attention(gpu) -> str:
-    if gpu.attention == "flash":
+def describe_check(check: dict) -> str:
+    """The published check rows of the plan's GPU generation (published.check_rows_summary)."""
+    if not check["rows"]:
+        untimed = f" it can time ({check['left_out']} need flash)" if check["left_out"] else ""
         return (
-            f"flash (one fused kernel at {gpu.attention_efficiency:.0%} of peak, causal half "
-            "skipped, no s x s scores kept; in 16 bits without context parallelism; "
-            "--attention unfused for the 2019 kernels)"
+            f"published runs: no check rows on {check['generation']} GPUs{untimed}, so no "
+            "measure of how far this profile is off"
+        )
+    return (
+        f"published runs: {check['within']} of {check['rows']} check rows on "
+        f"{check['generation']} GPUs ({', '.join(check['gpus'])}) within "
+        f"{check['tolerance']:.0%} with this profile, median absolute error "
+        f"{check['median_abs_error']:.0%} (python benchmarks/bench_plan.py --published)"
+    )
+
+
+def describe_attention(gpu, profile: Profile, seq: int | None = None) -> str:
+    if gpu.attention == "flash":
+        rate = ""
+        if seq is not None:
+            tflops = profile.attention_flops(seq) / 1e12
+            rate = f", {tflops:.3g} at s {seq}"
+        curve = _curve(profile.attention_tflops, "s", "TFLOP/s")
+        return (
+            f"flash (one fused kernel at the profile's {curve}{rate}, causal half skipped, no "
+            "s x s scores kept; in 16 bits without context parallelism; --attention unfused "
+            "for the 2019 kernels)"
         )
     return "unfused (the s x s scores written, read and kept; --attention flash for a fused kernel)"
 
@@ -43,7 +79,8 @@ def _estimate_dict(rank: int, e: Estimate) -> dict:
     }
 
 
-def plan_dict(plan: Plan, top: int) -> dict:
+def plan_dict(plan: Plan, top: int, check: dict | None = None) -> dict:
+    """The plan for tools; `check`: published.check_rows_summary of its GPU and profile."""
     m, t = plan.config.model, plan.config.training
     return {
         "config": plan.config.name,
@@ -60,8 +97,13 @@ def plan_dict(plan: Plan, top: int) -> dict:
         "gpu": asdict(plan.gpu),
         "usable_memory_gib": (1 - HEADROOM) * plan.gpu.memory_gib,
         "profile": {
+            "name": plan.profile.name,
             "source": plan.profile.source,
+            "measured": plan.profile.measured,
             **{k: getattr(plan.profile, k) for k in CONSTANTS},
+            "gemm_efficiency_by_size": [list(p) for p in plan.profile.gemm_efficiency_by_size],
+            "attention_tflops": [list(p) for p in plan.profile.attention_tflops],
+            "published_check": check,
         },
         "enumerated": plan.enumerated,
         "fit": len(plan.ranked),
@@ -132,7 +174,8 @@ def _row(rank: int, e: Estimate) -> str:
     )
 
 
-def format_plan(plan: Plan, top: int) -> str:
+def format_plan(plan: Plan, top: int, check: dict | None = None) -> str:
+    """The plan for people; `check`: published.check_rows_summary of its GPU and profile."""
     m, t = plan.config.model, plan.config.training
     gpu = plan.gpu
     lines = [
@@ -141,7 +184,8 @@ def format_plan(plan: Plan, top: int) -> str:
         f"global batch {plan.global_batch}, on {plan.gpus} x {gpu.key} in nodes of "
         f"{gpu.gpus_per_node}",
         f"time model: {describe_profile(plan.profile)}",
-        f"attention: {describe_attention(gpu)}",
+        *([describe_check(check)] if check else []),
+        f"attention: {describe_attention(gpu, plan.profile, t.seq_length)}",
         f"{plan.enumerated} layouts: {len(plan.ranked)} fit in "
         f"{(1 - HEADROOM) * gpu.memory_gib:.1f} GiB ({1 - HEADROOM:.0%} of {gpu.memory_gib:g}), "
         f"{plan.enumerated - len(plan.ranked)} refused",
