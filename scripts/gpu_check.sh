@@ -4,7 +4,9 @@
 # then a probe of NCCL with two ranks on one GPU (pipeline parallel) if the driver allows it;
 # before all of them `make bench-gpu` beside the peers (megatron-core, torchtitan): GPT-2 1.2B
 # (ours also in fp8 and with CUDA graphs), and Llama 3 8B's shape at 4 layers (ours also with
-# packed documents: FlexAttention's document mask).
+# packed documents: FlexAttention's document mask); then `megatrain plan --calibrate` writes the
+# GPU's measured profile (gpu-profile.json) and plans Llama 3 8B on 8 H100s with it and with the
+# published one.
 #
 #   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
 #
@@ -14,7 +16,8 @@
 # transformers.  The peers install offline from wheels/gpu (scripts/fetch_gpu_wheels.py wrote it
 # on a machine with a package index; it is ignored by git, so carry it with the tree) into
 # OUTDIR/peers-site, which only the benchmark steps see; without them each peer is recorded as
-# skipped in the JSON.  Everything is written under OUTDIR (gpu.json, gpu-llama.json, the logs).
+# skipped in the JSON.  Everything is written under OUTDIR (gpu.json, gpu-llama.json,
+# gpu-profile.json, the logs).
 # To fit the whole script in 10 minutes on one H100 (an estimate: the benchmark steps have not been
 # timed there yet), the benchmarks time 10 steps a model after 3 of warm-up (the default is 20),
 # the Llama 5 after 2.
@@ -75,6 +78,17 @@ done
 step gpu-rows 60 "$PY" benchmarks/gpu_rows.py "$OUT/gpu.json" "$OUT/gpu-llama.json" \
     --out "$OUT/gpu-rows.toml" --check
 grep '^bench-gpu-' "$OUT/gpu-rows.log"
+# The planner's profile measured on this GPU (issue 50): GEMMs by size, SDPA's causal attention by
+# sequence length, the copy bandwidth, layers (one GPU: no collectives, the GPU's built-in
+# profile's stay), then Llama 3 8B on 8 H100s planned with it beside the published-figures plan.
+step plan-calibrate 150 megatrain plan --calibrate --out "$OUT/gpu-profile.json"
+PLAN=(--config pipelines/models/llama3-8b.toml --gpus 8 --gpu h100-80gb --top 3)
+step plan-measured 60 megatrain plan --profile "$OUT/gpu-profile.json" "${PLAN[@]}"
+step plan-published 60 megatrain plan "${PLAN[@]}"
+for name in plan-measured plan-published; do  # profile, check rows, attention and the top 3
+    echo "== $name"
+    sed -n '2,4p;/^  1 /,/^  3 /p' "$OUT/$name.log"
+done
 # CUDA graphs against the real capture (a minute): the layers equal eager ones, fresh dropout
 # masks per replay, and the CPU's emulation of the capture held to torch's own contract.
 step cuda-graphs 180 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_cuda_graphs.py \
