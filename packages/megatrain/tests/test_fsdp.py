@@ -530,9 +530,11 @@ def test_unsharded_gradients_are_the_accounting_figures(layouts):
 
 
 def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
-    """megatrain plan weighs the three shardings: Llama 3 8B on one node of H100s at tp 1, pp 1,
-    dp 8 (full recompute, flash attention's activations) fits 80 GB with "optimizer" and, in
-    less, with "full", whose memory is accounting's; "none" does not fit."""
+    """megatrain plan weighs the three shardings, and considers full sharding without tensor
+    parallelism (issue 50 item 5): Llama 3 8B on one node of H100s at tp 1, pp 1, dp 8 (full
+    recompute, flash attention's activations) fits 80 GB with "optimizer" and, in less, with
+    "full", whose memory is accounting's, and the plan ranks it among the layouts that fit;
+    "none" does not fit."""
     from pathlib import Path
 
     from megatrain.plan import hardware
@@ -544,6 +546,7 @@ def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
     h100 = hardware.load_gpus()["h100-80gb"]
     result = plan(config, 8, h100, hardware.gpu_profile(h100), 128256, 512)
     assert {e.layout.sharding for e in result.ranked} == {"none", "optimizer", "full"}
+    assert [e for e in result.ranked if e.layout.fsdp and e.layout.tp == 1]  # ranked, fitting
     totals = {}
     for sharding in ("none", "optimizer", "full"):
         layout = Layout(1, 1, 8, 1, 1, "full", False, sharding == "optimizer")

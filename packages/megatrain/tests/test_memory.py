@@ -168,12 +168,14 @@ def test_context_parallelism_divides_the_activations():
     """Llama 3 8B at 32k tokens, tp 2 with sequence parallelism: at cp 2, 4 and 8 every
     per-token activation (recompute selective: the layers', the embedding's mask, the logits)
     is exactly 1/cp of cp 1's; under "none" each layer keeps besides what the attention over
-    the whole sequence holds (the other ranks' K/V, the masks, or the ring's float32 scores),
-    and the weights, gradients and optimizer state do not change (the distributed optimizer
-    shards over dp x cp)."""
+    the whole sequence keeps (the other ranks' K/V and the additive mask, or the ring's float32
+    scores), one layer's attention holds its boolean mask or the ring's score gradients while
+    it runs, and the weights, gradients and optimizer state do not change (the distributed
+    optimizer shards over dp x cp)."""
     from megatrain.plan.accounting import (
         activations_per_layer,
         context_parallel_attention_per_layer,
+        context_parallel_attention_working,
     )
 
     base = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=1"]
@@ -191,27 +193,52 @@ def test_context_parallelism_divides_the_activations():
     vocab = 128256
     one = memory_breakdown(at(1), "selective", vocab_size=vocab)
     assert context_parallel_attention_per_layer(at(1)) == 0
+    assert context_parallel_attention_working(at(1)) == 0
     s, b, h, groups, d = 32768, 1, 4096, 8, 128
+    heads = 32 // 2  # a TP rank's
     for cp in (2, 4, 8):
         for comm in ("allgather", "p2p"):
             config = at(cp, comm)
             split = memory_breakdown(config, "selective", vocab_size=vocab)
             attention = context_parallel_attention_per_layer(config)
-            # per token exactly 1/cp; the layer whose attention is recomputed holds it once
-            assert split["activations"] - attention == pytest.approx(one["activations"] / cp)
+            working = context_parallel_attention_working(config)
+            # per token exactly 1/cp; the layer whose attention is recomputed keeps it once,
+            # and holds what its attention holds while it runs
+            assert split["activations"] - attention - working == pytest.approx(
+                one["activations"] / cp
+            )
             for part in ("weights", "gradients", "optimizer_state"):
                 assert split[part] == one[part]
             per_token = activations_per_layer(config, "selective")
             assert per_token == pytest.approx(activations_per_layer(at(1), "selective") / cp)
             assert activations_per_layer(config, "none") == pytest.approx(per_token + attention)
             local = s // cp
-            if comm == "allgather":  # the other ranks' K/V (of this TP rank's 4 groups), masks
+            if comm == "allgather":
+                # the other ranks' K/V (of this TP rank's 4 groups); one additive mask for
+                # every sequence and head (16 bits); the kernel's fp32 log-sum-exp and output
                 others = 2 * 2 * b * (s - local) * groups // 2 * d
-                assert attention == pytest.approx(others + 3 * local * s * b)
-            else:  # the whole K/V in fp32, q's fp32 copy, each block's fp32 scores and probs
+                kernel = 4 * heads * local * b + 2 * heads * d * local * b
+                assert attention == pytest.approx(others + 2 * local * s + kernel)
+                assert working == local * s  # the boolean mask the additive one is made of
+            else:
+                # the whole K/V in fp32, q's fp32 copy, each block's fp32 scores and
+                # probabilities and its mask, the merge's fp32 outputs of every block and
+                # their log-sum-exps and weights
                 kv = 4 * 2 * b * s * groups // 2 * d
-                scores = (8 * 32 // 2 + 1) * local * s * b
-                assert attention == pytest.approx(kv + 4 * local * b * h / 2 + scores)
+                scores = 8 * heads * local * s * b + local * s
+                merge = 4 * (heads * d + 3 * heads) * s * b
+                assert attention == pytest.approx(kv + 4 * local * b * h / 2 + scores + merge)
+                # three fp32 tensors of one block's scores during its backward
+                assert working == 3 * 4 * heads * local * (s // cp) * b
+            # With documents (data.reset_attention_mask) every sequence has its own mask.
+            two = at(cp, comm, "training.micro_batch_size=2")
+            documents = at(
+                cp, comm, "training.micro_batch_size=2", "data.reset_attention_mask=true"
+            )
+            mask = 2 if comm == "allgather" else 1  # bytes a pair kept: additive, or boolean
+            assert context_parallel_attention_per_layer(
+                documents
+            ) - context_parallel_attention_per_layer(two) == pytest.approx(mask * local * s)
         # With the all-gather the whole falls as ~1/cp: the attention's masks are a few %.
         ratio = (
             memory_breakdown(at(cp), "selective", vocab_size=vocab)["activations"]

@@ -13,7 +13,7 @@ from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.models import model_config
 from megatrain.plan import hardware
-from megatrain.plan.accounting import activations_per_layer, layer_gemms
+from megatrain.plan.accounting import activations_per_layer, attention_kernel, layer_gemms
 from megatrain.plan.cost_model import (
     Costs,
     Layout,
@@ -169,3 +169,85 @@ def test_cli_attention_flag():
     bad = ["plan", "--config", config, "--gpus", "16", "--gpu", "v100-32gb", "--attention", "flash"]
     result = CliRunner().invoke(main, bad)
     assert result.exit_code == 2 and "attention_tflops" in result.output
+
+
+def test_context_parallel_attention_kernels_by_hand(monkeypatch):
+    """Under context parallelism the attention core runs as megacore runs it, never as flash
+    (Llama 3 8B at 32k tokens, tp 2, cp 4, micro batch 2 on an H100; a rank's 16 heads and 4
+    key/value groups of 128, its 8192 queries of each sequence against all 32768 keys):
+
+    - all-gather, 16 bits: SDPA with megacore's boolean mask, one fused kernel (cuDNN's or the
+      memory-efficient one) doing every score's FLOPs (4 queries keys d a head: no causal
+      skipping, so at cp 2 a rank does what flash does for the whole sequence at cp 1), its
+      bytes q, k, v, the output and the 16-bit additive mask read for each sequence and head;
+      and the mask made and converted, 5 bytes a (query, key) pair, once (one causal mask)
+      or per sequence (documents);
+    - the ring (p2p), whatever the GPU's attention: cp blocks of two float32 batched GEMMs
+      per head at the fp32 peak, and its torch ops over the float32 scores, memory-bound: 49
+      bytes a score and head forward, 65 backward, and each block's mask (2 bytes a pair);
+    - the all-gather in fp32 or asked unfused: the 2019 GEMMs."""
+    profile = hardware.gpu_profile(H100)
+    costs = Costs(H100, profile, "bf16")
+    calls = []
+
+    def kernel(self, flops, nbytes, *rest):
+        calls.append((flops, nbytes))
+        return flops * 1e-15, 2.5 * flops * 1e-15
+
+    monkeypatch.setattr(Costs, "flash_attention", kernel)
+    base = load_config(MODELS / "llama3-8b-32k.toml")
+    s, b, local, heads, groups, d = 32768, 2, 8192, 2 * 16, 2 * 4, 128  # heads x b
+    layout = Layout(tp=2, pp=1, dp=1, cp=4, cp_comm="allgather", micro_batch=2)
+    config = apply_layout(base, layout)
+    cfg = model_config(config, VOCAB)
+    assert attention_kernel(config, "flash") == "masked"
+    core = attention_core_seconds(config, cfg, layout, costs)
+    flops = 4 * local * s * d * heads
+    assert calls == [(flops, 2 * d * (2 * heads * local + 2 * groups * s) + 2 * heads * local * s)]
+    assert core == [(flops * 1e-15, 2.5 * flops * 1e-15), (5 * local * s / costs.hbm, 0.0)]
+    documents = apply_layout(
+        replace(base, data=replace(base.data, reset_attention_mask=True)), layout
+    )
+    assert attention_core_seconds(documents, cfg, layout, costs)[1][0] == pytest.approx(
+        b * 5 * local * s / costs.hbm
+    )
+    # At cp 2 a rank's masked kernel does the FLOPs of cp 1's flash kernel at the same s.
+    calls.clear()
+    for at in (Layout(tp=2, pp=1, dp=1, cp=2, cp_comm="allgather"), Layout(tp=2, pp=1, dp=1)):
+        attention_core_seconds(apply_layout(base, at), cfg, at, costs)
+    assert calls[0][0] == calls[1][0]
+
+    ring = replace(layout, cp_comm="p2p")
+    config = apply_layout(base, ring)
+    assert attention_kernel(config, "flash") == attention_kernel(config, "unfused") == "ring"
+    fp32 = Costs(H100, profile, "fp32")
+    block = s // 4
+    per_block = [
+        fp32.gemm_fwd_bwd(local, block, d, heads),  # QK^T
+        fp32.gemm_fwd_bwd(local, d, block, heads),  # probabilities x V
+    ]
+    passes = (
+        (49 * heads * local * s + 2 * local * s) / costs.hbm,
+        65 * heads * local * s / costs.hbm,
+    )
+    assert attention_core_seconds(config, cfg, ring, costs) == 4 * per_block + [passes]
+    unfused = Costs(replace(H100, attention="unfused"), profile, "bf16")
+    assert attention_core_seconds(config, cfg, ring, unfused) == 4 * per_block + [passes]
+    # The ring's layer: no s x s term among the element-wise passes, whatever the attention.
+    assert layer_seconds(config, ring, costs, 450e9, 450e9, cfg=cfg) == layer_seconds(
+        config, ring, unfused, 450e9, 450e9, cfg=cfg
+    )
+
+    config = apply_layout(base, layout)
+    unfused_core = [
+        unfused.gemm_fwd_bwd(local, s, d, heads),
+        unfused.gemm_fwd_bwd(local, d, s, heads),
+    ]
+    assert attention_kernel(config, "unfused") == "unfused"
+    assert attention_core_seconds(config, cfg, layout, unfused) == unfused_core
+    fp32_config = replace(config, training=replace(config.training, precision="fp32"))
+    assert attention_kernel(fp32_config, "flash") == "unfused"
+    assert attention_core_seconds(fp32_config, cfg, layout, fp32) == [
+        fp32.gemm_fwd_bwd(local, s, d, heads),
+        fp32.gemm_fwd_bwd(local, d, s, heads),
+    ]

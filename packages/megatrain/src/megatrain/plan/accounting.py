@@ -21,8 +21,10 @@ nothing here builds a model or imports the training loop.
 - **Memory**: the bytes per parameter of weights, gradients and optimizer state
   (`state_bytes_per_parameter`) and the bytes one layer keeps per microbatch under each
   recompute mode (`activations_per_layer`; under context parallelism each rank's s / cp
-  tokens, and what the attention over the whole sequence holds besides:
-  `context_parallel_attention_per_layer`); `megatrain.plan.memory` adds them up per stage.
+  tokens, and what the attention over the whole sequence keeps besides:
+  `context_parallel_attention_per_layer`, and holds while it runs:
+  `context_parallel_attention_working`); `megatrain.plan.memory` adds them up per stage.
+  Which kernel the attention core runs as (`attention_kernel`) decides the s x s terms.
   Host memory: the copy of a rank's state a background checkpoint save keeps
   (`checkpoint_copy_bytes_per_parameter`).
 
@@ -674,43 +676,86 @@ def activations_per_layer(
 
 
 ATTENTION_CHOICES = ("flash", "unfused")
+# How a layer's attention core runs (`attention_kernel`).
+ATTENTION_KERNELS = ("flash", "masked", "ring", "unfused")
+
+
+def attention_kernel(config: Config, attention: str) -> str:
+    """How a layer's attention core runs at this config on a GPU whose attention is
+    `attention` ("flash": SDPA's fused kernels, Ampere and newer; "unfused": the 2019
+    kernels, V100 or asked for):
+
+    - "flash": cp 1 in 16 bits with "flash": SDPA with is_causal and no mask runs a flash
+      kernel (FlashAttention-2, or cuDNN's, which torch puts first on Hopper and Blackwell
+      with cuDNN newer than 9.15): no s x s scores kept, the masked blocks of causal
+      attention skipped.
+    - "masked": cp > 1 with `cp_comm_type = "allgather"` in 16 bits with "flash": megacore
+      calls SDPA with a boolean mask over the gathered K/V (the keys each local query sees).
+      Flash refuses a mask, so SDPA runs cuDNN's fused kernel where torch puts it first
+      (sm90/sm100, cuDNN > 9.15: the H100s measured here ran it) or the memory-efficient
+      kernel (A100), both fused, both taking the mask as an additive bias in the
+      activations' dtype that SDPA converts it to: no scores kept, but every score computed,
+      as neither can know which blocks the bias masks whole.
+    - "ring": cp > 1 with "p2p", any GPU and precision: megacore's ring runs each block's
+      attention as float32 torch ops (matmul, where, logsumexp, softmax, matmul), the
+      scores and probabilities materialized and kept, no block skipped.
+    - "unfused": otherwise (the 2019 kernels: "unfused" asked for, a V100, or fp32 outside
+      the ring, where the fused kernels' figures do not apply).
+    """
+    p = config.parallel
+    return attention_kernel_for(
+        attention, config.training.precision, p.context_parallel_size, p.cp_comm_type
+    )
+
+
+def attention_kernel_for(attention: str, precision: str, cp: int, cp_comm: str) -> str:
+    """`attention_kernel` of a precision, context-parallel size and communication."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, not {attention!r}")
+    if cp > 1 and cp_comm == "p2p":
+        return "ring"
+    if attention == "unfused" or precision == "fp32":
+        return "unfused"
+    return "flash" if cp == 1 else "masked"
 
 
 def flash_attention(config: Config, attention: str) -> bool:
     """Whether a layer's attention core runs as a flash kernel (no s x s scores in memory,
-    causal blocks skipped): asked for (`attention` "flash"), in 16 bits (SDPA's flash kernel
-    takes no fp32) and without context parallelism (megacore's ring attention is plain
-    torch ops; its all-gather variant passes a mask).  "unfused": the scores materialized,
-    the 2019 kernels."""
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, not {attention!r}")
-    c = config
-    return (
-        attention == "flash"
-        and c.training.precision != "fp32"
-        and (c.parallel.context_parallel_size == 1)
-    )
+    causal blocks skipped): `attention_kernel` "flash" (asked for, 16 bits, cp 1)."""
+    return attention_kernel(config, attention) == "flash"
+
+
+def context_parallel_masks(config: Config) -> int:
+    """How many copies of the allgather path's and the ring's mask a microbatch makes: one
+    [1, 1, s/cp, s] mask for causal attention, shared by its sequences and heads, or one per
+    sequence when each attends within its documents (`data.reset_attention_mask`)."""
+    return config.training.micro_batch_size if config.data.reset_attention_mask else 1
 
 
 def context_parallel_attention_per_layer(config: Config) -> float:
-    """Bytes the attention of one layer holds for one microbatch under context parallelism
+    """Bytes the attention of one layer keeps for one microbatch under context parallelism
     (cp > 1) beyond the rank's own per-token tensors (`activations_per_layer`), as
     megacore.context_parallel runs it; 0 at cp 1.  s the whole sequence, s/cp the rank's
-    tokens, b micro batch, a heads, t tp, g key/value groups of d (one per TP rank when
-    g < t), in the 16-bit convention of `activations_per_layer` (fp32 runs double it):
+    tokens, b micro batch, a heads of d, t tp, g key/value groups (one per TP rank when
+    g < t), n the masks (`context_parallel_masks`: 1, or b with documents), in the 16-bit
+    convention of `activations_per_layer` (fp32 runs double it):
 
-    - "allgather": the other ranks' keys and values, 4 (g/t) d (s - s/cp) b (the
-      gathered K/V of the whole sequence, which SDPA keeps), and the mask of which keys
-      each local query sees, 3 (s/cp) s b: the boolean one (1 byte) and the additive copy
-      SDPA makes of it in the activations' dtype (2), the same for every head; SDPA with a
-      mask runs the memory-efficient kernel, which keeps no per-head scores.
+    - "allgather" (`attention_kernel` "masked" on a GPU; on a CPU SDPA's fused CPU kernel
+      keeps as little): the other ranks' keys and values, 4 (g/t) d (s - s/cp) b (SDPA
+      keeps the gathered K/V of the whole sequence; the rank's own are the per-token k and
+      v); the additive mask SDPA makes of the boolean one and its kernel keeps for the
+      backward, 2 (s/cp) s n; the kernel's fp32 log-sum-exp, 4 (a/t) (s/cp) b, and its
+      output, 2 (a/t) d (s/cp) b, which megacore's masked_fill (rows that see no key) copies
+      into the projection's input.  No per-head scores.  The boolean mask is held only
+      while the layer's attention runs (`context_parallel_attention_working`).
     - "p2p": the ring's block attention is plain torch ops in float32 (no fused kernel):
-      autograd keeps every received K/V block, so the whole sequence's K/V, in float32
-      (8 (g/t) d s b), the queries' float32 copy in a 16-bit run (4 (s/cp) b h / t), and
-      every block's float32 scores and probabilities, 8 (a/t) (s/cp) s b, with its boolean
-      mask, (s/cp) s b: the s x s term at s/cp queries, and 8 bytes a score where
-      Korthikanti et al. count 5.  A fused ring kernel (Transformer Engine's) would keep
-      only its output and log-sum-exp, and re-run the ring in the backward.
+      autograd keeps every block's K/V in float32, the whole sequence's (8 (g/t) d s b),
+      the queries' float32 copy in a 16-bit run (4 (a/t) d (s/cp) b), every block's float32
+      scores (logsumexp's input) and probabilities (softmax's output), 8 (a/t) (s/cp) s b,
+      with its boolean mask (torch.where's condition), (s/cp) s n, the merge's stack of the
+      cp blocks' float32 outputs, 4 (a/t) d s b, and their log-sum-exps, merged
+      log-sum-exps and weights, 12 (a/t) s b.  A fused ring kernel (Transformer Engine's)
+      would keep only its output and log-sum-exp, and re-run the ring in the backward.
 
     Under recompute "none" every layer keeps this; under "selective" and "full" the layer
     whose attention is being recomputed holds it, once.
@@ -721,14 +766,45 @@ def context_parallel_attention_per_layer(config: Config) -> float:
         return 0.0
     b, h, a = t.micro_batch_size, m.hidden_size, m.num_attention_heads
     tp = p.tensor_model_parallel_size
-    kv_per_token = 2 * max(m.num_query_groups or a, tp) / tp * (h // a)  # K and V elements
+    d = m.kv_channels or h // a
+    kv_per_token = 2 * max(m.num_query_groups or a, tp) / tp * d  # K and V elements
+    width = a / tp * d  # the queries' (and the output's) elements a token on this rank
+    masks = context_parallel_masks(config)
     # Bytes of an fp32 element and of a boolean in the 16-bit convention (fp32 runs double).
     fp32, boolean = (2, 0.5) if t.precision == "fp32" else (4, 1)
     if p.cp_comm_type == "allgather":
-        return 2 * kv_per_token * (whole - s) * b + (boolean + 2) * s * whole * b
-    queries = 0 if t.precision == "fp32" else fp32 * s * b * h / tp
-    scores = (2 * fp32 * a / tp + boolean) * s * whole * b
-    return fp32 * kv_per_token * whole * b + queries + scores
+        gathered = 2 * kv_per_token * (whole - s) * b
+        kernel = fp32 * a / tp * s * b + 2 * width * s * b  # log-sum-exp and output
+        return gathered + 2 * s * whole * masks + kernel
+    queries = 0 if t.precision == "fp32" else fp32 * width * s * b
+    scores = 2 * fp32 * a / tp * s * whole * b + boolean * s * whole * masks
+    merge = fp32 * (width + 3 * a / tp) * whole * b
+    return fp32 * kv_per_token * whole * b + queries + scores + merge
+
+
+def context_parallel_attention_working(config: Config) -> float:
+    """Bytes one layer's attention holds under context parallelism only while it runs (one
+    layer's at a time), in `context_parallel_attention_per_layer`'s convention; 0 at cp 1:
+
+    - "allgather": the boolean mask, (s/cp) s n bytes, from which SDPA makes its additive
+      one (kept) and megacore the rows that see no key.
+    - "p2p": during a block's backward, three float32 tensors of its scores, 12 (a/t)
+      (s/cp) (s/cp) b: the softmax's input gradient and logsumexp's exp(scores - lse) and
+      its product with the gradient, before the two gradients are summed (this is the
+      gap between the estimate of what is kept and the measured peak in
+      `benchmarks/results/context-parallel-cpu.json`).
+    """
+    m, p, t = config.model, config.parallel, config.training
+    cp, whole, s = _context_parallel(config)
+    if cp == 1:
+        return 0.0
+    masks = context_parallel_masks(config)
+    if p.cp_comm_type == "allgather":
+        boolean = 0.5 if t.precision == "fp32" else 1
+        return boolean * s * whole * masks
+    fp32 = 2 if t.precision == "fp32" else 4
+    heads = m.num_attention_heads / p.tensor_model_parallel_size
+    return 3 * fp32 * heads * s * (whole // cp) * t.micro_batch_size
 
 
 def weight_grad_inputs_per_layer(config: Config) -> float:
@@ -754,6 +830,7 @@ def weight_grad_inputs_per_layer(config: Config) -> float:
 
 __all__ = [
     "ATTENTION_CHOICES",
+    "ATTENTION_KERNELS",
     "BERT",
     "GPT",
     "KINDS",
@@ -764,11 +841,15 @@ __all__ = [
     "active_ffn_width",
     "active_parameters",
     "attention_core_flops",
+    "attention_kernel",
+    "attention_kernel_for",
     "bert_forward_flops",
     "bert_hardware_flops_per_iteration",
     "bert_model_flops_per_iteration",
     "bert_parameters",
     "context_parallel_attention_per_layer",
+    "context_parallel_attention_working",
+    "context_parallel_masks",
     "expert_ffn_size",
     "expert_layout",
     "expert_parameters_per_gpu",

@@ -51,10 +51,13 @@ and one microbatch of b sequences of s tokens:
   2 b (s / cp) (g / t) d bytes to the next rank while the attention of the block in hand
   runs, so only what a transfer takes beyond its block's attention is exposed; in the
   backward each block's K/V gradient goes back round the ring before the next block's
-  backward starts (megacore's ring waits for it), exposed.  The attention core of "p2p"
-  runs as built, in float32 torch ops (its GEMMs at the fp32 peak), not a fused kernel.
-  Under selective or full recompute the attention (and so its communication) runs again
-  in the backward.
+  backward starts (megacore's ring waits for it), exposed.  Under selective or full
+  recompute the attention (and so its communication) runs again in the backward.  The
+  attention core runs as megacore runs it (`accounting.attention_kernel`), never as flash:
+  "allgather" in 16 bits with flash on the GPU is "masked", SDPA with megacore's boolean
+  mask, which runs cuDNN's or the memory-efficient fused kernel (no scores kept, but every
+  score computed, and the mask read for each head); "p2p" is "ring", float32 torch ops
+  (GEMMs at the fp32 peak, the passes over each block's scores memory-bound).
 - **Pipeline**: with T_r the time of stage r for one microbatch (layers, embedding on the
   first, the output layer and loss on the last, the point-to-point sends of the
   activation and its gradient, per model chunk), an iteration of m microbatches takes
@@ -94,7 +97,7 @@ from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
     attention_core_flops,
-    flash_attention,
+    attention_kernel_for,
     flops_per_iteration,
     layer_gemms,
     moe_layer_count,
@@ -108,6 +111,19 @@ from megatrain.plan.memory import HEADROOM, memory_breakdown
 # zeroing the gradient buffer writes it (4).  Sharded by the distributed optimizer but the
 # last: the whole buffer is zeroed.
 ADAM_BYTES = {"sharded": 28 + 4, "copy_16bit": 6, "zero_grads": 4}
+# HBM bytes megacore's ring attention (context_parallel._block_attention, float32) moves a
+# score and head besides its GEMMs, each torch op reading and writing the block's scores once
+# (4 bytes an element; the mask's byte per score where an op reads it): forward, the scale
+# (8), torch.where with the mask (9), logsumexp (24: amax, the difference, exp, the sum) and
+# softmax (8); backward, softmax's (12), logsumexp's (24: the difference, exp, the product),
+# the two gradients summed (12), torch.where's (9) and the scale's (8).
+RING_FORWARD_BYTES = 8 + 9 + 24 + 8
+RING_BACKWARD_BYTES = 12 + 24 + 12 + 9 + 8
+# Bytes a (query, key) pair of the masks moves, whatever the heads: the all-gather path's
+# boolean mask written (1), read for the rows that see no key (1), and converted by SDPA to
+# the additive mask (1 read, 2 written); the ring's written and read for each block (2).
+MASKED_MASK_BYTES = 5
+RING_MASK_BYTES = 2
 TIME_PARTS = (
     "compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer",
 )  # fmt: skip
@@ -345,16 +361,14 @@ def layer_seconds(
     core = attention_core_seconds(config, cfg, layout, costs)
     scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
     attention = costs.attention
-    kept = activations_per_layer(config, "none", moe, attention)
     selective = activations_per_layer(config, "selective", moe, attention)
-    # What the attention core's softmax and masks move: the s x s scores as this model counts
-    # them at cp 1 (Korthikanti's 5 a s / h, at the rank's s / cp queries against s keys), or
-    # what the ring keeps of them in float32 where that is more; nothing outside the kernel
-    # with flash.
+    # What the attention core's softmax and masks move among the layer's element-wise passes:
+    # for the unfused kernels the s x s scores as the 2019 model counts them (Korthikanti's
+    # 5 a s / h, at the rank's s / cp queries against s keys); the fused kernels keep none,
+    # and the ring's passes over its float32 scores are attention_core_seconds' own.
     a = m.num_attention_heads
-    core_bytes = max(5 * a * local * s * b / tp, kept - selective)
-    if flash_attention(config, attention):
-        core_bytes = 0.0
+    kernel = attention_kernel_for(attention, t.precision, cp, layout.cp_comm)
+    core_bytes = 5 * a * local * s * b / tp if kernel == "unfused" else 0.0
     ops = costs.elementwise(scale * (selective + core_bytes))
     core_ops = costs.elementwise(scale * core_bytes)
     activation = costs.element * tokens * h
@@ -395,32 +409,68 @@ def attention_core_seconds(
     config: Config, cfg: TransformerConfig, layout: Layout, costs: Costs
 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds of one layer's attention core for one microbatch on one
-    TP rank: the rank's s / cp queries of each sequence against all s keys.
+    TP rank: the rank's s / cp queries of each sequence against all s keys, as the kernel
+    `accounting.attention_kernel` names runs (the GPU's `attention`, the precision, cp and
+    its communication; q heads of d on the rank, g key/value groups, b sequences):
 
-    - flash (`accounting.flash_attention`: the GPU's `attention`, 16 bits, cp 1): one kernel
-      at `attention_efficiency` of peak, the masked half of causal attention skipped,
-      moving q, k, v and the output (O(s h) bytes: `Costs.flash_attention`);
-    - unfused (the 2019 path): two batched GEMMs per head, QK^T and scores x V, each
+    - "flash" (16 bits, cp 1): one kernel at the profile's attention rate, the masked half
+      of causal attention skipped, moving q, k, v and the output (O(s h) bytes:
+      `Costs.flash_attention`).
+    - "masked" (16 bits, cp > 1, "allgather"): SDPA with megacore's boolean mask runs
+      cuDNN's fused kernel (Hopper, Blackwell) or the memory-efficient one (A100), timed as
+      one fused kernel at the same rate (no published figure for the masked kernels in
+      this table's sources: an optimistic bound for them) but with every score's FLOPs (an
+      arbitrary mask: no block skipped) and, besides q, k, v and the output, the additive
+      mask read once per sequence and head (b q (s / cp) s x 2 bytes; the backward reads
+      it again, as `Costs.flash_attention` counts all its bytes twice).  Besides the
+      kernels, building the mask and converting it to the bias, 5 bytes a (query, key)
+      pair (`MASKED_MASK_BYTES`), in the forward.
+    - "ring" (cp > 1, "p2p", any precision): megacore's ring as built, cp blocks each of
+      two float32 batched GEMMs per head (QK^T and probabilities x V, s / cp queries
+      against s / cp keys) at the fp32 peak (torch leaves TF32 off and megatrain does not
+      turn it on), and the float32 torch ops over each block's scores, memory-bound:
+      `RING_FORWARD_BYTES` and `RING_BACKWARD_BYTES` a score and head, and each block's
+      mask (`RING_MASK_BYTES` a pair).  No block is skipped (megacore's balanced chunks
+      give every block a visible key); the merge's O(s h / t) passes are left out (d cp / s
+      of the scores').
+    - "unfused" (the 2019 path): two batched GEMMs per head, QK^T and scores x V, each
       max(FLOPs, bytes) at `gemm_efficiency`; the softmax and dropout over the s x s scores
-      are the layer's element-wise passes.  The ring's block attention (cp > 1, "p2p") runs
-      in float32 torch ops (megacore.context_parallel), its GEMMs at the fp32 peak."""
+      are the layer's element-wise passes (`layer_seconds`)."""
     m, t = config.model, config.training
     cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
     local, a = s // cp, m.num_attention_heads
     head = cfg.kv_channels or cfg.hidden_size // a
     heads = b * a / tp
-    if flash_attention(config, costs.attention):
-        flops = b * attention_core_flops(cfg, local, s, causal_skip=True) / tp
+    kernel = attention_kernel_for(costs.attention, t.precision, cp, layout.cp_comm)
+    masks = b if config.data.reset_attention_mask else 1  # one causal mask, or per sequence
+    if kernel in ("flash", "masked"):
+        causal_skip = kernel == "flash"
+        flops = b * attention_core_flops(cfg, local, s, causal_skip=causal_skip) / tp
         groups = b * max(cfg.num_query_groups or a, tp) / tp  # key/value heads on the rank
         nbytes = costs.element * head * (2 * heads * local + 2 * groups * s)
-        return [costs.flash_attention(flops, nbytes, s)]
-    core_costs = costs
-    if cp > 1 and layout.cp_comm == "p2p" and "fp32" in costs.gpu.peak_tflops:
-        core_costs = Costs(costs.gpu, costs.profile, "fp32")
-    return [
-        core_costs.gemm_fwd_bwd(local, s, head, heads),
-        core_costs.gemm_fwd_bwd(local, head, s, heads),
+        if kernel == "masked":  # the additive mask, read for every sequence and head
+            nbytes += costs.element * heads * local * s
+        fused = [costs.flash_attention(flops, nbytes, s)]
+        if kernel == "masked":
+            fused.append((costs.memory_bound(MASKED_MASK_BYTES * local * s * masks), 0.0))
+        return fused
+    if kernel == "unfused":
+        return [
+            costs.gemm_fwd_bwd(local, s, head, heads),
+            costs.gemm_fwd_bwd(local, head, s, heads),
+        ]
+    fp32 = Costs(costs.gpu, costs.profile, "fp32") if "fp32" in costs.gpu.peak_tflops else costs
+    block = s // cp  # each block's keys
+    gemms = [
+        fp32.gemm_fwd_bwd(local, block, head, heads),
+        fp32.gemm_fwd_bwd(local, head, block, heads),
     ]
+    scores = heads * local * s  # every block's, every head's
+    passes = (
+        costs.memory_bound(RING_FORWARD_BYTES * scores + RING_MASK_BYTES * local * s * masks),
+        costs.memory_bound(RING_BACKWARD_BYTES * scores),
+    )
+    return cp * gemms + [passes]
 
 
 def moe_seconds(

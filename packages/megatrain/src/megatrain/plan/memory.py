@@ -45,7 +45,9 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   other ranks' K/V and its masks or scores besides
   (`accounting.context_parallel_attention_per_layer`, by `parallel.cp_comm_type`): every
   layer under recompute "none", once (the layer being recomputed) under "selective" and
-  "full".  Weights, gradients and optimizer state do not change with cp: every CP rank
+  "full"; and one layer's attention holds besides, while it runs, its boolean mask or the
+  ring's float32 score gradients (`accounting.context_parallel_attention_working`).
+  Weights, gradients and optimizer state do not change with cp: every CP rank
   holds the whole stage, as a data-parallel replica does, and the distributed optimizer
   shards its state over dp x cp (the gradients are reduced over both).
 
@@ -70,6 +72,7 @@ from megatrain.plan.accounting import (
     activations_per_layer,
     checkpoint_copy_bytes_per_parameter,
     context_parallel_attention_per_layer,
+    context_parallel_attention_working,
     expert_layout,
     expert_parameters_per_gpu,
     fsdp_gathered_bytes,
@@ -175,6 +178,8 @@ def memory_breakdown(
         activations += moe_dispatch_bytes(config)
     elif recompute == "selective":  # the attention being recomputed: over the whole sequence
         activations += context_parallel_attention_per_layer(config)
+    # What one layer's attention over the whole sequence holds only while it runs (cp > 1).
+    activations += context_parallel_attention_working(config)
     fp32_bytes = 0.0  # held in fp32 whatever the precision
     if stage == pp - 1 and t.fused_linear_cross_entropy:
         # The output layer's input and its gradient, made in the forward (s b h each, whole
