@@ -14,7 +14,14 @@ from click.testing import CliRunner
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
 from megatrain.cli import main
-from megatrain.config import Config, ModelConfig, ParallelConfig, TrainingConfig, load_config
+from megatrain.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    load_config,
+)
 from megatrain.plan import calibrate, hardware
 from megatrain.plan.accounting import (
     context_parallel_attention_per_layer,
@@ -33,7 +40,7 @@ from megatrain.plan.cost_model import (
     schedule_seconds,
 )
 from megatrain.plan.memory import GPU_MEMORY, memory_breakdown
-from megatrain.plan.search import candidates, memory_warning, plan
+from megatrain.plan.search import _reason, candidates, memory_warning, plan
 from megatrain.plan.validation import PAPER, fit_builtin_profile, paper_config, predictions
 from megatrain.run import launch
 
@@ -205,6 +212,11 @@ def test_plan_ranks_fitting_layouts_and_says_why_others_do_not():
     assert 0.1 < best.mfu < 0.5
     assert "does not fit in memory" in result.rejected
     assert any("num_attention_heads" in reason for reason in result.rejected)
+    # reasons add up with their numbers taken out, schedule names kept whole
+    said = "pipeline_schedule = 'zb-h1' at pp 4: use '1f1b' (72.1 GiB on h100-80gb)"
+    assert _reason(ConfigError(said)) == (
+        "pipeline_schedule = 'zb-h1' at pp N: use '1f1b' (N.N GiB on h100-80gb)"
+    )
     # the paper's layout fits, and is slower than the best (full recompute, no sp)
     paper = layout_of(config, 64)
     assert result.position(paper) is not None and result.position(paper) > 0

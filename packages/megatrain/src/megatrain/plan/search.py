@@ -57,8 +57,9 @@ def _context_parallel_sizes(n: int) -> list[int]:
 
 
 def _reason(error: ConfigError) -> str:
-    """A validation message with its numbers taken out, so equal reasons add up."""
-    return re.sub(r"\d+", "N", str(error))
+    """A validation message with its numbers taken out, so equal reasons add up (whole
+    numbers only: a schedule's name such as '1f1b' or 'zb-h1' stays as it is)."""
+    return re.sub(r"\b\d+\b", "N", str(error))
 
 
 def candidates(config: Config, gpus: int, global_batch: int):
