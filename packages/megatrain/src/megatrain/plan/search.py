@@ -182,9 +182,12 @@ def plan(
     return result
 
 
-def memory_warning(config: Config, dp: int, vocab_size: int, gpu_memory_bytes: float) -> str | None:
-    """Why `config`'s layout will not fit a GPU of `gpu_memory_bytes`, or None if it does."""
-    memory = memory_per_gpu(config, vocab_size, dp)
+def memory_warning(
+    config: Config, dp: int, vocab_size: int, gpu_memory_bytes: float, attention: str = "unfused"
+) -> str | None:
+    """Why `config`'s layout will not fit a GPU of `gpu_memory_bytes` whose attention kernel
+    is `attention` (gpus.toml's field: "flash" on Ampere and newer), or None if it does."""
+    memory = memory_per_gpu(config, vocab_size, dp, attention)
     usable = (1 - HEADROOM) * gpu_memory_bytes
     if memory["total"] <= usable:
         return None

@@ -100,7 +100,11 @@ def plan_warning(config: Config, world_size: int) -> str | None:
 
     vocab = config.model.vocab_size or open_run_blend(config, "train").first.vocab_size
     dp = world_size // config.ranks_per_replica
-    warning = memory_warning(config, dp, vocab, torch.cuda.get_device_properties(0).total_memory)
+    props = torch.cuda.get_device_properties(0)
+    # SDPA's fused kernels (flash, cuDNN, memory-efficient) on Ampere and newer: the
+    # estimate then keeps no s x s scores, as gpus.toml's "flash" GPUs
+    attention = "flash" if (props.major, props.minor) >= (8, 0) else "unfused"
+    warning = memory_warning(config, dp, vocab, props.total_memory, attention)
     if not warning:
         return None
     return (
