@@ -1,5 +1,6 @@
 """Context parallelism: the balanced chunk layout, and attention over CP ranks (both comm
-types) equal to full-sequence SDPA in outputs and in q/k/v gradients."""
+types; the ring fused and in float32) equal to full-sequence SDPA in outputs and in q/k/v
+gradients; what the fused ring saves and which kernel calls it makes."""
 
 import itertools
 
@@ -174,6 +175,95 @@ def _errors(case, cp_rank, cp, seed, wrong_positions=False):
     ]
 
 
+def _bf16_errors(cp_rank, cp, heads, groups):
+    """The fused ring in bfloat16 and one-process bfloat16 SDPA, each against float32 attention
+    of the same (bfloat16-rounded) inputs: max |difference| of out, dq, dk, dv at this rank's
+    positions, [ring..., one process...]."""
+    g = torch.Generator().manual_seed(5)  # the same sequence on every rank
+    b, s, d = 2, 64, 16
+    q, k, v = (
+        torch.randn(b, n, s, d, generator=g).bfloat16().float().requires_grad_()
+        for n in (heads, groups, groups)
+    )
+    upstream = torch.randn(b, heads, s, d, generator=g).bfloat16()
+    mine = cp_chunk_indices(s, cp_rank, cp)
+    ref = _reference(q, k, v, _mask(s, None, causal=True))
+    ref.backward(upstream.float())
+    half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    one = F.scaled_dot_product_attention(*half, is_causal=True, enable_gqa=groups != heads)
+    one.backward(upstream)
+    local = [split_for_context_parallel(t.detach(), 2, cp_rank, cp).requires_grad_() for t in half]
+    out = context_parallel_attention(*local, q_positions=mine, kv_positions=mine)
+    out.backward(upstream[:, :, mine])
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
+
+    full = [ref[:, :, mine], *(t.grad[:, :, mine] for t in (q, k, v))]
+
+    def errors(*results):
+        return [(x.float() - y).abs().max().item() for x, y in zip(results, full, strict=True)]
+
+    return errors(out, *(t.grad for t in local)) + errors(
+        one[:, :, mine], *(t.grad[:, :, mine] for t in half)
+    )
+
+
+EVIDENCE_SHAPE = (2, 4, 2, 256, 8)  # b, heads, groups, s, d
+
+
+def _fused_ring_evidence(cp_rank, cp):
+    """What the fused ring saves for backward and which kernel calls it makes, against the
+    float32 ring on the same attention (one document in `segments` sends it there): bytes
+    saved by each, bytes of q, k, v, out and the lse, and (rows, keys, causal) of each call."""
+    g = torch.Generator().manual_seed(9)
+    b, heads, groups, s, d = EVIDENCE_SHAPE
+    q = torch.randn(b, heads, s, d, generator=g)
+    k, v = (torch.randn(b, groups, s, d, generator=g) for _ in range(2))
+    mine = cp_chunk_indices(s, cp_rank, cp)
+    calls = []
+    real = cpa._fused_kernel
+
+    def recording(*tensors):
+        kernel = real(*tensors)
+
+        def forward(q, k, v, causal, scale):
+            calls.append(("forward", q.size(2), k.size(2), causal))
+            return kernel.forward(q, k, v, causal, scale)
+
+        def backward(grad, q, k, v, out, lse, causal, scale):
+            calls.append(("backward", q.size(2), k.size(2), causal))
+            return kernel.backward(grad, q, k, v, out, lse, causal, scale)
+
+        return cpa._FusedKernel(kernel.name, forward, backward)
+
+    saved = {}
+    for path, segments in (
+        ("fused", None),
+        ("float32", torch.zeros(b, s // cp, dtype=torch.int64)),
+    ):
+        local = [split_for_context_parallel(t, 2, cp_rank, cp).requires_grad_() for t in (q, k, v)]
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        cpa._fused_kernel = recording
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = context_parallel_attention(
+                    *local, q_positions=mine, kv_positions=mine, segments=segments
+                )
+            out.sum().backward()
+        finally:
+            cpa._fused_kernel = real
+        saved[path] = sum(sizes)
+        if path == "fused":
+            lse_bytes = out[..., 0].numel() * 4
+            saved["q k v out lse"] = sum(t.numel() * 4 for t in (*local, out)) + lse_bytes
+            saved["local"] = out.size(2)
+    return saved, calls
+
+
 def _check_attention_on_4_ranks():
     results = {}
     for cp in (4, 2, 1):  # cp 2: two CP groups of two (dp 2); cp 1: local attention
@@ -188,16 +278,78 @@ def _check_attention_on_4_ranks():
                 results[("wrong", cp, comm)] = _errors(
                     case, cp_rank, cp, seed=7, wrong_positions=True
                 )
+            for heads, groups in ((4, 4), (4, 2)):
+                results[("bf16", cp, heads, groups)] = _bf16_errors(cp_rank, cp, heads, groups)
+            results[("evidence", cp)] = _fused_ring_evidence(cp_rank, cp)
         ps.destroy_model_parallel()
     return results
 
 
-def test_attention_over_cp_ranks_equals_full_attention():
-    ranks = run_distributed(_check_attention_on_4_ranks, world_size=4, timeout=300)
-    assert len(ranks[0]) == 2 * len(CASES) + 2 + 4
+@pytest.fixture(scope="module")
+def cp_ranks():
+    """Every rank's results of `_check_attention_on_4_ranks` (one spawn for the tests below)."""
+    return run_distributed(_check_attention_on_4_ranks, world_size=4, timeout=300)
+
+
+def test_attention_over_cp_ranks_equals_full_attention(cp_ranks):
+    ranks = cp_ranks
+    assert len(ranks[0]) == 2 * len(CASES) + 2 + 4 + 2 * 3
     for key in ranks[0]:
+        if key[0] in ("bf16", "evidence"):
+            continue
         worst = [max(r[key][i] for r in ranks) for i in range(4)]  # out, dq, dk, dv
         if key[0] == "wrong":
             assert worst[0] > 1e-2, key  # the test can fail
         else:
             assert max(worst) < TOL, (key, worst)
+
+
+BF16_SLACK = 2.0
+
+
+def test_fused_ring_in_bfloat16_is_as_close_as_one_process_bfloat16(cp_ranks):
+    """The fused ring in bfloat16 (cp 2 and 4, MHA and GQA) against float32 attention is within
+    BF16_SLACK x one process's bfloat16 SDPA error on the same inputs.  Why 2: the one process
+    rounds its output and gradients to bfloat16 once; the ring rounds each block kernel's
+    partial output and gradients to bfloat16 too, merges and sums them in float32, and rounds
+    the result again: two roundings where the one process has one.  A block left out or
+    mis-masked is off by O(0.1-1), far beyond it (2 x the one-process error stays below 0.1)."""
+    keys = [k for k in cp_ranks[0] if k[0] == "bf16"]
+    assert len(keys) == 4
+    for key in keys:
+        ring = [max(r[key][i] for r in cp_ranks) for i in range(4)]  # out, dq, dk, dv
+        one = [max(r[key][4 + i] for r in cp_ranks) for i in range(4)]
+        assert all(0 < e < 0.05 for e in one), (key, one)  # bfloat16 did round
+        for what, mine, theirs in zip(("out", "dq", "dk", "dv"), ring, one, strict=True):
+            assert mine <= BF16_SLACK * theirs, (key, what, mine, theirs)
+
+
+def test_fused_ring_saves_o_s_d_and_skips_masked_pairs(cp_ranks):
+    """The fused path is what runs for causal attention without documents: it saves exactly q,
+    k, v, the output and the float32 lse (O(s_local·d)), where the float32 ring saves at least
+    every block's scores [b, heads, s_local, s_local]; its kernel calls cover causal attention's
+    share of the scores (half of s_local x s, a causal call counting half its square), once
+    in the forward and once in the backward's re-run ring."""
+    b, heads, _, s, _ = EVIDENCE_SHAPE
+    for cp in (2, 4):
+        for rank in cp_ranks:
+            saved, calls = rank[("evidence", cp)]
+            local = saved["local"]
+            assert saved["fused"] == saved["q k v out lse"]
+            assert saved["float32"] >= cp * b * heads * local * local * 4
+            forward = [c[1:] for c in calls if c[0] == "forward"]
+            assert forward == [c[1:] for c in calls if c[0] == "backward"]
+            assert len(forward) == cp
+            area = sum(rows * keys / (2 if causal else 1) for rows, keys, causal in forward)
+            assert area == local * s / 2
+
+
+def test_balanced_positions_are_checked_and_remembered():
+    positions = cp_chunk_indices(16, 1, 4)
+    assert cpa._holds_balanced_chunks(positions, 1, 4)
+    assert cpa._holds_balanced_chunks(positions, 1, 4)  # remembered
+    assert not cpa._holds_balanced_chunks(positions, 2, 4)
+    assert not cpa._holds_balanced_chunks(torch.arange(4, 8), 1, 4)  # a contiguous split
+    assert not cpa._holds_balanced_chunks(torch.arange(3), 0, 2)  # odd: no two chunks
+    positions[0] = 0  # changed in place: checked again
+    assert not cpa._holds_balanced_chunks(positions, 1, 4)

@@ -23,27 +23,60 @@ restricted to the local queries, in one of two ways (`comm_type`):
   the ranks whose queries used them, each rank keeping its own tokens' part), by
   `tensor_parallel.gather_from_sequence_parallel_region` with the CP group.
 - "p2p" (a ring, as Transformer Engine does for megatron-core): cp steps; at step i
-  rank r holds the K/V block that started on rank (r - i) mod cp, computes its
+  rank r holds the K/V block that started on rank j = (r - i) mod cp, computes its
   queries' partial attention against it with the block's log-sum-exp, and passes the
   block on to rank r+1 while receiving the next from r-1.  The transfer is started
   before the block's attention and waited on after, so it overlaps the compute; only
-  two K/V blocks are in flight at a time.  The partials are merged by log-sum-exp
-  (a row with no visible key in a block has lse -inf and weight zero).  Backward:
-  autograd through the block attention (plain torch ops: float32 scores masked with
-  -inf, logsumexp, softmax, matmul), and each ring shift's backward sends the
-  gradient of the received block back round the ring (to r-1, receiving from r+1),
-  so the K/V gradients are exact.  Memory: autograd keeps every received block and
-  every block's probabilities [b, heads, s_local, s_local] for backward, so this path
-  holds as much K/V as "allgather" does; a fused kernel (Transformer Engine's) saves
-  only the outputs and log-sum-exps and re-runs the ring in backward instead.  No
-  block is skipped: under the balanced layout every block holds an early chunk
-  (j < cp) that every rank's late chunk (>= cp) sees, so none is entirely masked.
+  two K/V blocks are in flight at a time.  The partials are merged by log-sum-exp.
+  Two implementations, chosen per call:
+
+  The fused ring (`_FusedRing`), for causal or full attention without packed documents
+  (segments None) on the balanced layout (under a causal mask the positions must be
+  `cp_chunk_indices`; they are checked, once per positions tensor).  Each step pairs the
+  local query chunks (r, 2cp-1-r) with the block's key chunks (j, 2cp-1-j): a key chunk
+  after the query chunk is skipped, the same chunk is causal, one before is seen whole.
+  So step 0 is one causal call over the local tokens (whose positions increase); from a
+  block of j < r both query chunks see the early key chunk whole and not the late one
+  (one call, 2c queries x c keys, c = s / 2cp); a block of j > r only the late query
+  chunk sees, all of it (c x 2c).  Causal attention thus computes
+  half of the s_local x s scores (causal attention's share; without a mask all of them),
+  where the float32 ring computes all.  Each step is one fused kernel call that returns
+  its log-sum-exp: on CPU `aten._scaled_dot_product_flash_attention_for_cpu`; on CUDA
+  FlashAttention-2 (`aten._scaled_dot_product_flash_attention`) for 16 bits on sm80 and
+  newer, the memory-efficient kernel (`aten._scaled_dot_product_efficient_attention`) for
+  float32 or older GPUs, with grouped K/V heads expanded for the call and their gradients
+  summed back (the CPU kernel takes them as they are).  The CUDA calls are not checked on
+  a GPU by the tests here.  The partials are merged online in float32.  Saved for
+  backward: q, the local k and v, the output and its float32 log-sum-exp [b, heads,
+  s_local] (nothing of size s_local x s_local, no received block).  Backward runs the
+  ring again: K/V blocks go round as in the forward, each with a float32 dK/dV
+  accumulator that follows it (each rank adds its queries' share and passes it on; one
+  more shift brings each block's gradient home), and each step's gradients come from the
+  kernel's backward given the final output and log-sum-exp, which makes each block's
+  share exact.  Communication: forward cp-1 K/V shifts; backward cp-1 K/V shifts and cp
+  shifts of the float32 dK/dV (twice K/V's bytes in 16 bits), each overlapping the next
+  step's compute.
+
+  The float32 ring (`_masked_ring_attention`), for packed documents (any mask: a block's
+  documents cut it anywhere, and the fused kernels take no mask here), positions other
+  than the balanced layout's, and devices, dtypes or head sizes no fused kernel takes.
+  It sends each block's positions and documents along with it and masks its float32
+  scores with -inf (a row with no visible key in a block has lse -inf and weight zero).
+  Backward: autograd through the block attention (plain torch ops: float32 scores,
+  logsumexp, softmax, matmul), and each ring shift's backward sends the gradient of the
+  received block back round the ring (to r-1, receiving from r+1), so the K/V gradients
+  are exact.  Memory: autograd keeps every received block and every block's
+  probabilities [b, heads, s_local, s_local], so this path holds as much K/V as
+  "allgather" does.  No block is skipped: every score is computed and masked.
 
 Dropout is not supported (the caller refuses it); with cp=1 both paths are local
 attention and communicate nothing.
 """
 
 import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -211,7 +244,12 @@ def _allgather_attention(q, k, v, q_positions, kv_positions, segments, causal, g
     return out
 
 
-# --- ring -----------------------------------------------------------------------------------
+# --- ring ---------------------------------------------------------------------------------------
+#
+# Two implementations.  The fused ring (`_FusedRing`), for causal or full attention without
+# packed documents on the balanced layout: per step at most one fused kernel call over the
+# (query chunk, key chunk) pairs the causal mask needs, merged by log-sum-exp, and the ring
+# re-run in backward.  The float32 ring (`_masked_ring_attention`), for everything else.
 
 
 def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
@@ -230,6 +268,281 @@ def _start_shift(tensors: list[torch.Tensor], group, to_next: bool = True):
     ops = [dist.P2POp(dist.isend, t, send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in received]
     return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _ring_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale):
+    kernel = _fused_kernel(q, k, v)
+    # The fused ring knows which keys a query sees from the ring step alone, so it runs only
+    # where the mask is that of the balanced layout: no packed documents (their masks cut
+    # blocks anywhere; the fused kernels take no mask here), and, under a causal mask,
+    # positions that are `cp_chunk_indices` (others, e.g. a contiguous split, need the
+    # positions themselves).  A device, dtype or head size no fused kernel takes also goes
+    # to the float32 ring.
+    fused = kernel is not None and segments is None
+    if fused and causal:
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        fused = _holds_balanced_chunks(q_positions, rank, cp) and _holds_balanced_chunks(
+            kv_positions, rank, cp
+        )
+    if fused:
+        return _FusedRing.apply(q, k, v, causal, group, scale, kernel)
+    return _masked_ring_attention(
+        q, k, v, q_positions, kv_positions, segments, causal, group, scale
+    )
+
+
+# Positions tensors found to be the balanced layout: (id, rank, cp) -> (weak reference, version).
+# Comparing them costs a device sync, and megatrain passes every layer the same tensor
+# (`parallelize._cp_positions`), so each is compared once while it lives unchanged.
+_BALANCED_POSITIONS: dict[tuple[int, int, int], tuple[weakref.ref, int]] = {}
+
+
+def _holds_balanced_chunks(positions: torch.Tensor, rank: int, cp: int) -> bool:
+    """Whether `positions` are `cp_chunk_indices(len · cp, rank, cp)`."""
+    key = (id(positions), rank, cp)
+    seen = _BALANCED_POSITIONS.get(key)
+    if seen is not None and seen[0]() is positions and seen[1] == positions._version:
+        return True
+    if cp > 1 and positions.numel() % 2:
+        return False
+    expected = cp_chunk_indices(positions.numel() * cp, rank, cp)
+    if not torch.equal(positions.cpu().to(torch.int64), expected):
+        return False
+    if len(_BALANCED_POSITIONS) >= 64:  # stale entries of freed tensors: start again
+        _BALANCED_POSITIONS.clear()
+    _BALANCED_POSITIONS[key] = (weakref.ref(positions), positions._version)
+    return True
+
+
+@dataclass(frozen=True)
+class _FusedKernel:
+    """One fused attention call that returns its log-sum-exp, and its backward.
+
+    forward(q, k, v, causal, scale) -> out [b, heads, s_q, d] (q's dtype), lse [b, heads, s_q]
+    (float32).  backward(grad, q, k, v, out, lse, causal, scale) -> dq, dk, dv: the gradient of
+    one call given any out and lse; given the whole ring's final out and lse (the softmax over
+    every block's keys), it is exactly that block's share of the full attention's gradient.
+    causal: SDPA's top-left causal mask (s_q = s_k here).  k, v may have fewer heads (groups).
+    """
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def _fused_kernel(q, k, v) -> _FusedKernel | None:
+    """The fused kernel for these tensors, or None where none is built (float32 ring)."""
+    if not q.dtype == k.dtype == v.dtype:
+        return None
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return _CPU_FLASH
+    if q.device.type != "cuda" or q.size(-1) % 8 or q.size(-1) > 256:
+        return None  # the CUDA kernels' head sizes: multiples of 8, at most 256
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if half and torch.cuda.get_device_capability(q.device) >= (8, 0):
+        return _CUDA_FLASH  # FlashAttention-2: 16-bit, sm80 and newer
+    if half or q.dtype == torch.float32:
+        return _CUDA_EFFICIENT  # memory-efficient attention: float32, or 16-bit before sm80
+    return None
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    # The CPU kernel takes grouped K/V heads as SDPA's enable_gqa does (head h uses group
+    # h // (heads // groups)), forward and backward, so K/V are not expanded here.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+
+
+def _cpu_flash_backward(grad, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _expand_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, groups, s, d] -> [b, heads, s, d], head h holding group h // (heads // groups)
+    (the CUDA kernels are called with as many K/V heads as query heads)."""
+    groups = kv.size(1)
+    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
+
+
+def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_expand_groups`: each group's heads summed."""
+    heads = grad.size(1)
+    return grad if groups == heads else grad.unflatten(1, (groups, heads // groups)).sum(2)
+
+
+def _no_dropout_seed() -> torch.Tensor:
+    # The CUDA kernels' philox seed and offset, read only with dropout (never here).
+    return torch.empty((), dtype=torch.int64)
+
+
+def _cuda_flash_forward(q, k, v, causal, scale):
+    heads = q.size(1)
+    k, v = _expand_groups(k, heads), _expand_groups(v, heads)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse
+
+
+def _cuda_flash_backward(grad, q, k, v, out, lse, causal, scale):
+    heads, groups = q.size(1), k.size(1)
+    seed = _no_dropout_seed()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, _expand_groups(k, heads), _expand_groups(v, heads), out, lse,
+        None, None, q.size(2), k.size(2), 0.0, causal, seed, seed, scale=scale,
+    )  # fmt: skip
+    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
+
+
+_EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel's log-sum-exp is padded to 32 rows
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale):
+    heads = q.size(1)
+    k, v = _expand_groups(k, heads), _expand_groups(v, heads)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.size(2)]
+
+
+def _cuda_efficient_backward(grad, q, k, v, out, lse, causal, scale):
+    heads, groups = q.size(1), k.size(1)
+    lse = F.pad(lse, (0, -q.size(2) % _EFFICIENT_LSE_ROWS)).contiguous()  # as it gave it
+    seed = _no_dropout_seed()
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, _expand_groups(k, heads), _expand_groups(v, heads), None, out, lse,
+        seed, seed, 0.0, [True, True, True, False], causal, scale=scale,
+    )  # fmt: skip
+    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
+
+
+_CPU_FLASH = _FusedKernel("cpu flash", _cpu_flash_forward, _cpu_flash_backward)
+_CUDA_FLASH = _FusedKernel("cuda flash", _cuda_flash_forward, _cuda_flash_backward)
+_CUDA_EFFICIENT = _FusedKernel("cuda efficient", _cuda_efficient_forward, _cuda_efficient_backward)
+
+
+def _ring_step(step: int, rank: int, cp: int, causal: bool, half: int) -> tuple[slice, slice, bool]:
+    """What ring step `step` computes on CP rank `rank`: the local query rows, the held block's
+    key rows, and whether the pair is causal (module doc).
+
+    The block held at step i started on rank j = (rank - i) mod cp: chunks j and 2cp-1-j,
+    against the local chunks rank and 2cp-1-rank.  A key chunk after a query chunk is skipped,
+    the same chunk is causal, one before it is seen whole.  Step 0 (j = rank): both chunks
+    causal, the late queries see the early keys whole, and the early queries do not see the late
+    keys: one causal call over all local tokens, whose positions increase.  j < rank: both query
+    chunks see the block's early chunk whole, neither its late one (after both).  j > rank: the
+    late query chunk sees both key chunks whole, the early one neither.
+    """
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    if (rank - step) % cp < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """t's rows (dim 2) as a contiguous tensor, as the kernels prefer."""
+    return t if rows == slice(None) else t[:, :, rows].contiguous()
+
+
+def _merge_into(out, lse, part, part_lse) -> None:
+    """Merge one call's partial attention into the running one, in place, by log-sum-exp:
+    softmax over both calls' keys (every row seen here has a key in both, so all finite)."""
+    total = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    out.add_(part.float() * torch.exp(part_lse - total).unsqueeze(-1))
+    lse.copy_(total)
+
+
+class _FusedRing(torch.autograd.Function):
+    """The ring with a fused kernel a step (module doc): saves q, k, v, the output and its
+    float32 log-sum-exp [b, heads, s_local], and runs the ring again in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, group, scale, kernel):
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        half = q.size(2) // 2
+        q_late = _rows(q, slice(half, None)) if causal and cp > 1 else None
+        kv = torch.stack([k, v])  # one transfer per step for K and V
+        out = lse = None
+        for step in range(cp):
+            if step < cp - 1:  # start passing this block on before computing with it
+                (received,), requests = _start_shift([kv], group)
+            rows, keys, step_causal = _ring_step(step, rank, cp, causal, half)
+            part, part_lse = kernel.forward(
+                q if rows == slice(None) else q_late,
+                _rows(kv[0], keys), _rows(kv[1], keys), step_causal, scale,
+            )  # fmt: skip
+            if out is None:  # step 0 covers every query row
+                out, lse = part.float(), part_lse.float()
+            else:
+                _merge_into(out[:, :, rows], lse[:, :, rows], part, part_lse)
+            if step < cp - 1:
+                _wait(requests)
+                kv = received
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.group, ctx.scale, ctx.kernel = causal, group, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, group, scale, kernel = ctx.causal, ctx.group, ctx.scale, ctx.kernel
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        half = q.size(2) // 2
+        grad = grad.contiguous()
+        # The late query chunk's rows, for the steps that see it alone.
+        late = slice(half, None)
+        late_args = [_rows(t, late) for t in (grad, q, out, lse)] if causal and cp > 1 else None
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv = torch.stack([k, v])
+        # Each block's K/V gradient travels with it round the ring, summed in float32 over
+        # the ranks that used it; one shift after the last step brings it home.
+        dkv_received, dkv_requests = None, ()
+        for step in range(cp):
+            if step < cp - 1:
+                (received,), requests = _start_shift([kv], group)
+            rows, keys, step_causal = _ring_step(step, rank, cp, causal, half)
+            g, q_rows, out_rows, lse_rows = (
+                (grad, q, out, lse) if rows == slice(None) else late_args
+            )
+            dq_part, dk_part, dv_part = kernel.backward(
+                g, q_rows, _rows(kv[0], keys), _rows(kv[1], keys), out_rows, lse_rows,
+                step_causal, scale,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_part
+            if step == 0:
+                dkv = torch.zeros_like(kv, dtype=torch.float32)
+            else:  # the block's gradient so far, from the rank that held it last step
+                _wait(dkv_requests)
+                dkv = dkv_received
+            dkv[0, :, :, keys] += dk_part
+            dkv[1, :, :, keys] += dv_part
+            if cp > 1:
+                (dkv_received,), dkv_requests = _start_shift([dkv], group)
+            if step < cp - 1:
+                _wait(requests)
+                kv = received
+        if cp > 1:
+            _wait(dkv_requests)
+            dkv = dkv_received
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+# --- the float32 ring: packed documents, any positions, any device ----------------------------
 
 
 class _RingShifted(torch.autograd.Function):
@@ -283,7 +596,9 @@ def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     return (weights * torch.stack(outs)).sum(0)
 
 
-def _ring_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale):
+def _masked_ring_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale):
+    """The ring in float32 torch ops with each block's mask built from the positions and
+    documents sent along with it: any mask, any device; autograd keeps every block's scores."""
     b, heads, s_q, d = q.shape
     groups = k.size(1)
     cp = dist.get_world_size(group)
