@@ -221,24 +221,42 @@ def test_context_parallelism_divides_the_activations():
                 assert attention == pytest.approx(others + 2 * local * s + kernel)
                 assert working == local * s  # the boolean mask the additive one is made of
             else:
-                # the whole K/V in fp32, q's fp32 copy, each block's fp32 scores and
-                # probabilities and its mask, the merge's fp32 outputs of every block and
-                # their log-sum-exps and weights
-                kv = 4 * 2 * b * s * groups // 2 * d
-                scores = 8 * heads * local * s * b + local * s
-                merge = 4 * (heads * d + 3 * heads) * s * b
-                assert attention == pytest.approx(kv + 4 * local * b * h / 2 + scores + merge)
-                # three fp32 tensors of one block's scores during its backward
-                assert working == 3 * 4 * heads * local * (s // cp) * b
+                # the fused ring keeps what flash keeps: its fp32 log-sum-exp (q, k, v and the
+                # output are per-token tensors); in its backward it holds two K/V blocks in
+                # flight and their two fp32 gradient accumulators, the fp32 query gradient,
+                # the late query chunk's copies of three tensors, and one call's gradients
+                block = 2 * b * local * groups // 2 * d  # a block's K and V elements
+                width = heads * d * local * b
+                assert attention == 4 * heads * local * b
+                assert working == pytest.approx(
+                    2 * 2 * block + 2 * 4 * block + 4 * width + 3 * width + 2 * (width + block)
+                )
+                # With packed documents the ring is float32 torch ops: the whole K/V in fp32,
+                # q's fp32 copy, each block's fp32 scores and probabilities and its masks (one
+                # a sequence), the merge's fp32 outputs of every block and their
+                # log-sum-exps and weights; three fp32 tensors of one block's scores during
+                # its backward
+                two = 2
+                ring = at(cp, comm, f"training.micro_batch_size={two}",
+                          "data.reset_attention_mask=true")  # fmt: skip
+                kv = 4 * 2 * two * s * groups // 2 * d
+                scores = 8 * heads * local * s * two + two * local * s
+                merge = 4 * (heads * d + 3 * heads) * s * two
+                assert context_parallel_attention_per_layer(ring) == pytest.approx(
+                    kv + 4 * local * two * h / 2 + scores + merge
+                )
+                assert context_parallel_attention_working(ring) == (
+                    3 * 4 * heads * local * (s // cp) * two
+                )
+                continue
             # With documents (data.reset_attention_mask) every sequence has its own mask.
             two = at(cp, comm, "training.micro_batch_size=2")
             documents = at(
                 cp, comm, "training.micro_batch_size=2", "data.reset_attention_mask=true"
             )
-            mask = 2 if comm == "allgather" else 1  # bytes a pair kept: additive, or boolean
             assert context_parallel_attention_per_layer(
                 documents
-            ) - context_parallel_attention_per_layer(two) == pytest.approx(mask * local * s)
+            ) - context_parallel_attention_per_layer(two) == pytest.approx(2 * local * s)
         # With the all-gather the whole falls as ~1/cp: the attention's masks are a few %.
         ratio = (
             memory_breakdown(at(cp), "selective", vocab_size=vocab)["activations"]

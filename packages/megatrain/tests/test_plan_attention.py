@@ -220,23 +220,52 @@ def test_context_parallel_attention_kernels_by_hand(monkeypatch):
     ring = replace(layout, cp_comm="p2p")
     config = apply_layout(base, ring)
     assert attention_kernel(config, "flash") == attention_kernel(config, "unfused") == "ring"
-    fp32 = Costs(H100, profile, "fp32")
+    # The fused ring: 4 kernel calls of the rank's queries against a block of s / 4 keys,
+    # causal attention's half of the scores, timed as one flash kernel (plus 3 calls' fixed
+    # time) with the calls' bytes (q, a K/V block and the output each); each call's output
+    # merged into a float32 accumulator (read, written) in the forward and the backward.
     block = s // 4
+    calls.clear()
+    core = attention_core_seconds(config, cfg, ring, costs)
+    half = 4 * local * s * d * heads / 2
+    assert calls == [(half, 4 * 2 * d * (2 * heads * local + 2 * groups * block))]
+    merge = costs.memory_bound(4 * (2 * 4 + 2) * heads * local * d)
+    extra = 3 * profile.gemm_overhead_s + merge
+    assert len(core) == 1
+    assert core[0] == pytest.approx((half * 1e-15 + extra, 2.5 * half * 1e-15 + extra))
+    # On a GPU without the flash figure (or in fp32) the memory-efficient kernel: its two
+    # products of each call timed as GEMMs of the visible half of the block's keys.
+    unfused = Costs(replace(H100, attention="unfused"), profile, "bf16")
+    assert attention_core_seconds(config, cfg, ring, unfused) == 4 * [
+        unfused.gemm_fwd_bwd(local, block / 2, d, heads),
+        unfused.gemm_fwd_bwd(local, d, block / 2, heads),
+    ] + [(merge, merge)]
+    # With packed documents the ring is float32 torch ops (`ring_float32`): cp blocks of two
+    # float32 GEMMs per head over all of the block's keys, and the ops over its scores.
+    documents = apply_layout(
+        replace(base, data=replace(base.data, reset_attention_mask=True)), ring
+    )
+    assert attention_kernel(documents, "flash") == "ring_float32"
+    fp32 = Costs(H100, profile, "fp32")
     per_block = [
         fp32.gemm_fwd_bwd(local, block, d, heads),  # QK^T
         fp32.gemm_fwd_bwd(local, d, block, heads),  # probabilities x V
     ]
     passes = (
-        (49 * heads * local * s + 2 * local * s) / costs.hbm,
+        (49 * heads * local * s + 2 * local * s * b) / costs.hbm,  # a mask a sequence
         65 * heads * local * s / costs.hbm,
     )
-    assert attention_core_seconds(config, cfg, ring, costs) == 4 * per_block + [passes]
-    unfused = Costs(replace(H100, attention="unfused"), profile, "bf16")
-    assert attention_core_seconds(config, cfg, ring, unfused) == 4 * per_block + [passes]
-    # The ring's layer: no s x s term among the element-wise passes, whatever the attention.
-    assert layer_seconds(config, ring, costs, 450e9, 450e9, cfg=cfg) == layer_seconds(
-        config, ring, unfused, 450e9, 450e9, cfg=cfg
-    )
+    assert attention_core_seconds(documents, cfg, ring, costs) == 4 * per_block + [passes]
+    assert attention_core_seconds(documents, cfg, ring, unfused) == 4 * per_block + [passes]
+    # A ring's layer: no s x s term among the element-wise passes, whatever the attention:
+    # what the layer takes besides its attention core is the same on both GPUs.
+    for at in (config, documents):
+        besides = [
+            layer_seconds(at, ring, c, 450e9, 450e9, cfg=cfg)["compute"]
+            - sum(map(sum, attention_core_seconds(at, cfg, ring, c)))
+            for c in (costs, unfused)
+        ]
+        assert besides[0] == pytest.approx(besides[1])
 
     config = apply_layout(base, layout)
     unfused_core = [

@@ -677,7 +677,7 @@ def activations_per_layer(
 
 ATTENTION_CHOICES = ("flash", "unfused")
 # How a layer's attention core runs (`attention_kernel`).
-ATTENTION_KERNELS = ("flash", "masked", "ring", "unfused")
+ATTENTION_KERNELS = ("flash", "masked", "ring", "ring_float32", "unfused")
 
 
 def attention_kernel(config: Config, attention: str) -> str:
@@ -696,24 +696,38 @@ def attention_kernel(config: Config, attention: str) -> str:
       kernel (A100), both fused, both taking the mask as an additive bias in the
       activations' dtype that SDPA converts it to: no scores kept, but every score computed,
       as neither can know which blocks the bias masks whole.
-    - "ring": cp > 1 with "p2p", any GPU and precision: megacore's ring runs each block's
-      attention as float32 torch ops (matmul, where, logsumexp, softmax, matmul), the
-      scores and probabilities materialized and kept, no block skipped.
+    - "ring": cp > 1 with "p2p" without packed documents, any GPU and precision: megacore's
+      fused ring (`context_parallel._FusedRing`), one fused kernel call a ring step that
+      returns its log-sum-exp (FlashAttention-2 in 16 bits on Ampere and newer, the
+      memory-efficient kernel otherwise; a CPU's flash kernel), the balanced chunks paired so
+      that causal attention computes half the scores, as flash at cp 1 does; it keeps q, k, v,
+      the output and the log-sum-exp, and re-runs the ring in the backward.
+    - "ring_float32": cp > 1 with "p2p" and packed documents (`data.reset_attention_mask`,
+      whose masks cut blocks anywhere): megacore's ring of float32 torch ops (matmul, where,
+      logsumexp, softmax, matmul), the scores and probabilities materialized and kept, no
+      block skipped.
     - "unfused": otherwise (the 2019 kernels: "unfused" asked for, a V100, or fp32 outside
       the ring, where the fused kernels' figures do not apply).
     """
     p = config.parallel
     return attention_kernel_for(
-        attention, config.training.precision, p.context_parallel_size, p.cp_comm_type
+        attention,
+        config.training.precision,
+        p.context_parallel_size,
+        p.cp_comm_type,
+        config.data.reset_attention_mask,
     )
 
 
-def attention_kernel_for(attention: str, precision: str, cp: int, cp_comm: str) -> str:
-    """`attention_kernel` of a precision, context-parallel size and communication."""
+def attention_kernel_for(
+    attention: str, precision: str, cp: int, cp_comm: str, documents: bool = False
+) -> str:
+    """`attention_kernel` of a precision, context-parallel size and communication, with or
+    without packed documents' masks (`documents`)."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, not {attention!r}")
     if cp > 1 and cp_comm == "p2p":
-        return "ring"
+        return "ring_float32" if documents else "ring"
     if attention == "unfused" or precision == "fp32":
         return "unfused"
     return "flash" if cp == 1 else "masked"
@@ -748,14 +762,17 @@ def context_parallel_attention_per_layer(config: Config) -> float:
       output, 2 (a/t) d (s/cp) b, which megacore's masked_fill (rows that see no key) copies
       into the projection's input.  No per-head scores.  The boolean mask is held only
       while the layer's attention runs (`context_parallel_attention_working`).
-    - "p2p": the ring's block attention is plain torch ops in float32 (no fused kernel):
+    - "p2p" without packed documents (`attention_kernel` "ring", the fused ring): only what
+      flash keeps at cp 1 for the rank's tokens, its fp32 log-sum-exp, 4 (a/t) (s/cp) b (q,
+      k, v and the output are the per-token tensors counted by `activations_per_layer`).
+    - "p2p" with packed documents ("ring_float32"): the ring's block attention is plain
+      torch ops in float32 (no fused kernel):
       autograd keeps every block's K/V in float32, the whole sequence's (8 (g/t) d s b),
       the queries' float32 copy in a 16-bit run (4 (a/t) d (s/cp) b), every block's float32
       scores (logsumexp's input) and probabilities (softmax's output), 8 (a/t) (s/cp) s b,
       with its boolean mask (torch.where's condition), (s/cp) s n, the merge's stack of the
       cp blocks' float32 outputs, 4 (a/t) d s b, and their log-sum-exps, merged
-      log-sum-exps and weights, 12 (a/t) s b.  A fused ring kernel (Transformer Engine's)
-      would keep only its output and log-sum-exp, and re-run the ring in the backward.
+      log-sum-exps and weights, 12 (a/t) s b.
 
     Under recompute "none" every layer keeps this; under "selective" and "full" the layer
     whose attention is being recomputed holds it, once.
@@ -776,6 +793,8 @@ def context_parallel_attention_per_layer(config: Config) -> float:
         gathered = 2 * kv_per_token * (whole - s) * b
         kernel = fp32 * a / tp * s * b + 2 * width * s * b  # log-sum-exp and output
         return gathered + 2 * s * whole * masks + kernel
+    if not config.data.reset_attention_mask:  # the fused ring: its log-sum-exp
+        return fp32 * a / tp * s * b
     queries = 0 if t.precision == "fp32" else fp32 * width * s * b
     scores = 2 * fp32 * a / tp * s * whole * b + boolean * s * whole * masks
     merge = fp32 * (width + 3 * a / tp) * whole * b
@@ -788,11 +807,16 @@ def context_parallel_attention_working(config: Config) -> float:
 
     - "allgather": the boolean mask, (s/cp) s n bytes, from which SDPA makes its additive
       one (kept) and megacore the rows that see no key.
-    - "p2p": during a block's backward, three float32 tensors of its scores, 12 (a/t)
-      (s/cp) (s/cp) b: the softmax's input gradient and logsumexp's exp(scores - lse) and
-      its product with the gradient, before the two gradients are summed (this is the
-      gap between the estimate of what is kept and the measured peak in
-      `benchmarks/results/context-parallel-cpu.json`).
+    - "p2p" without packed documents (the fused ring), in its backward (its forward holds
+      less): two K/V blocks in flight, 2 x 2 (g/t) d (s/cp) b x 2 bytes; the two float32
+      K/V-gradient accumulators travelling with them, 2 x 2 (g/t) d (s/cp) b x 4; the
+      float32 query gradient, 4 (a/t) d (s/cp) b; the late query chunk's copies of the
+      output's gradient, q and the output, 3 x 2 (a/t) d (s/cp) b / 2; and one kernel call's
+      q, k and v gradients, 2 ((a/t) + 2 (g/t)) d (s/cp) b.
+    - "p2p" with packed documents (the float32 ring): during a block's backward, three
+      float32 tensors of its scores, 12 (a/t) (s/cp) (s/cp) b: the softmax's input gradient
+      and logsumexp's exp(scores - lse) and its product with the gradient, before the two
+      gradients are summed.
     """
     m, p, t = config.model, config.parallel, config.training
     cp, whole, s = _context_parallel(config)
@@ -804,7 +828,15 @@ def context_parallel_attention_working(config: Config) -> float:
         return boolean * s * whole * masks
     fp32 = 2 if t.precision == "fp32" else 4
     heads = m.num_attention_heads / p.tensor_model_parallel_size
-    return 3 * fp32 * heads * s * (whole // cp) * t.micro_batch_size
+    b = t.micro_batch_size
+    if not config.data.reset_attention_mask:  # the fused ring's backward
+        tp, a = p.tensor_model_parallel_size, m.num_attention_heads
+        d = m.kv_channels or m.hidden_size // a
+        kv = 2 * max(m.num_query_groups or a, tp) / tp * d * s * b  # a block's K and V
+        width = heads * d * s * b  # the rank's queries
+        # 16-bit tensors at 2 bytes and float32 ones at `fp32`, as above
+        return 2 * 2 * kv + 2 * fp32 * kv + fp32 * width + 3 * 2 * width / 2 + 2 * (width + kv)
+    return 3 * fp32 * heads * s * (whole // cp) * b
 
 
 def weight_grad_inputs_per_layer(config: Config) -> float:

@@ -49,15 +49,19 @@ and one microbatch of b sequences of s tokens:
   "allgather": an all-gather in the forward and the K/V gradients' reduce-scatter in the
   backward, neither overlapped.  "p2p": cp - 1 ring steps, each passing a block of
   2 b (s / cp) (g / t) d bytes to the next rank while the attention of the block in hand
-  runs, so only what a transfer takes beyond its block's attention is exposed; in the
-  backward each block's K/V gradient goes back round the ring before the next block's
-  backward starts (megacore's ring waits for it), exposed.  Under selective or full
-  recompute the attention (and so its communication) runs again in the backward.  The
-  attention core runs as megacore runs it (`accounting.attention_kernel`), never as flash:
-  "allgather" in 16 bits with flash on the GPU is "masked", SDPA with megacore's boolean
-  mask, which runs cuDNN's or the memory-efficient fused kernel (no scores kept, but every
-  score computed, and the mask read for each head); "p2p" is "ring", float32 torch ops
-  (GEMMs at the fp32 peak, the passes over each block's scores memory-bound).
+  runs, so only what a transfer takes beyond its block's attention is exposed; megacore's
+  fused ring (no packed documents) runs the ring again in the backward, each step passing a
+  block and its float32 K/V gradient on behind the step's kernel, the last gradient (going
+  home) exposed; the float32 ring (packed documents) sends each block's gradient back
+  before the next block's backward starts, exposed.  Under selective or full recompute the
+  attention (and so its communication) runs again in the backward.  The attention core
+  runs as megacore runs it (`accounting.attention_kernel`): "allgather" in 16 bits with
+  flash on the GPU is "masked", SDPA with megacore's boolean mask, which runs cuDNN's or the
+  memory-efficient fused kernel (no scores kept, but every score computed, and the mask read
+  for each head); "p2p" is "ring", the fused ring (a flash kernel call a step, causal
+  attention's half of the scores, as flash at cp 1), or with packed documents
+  "ring_float32", float32 torch ops (GEMMs at the fp32 peak, the passes over each block's
+  scores memory-bound).
 - **Pipeline**: with T_r the time of stage r for one microbatch (layers, embedding on the
   first, the output layer and loss on the last, the point-to-point sends of the
   activation and its gradient, per model chunk), an iteration of m microbatches takes
@@ -365,9 +369,11 @@ def layer_seconds(
     # What the attention core's softmax and masks move among the layer's element-wise passes:
     # for the unfused kernels the s x s scores as the 2019 model counts them (Korthikanti's
     # 5 a s / h, at the rank's s / cp queries against s keys); the fused kernels keep none,
-    # and the ring's passes over its float32 scores are attention_core_seconds' own.
+    # and the float32 ring's passes over its scores are attention_core_seconds' own.
     a = m.num_attention_heads
-    kernel = attention_kernel_for(attention, t.precision, cp, layout.cp_comm)
+    kernel = attention_kernel_for(
+        attention, t.precision, cp, layout.cp_comm, config.data.reset_attention_mask
+    )
     core_bytes = 5 * a * local * s * b / tp if kernel == "unfused" else 0.0
     ops = costs.elementwise(scale * (selective + core_bytes))
     core_ops = costs.elementwise(scale * core_bytes)
@@ -398,7 +404,12 @@ def layer_seconds(
         # again under full recompute
         "ep_comm": experts.get("all_to_all", 0.0) * (3 if layout.recompute == "full" else 2),
         "cp_comm": context_parallel_seconds(
-            config, layout, costs, sum(g[0] for g in core), cp_bandwidth
+            config,
+            layout,
+            costs,
+            sum(g[0] for g in core),
+            cp_bandwidth,
+            sum(g[1] for g in core),
         ),
         "backward": backward + recompute,
         "weight_grads": weight,
@@ -425,7 +436,9 @@ def attention_core_seconds(
       it again, as `Costs.flash_attention` counts all its bytes twice).  Besides the
       kernels, building the mask and converting it to the bias, 5 bytes a (query, key)
       pair (`MASKED_MASK_BYTES`), in the forward.
-    - "ring" (cp > 1, "p2p", any precision): megacore's ring as built, cp blocks each of
+    - "ring" (cp > 1, "p2p", no packed documents): megacore's fused ring
+      (`_fused_ring_seconds`).
+    - "ring_float32" (cp > 1, "p2p", packed documents): megacore's float32 ring, cp blocks each of
       two float32 batched GEMMs per head (QK^T and probabilities x V, s / cp queries
       against s / cp keys) at the fp32 peak (torch leaves TF32 off and megatrain does not
       turn it on), and the float32 torch ops over each block's scores, memory-bound:
@@ -441,7 +454,9 @@ def attention_core_seconds(
     local, a = s // cp, m.num_attention_heads
     head = cfg.kv_channels or cfg.hidden_size // a
     heads = b * a / tp
-    kernel = attention_kernel_for(costs.attention, t.precision, cp, layout.cp_comm)
+    kernel = attention_kernel_for(
+        costs.attention, t.precision, cp, layout.cp_comm, config.data.reset_attention_mask
+    )
     masks = b if config.data.reset_attention_mask else 1  # one causal mask, or per sequence
     if kernel in ("flash", "masked"):
         causal_skip = kernel == "flash"
@@ -459,6 +474,8 @@ def attention_core_seconds(
             costs.gemm_fwd_bwd(local, s, head, heads),
             costs.gemm_fwd_bwd(local, head, s, heads),
         ]
+    if kernel == "ring":
+        return _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, t.precision)
     fp32 = Costs(costs.gpu, costs.profile, "fp32") if "fp32" in costs.gpu.peak_tflops else costs
     block = s // cp  # each block's keys
     gemms = [
@@ -471,6 +488,37 @@ def attention_core_seconds(
         costs.memory_bound(RING_BACKWARD_BYTES * scores),
     )
     return cp * gemms + [passes]
+
+
+def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
+    """megacore's fused ring (`attention_kernel` "ring"): cp kernel calls a pass, each of the
+    rank's s / cp queries against a block of s / cp keys (the balanced chunks paired so that
+    causal attention computes half of all the scores, as flash at cp 1), each merging its
+    partial output into a float32 accumulator (read and written); the backward re-runs the
+    ring.  In 16 bits on a GPU whose attention is "flash": FlashAttention-2 at the profile's
+    rate for a call's s / cp keys.  Otherwise (fp32, or an "unfused" GPU) the memory-efficient
+    kernel, for which no rate is published: its two products per head timed as GEMMs of the
+    visible keys (at the fp32 peak in fp32), the scores never in memory."""
+    cp = layout.cp
+    flops = layout.micro_batch * attention_core_flops(cfg, local, s, causal_skip=True) / layout.tp
+    visible = flops / (layout.micro_batch * attention_core_flops(cfg, local, s, False) / layout.tp)
+    groups = layout.micro_batch * max(cfg.num_query_groups or cfg.num_attention_heads, layout.tp)
+    groups /= layout.tp  # key/value heads on the rank
+    block = s // cp  # a call's keys
+    # each call reads q and a K/V block and writes its output; the merge reads and writes the
+    # float32 accumulator and reads the call's output
+    call_bytes = costs.element * head * (2 * heads * local + 2 * groups * block)
+    merge = costs.memory_bound(cp * (2 * 4 + costs.element) * heads * local * head)
+    if costs.attention == "flash" and precision != "fp32":
+        forward, backward = costs.flash_attention(flops, cp * call_bytes, block)
+        overhead = (cp - 1) * costs.profile.gemm_overhead_s  # cp calls, one counted
+        return [(forward + overhead + merge, backward + overhead + merge)]
+    gemm = Costs(costs.gpu, costs.profile, "fp32") if precision == "fp32" else costs
+    keys = visible * block  # the visible keys of a call, on average
+    return cp * [
+        gemm.gemm_fwd_bwd(local, keys, head, heads),
+        gemm.gemm_fwd_bwd(local, head, keys, heads),
+    ] + [(merge, merge)]
 
 
 def moe_seconds(
@@ -520,11 +568,17 @@ def moe_seconds(
 
 
 def context_parallel_seconds(
-    config: Config, layout: Layout, costs: Costs, core_forward: float, bandwidth: float
+    config: Config,
+    layout: Layout,
+    costs: Costs,
+    core_forward: float,
+    bandwidth: float,
+    core_backward: float = 0.0,
 ) -> float:
     """Exposed seconds of one layer's CP communication for one microbatch on one TP rank
     (forward, backward, and the forward's again when the attention is recomputed);
-    `core_forward`: the attention core's forward time, behind which the ring's transfers run."""
+    `core_forward` and `core_backward`: the attention core's forward and backward times,
+    behind which the ring's transfers run."""
     cp = layout.cp
     if cp == 1:
         return 0.0
@@ -539,7 +593,12 @@ def context_parallel_seconds(
     else:  # each of cp - 1 blocks passed on while the block in hand is attended to
         step = costs.collective("p2p", kv / cp, 2, bandwidth)
         forward = (cp - 1) * max(0.0, step - core_forward / cp)
-        backward = (cp - 1) * step  # each gradient sent back before the next block's backward
+        if config.data.reset_attention_mask:  # the float32 ring: each block's gradient sent
+            backward = (cp - 1) * step  # back before the next block's backward
+        else:  # the fused ring re-runs: each step passes a K/V block and a float32 K/V
+            # gradient on behind the step's kernel; the last gradient, going home, is exposed
+            grads = costs.collective("p2p", 4 / costs.element * kv / cp, 2, bandwidth)
+            backward = (cp - 1) * max(0.0, step + grads - core_backward / cp) + grads
     again = forward if layout.recompute in ("selective", "full") else 0.0
     return forward + backward + again
 
