@@ -498,3 +498,143 @@ def test_layers_refuse_use_before_initialization():
         RuntimeError, match=r"get_tensor_model_parallel_world_size\(\) called before"
     ):
         tp.ColumnParallelLinear(4, 4)
+
+
+def _overlap_operands(size, dtype):
+    """A sequence of 4 chunks per rank and each rank's weight shards, the same on every rank
+    for one seed (the output gradients too), in `dtype`, leaves that take gradients."""
+    g = torch.Generator().manual_seed(11)
+    seq, batch, hidden, cols = 4 * size, 3, 16, 24
+    full_x = torch.randn(seq, batch, hidden, generator=g)
+    column_w = torch.randn(cols, hidden, generator=g) / 4  # [cols / t, hidden] per rank
+    row_x = torch.randn(seq, batch, cols, generator=g)  # [seq, batch, cols / t] per rank
+    row_w = torch.randn(hidden, cols, generator=g) / 4
+    column_grad = torch.randn(seq, batch, cols, generator=g)
+    rank = ps.get_tensor_model_parallel_rank()
+    mine = {
+        "x": tp.shard_of(full_x, 0, rank, size),
+        "column_w": tp.shard_of(column_w, 0, rank, size),
+        "row_x": tp.shard_of(row_x, 2, rank, size),
+        "row_w": tp.shard_of(row_w, 1, rank, size),
+    }
+    leaves = {k: v.to(dtype).requires_grad_(True) for k, v in mine.items()}
+    grads = {
+        "column": tp.shard_of(column_grad, 2, rank, size).to(dtype),
+        # Each rank's own sequence chunk of the row-parallel output: its own draw.
+        "row": torch.randn(seq // size, batch, hidden, generator=g.manual_seed(rank)).to(dtype),
+    }
+    return leaves, grads
+
+
+def _overlap_results(size, dtype, overlap):
+    """Outputs and gradients of the column- and row-parallel products, overlapped or as the
+    plain collective + GEMM."""
+    leaves, grads = _overlap_operands(size, dtype)
+    if overlap:
+        column = tp.all_gather_matmul(leaves["x"], leaves["column_w"])
+        row = tp.matmul_reduce_scatter(leaves["row_x"], leaves["row_w"])
+    else:
+        gathered = tp.gather_from_sequence_parallel_region(leaves["x"])
+        column = F.linear(gathered, leaves["column_w"])
+        row = tp.reduce_scatter_to_sequence_parallel_region(
+            F.linear(leaves["row_x"], leaves["row_w"])
+        )
+    torch.autograd.backward([column, row], [grads["column"], grads["row"]])
+    out = {"column": column.detach(), "row": row.detach()}
+    out.update({f"grad_{k}": v.grad for k, v in leaves.items()})
+    return {k: v.float() for k, v in out.items()}
+
+
+def _overlapped_layers(size, overlap, route):
+    """A column- then row-parallel linear under sequence parallelism, their weight gradients
+    by `route`: "autograd", "fused" (into main_grad) or "deferred" (split_backward)."""
+    tp.model_parallel_manual_seed(3)
+    kw = {"sequence_parallel": True, "tp_comm_overlap": overlap}
+    fc1 = tp.ColumnParallelLinear(16, 32, **kw)
+    fc2 = tp.RowParallelLinear(32, 16, input_is_parallel=True, **kw)
+    written = []
+    if route == "fused":
+        for layer in (fc1, fc2):
+            layer.weight.main_grad = torch.zeros_like(layer.weight)
+            layer.weight.main_grad_written = written.append
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4 * size, 2, 16, generator=g)
+    x = tp.scatter_to_sequence_parallel_region(x).requires_grad_(True)
+    shifts, real_shift = [], dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: shifts.append(len(ops)) or real_shift(ops)
+    try:
+        split = tp.split_backward() if route == "deferred" else torch.enable_grad()
+        with count_tp_collectives() as counts, split:
+            y, _ = fc2(torch.tanh(fc1(x)[0]))
+            with tp.deferring_weight_grads() as pending:
+                (y * y).sum().backward()
+    finally:
+        dist.batch_isend_irecv = real_shift
+    deferred = len(pending)
+    tp.apply_weight_grads(pending)
+    weight_grads = {
+        name: full_tensor(layer.weight, getattr(layer.weight, "main_grad", layer.weight.grad))
+        for name, layer in (("fc1", fc1), ("fc2", fc2))
+    }
+    return {
+        "y": y.detach(),
+        "x_grad": x.grad,
+        "weight_grads": weight_grads,
+        "bias_grads": {"fc1": fc1.bias.grad, "fc2": fc2.bias.grad},
+        "written": len(written),
+        "deferred": deferred,
+        # The collectives issued, and the ring steps (each one send and one receive).
+        "collectives": (counts["all_gather"], counts["reduce_scatter"], counts["all_reduce"]),
+        "ring_steps": (len(shifts), set(shifts)),
+    }
+
+
+def _comm_overlap_at_tp_2_and_4():
+    out = {}
+    for size in (2, 4):
+        ps.initialize_model_parallel(tensor_model_parallel_size=size)
+        reference = _overlap_results(size, torch.float32, overlap=False)
+        out[("fp32", size)] = _max_diff(_overlap_results(size, torch.float32, True), reference)
+        out[("scale", size)] = min(v.abs().max().item() for v in reference.values())
+        plain_bf16 = _overlap_results(size, torch.bfloat16, overlap=False)
+        out[("bf16", size)] = _max_diff(_overlap_results(size, torch.bfloat16, True), reference)
+        out[("bf16_plain", size)] = _max_diff(plain_bf16, reference)
+        for route in ("autograd", "fused", "deferred"):
+            plain = _overlapped_layers(size, False, route)
+            got = _overlapped_layers(size, True, route)
+            keys = ("y", "x_grad", "weight_grads", "bias_grads")
+            out[("layers", route, size)] = _max_diff(
+                {k: got[k] for k in keys}, {k: plain[k] for k in keys}
+            )
+            out[("routed", route, size)] = (got["written"], got["deferred"])
+            out[("routed_plain", route, size)] = (plain["written"], plain["deferred"])
+            out[("comm", route, size)] = (got["collectives"], got["ring_steps"])
+            out[("comm_plain", route, size)] = (plain["collectives"], plain["ring_steps"])
+        ps.destroy_model_parallel()
+    return out
+
+
+def test_comm_overlap_equals_the_collective_and_gemm_at_tp_2_and_4():
+    """all_gather_matmul and matmul_reduce_scatter (rings of p2p steps overlapped with partial
+    GEMMs) equal the plain all-gather + GEMM and GEMM + reduce-scatter, forward and every
+    gradient, fp32 and bf16; the layers with tp_comm_overlap equal them without, with the
+    weight gradients through autograd, into main_grad and deferred to the W step."""
+    results = run_distributed(_comm_overlap_at_tp_2_and_4, world_size=4, timeout=300)
+    for out in results:
+        for size in (2, 4):
+            assert out[("scale", size)] > 0.5  # no comparison between zeros
+            # fp32: only the order of the sums differs.
+            assert out[("fp32", size)] < 1e-5, (size, out[("fp32", size)])
+            # bf16: within twice the plain bf16 path's own error against the fp32 reference.
+            plain = out[("bf16_plain", size)]
+            assert 0 < out[("bf16", size)] <= 2 * plain, (size, out[("bf16", size)], plain)
+            for route in ("autograd", "fused", "deferred"):
+                assert out[("layers", route, size)] < 1e-5, (route, size, out)
+                # Both layers' weights went the same way, overlapped or not.
+                expected = {"autograd": (0, 0), "fused": (2, 0), "deferred": (0, 2)}[route]
+                assert out[("routed", route, size)] == expected, (route, size)
+                assert out[("routed_plain", route, size)] == expected, (route, size)
+                # Plain: fc1's all-gather and fc2's reduce-scatter, forward and backward.
+                # Overlapped: none of them, four rings of t - 1 steps instead.
+                assert out[("comm_plain", route, size)] == ((2, 2, 0), (0, set())), route
+                assert out[("comm", route, size)] == ((0, 0, 0), (4 * (size - 1), {2})), route

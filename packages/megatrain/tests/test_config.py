@@ -195,6 +195,27 @@ def test_speed_lever_refusals_name_the_fields():
     tp.check_float8_available(torch.device("cpu"), emulate=True)  # torchao's emulation runs
 
 
+def test_tp_comm_overlap_needs_tensor_and_sequence_parallelism():
+    overlap = "parallel.tp_comm_overlap=true"
+    tp2, sp = "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"
+    config = load_config(None, [overlap, tp2, sp])
+    validate(config, 2)  # accepted
+    assert model_config(config, 200).tp_comm_overlap  # and reaches the model's build
+    assert not model_config(load_config(None, [tp2, sp]), 200).tp_comm_overlap  # off by default
+    needs = r"parallel.tp_comm_overlap = true .* needs parallel.tensor_model_parallel_size > 1 "
+    refusals = {
+        (overlap,): needs + r"\(it is 1\) and parallel.sequence_parallel = true \(it is false\)",
+        (overlap, sp): needs + r"\(it is 1\)",
+        (overlap, tp2): needs + r"\(it is 2\) and parallel.sequence_parallel = true \(it is false",
+        (overlap, tp2, sp, "training.precision='fp8'"): (
+            r"'fp8' with parallel.tp_comm_overlap = true: .*turn parallel.tp_comm_overlap off"
+        ),
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config(None, list(overrides)), 2)
+
+
 def test_cuda_graphs_refusals_name_the_fields():
     graphs = "training.cuda_graphs=true"
     refusals = {

@@ -37,6 +37,15 @@ LEVERS = [
 # matmuls): the numbers of training.precision = "fp8" on a CPU.
 FP8 = ["training.precision='fp8'", "training.fp8_emulate=true"]
 FP8_TP2 = [*FP8, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+# Sequence parallelism's collectives as rings overlapped with the GEMMs, the output layer's
+# too (no fused loss), with the weight gradients fused into main_grad.
+TP_COMM_OVERLAP = [
+    *LEVERS[1:],
+    "parallel.tensor_model_parallel_size=2",
+    "parallel.pipeline_model_parallel_size=2",
+    "parallel.sequence_parallel=true",
+    "parallel.tp_comm_overlap=true",
+]
 # Packed documents: positions restart, attention stays within a document, no loss at EODs.
 PACKED = [
     "data.reset_position_ids=true",
@@ -281,7 +290,21 @@ def _layouts(corpus, blend, out):
         _config(blend, f"{out}/blend-tp2-pp2-dp2", LAYOUTS["tp2-pp2-dp2-distopt-overlap"])
     )
     packed = train(_config(corpus, f"{out}/packed-tp2-pp2-dp2", PACKED_LAYOUT))
-    return runs, train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2)), blended, packed
+    fp8_tp2 = train(_config(corpus, f"{out}/fp8-tp2", FP8_TP2))
+    return runs, fp8_tp2, blended, packed, _with_ring_steps_counted(corpus, out)
+
+
+def _with_ring_steps_counted(corpus, out):
+    """The TP_COMM_OVERLAP run, and how many ring steps (send + receive) this rank took."""
+    from megacore.tensor_parallel import comm_overlap
+
+    steps, shift = [], comm_overlap._shift
+    comm_overlap._shift = lambda *args: steps.append(1) or shift(*args)
+    try:
+        run = train(_config(corpus, f"{out}/tp-comm-overlap", TP_COMM_OVERLAP))
+    finally:
+        comm_overlap._shift = shift
+    return run, len(steps)
 
 
 @pytest.fixture(scope="module")
@@ -292,9 +315,13 @@ def one_process(corpus, blend, tmp_path_factory):
 
 def test_layouts_match_one_process(corpus, blend, one_process, tmp_path):
     reference, deep = one_process[0], one_process[4]
-    runs, fp8_tp2, blended, packed = run_distributed(
+    runs, fp8_tp2, blended, packed, (overlap, ring_steps) = run_distributed(
         _layouts, 8, args=(corpus, blend, str(tmp_path)), timeout=420
     )[0]
+    # tp 2 x pp 2 x dp 2, sequence-parallel, the collectives as overlapped rings (one step each
+    # at tp 2), the weight gradients fused into main_grad.
+    assert_same_steps(overlap, reference, "tp2-pp2-dp2-seqpar-tp-comm-overlap", FP32_TOL)
+    assert ring_steps > 0
     # A blend takes the same samples, so the same steps, at tp 2 x pp 2 x dp 2.
     assert_same_steps(blended, one_process[10]["reference"], "blend tp2-pp2-dp2", FP32_TOL)
     # Packed documents at tp 2 (sequence-parallel) x pp 2 x dp 2, selective recompute.

@@ -172,6 +172,11 @@ class ParallelConfig:
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     sequence_parallel: bool = False
+    # Megatron-LM's --tp-comm-overlap: under sequence parallelism each column-parallel
+    # linear's all-gather and each row-parallel linear's reduce-scatter run as rings of
+    # tp - 1 point-to-point steps overlapped with partial GEMMs (megacore's
+    # tensor_parallel.comm_overlap); needs tensor_model_parallel_size > 1 and sequence_parallel.
+    tp_comm_overlap: bool = False
     # Mixture of experts (model.num_moe_experts): the experts split over this many ranks, and
     # each expert's fc1/fc2 over expert_tensor_parallel_size (None: tensor_model_parallel_size),
     # a layout of their own over the same world and pipeline stages (megatron-core's
@@ -854,6 +859,12 @@ def _check_training(config: Config) -> None:
             "training.precision = 'fp8' with parallel.pipeline_schedule = 'zb-h1': the deferred "
             "weight gradients would be bf16 GEMMs; choose 1f1b or interleaved",
         )
+        _need(
+            not p.tp_comm_overlap,
+            "training.precision = 'fp8' with parallel.tp_comm_overlap = true: torchao's float8 "
+            "GEMM takes the gathered input whole, so the float8 layers would keep the plain "
+            "collectives; turn parallel.tp_comm_overlap off",
+        )
     _need(
         not t.fp8_emulate or t.precision == "fp8",
         f"training.fp8_emulate = true with training.precision = {t.precision!r}: it emulates "
@@ -945,6 +956,13 @@ def _check_layout(config: Config) -> None:
             f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
             f"by parallel.tensor_model_parallel_size ({tp})",
         )
+    _need(
+        not p.tp_comm_overlap or (tp > 1 and p.sequence_parallel),
+        "parallel.tp_comm_overlap = true overlaps sequence parallelism's all-gathers and "
+        "reduce-scatters with the GEMMs: it needs parallel.tensor_model_parallel_size > 1 "
+        f"(it is {tp}) and parallel.sequence_parallel = true (it is "
+        f"{str(p.sequence_parallel).lower()}); set them, or parallel.tp_comm_overlap = false",
+    )
     _need(
         p.use_distributed_optimizer or not p.overlap_param_gather,
         "parallel.overlap_param_gather overlaps the distributed optimizer's parameter "

@@ -5,7 +5,8 @@ reaches them as a `ParallelContext` (tensor- and pipeline-parallel rank and size
 stages), never by reading or changing process-group globals.  This module builds a rank's
 chunks for a layout (`build_chunks`) and changes built chunks in place: activation
 recompute (`apply_recompute`), context parallelism (`apply_context_parallel`, with
-`split_batch_for_context_parallel` for the batch), float8 GEMMs (`apply_float8`), torch.compile
+`split_batch_for_context_parallel` for the batch), tensor-parallel communication overlapped
+with the GEMMs (`apply_tp_comm_overlap`), float8 GEMMs (`apply_float8`), torch.compile
 (`apply_compile`), CUDA graphs (`apply_cuda_graphs`) and fully sharded data parallelism
 through torch's FSDP2 (`apply_fsdp`), in the spirit of
 torchtitan's `parallelize_*` functions.  The tensor-parallel layers themselves are
@@ -120,6 +121,8 @@ def build_chunks(
     for chunk in chunks:
         apply_recompute(chunk, cfg.recompute, cfg.distribute_saved_activations)
         apply_expert_parallel(chunk)
+        if cfg.tp_comm_overlap:
+            apply_tp_comm_overlap(chunk)
     return chunks
 
 
@@ -316,6 +319,17 @@ def apply_compile(chunk):
     """
     for layer in chunk.layers.values():
         layer.compile(options={"fallback_random": True})
+    return chunk
+
+
+def apply_tp_comm_overlap(chunk):
+    """Every sequence-parallel column- and row-parallel linear inside `chunk` (the layers' and
+    the output layer) with its all-gather or reduce-scatter overlapped with its GEMM
+    (`parallel.tp_comm_overlap`, megacore's `tensor_parallel.comm_overlap`), in place; returns
+    it.  Linears without sequence parallelism (the experts' own, BERT's head) keep theirs."""
+    for module in chunk.modules():
+        if isinstance(module, tp.ColumnParallelLinear | tp.RowParallelLinear):
+            module.tp_comm_overlap = module.sequence_parallel
     return chunk
 
 

@@ -4,6 +4,7 @@ Megatron-LM's public names, so code and habits carry over.  Activations are
 [sequence, batch, hidden]; sequence parallelism shards the first dimension.
 """
 
+from megacore.tensor_parallel.comm_overlap import all_gather_matmul, matmul_reduce_scatter
 from megacore.tensor_parallel.cross_entropy import (
     default_chunk_tokens,
     linear_vocab_parallel_cross_entropy,
@@ -59,6 +60,7 @@ __all__ = [
     "RNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "all_gather_matmul",
     "apply_weight_grads",
     "check_float8_available",
     "checkpoint",
@@ -74,6 +76,7 @@ __all__ = [
     "init_method_normal",
     "linear",
     "linear_vocab_parallel_cross_entropy",
+    "matmul_reduce_scatter",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
     "param_is_not_tensor_parallel_duplicate",

@@ -16,7 +16,9 @@ Like Megatron's, the linear layers return `(output, bias)`: `bias` is None
 unless `skip_bias_add=True`, in which case the caller adds it (to fuse it with
 what follows).  With `sequence_parallel=True` activations outside the layers are
 sharded along the sequence (first) dimension: the column-parallel layer
-all-gathers its input and the row-parallel layer reduce-scatters its output.
+all-gathers its input and the row-parallel layer reduce-scatters its output; with
+`tp_comm_overlap=True` too, those collectives run as rings of point-to-point steps
+overlapped with the GEMM (`tensor_parallel.comm_overlap`).
 """
 
 import math
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacore import parallel_state
+from megacore.tensor_parallel.comm_overlap import all_gather_matmul, matmul_reduce_scatter
 from megacore.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -122,6 +125,13 @@ def _zero_bias(size, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
 
 
+def _overlaps(layer: nn.Module, weight: torch.Tensor, float8) -> bool:
+    """Whether `layer`'s sequence-parallel collective runs overlapped with its GEMM: asked for,
+    and not in float8 (whose GEMM takes the gathered input whole)."""
+    in_float8 = float8 is not None and float8.applies_to(weight)
+    return layer.sequence_parallel and layer.tp_comm_overlap and not in_float8
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split along its output (column) dimension over the TP ranks.
 
@@ -131,7 +141,8 @@ class ColumnParallelLinear(nn.Module):
     the output (e.g. [q; k; v]) separately.  With `skip_weight_param_allocation`
     the weight is passed to `forward` (an output layer tied to the embedding).
     Parameters live on `device` in `params_dtype`; the weight is drawn from the CPU
-    `generator` (the default CPU generator when None).
+    `generator` (the default CPU generator when None).  `tp_comm_overlap` (with
+    `sequence_parallel`): the all-gather overlapped with the GEMM (`all_gather_matmul`).
     """
 
     def __init__(
@@ -150,6 +161,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
         generator: torch.Generator | None = None,
+        tp_comm_overlap: bool = False,
     ):
         super().__init__()
         world, _ = _tp_size_and_rank()
@@ -162,6 +174,8 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.float8 = None  # a tensor_parallel.float8.Float8Recipe: the GEMMs in float8
         self.sequence_parallel = sequence_parallel and world > 1
+        # Read at each forward (megatrain's apply_tp_comm_overlap sets it on built layers).
+        self.tp_comm_overlap = tp_comm_overlap
         self.output_size_per_partition = (
             divide(
                 output_size,
@@ -197,12 +211,18 @@ class ColumnParallelLinear(nn.Module):
                 f"ColumnParallelLinear: weight passed to forward has shape {tuple(weight.shape)}, "
                 f"expected {(self.output_size_per_partition, self.input_size)}"
             )
-        x = self.parallel_input(input_)
         bias = None if self.skip_bias_add else self.bias
         # Its own weight may take gradient-accumulation fusion or float8; a passed one (tied)
         # may not.
         own = weight is self.weight
-        out = linear(x, weight, bias, accumulate=own, float8=self.float8 if own else None)
+        float8 = self.float8 if own else None
+        if _overlaps(self, weight, float8):
+            out = all_gather_matmul(input_, weight, accumulate=own)
+            if bias is not None:
+                out = out + bias
+        else:
+            x = self.parallel_input(input_)
+            out = linear(x, weight, bias, accumulate=own, float8=float8)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out)
         return out, (self.bias if self.skip_bias_add else None)
@@ -218,7 +238,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"input_size={self.input_size}, output_size={self.output_size}, "
             f"per_partition={self.output_size_per_partition}, gather_output={self.gather_output}, "
-            f"sequence_parallel={self.sequence_parallel}"
+            f"sequence_parallel={self.sequence_parallel}, tp_comm_overlap={self.tp_comm_overlap}"
         )
 
 
@@ -230,7 +250,9 @@ class RowParallelLinear(nn.Module):
     products are summed over the TP group (all-reduce, or reduce-scatter along the
     sequence with `sequence_parallel`), then the bias, which is replicated, is added.
     Parameters live on `device` in `params_dtype`; the weight is drawn from the CPU
-    `generator` (the default CPU generator when None).
+    `generator` (the default CPU generator when None).  `tp_comm_overlap` (with
+    `sequence_parallel`): the reduce-scatter overlapped with the GEMM
+    (`matmul_reduce_scatter`).
     """
 
     def __init__(
@@ -248,6 +270,7 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
         generator: torch.Generator | None = None,
+        tp_comm_overlap: bool = False,
     ):
         super().__init__()
         world, _ = _tp_size_and_rank()
@@ -260,6 +283,8 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.float8 = None  # a tensor_parallel.float8.Float8Recipe: the GEMMs in float8
         self.sequence_parallel = sequence_parallel and world > 1
+        # Read at each forward (megatrain's apply_tp_comm_overlap sets it on built layers).
+        self.tp_comm_overlap = tp_comm_overlap
         self.input_size_per_partition = (
             divide(
                 input_size,
@@ -282,10 +307,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        out = linear(x, self.weight, accumulate=True, float8=self.float8)
-        if self.sequence_parallel:
+        if _overlaps(self, self.weight, self.float8):
+            out = matmul_reduce_scatter(x, self.weight, accumulate=True)
+        elif self.sequence_parallel:
+            out = linear(x, self.weight, accumulate=True, float8=self.float8)
             out = reduce_scatter_to_sequence_parallel_region(out)
         else:
+            out = linear(x, self.weight, accumulate=True, float8=self.float8)
             out = reduce_from_tensor_model_parallel_region(out)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias if self.skip_bias_add else None
@@ -296,7 +324,7 @@ class RowParallelLinear(nn.Module):
             f"input_size={self.input_size}, output_size={self.output_size}, "
             f"per_partition={self.input_size_per_partition}, "
             f"input_is_parallel={self.input_is_parallel}, "
-            f"sequence_parallel={self.sequence_parallel}"
+            f"sequence_parallel={self.sequence_parallel}, tp_comm_overlap={self.tp_comm_overlap}"
         )
 
 

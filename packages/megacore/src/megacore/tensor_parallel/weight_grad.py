@@ -80,15 +80,37 @@ def linear(
     (`tensor_parallel.float8`; not combined with deferral or fusion, which megatrain refuses)."""
     if float8 is not None and float8.applies_to(weight):
         return float8.linear(x, weight, bias)
-    if not torch.is_grad_enabled() or not weight.requires_grad:
+    weight_in, held = weight_grad_route(weight, accumulate)
+    if held is None:
         return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight_in, bias, held)
+
+
+def weight_grad_route(
+    weight: torch.Tensor, accumulate: bool
+) -> tuple[torch.Tensor, "_Weight | None"]:
+    """(the weight as a custom backward takes it, what takes its gradient's operands): the
+    weight itself and None where autograd takes the gradient as usual; else the weight
+    detached and a `_Weight` whose `take(weight, x, grad)` defers the gradient (inside
+    `split_backward()`) or adds it into `main_grad` (gradient-accumulation fusion)."""
+    if not torch.is_grad_enabled() or not weight.requires_grad:
+        return weight, None
     if not _split[0]:
         if accumulate and getattr(weight, "main_grad_written", None) is not None:
-            return _Linear.apply(x, weight.detach(), bias, _Weight(weight, _into_main_grad))
-        return F.linear(x, weight, bias)
+            return weight.detach(), _Weight(weight, _into_main_grad)
+        return weight, None
     # The weight enters detached: a backward never reaches it (its gradient hooks would fire
     # with no gradient); its gradient goes in through autograd from `apply_weight_grads`.
-    return _Linear.apply(x, weight.detach(), bias, _Weight(weight, _defer))
+    return weight.detach(), _Weight(weight, _defer)
+
+
+def take_weight_grad(held, needed: bool, x: torch.Tensor, grad: torch.Tensor):
+    """A custom backward's weight gradient for `x` and the output gradient `grad`: handed to
+    `held` (`weight_grad_route`) and None, else computed and returned when `needed`."""
+    if held is not None:
+        held.take(held.tensor, x, grad)
+        return None
+    return _weight_grad(x, grad) if needed else None
 
 
 class _Weight:

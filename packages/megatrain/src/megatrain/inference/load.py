@@ -90,7 +90,7 @@ def checkpoint_model_config(meta: dict) -> TransformerConfig:
     config.parallel.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
     config.parallel.pipeline_model_parallel_size = ps.get_pipeline_model_parallel_world_size()
     config.parallel.virtual_pipeline_model_parallel_size = None
-    config.parallel.sequence_parallel = False
+    config.parallel.sequence_parallel = config.parallel.tp_comm_overlap = False
     config.model.recompute = "none"
     return run_model_config(config, meta["vocab_size"])
 
@@ -144,6 +144,7 @@ def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
     # own (context parallelism splits sequences, not the model).
     p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
     p.context_parallel_size = 1
+    p.tp_comm_overlap = False  # a training overlap; forward passes run without it
     # Forward passes split experts over tp (expert tensor parallelism, no expert parallelism)
     # and have no gradients, so training's rule that MoE at tp > 1 needs sequence parallelism
     # (else each token's expert gradient counts once per TP rank) is not checked here: the TP

@@ -43,6 +43,7 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         recompute=m.recompute,
         distribute_saved_activations=p.distribute_saved_activations,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+        tp_comm_overlap=p.tp_comm_overlap,
         block_order=m.block_order,
         normalization=config.model_switch("normalization"),
         position_embedding=(

@@ -130,6 +130,9 @@ class TransformerConfig(MoEConfig):
     recompute: str = "none"  # none | selective | full
     distribute_saved_activations: bool = False
     sequence_parallel: bool = False
+    # What `parallelize.build_chunks` applies to the built layers (`apply_tp_comm_overlap`):
+    # sequence parallelism's collectives overlapped with the linears' GEMMs.
+    tp_comm_overlap: bool = False
     block_order: str = "pre_ln"  # pre_ln | post_ln
     causal: bool = True
     gelu: str = "tanh"  # tanh | erf
