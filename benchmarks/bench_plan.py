@@ -111,11 +111,6 @@ TOLERANCE = 0.15  # issue 50: the plan within 15% of each checking row
 def _notes(run) -> list[str]:
     """What a row's run did that the planner's number does not take in."""
     notes = []
-    if run.tp_comm_overlap:
-        notes.append(
-            "tp-comm-overlap: the run overlapped TP communication with its GEMMs; megatrain does "
-            "not, and the plan charges it on the critical path (a known cause of predicting low)"
-        )
     if run.gpu_memory_gib:
         notes.append(f"fits judged at the run's {run.gpu_memory_gib:g} GiB GPUs")
     return notes
@@ -159,13 +154,10 @@ def published(out: Path, profile_path: str | None) -> dict:
     for row in rows:
         mark = "ok" if row["within_15pct"] else "off"
         fits = "" if row["predicted_fits"] else "  (plan: does not fit)"
-        overlap = (
-            "  (tp-comm-overlap)" if any(n.startswith("tp-comm") for n in row["notes"]) else ""
-        )
         print(
             f"{row['name']:<40} {row['use']:<5} {short.get(row['metric'], 'model TF/GPU'):<10} "
             f"{row['published']:>10.1f} {row['predicted']:>10.1f} {row['ratio']:5.2f} {mark}"
-            f"{fits}{overlap}"
+            f"{fits}"
         )
     summary = {}
     for use in ("check", "fit"):
@@ -197,13 +189,6 @@ def published(out: Path, profile_path: str | None) -> dict:
         print(
             f"  check rows, profile {name}: {within} of {len(part)} within 15%, median "
             f"absolute error {statistics.median(errors):.0%}"
-        )
-    overlapped = [r for r in rows if any(n.startswith("tp-comm") for n in r["notes"])]
-    if overlapped:
-        print(
-            f"note: {len(overlapped)} runs overlapped TP communication with their GEMMs "
-            "(--tp-comm-overlap), which megatrain does not implement: the plan charges those "
-            "collectives on the critical path and predicts them low for it"
         )
     record = {
         "benchmark": "plan-published",

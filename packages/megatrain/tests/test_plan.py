@@ -89,6 +89,37 @@ def test_layer_terms_by_hand():
     assert runs["full"].time["compute"] > runs["none"].time["compute"]
 
 
+def test_tp_comm_overlap_hides_each_collective_behind_its_gemm():
+    """Under sequence parallelism with parallel.tp_comm_overlap each of a layer's 4
+    all-gathers / reduce-scatters per pass shows only what it takes beyond (tp - 1)/tp of
+    its GEMM: the attention's input gather behind qkv, the projection's reduce-scatter
+    behind proj, the MLP's behind fc1 and fc2 (the backward's behind half their backward,
+    the input-gradient GEMM); the rest of the step is unchanged."""
+    config = paper_config(8)  # the 8.3B at tp 8
+    profile = hardware.builtin_profile()
+    sp = Layout(tp=8, pp=1, dp=1, micro_batch=8, sequence_parallel=True)
+    with_sp = apply_layout(config, sp)
+    overlap = replace(with_sp, parallel=replace(with_sp.parallel, tp_comm_overlap=True))
+    plain = estimate(with_sp, sp, V100, profile, 50257, 8)
+    hidden = estimate(overlap, sp, V100, profile, 50257, 8)
+    assert hidden.time["compute"] == plain.time["compute"]
+    costs = Costs(V100, profile, "fp16")
+    s, b, h, layers = 1024, 8, 3072, 72
+    one = costs.collective("all_gather", 2 * s * b * h, 8, 150e9)
+    gemms = {  # (forward, backward) of each of a layer's GEMMs on one TP rank
+        "qkv": costs.gemm_fwd_bwd(s * b, 3 * h / 8, h),
+        "proj": costs.gemm_fwd_bwd(s * b, h, h / 8),
+        "fc1": costs.gemm_fwd_bwd(s * b, 4 * h / 8, h),
+        "fc2": costs.gemm_fwd_bwd(s * b, h, 4 * h / 8),
+    }
+    layer = sum(
+        max(0.0, one - 7 / 8 * g[0]) + max(0.0, one - 7 / 8 * g[1] / 2) for g in gemms.values()
+    )
+    ends = plain.time["tp_comm"] - layers * 8 * one  # the embedding's and output layer's
+    assert hidden.time["tp_comm"] == pytest.approx(layers * layer + ends)
+    assert hidden.time["tp_comm"] < 0.5 * plain.time["tp_comm"]
+
+
 def test_pipeline_formula_is_megacores_schedule_tables():
     """m max T + (sum T - max T) / vpp equals running the 1F1B and interleaved tables when the
     stages are equal or the last is the heaviest (the output layer and loss), and at most 6%

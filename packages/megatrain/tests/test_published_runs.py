@@ -114,12 +114,13 @@ def test_the_metrics_are_one_estimate_counted_three_ways(tmp_path):
 
 def test_the_optional_fields_reach_the_config_and_the_estimate(tmp_path):
     """dropout, the data-parallel overlaps and FSDP's reduction every microbatch become the
-    run's config (and so the estimate's); gpu_memory_gib decides whether it fits; a recorded
-    tp_comm_overlap changes no number."""
+    run's config (and so the estimate's), and so does tp_comm_overlap (its TP collectives
+    behind the GEMMs); gpu_memory_gib decides whether it fits."""
     path = tmp_path / "runs.toml"
     path.write_text(ROW)
     (plain,) = load_runs(path)
-    assert plain.config().model.hidden_dropout == 0.0 and not plain.tp_comm_overlap
+    assert plain.config().model.hidden_dropout == 0.0
+    assert not plain.config().parallel.tp_comm_overlap
     assert plain.config().parallel.overlap_grad_reduce  # megatrain's defaults
     assert not plain.config().parallel.overlap_param_gather
     model = "vocab = 1024\ndropout = 0.1"
@@ -132,13 +133,14 @@ def test_the_optional_fields_reach_the_config_and_the_estimate(tmp_path):
     config = run.config()
     assert (config.model.hidden_dropout, config.model.attention_dropout) == (0.1, 0.1)
     assert not config.parallel.overlap_grad_reduce and config.parallel.overlap_param_gather
-    assert run.tp_comm_overlap
+    assert config.parallel.tp_comm_overlap
     # the masks cost memory; the parameters' gather waits for no forward, the reduction for
     # no backward: the data-parallel time changes
     (_, a), (_, b) = predict(plain), predict(run)
     assert b.memory["activations"] > a.memory["activations"]
     assert b.time["dp_comm"] != a.time["dp_comm"]
-    assert predict(replace(run, tp_comm_overlap=False))[0] == predict(run)[0]
+    plain_tp = replace(run, parallel={**run.parallel, "tp_comm_overlap": False})
+    assert predict(plain_tp)[1].time["tp_comm"] > b.time["tp_comm"] > 0
     # FSDP: reduce-scatter every microbatch (2 of them here) instead of holding the gradients
     full = ROW.replace('sharding = "optimizer"', 'sharding = "full"').replace(
         "sequence_parallel = true\n", ""

@@ -34,10 +34,12 @@ and one microbatch of b sequences of s tokens:
   TP rank, as the formula's replicated 10 s b h says.
 - **Recompute**: full reruns each layer's forward (GEMMs, ops and its all-reduces) in the
   backward; selective reruns the attention core (its two GEMMs and its softmax/dropout).
-- **TP communication** (on the critical path, never overlapped): per layer 2 all-reduces
-  of s b h in the forward and 2 in the backward (Fig. 4), or with sequence parallelism an
-  all-gather and a reduce-scatter for each (the same bytes, twice the latency), plus the
-  embedding's and the output layer's.  A collective over n GPUs moving N bytes takes
+- **TP communication** (on the critical path): per layer 2 all-reduces of s b h in the
+  forward and 2 in the backward (Fig. 4), or with sequence parallelism an all-gather and a
+  reduce-scatter for each (the same bytes, twice the latency), plus the embedding's and the
+  output layer's; with sequence parallelism and `parallel.tp_comm_overlap` each of the
+  layer's collectives runs as ring steps behind the chunks of its GEMM, and only what it
+  takes beyond them shows (`tp_overlap_seconds`).  A collective over n GPUs moving N bytes takes
   latency + f N / (bandwidth x `collective_efficiency`) with the ring's f = 2 (n-1)/n for
   an all-reduce, (n-1)/n for an all-gather or reduce-scatter; the bandwidth is NVLink's
   inside a node, the network's share of the GPUs of a group between nodes.
@@ -396,6 +398,9 @@ def layer_seconds(
         "full": forward,
     }[layout.recompute]
     comm = one_way * (3 if layout.recompute == "full" else 2)
+    if layout.sequence_parallel and config.parallel.tp_comm_overlap:
+        passes = 3 if layout.recompute == "full" else 2  # the forward runs again under full
+        comm = tp_overlap_seconds(cfg, tp, moe, dense, one_way / 4, passes)
     # "backward": what runs in the backward pass (for overlapping the gradients' reduction)
     return {
         "compute": forward + backward + recompute,
@@ -414,6 +419,45 @@ def layer_seconds(
         "backward": backward + recompute,
         "weight_grads": weight,
     }
+
+
+def tp_overlap_seconds(
+    cfg: TransformerConfig,
+    tp: int,
+    moe: bool,
+    dense: list[tuple[float, float]],
+    collective: float,
+    passes: int,
+) -> float:
+    """Exposed seconds of one layer's sequence-parallel TP communication for one microbatch
+    under `parallel.tp_comm_overlap`: each all-gather feeding a column-parallel GEMM and each
+    reduce-scatter of a row-parallel GEMM's output runs as tp - 1 ring steps behind tp - 1
+    of the tp chunks of its GEMM, so a collective of `collective` seconds shows
+    max(0, collective - (tp - 1)/tp x GEMM): in the forward the attention's input gather
+    behind its column GEMMs (qkv, or q and kv) and the projection's reduce-scatter behind the
+    projection, the MLP's likewise (gate and fc1; fc2); in the backward the column GEMMs'
+    input-gradient reduce-scatters and the row GEMMs' output-gradient gathers behind their
+    input-gradient GEMMs (half a GEMM's backward).  A MoE layer's MLP collectives stay
+    exposed (its dispatcher moves the tokens).  `dense`: the (forward, backward) seconds of
+    `accounting.layer_gemms` less the routed ones, in their order; `passes` forwards (2:
+    forward and backward, 3 under full recompute)."""
+    names = [g.name for g in layer_gemms(cfg, moe) if g.name not in _ROUTED]
+    times = dict(zip(names, dense, strict=True))
+    columns = [("qkv", "q", "kv"), ("proj",)]
+    if not moe:
+        columns += [("gate", "fc1"), ("fc2",)]
+    share = (tp - 1) / tp
+
+    def exposed(direction: int) -> float:
+        hidden = [sum(times[n][direction] for n in group if n in times) for group in columns]
+        # the backward's input-gradient GEMM is about half of a GEMM's backward
+        scale = 1.0 if direction == 0 else 0.5
+        return sum(max(0.0, collective - share * scale * g) for g in hidden) + collective * (
+            4 - len(columns)
+        )
+
+    forward, backward = exposed(0), exposed(1)
+    return forward * (passes - 1) + backward
 
 
 def attention_core_seconds(

@@ -55,7 +55,9 @@ _LAYOUT_OPTIONAL = {
     "gpu_memory_gib": float, "fused_linear_cross_entropy": bool,
 }  # fmt: skip
 # the [run.layout] fields that are megatrain config fields, by section
-_PARALLEL_FIELDS = ("overlap_grad_reduce", "overlap_param_gather", "reduce_every_microbatch")
+_PARALLEL_FIELDS = (
+    "overlap_grad_reduce", "overlap_param_gather", "reduce_every_microbatch", "tp_comm_overlap",
+)  # fmt: skip
 _TRAINING_FIELDS = ("fused_linear_cross_entropy",)
 _MAY_BE_ZERO = {"dropout"}  # numbers that may be 0 (the rest must be positive)
 _PUBLISHED = {"metric": str, "value": float, "definition": str}
@@ -88,7 +90,6 @@ class PublishedRun:
     # the [run.layout] fields of the parallel and training sections that Layout does not carry
     parallel: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
-    tp_comm_overlap: bool = False
     gpu_memory_gib: float | None = None
 
     def config(self) -> Config:
@@ -221,7 +222,6 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         assumed=tuple(pub.get("assumed", ())),
         parallel={name: lay[name] for name in _PARALLEL_FIELDS if name in lay},
         training={name: lay[name] for name in _TRAINING_FIELDS if name in lay},
-        tp_comm_overlap=lay.get("tp_comm_overlap", False),
         gpu_memory_gib=lay.get("gpu_memory_gib"),
     )
     try:  # the same checks a run of this config gets before any worker starts
