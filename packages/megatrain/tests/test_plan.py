@@ -118,6 +118,17 @@ def test_tp_comm_overlap_hides_each_collective_behind_its_gemm():
     ends = plain.time["tp_comm"] - layers * 8 * one  # the embedding's and output layer's
     assert hidden.time["tp_comm"] == pytest.approx(layers * layer + ends)
     assert hidden.time["tp_comm"] < 0.5 * plain.time["tp_comm"]
+    # A config that asks for the overlap keeps it on the layouts with sequence parallelism
+    # and drops it on the others (which the overrides say), refusing none for it.
+    asked = replace(config, parallel=replace(config.parallel, tp_comm_overlap=True))
+    for layout in (sp, replace(sp, sequence_parallel=False), replace(sp, tp=1, dp=8)):
+        at = apply_layout(asked, layout)
+        assert at.parallel.tp_comm_overlap == layout.sequence_parallel
+        again = load_config(MODELS / "gpt2-8.3b.toml", layout.overrides())
+        assert again.parallel.tp_comm_overlap is False  # the default, or set false
+    result = plan(asked, 16, V100, profile, 50257, 16)
+    assert not any("tp_comm_overlap" in reason for reason in result.rejected)
+    assert any(e.layout.sequence_parallel for e in result.ranked)
 
 
 def test_pipeline_formula_is_megacores_schedule_tables():

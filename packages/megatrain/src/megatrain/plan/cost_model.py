@@ -196,6 +196,8 @@ class Layout:
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
             "parallel.pipeline_schedule=" + (f'"{self.schedule}"' if self.pp > 1 else "none"),
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+            # a config's parallel.tp_comm_overlap needs sequence parallelism (apply_layout)
+            *([] if self.sequence_parallel else ["parallel.tp_comm_overlap=false"]),
             f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
             *(['parallel.data_parallel_sharding="full"'] if self.fsdp else []),
             *(
@@ -250,6 +252,8 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             pipeline_schedule=layout.schedule if layout.pp > 1 else None,
             data_parallel_size=layout.dp,
             sequence_parallel=layout.sequence_parallel,
+            # the config's choice where the layout has sequence parallelism to overlap
+            tp_comm_overlap=p.tp_comm_overlap and layout.sequence_parallel,
             use_distributed_optimizer=layout.distributed_optimizer,
             data_parallel_sharding=layout.sharding,
             reshard_after_forward=p.reshard_after_forward if layout.fsdp else None,
