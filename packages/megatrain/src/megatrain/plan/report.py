@@ -59,9 +59,20 @@ def describe_attention(gpu, profile: Profile, seq: int | None = None) -> str:
         return (
             f"flash (one fused kernel at the profile's {curve}{rate}, causal half skipped, no "
             "s x s scores kept; in 16 bits without context parallelism; --attention unfused "
-            "for the 2019 kernels)"
+            f"for the 2019 kernels){_CONTEXT_PARALLEL}"
         )
-    return "unfused (the s x s scores written, read and kept; --attention flash for a fused kernel)"
+    return (
+        "unfused (the s x s scores written, read and kept; --attention flash for a fused "
+        f"kernel){_CONTEXT_PARALLEL}"
+    )
+
+
+# What cp > 1 runs whatever the GPU's attention (accounting.attention_kernel).
+_CONTEXT_PARALLEL = (
+    "; with context parallelism megacore's own: the p2p ring fused (a kernel call a ring step, "
+    "causal half skipped; float32 torch ops with packed documents), the all-gather SDPA with a "
+    "mask (every score computed)"
+)
 
 
 def _estimate_dict(rank: int, e: Estimate) -> dict:
