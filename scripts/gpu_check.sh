@@ -106,13 +106,25 @@ step generate 300 megatrain generate --ckpt "$RUN/ckpt" --prompt "The" --max-new
 step export-hf 300 megatrain export-hf --ckpt "$RUN/ckpt" --out "$RUN/hf"
 step import-hf 300 megatrain import-hf "$RUN/hf" --out "$RUN/reimported"
 step cuda-tests 600 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_speed_path.py \
-    packages/megatrain/tests/test_construction.py
-# NCCL with two ranks on one GPU: refused by some NCCL versions ("Duplicate GPU"); reported, not counted.
-if timeout 240 megatrain run --nproc-per-node 2 "${TRAIN[@]}" training.train_iters=20 \
-    parallel.pipeline_model_parallel_size=2 "training.output_dir=\"$OUT/pp2\"" >"$OUT/pp2-nccl.log" 2>&1; then
-    echo "PASS pp2-nccl-one-gpu (two ranks share the GPU)"
-else
-    echo "SKIP pp2-nccl-one-gpu: $(grep -m1 -iE 'duplicate gpu|error' "$OUT/pp2-nccl.log" | cut -c1-200)"
-fi
+    packages/megatrain/tests/test_construction.py \
+    packages/megacore/tests/test_context_parallel.py::test_fused_ring_kernels_equal_attention
+# NCCL with two ranks on one GPU: refused by some NCCL versions ("Duplicate GPU"); reported, not
+# counted. Pipeline parallelism, then the point-to-point rings no CPU run puts on NCCL: tensor
+# parallelism's overlapped collectives (parallel.tp_comm_overlap) and context parallelism's
+# fused ring (cp_comm_type p2p: FlashAttention-2 a ring step).
+probe() {  # probe NAME OVERRIDES...: two ranks sharing the GPU
+    local name=$1
+    shift
+    if timeout 180 megatrain run --nproc-per-node 2 "${TRAIN[@]}" training.train_iters=20 "$@" \
+        "training.output_dir=\"$OUT/$name\"" >"$OUT/$name-nccl.log" 2>&1; then
+        echo "PASS $name-nccl-one-gpu (two ranks share the GPU)"
+    else
+        echo "SKIP $name-nccl-one-gpu: $(grep -m1 -iE 'duplicate gpu|error' "$OUT/$name-nccl.log" | cut -c1-200)"
+    fi
+}
+probe pp2 parallel.pipeline_model_parallel_size=2
+probe tp2-overlap parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true \
+    parallel.tp_comm_overlap=true
+probe cp2-ring parallel.context_parallel_size=2 'parallel.cp_comm_type="p2p"' model.attention_dropout=0.0
 
 exit "$failed"

@@ -353,3 +353,64 @@ def test_balanced_positions_are_checked_and_remembered():
     assert not cpa._holds_balanced_chunks(torch.arange(3), 0, 2)  # odd: no two chunks
     positions[0] = 0  # changed in place: checked again
     assert not cpa._holds_balanced_chunks(positions, 1, 4)
+
+
+# --- the fused ring's kernels, one call each (scripts/gpu_check.sh runs the CUDA ones) ---------
+
+
+def _attention_and_lse(q, k, v, causal, scale):
+    """Reference attention in float64 with its log-sum-exp; k, v may have fewer heads."""
+    rep = q.size(1) // k.size(1)
+    k, v = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if causal:
+        keep = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "tol"),
+    [
+        ("cpu flash", torch.float32, 1e-4),
+        ("cuda flash", torch.bfloat16, 2e-2),
+        ("cuda efficient", torch.float32, 1e-4),
+    ],
+)
+def test_fused_ring_kernels_equal_attention(kernel, dtype, tol):
+    """Each kernel the fused ring calls (the CPU's flash kernel; on a GPU FlashAttention-2 in
+    16 bits and the memory-efficient kernel in fp32), called as the ring calls it: its output
+    and log-sum-exp equal attention's, causal and full, grouped K/V too, and its backward
+    given that output and log-sum-exp equals attention's q, k and v gradients (on a GPU: the
+    op signatures, GQA's expansion and the efficient kernel's padded log-sum-exp, which no CPU
+    run reaches; scripts/gpu_check.sh runs them)."""
+    fused = {
+        "cpu flash": cpa._CPU_FLASH,
+        "cuda flash": cpa._CUDA_FLASH,
+        "cuda efficient": cpa._CUDA_EFFICIENT,
+    }[kernel]
+    device = kernel.split()[0]
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the CUDA kernels need a GPU")
+    if kernel == "cuda flash" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("FlashAttention-2 needs sm80 or newer")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for causal, groups in itertools.product((True, False), (4, 2)):
+        b, heads, s, d = 2, 4, 96, 64  # s not a multiple of 32: the efficient kernel pads lse
+        q = torch.randn(b, heads, s, d, device=device, generator=gen).to(dtype)
+        k, v = (
+            torch.randn(b, groups, s, d, device=device, generator=gen).to(dtype) for _ in range(2)
+        )
+        scale = d**-0.5
+        out, lse = fused.forward(q, k, v, causal, scale)
+        ref_q, ref_k, ref_v = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, ref_lse = _attention_and_lse(ref_q, ref_k, ref_v, causal, scale)
+        assert out.dtype == dtype and lse.shape == (b, heads, s)
+        torch.testing.assert_close(out.double(), ref.detach(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=tol, rtol=tol)
+        grad = torch.randn(b, heads, s, d, device=device, generator=gen).to(dtype)
+        dq, dk, dv = fused.backward(grad, q, k, v, out, lse, causal, scale)
+        ref.backward(grad.double())
+        for got, want in ((dq, ref_q.grad), (dk, ref_k.grad), (dv, ref_v.grad)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, atol=5 * tol, rtol=5 * tol)
