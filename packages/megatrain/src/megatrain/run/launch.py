@@ -49,6 +49,9 @@ DEFAULT_RDZV_TIMEOUT = 600  # seconds a node waits for the others at --master-ad
 # default is 30): after a failure the others cannot finish a step, and a hung rank (the
 # reason some fail) does not answer SIGTERM at all.
 SHUTDOWN_TIMEOUT = 5
+# Seconds node 0, which serves the rendezvous store, waits at the end for the other nodes to
+# leave it (`NodeRendezvous.shutdown`).
+LEAVE_TIMEOUT = 5
 
 
 class LaunchError(RuntimeError):
@@ -181,6 +184,27 @@ class NodeRendezvous(StaticTCPRendezvous):
     @property
     def address(self) -> str:
         return f"{self.master_addr}:{self.master_port}"
+
+    def shutdown(self) -> bool:
+        """Called by torch's launcher as each node's agent ends, after its exit barrier.  Node
+        0 serves the store: it waits (at most LEAVE_TIMEOUT seconds) until every other node has
+        said it is leaving, so that none is still reading the exit barrier's last key from a
+        store already gone (which torch's agent logs as an error with a C++ trace, though the
+        run went well).  The others say so and go."""
+        if self._store is not None:
+            key = "megatrain/rdzv/left"
+            try:
+                if self.rank != 0:
+                    self._store.add(key, 1)
+                else:
+                    deadline = time.monotonic() + LEAVE_TIMEOUT
+                    while self._store.add(key, 0) < self.world_size - 1:
+                        if time.monotonic() > deadline:
+                            break  # a node that died does not say so
+                        time.sleep(0.05)
+            except (RuntimeError, OSError):  # node 0's store gone already: nothing to tell
+                pass
+        return super().shutdown()
 
     def _meet(self) -> TCPStore:
         deadline = time.monotonic() + self.timeout.total_seconds()
