@@ -7,6 +7,7 @@ hardware or model TFLOP/s per GPU).  `benchmarks/bench_plan.py --published` prin
 side by side.  Rows marked use = "check" were never used to fit the profile.
 """
 
+import statistics
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -292,9 +293,8 @@ def check_rows_summary(gpu: Gpu, profile: Profile, tolerance: float = 0.15) -> d
     table = load_gpus()
     same = [r for r in load_runs() if r.use == "check" and table[r.gpu].profile == gpu.profile]
     runs = [r for r in same if profile.attention_tflops or table[r.gpu].attention != "flash"]
-    errors = sorted(abs(predict(r, profile)[0] / r.value - 1) for r in runs)
-    middle = len(errors) // 2
-    median = (errors[middle] + errors[~middle]) / 2 if errors else None
+    errors = [abs(predict(r, profile)[0] / r.value - 1) for r in runs]
+    median = statistics.median(errors) if errors else None
     return {
         "generation": gpu.profile,
         "rows": len(runs),
