@@ -371,12 +371,15 @@ def plan_command(
 ):  # fmt: skip
     """Rank the layouts of --config on --gpus GPUs by predicted step time.
 
-    Every tp x pp x dp = --gpus with each pipeline schedule (1F1B, ZB-H1, interleaved at
-    each virtual pipeline size), micro batch, recompute mode, sequence parallelism and
-    distributed optimizer that `megatrain run` accepts;
+    Every tp x cp x pp x dp = --gpus (context parallelism with its all-gather or p2p ring;
+    a mixture of experts' ep x etp too) with each pipeline schedule (1F1B, ZB-H1,
+    interleaved at each virtual pipeline size), micro batch, recompute mode, sequence
+    parallelism and data-parallel sharding (none, the optimizer state, or FSDP) that
+    `megatrain run` accepts;
     each with its memory per GPU (weights, gradients, optimizer state, activations of the
-    fullest pipeline stage), its step time (compute, TP communication, pipeline bubble and
-    point-to-point, exposed data-parallel communication, optimizer) and MFU; the best
+    fullest pipeline stage), its step time (compute, TP, CP and expert communication,
+    pipeline bubble and point-to-point, exposed data-parallel communication, optimizer)
+    and MFU; the best
     --top of those that fit 90% of the GPU's memory, and why the others were refused.
     The report names the time model's profile (--profile, else the GPU's generation in the
     GPU table), whether it was measured or comes from published figures, and how far it is
