@@ -103,6 +103,58 @@ def test_flash_attention_terms_by_hand():
     assert fast["compute"] < slow["compute"]
 
 
+def test_published_runs_attention_implementations_by_hand():
+    """The two implementations published runs ran and megatrain does not, each timed as its
+    kernel but for what differs: FlashAttention in Triton, the flash kernel's forward 1.4x and
+    backward 2x FlashAttention-2's (Dao 2023, section 4.1); Megatron-LM's fused softmax, the
+    unfused products with the bytes its kernels move over each score (4 + 5 with dropout
+    forward, 6 + 5 backward) in place of the passes over what the 2019 ops keep.  Both keep
+    what their kernel keeps."""
+    config = apply_layout(load_config(MODELS / "llama3-8b.toml"), Layout(2, 1, 1, micro_batch=2))
+    cfg = model_config(config, VOCAB)
+    layout = Layout(tp=2, pp=1, dp=1, micro_batch=2)
+    profile = hardware.gpu_profile(H100)
+    flash, triton, unfused, fused = (
+        Costs(replace(H100, attention=a), profile, "bf16")
+        for a in ("flash", "flash_triton", "unfused", "fused_softmax")
+    )
+    [(forward, backward)] = attention_core_seconds(config, cfg, layout, flash)
+    [(t_forward, t_backward)] = attention_core_seconds(config, cfg, layout, triton)
+    overhead = profile.gemm_overhead_s
+    assert t_forward - overhead == pytest.approx(1.4 * (forward - overhead))
+    assert t_backward - overhead == pytest.approx(2.0 * (backward - overhead))
+    assert attention_core_seconds(config, cfg, layout, fused) == attention_core_seconds(
+        config, cfg, layout, unfused
+    )
+    for k, a in (("flash", "flash_triton"), ("unfused", "fused_softmax")):
+        assert attention_kernel(config, a) == k
+        assert activations_per_layer(config, "none", attention=a) == activations_per_layer(
+            config, "none", attention=k
+        )
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attention_kernel(config, "xformers")
+    s, b, a = 8192, 2, 32
+    scores = a * s * s * b / 2  # the rank's heads' scores
+    plain = layer_seconds(config, layout, unfused, 450e9, cfg=cfg)
+    for dropout, moved in ((0.0, 4 + 6), (0.1, 9 + 11)):
+        dropped = replace(config, model=replace(config.model, attention_dropout=dropout))
+        got = layer_seconds(dropped, layout, fused, 450e9, cfg=cfg)
+        # the unfused layer less its passes over the 5 bytes a score it keeps, plus the bytes
+        assert got["compute"] == pytest.approx(
+            plain["compute"]
+            - 3 * unfused.elementwise(5 * scores)
+            + unfused.memory_bound(moved * scores)
+        )
+    for recompute, again in (("selective", 4 + 5), ("full", 4 + 5)):
+        dropped = replace(config, model=replace(config.model, attention_dropout=0.1))
+        rerun = replace(layout, recompute=recompute)
+        got, once = (
+            layer_seconds(dropped, lay, fused, 450e9, cfg=cfg)["compute"] for lay in (rerun, layout)
+        )
+        # both rerun the forward's softmax and dropout (full reruns the rest of it too)
+        assert got - once >= fused.memory_bound(again * scores) > 0
+
+
 def test_time_model_gemms_are_the_models():
     """The layer's dense GEMMs on one TP rank are layer_gemms': Llama's q, grouped kv (one
     whole group a rank at tp 16 > 8 groups) and SwiGLU's three; GPT-2's four, as in 2019."""

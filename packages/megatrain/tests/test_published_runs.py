@@ -154,6 +154,14 @@ def test_the_optional_fields_reach_the_config_and_the_estimate(tmp_path):
     assert every.config().parallel.reduce_every_microbatch
     (_, a), (_, b) = predict(once), predict(every)
     assert b.memory["total"] < a.memory["total"] and b.time["dp_comm"] > a.time["dp_comm"]
+    # the attention implementation the run ran: FlashAttention in Triton takes longer than
+    # FlashAttention-2, the H100 entry's, and keeps the same
+    triton_row = 'sharding = "full"\nattention = "flash_triton"'
+    path.write_text(full.replace('sharding = "full"', triton_row))
+    (triton,) = load_runs(path)
+    (_, a), (_, b) = predict(once), predict(triton)
+    assert triton.attention == "flash_triton" and once.attention is None
+    assert b.time["compute"] > a.time["compute"] and b.memory == a.memory
     # the run's own GPUs' memory, where it is not the GPU entry's, decides whether it fits
     assert predict(once)[1].fits
     path.write_text(full.replace('sharding = "full"', 'sharding = "full"\ngpu_memory_gib = 0.01'))
@@ -197,6 +205,11 @@ def test_every_run_that_ran_fits_the_plans_memory():
         ),
         ('metric = "tokens_per_s_per_gpu"', 'metric = "mfu"', "published.metric = 'mfu'"),
         ('gpu = "h100-80gb"', 'gpu = "tpu"', "layout.gpu = 'tpu'"),
+        (
+            "sharding =",
+            'attention = "xformers"\nsharding =',
+            "layout.attention = 'xformers'; expected one of flash, unfused, flash_triton",
+        ),
         ("gpus = 8", "gpus = 16", "layout.gpus = 16 but tp x cp x pp x dp = 8"),
         ("tp = 2", "tp = 2\ntp_size = 2", "unknown field layout.tp_size"),
         # a model megatrain's own checks refuse: hidden 256 over 6 heads

@@ -678,6 +678,18 @@ def activations_per_layer(
 ATTENTION_CHOICES = ("flash", "unfused")
 # How a layer's attention core runs (`attention_kernel`).
 ATTENTION_KERNELS = ("flash", "masked", "ring", "ring_float32", "unfused")
+# Implementations of a kernel that published runs ran and megatrain does not, so that the
+# plan is checked against what each run did (published_runs.toml's `attention`): each keeps
+# what its kernel keeps and runs where it runs, and only its time differs (cost_model's
+# `Costs.flash_attention` and `layer_seconds`):
+# - "flash_triton": FlashAttention in Triton (flash-attention's flash_attn_triton.py, what
+#   llm-foundry's MPT ran with attn_impl "triton"), a flash kernel;
+# - "fused_softmax": Megatron-LM's fused scale-mask-softmax CUDA kernel and torch's dropout
+#   around the two batched products (Megatron-LM 2020-2022's path; its 2019 code ran
+#   separate torch ops, "unfused"), an unfused kernel.
+ATTENTION_IMPLEMENTATIONS = {
+    "flash": "flash", "unfused": "unfused", "flash_triton": "flash", "fused_softmax": "unfused",
+}  # fmt: skip
 
 
 def attention_kernel(config: Config, attention: str) -> str:
@@ -724,8 +736,11 @@ def attention_kernel_for(
 ) -> str:
     """`attention_kernel` of a precision, context-parallel size and communication, with or
     without packed documents' masks (`documents`)."""
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, not {attention!r}")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}, not {attention!r}"
+        )
+    attention = ATTENTION_IMPLEMENTATIONS[attention]
     if cp > 1 and cp_comm == "p2p":
         return "ring_float32" if documents else "ring"
     if attention == "unfused" or precision == "fp32":
@@ -862,6 +877,7 @@ def weight_grad_inputs_per_layer(config: Config) -> float:
 
 __all__ = [
     "ATTENTION_CHOICES",
+    "ATTENTION_IMPLEMENTATIONS",
     "ATTENTION_KERNELS",
     "BERT",
     "GPT",

@@ -26,6 +26,11 @@ and one microbatch of b sequences of s tokens:
   the non-GEMM ops); "flash" (16 bits, cp 1), one fused kernel at the profile's
   `attention_tflops` for the sequence length (FlashAttention's figures), moving O(s h)
   bytes, doing half the score FLOPs of causal attention, its backward 2.5 x its forward.
+  Two implementations published runs ran are timed as they ran, for checking the model
+  against them (published_runs.toml's `attention`): "flash_triton" (FlashAttention in
+  Triton, `TRITON_FLASH_SLOWDOWN` x FlashAttention-2's time) and "fused_softmax"
+  (Megatron-LM's fused softmax: the unfused products, and the bytes its kernels move over
+  each score, `FUSED_SOFTMAX_BYTES`, in place of the element-wise passes over them).
 - **Non-GEMM ops** (LayerNorm, GeLU, softmax, dropout, residual adds) are memory-bound:
   `elementwise_passes` x the bytes of activations the layer stores
   (`accounting.activations_per_layer`, recompute "none") / HBM bandwidth (the data
@@ -100,6 +105,7 @@ from megatrain.config import Config
 from megatrain.models import model_config
 from megatrain.models.transformer import TransformerConfig
 from megatrain.plan.accounting import (
+    ATTENTION_IMPLEMENTATIONS,
     MASKED_LM_PROB,
     activations_per_layer,
     attention_core_flops,
@@ -130,6 +136,22 @@ RING_BACKWARD_BYTES = 12 + 24 + 12 + 9 + 8
 # the additive mask (1 read, 2 written); the ring's written and read for each block (2).
 MASKED_MASK_BYTES = 5
 RING_MASK_BYTES = 2
+# HBM bytes a score moves (16 bits) around Megatron-LM's two batched products in its fused
+# attention ("fused_softmax"; megatron/model/fused_softmax.py and transformer.py as of the
+# sc21 scripts, de7dc40f88): forward, the fused scale-mask-softmax reads the scores and
+# writes the probabilities (4), dropout reads them and writes its output and its 1-byte mask
+# (5); backward, dropout's reads the gradient and the mask and writes a gradient (5), the
+# softmax's reads that and the probabilities and writes the scores' gradient (6).  Without
+# dropout, the softmax's alone.
+FUSED_SOFTMAX_BYTES = {"forward": 4, "backward": 6}
+FUSED_SOFTMAX_DROPOUT_BYTES = {"forward": 5, "backward": 5}
+# How much longer FlashAttention in Triton ("flash_triton") takes than FlashAttention-2 (the
+# profile's attention_tflops): Dao 2023 (arXiv 2307.08691) section 4.1, on an A100, "around
+# 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in
+# the backward pass"; the forward at the range's middle.  Measured on A100 only; on a
+# Hopper profile this is assumed (FlashAttention-2 there used no Hopper instructions, nor did
+# the pre-MLIR Triton the kernel was written for).
+TRITON_FLASH_SLOWDOWN = {"forward": 1.4, "backward": 2.0}
 TIME_PARTS = (
     "compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer",
 )  # fmt: skip
@@ -317,10 +339,11 @@ class Costs:
         backward, with the gradients): one kernel each, at the profile's `attention_tflops`
         for `seq` (a forward-and-backward rate, so both at it)."""
         rate = self.profile.attention_flops(seq)
+        slow = TRITON_FLASH_SLOWDOWN if self.attention == "flash_triton" else {}
         overhead = self.profile.gemm_overhead_s
-        forward = max(flops / rate, nbytes / self.hbm) + overhead
-        backward = max(2.5 * flops / rate, 2 * nbytes / self.hbm) + overhead
-        return forward, backward
+        forward = max(flops / rate * slow.get("forward", 1), nbytes / self.hbm)
+        backward = max(2.5 * flops / rate * slow.get("backward", 1), 2 * nbytes / self.hbm)
+        return forward + overhead, backward + overhead
 
     def elementwise(self, stored_bytes: float) -> float:
         return self.profile.elementwise_passes * stored_bytes / self.hbm
@@ -383,13 +406,24 @@ def layer_seconds(
     core_bytes = 5 * a * local * s * b / tp if kernel == "unfused" else 0.0
     ops = costs.elementwise(scale * (selective + core_bytes))
     core_ops = costs.elementwise(scale * core_bytes)
+    backward_ops = 2 * ops
+    if costs.attention == "fused_softmax" and kernel == "unfused":
+        # Megatron-LM's fused softmax: the bytes its kernels move, not passes over what it keeps
+        moved = dict(FUSED_SOFTMAX_BYTES)
+        if m.attention_dropout:
+            moved = {k: v + FUSED_SOFTMAX_DROPOUT_BYTES[k] for k, v in moved.items()}
+        scores = scale * a * local * s * b / tp
+        core_ops = costs.memory_bound(moved["forward"] * scores)
+        ops = costs.elementwise(scale * selective) + core_ops
+        backward_ops = 2 * costs.elementwise(scale * selective)
+        backward_ops += costs.memory_bound(moved["backward"] * scores)
     activation = costs.element * tokens * h
     if layout.sequence_parallel:  # an all-gather and a reduce-scatter for each all-reduce
         one_way = 4 * costs.collective("all_gather", activation, tp, bandwidth)
     else:
         one_way = 2 * costs.collective("all_reduce", activation, tp, bandwidth)
     forward = sum(g[0] for g in dense) + sum(g[0] for g in core) + ops
-    backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + 2 * ops
+    backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + backward_ops
     # The dense weights' gradients: what ZB-H1 defers to its W steps.
     weight = sum(costs.gemm(k, n, tokens) for k, n in shapes)
     if moe:
@@ -557,7 +591,7 @@ def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
     # float32 accumulator and reads the call's output
     call_bytes = costs.element * head * (2 * heads * local + 2 * groups * block)
     merge = costs.memory_bound(cp * (2 * 4 + costs.element) * heads * local * head)
-    if costs.attention == "flash" and precision != "fp32":
+    if ATTENTION_IMPLEMENTATIONS[costs.attention] == "flash" and precision != "fp32":
         forward, backward = costs.flash_attention(flops, cp * call_bytes, block)
         overhead = (cp - 1) * costs.profile.gemm_overhead_s  # cp calls, one counted
         return [(forward + overhead + merge, backward + overhead + merge)]

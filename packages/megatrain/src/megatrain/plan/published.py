@@ -9,7 +9,7 @@ side by side.  Rows marked use = "check" were never used to fit the profile.
 
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from megatrain.config import (
     TrainingConfig,
     validate,
 )
+from megatrain.plan.accounting import ATTENTION_IMPLEMENTATIONS
 from megatrain.plan.cost_model import Estimate, Layout, estimate
 from megatrain.plan.hardware import GIB, PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
 from megatrain.plan.memory import HEADROOM
@@ -49,11 +50,13 @@ _LAYOUT = {
 # run overlapped TP communication with its GEMMs (recorded; megatrain does not, and the plan
 # charges TP collectives on the critical path), and the memory of the run's GPUs in GiB where
 # it is not the GPU entry's (absent: the entry's; only the fits check reads it); whether the
-# output layer and its loss ran fused (training.fused_linear_cross_entropy; absent: not).
+# output layer and its loss ran fused (training.fused_linear_cross_entropy; absent: not);
+# the attention implementation the run ran (accounting.ATTENTION_IMPLEMENTATIONS; absent: its
+# GPU entry's).
 _LAYOUT_OPTIONAL = {
     "vpp": int, "cp": int, "ep": int, "sequence_parallel": bool, "overlap_grad_reduce": bool,
     "overlap_param_gather": bool, "reduce_every_microbatch": bool, "tp_comm_overlap": bool,
-    "gpu_memory_gib": float, "fused_linear_cross_entropy": bool,
+    "gpu_memory_gib": float, "fused_linear_cross_entropy": bool, "attention": str,
 }  # fmt: skip
 # the [run.layout] fields that are megatrain config fields, by section
 _PARALLEL_FIELDS = (
@@ -92,6 +95,7 @@ class PublishedRun:
     parallel: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     gpu_memory_gib: float | None = None
+    attention: str | None = None  # the implementation the run ran; None: its GPU entry's
 
     def config(self) -> Config:
         """The run as a megatrain config (its layout applied by `estimate`)."""
@@ -179,6 +183,8 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
     _choice(lay["sharding"], SHARDING, where, "layout.sharding")
     _choice(pub["metric"], METRICS, where, "published.metric")
     _choice(lay["gpu"], tuple(gpus), where, "layout.gpu")
+    if "attention" in lay:
+        _choice(lay["attention"], tuple(ATTENTION_IMPLEMENTATIONS), where, "layout.attention")
     vpp = lay.get("vpp", 1)
     layout = Layout(
         tp=lay["tp"],
@@ -224,6 +230,7 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         parallel={name: lay[name] for name in _PARALLEL_FIELDS if name in lay},
         training={name: lay[name] for name in _TRAINING_FIELDS if name in lay},
         gpu_memory_gib=lay.get("gpu_memory_gib"),
+        attention=lay.get("attention"),
     )
     try:  # the same checks a run of this config gets before any worker starts
         from megatrain.plan.cost_model import apply_layout
@@ -271,10 +278,16 @@ def predicted(run: PublishedRun, result: Estimate, gpu: Gpu) -> float:
     return result.mfu * gpu.peak_flops(run.precision) / 1e12
 
 
+def run_gpu(run: PublishedRun) -> Gpu:
+    """The gpus.toml entry `run` ran on, running the attention implementation it ran."""
+    gpu = load_gpus()[run.gpu]
+    return replace(gpu, attention=run.attention) if run.attention else gpu
+
+
 def predict(run: PublishedRun, profile: Profile | None = None) -> tuple[float, Estimate]:
     """(the planner's number for `run.metric` at the run's layout, the whole estimate), with
     `profile`, else the profile the run's GPU names in gpus.toml."""
-    gpu = load_gpus()[run.gpu]
+    gpu = run_gpu(run)
     result = estimate(
         run.config(), run.layout, gpu, profile or builtin_profile(gpu.profile),
         run.model["vocab"], run.global_batch,
@@ -282,6 +295,11 @@ def predict(run: PublishedRun, profile: Profile | None = None) -> tuple[float, E
     if run.gpu_memory_gib:  # the run's GPUs held other than the entry's memory
         result.fits = result.memory["total"] <= (1 - HEADROOM) * run.gpu_memory_gib * GIB
     return predicted(run, result, gpu), result
+
+
+def _flash(attention: str) -> bool:
+    """Whether an attention implementation is a flash kernel (timed at attention_tflops)."""
+    return ATTENTION_IMPLEMENTATIONS[attention] == "flash"
 
 
 def check_rows_summary(gpu: Gpu, profile: Profile, tolerance: float = 0.15) -> dict:
@@ -292,7 +310,7 @@ def check_rows_summary(gpu: Gpu, profile: Profile, tolerance: float = 0.15) -> d
     `profile` has no attention_tflops to time them."""
     table = load_gpus()
     same = [r for r in load_runs() if r.use == "check" and table[r.gpu].profile == gpu.profile]
-    runs = [r for r in same if profile.attention_tflops or table[r.gpu].attention != "flash"]
+    runs = [r for r in same if profile.attention_tflops or not _flash(run_gpu(r).attention)]
     errors = [abs(predict(r, profile)[0] / r.value - 1) for r in runs]
     median = statistics.median(errors) if errors else None
     return {
