@@ -272,6 +272,41 @@ def test_context_parallelism_divides_the_activations():
     )
 
 
+def test_a_moe_layer_under_context_parallelism_holds_the_larger_transient(monkeypatch):
+    """A MoE layer at cp 2 with selective recompute holds, one layer at a time, its all-to-all
+    buffers (in its MLP's backward) and the attention being recomputed over the whole
+    sequence (in its core's, later): the estimate adds the larger of the two, as it adds the
+    one there is for a dense layer at cp 2 or a MoE layer at cp 1."""
+    from megatrain.plan import memory
+    from megatrain.plan.accounting import context_parallel_attention_per_layer as attention
+    from megatrain.plan.accounting import moe_dispatch_bytes
+
+    def at(cp: int, seq: int):
+        return load_config(
+            MODELS / "mixtral-8x7b.toml",
+            [
+                "parallel.tensor_model_parallel_size=2",
+                "parallel.sequence_parallel=true",
+                f"parallel.context_parallel_size={cp}",
+                'parallel.cp_comm_type="allgather"',
+                f"training.seq_length={seq}",
+                f"model.max_position_embeddings={seq}",
+            ],
+        )
+
+    for seq in (4096, 32768):  # the dispatch buffers the larger, then the attention
+        config = at(2, seq)
+        with_it = memory_breakdown(config, "selective", vocab_size=32000)["activations"]
+        monkeypatch.setattr(memory, "context_parallel_attention_per_layer", lambda c: 0.0)
+        without = memory_breakdown(config, "selective", vocab_size=32000)["activations"]
+        monkeypatch.undo()
+        larger = max(moe_dispatch_bytes(config), attention(config))
+        assert with_it - without == pytest.approx(larger - moe_dispatch_bytes(config))
+        assert attention(config) > 0
+    assert attention(at(2, 32768)) > moe_dispatch_bytes(at(2, 32768))
+    assert attention(at(2, 4096)) < moe_dispatch_bytes(at(2, 4096))
+
+
 def _saved_elements(config, vocab: int) -> int:
     """Elements of the distinct tensors autograd saves in one training forward of `config`'s
     model (one microbatch, on this CPU), counted by storage."""

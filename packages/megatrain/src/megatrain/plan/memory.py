@@ -174,10 +174,13 @@ def memory_breakdown(
         activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
     if recompute == "full":  # the layer being recomputed holds all of its activations
         activations += activations_per_layer(config, "none", moe > 0, attention)
-    if moe:  # one MoE layer's all-to-all buffers at a time
-        activations += moe_dispatch_bytes(config)
-    elif recompute == "selective":  # the attention being recomputed: over the whole sequence
-        activations += context_parallel_attention_per_layer(config)
+    # Held by one layer at a time, each at its own point of the layer's backward: a MoE layer's
+    # all-to-all buffers (its MLP's), and under selective recompute the attention being
+    # recomputed over the whole sequence (cp > 1; its core's, after the MLP's): the larger.
+    transient = moe_dispatch_bytes(config) if moe else 0.0
+    if recompute == "selective":
+        transient = max(transient, context_parallel_attention_per_layer(config))
+    activations += transient
     # What one layer's attention over the whole sequence holds only while it runs (cp > 1).
     activations += context_parallel_attention_working(config)
     fp32_bytes = 0.0  # held in fp32 whatever the precision
