@@ -19,6 +19,8 @@ megatrain.plan.accounting; and a
 "full" checkpoint of a corpus with a tokenizer goes through `megatrain export-hf` as the
 distributed optimizer's does."""
 
+from dataclasses import replace
+
 import pytest
 
 from megacore.testing import run_distributed
@@ -562,6 +564,21 @@ def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
     per_parameter = state_bytes_per_parameter("bf16", False, 8, "full")
     assert e.memory["optimizer_state"] == per_parameter["optimizer_state"] * e.memory["parameters"]
     assert totals["full"] < totals["optimizer"] < 80 * 2**30 < totals["none"], totals
+    # With gradient accumulation the search tries FSDP both holding the unsharded fp32
+    # gradients to the step's end and reduce-scattering every microbatch's: here the second
+    # is the #1 (tp 1 dp 8 without recompute), which holding them would not fit
+    best = result.ranked[0].layout
+    assert best.fsdp and best.tp == 1 and best.reduce_every_microbatch is True
+    assert "parallel.reduce_every_microbatch=true" in best.overrides()
+    assert "reduce-every-mb" in best.describe()
+    assert apply_layout(config, best).parallel.reduce_every_microbatch
+    holding = replace(best, reduce_every_microbatch=False)
+    assert not apply_layout(config, holding).parallel.reduce_every_microbatch
+    held = estimate(config, holding, h100, result.profile, 128256)
+    assert not held.fits and result.position(holding) is None
+    grads = 4 * held.memory["parameters"] * 7 / 8  # the fp32 gradients not in the rank's shard
+    assert held.memory["total"] - result.ranked[0].memory["total"] >= grads
+    assert result.position(replace(best, reduce_every_microbatch=None)) is None  # config's: off
 
 
 @pytest.mark.parametrize(

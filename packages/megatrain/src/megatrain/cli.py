@@ -374,7 +374,8 @@ def plan_command(
     Every tp x cp x pp x dp = --gpus (context parallelism with its all-gather or p2p ring;
     a mixture of experts' ep x etp too) with each pipeline schedule (1F1B, ZB-H1,
     interleaved at each virtual pipeline size), micro batch, recompute mode, sequence
-    parallelism and data-parallel sharding (none, the optimizer state, or FSDP) that
+    parallelism and data-parallel sharding (none, the optimizer state, or FSDP, which with
+    gradient accumulation is tried both reducing once a step and every microbatch) that
     `megatrain run` accepts;
     each with its memory per GPU (weights, gradients, optimizer state, activations of the
     fullest pipeline stage), its step time (compute, TP, CP and expert communication,

@@ -174,6 +174,9 @@ class Layout:
     fsdp: bool = False  # parallel.data_parallel_sharding = "full" (torch's FSDP2)
     ep: int = 1  # a mixture of experts: parallel.expert_model_parallel_size
     etp: int | None = None  # parallel.expert_tensor_parallel_size (None: tp)
+    # FSDP reduce-scatters every microbatch's gradients (parallel.reduce_every_microbatch):
+    # True or False as the plan tries both, None for the config's own choice
+    reduce_every_microbatch: bool | None = None
 
     @property
     def expert_tp(self) -> int:
@@ -204,6 +207,8 @@ class Layout:
             parts.append("distopt")
         if self.fsdp:
             parts.append("fsdp")
+        if self.fsdp and self.reduce_every_microbatch:
+            parts.append("reduce-every-mb")
         if self.ep > 1 or self.etp is not None:
             parts.append(f"ep {self.ep} etp {self.expert_tp}")
         return " ".join(parts)
@@ -222,6 +227,11 @@ class Layout:
             *([] if self.sequence_parallel else ["parallel.tp_comm_overlap=false"]),
             f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
             *(['parallel.data_parallel_sharding="full"'] if self.fsdp else []),
+            *(
+                [f"parallel.reduce_every_microbatch={str(self.reduce_every_microbatch).lower()}"]
+                if self.fsdp and self.reduce_every_microbatch is not None
+                else []
+            ),
             *(
                 [
                     f"parallel.expert_model_parallel_size={self.ep}",
@@ -255,6 +265,9 @@ def layout_of(config: Config, dp: int) -> Layout:
         fsdp=p.data_parallel_sharding == "full",
         ep=p.expert_model_parallel_size,
         etp=p.expert_tensor_parallel_size,
+        reduce_every_microbatch=(
+            True if p.data_parallel_sharding == "full" and p.reduce_every_microbatch else None
+        ),
     )
 
 
@@ -279,7 +292,12 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             use_distributed_optimizer=layout.distributed_optimizer,
             data_parallel_sharding=layout.sharding,
             reshard_after_forward=p.reshard_after_forward if layout.fsdp else None,
-            reduce_every_microbatch=p.reduce_every_microbatch and layout.fsdp,
+            reduce_every_microbatch=layout.fsdp
+            and (
+                p.reduce_every_microbatch
+                if layout.reduce_every_microbatch is None
+                else layout.reduce_every_microbatch
+            ),
             overlap_param_gather=p.overlap_param_gather and layout.distributed_optimizer,
             distribute_saved_activations=p.distribute_saved_activations
             and not layout.sequence_parallel,

@@ -128,7 +128,7 @@ def plan_dict(plan: Plan, top: int, check: dict | None = None) -> dict:
 
 _LAYOUT = (
     f"{'#':>3} {'tp':>3} {'cp':<6} {'pp':>3} {'sched':<5} {'dp':>4} {'mb':>3} {'m':>4} "
-    f"{'recompute':<9} {'sp':<3} {'dopt':<4} {'ep/etp':<6}"
+    f"{'recompute':<9} {'sp':<3} {'dopt':<6} {'ep/etp':<6}"
 )
 _MEMORY = f"{'weight':>6} {'grad':>5} {'optim':>5} {'activ':>5} {'total':>5}"
 _TIME = (
@@ -156,6 +156,14 @@ def _context(layout) -> str:
     return f"{layout.cp} {'ag' if layout.cp_comm == 'allgather' else layout.cp_comm}"
 
 
+def _sharding(layout) -> str:
+    """dopt in the table: no, yes (the distributed optimizer), full (FSDP), full/m (FSDP
+    reduce-scattering every microbatch's gradients)."""
+    if layout.fsdp:
+        return "full/m" if layout.reduce_every_microbatch else "full"
+    return "yes" if layout.distributed_optimizer else "no"
+
+
 def _experts(layout) -> str:
     """ep/etp in the table: the experts' parallel and tensor-parallel sizes (- when dense)."""
     if layout.ep == 1 and layout.etp is None:
@@ -170,7 +178,7 @@ def _row(rank: int, e: Estimate) -> str:
         f"{rank:>3} {layout.tp:>3} {_context(layout):<6} {layout.pp:>3} {_schedule(layout):<5} "
         f"{layout.dp:>4} {layout.micro_batch:>3} {e.notes['microbatches']:>4} "
         f"{layout.recompute:<9} {flag[layout.sequence_parallel]:<3} "
-        f"{'full' if layout.fsdp else flag[layout.distributed_optimizer]:<4} "
+        f"{_sharding(layout):<6} "
         f"{_experts(layout):<6} | "
         + " ".join(
             f"{mem[k] / GIB:>{w}.1f}"
@@ -210,7 +218,8 @@ def format_plan(plan: Plan, top: int, check: dict | None = None) -> str:
             "",
             "m: microbatches per iteration; memory: the fullest pipeline stage; cp: context "
             "parallel size and its attention's communication (p2p ring, ag all-gather); "
-            "ep/etp: the experts' parallel and tensor-parallel sizes",
+            "dopt: the distributed optimizer (yes) or FSDP (full; full/m reduce-scatters every "
+            "microbatch's gradients); ep/etp: the experts' parallel and tensor-parallel sizes",
             "to run #1: megatrain run --config <config> "
             + " ".join(plan.ranked[0].layout.overrides()),
         ]

@@ -14,7 +14,7 @@ example of each.
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatrain.config import DATA_PARALLEL_SHARDINGS as SHARDINGS
 from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
@@ -40,11 +40,20 @@ class Plan:
     enumerated: int = 0
 
     def position(self, layout: Layout) -> int | None:
-        """0-based rank of `layout` among those that fit; None if it does not."""
+        """0-based rank of `layout` among those that fit; None if it does not.  A layout
+        leaving FSDP's reduce_every_microbatch to the config (None) is the config's choice."""
+        wanted = self._settled(layout)
         for i, e in enumerate(self.ranked):
-            if e.layout == layout:
+            if self._settled(e.layout) == wanted:
                 return i
         return None
+
+    def _settled(self, layout: Layout) -> Layout:
+        if not layout.fsdp:
+            return replace(layout, reduce_every_microbatch=None)
+        every = layout.reduce_every_microbatch
+        every = self.config.parallel.reduce_every_microbatch if every is None else every
+        return replace(layout, reduce_every_microbatch=bool(every))
 
 
 def _divisors(n: int, up_to: int | None = None) -> list[int]:
@@ -116,10 +125,11 @@ def _layouts_of(
         for vpp, schedule in _schedules(pp, vpps):
             for recompute in RECOMPUTE_CHOICES:
                 for sp in (False, True) if tp > 1 else (False,):
-                    for sharding in SHARDINGS if dp * cp > 1 else SHARDINGS[:1]:
+                    for sharding, every in _shardings(dp * cp, per_replica // mb):
                         layout = Layout(
                             tp, pp, dp, vpp, mb, recompute, sp, sharding == "optimizer",
                             schedule, cp, comm, fsdp=sharding == "full", ep=ep, etp=etp,
+                            reduce_every_microbatch=every,
                         )  # fmt: skip
                         config_at = apply_layout(config, layout, global_batch)
                         try:
@@ -128,6 +138,17 @@ def _layouts_of(
                             yield layout, e, None
                             continue
                         yield layout, None, config_at
+
+
+def _shardings(replicas: int, microbatches: int) -> list[tuple[str, bool | None]]:
+    """(data-parallel sharding, FSDP reducing every microbatch) pairs: with gradient
+    accumulation FSDP either holds every unsharded fp32 gradient until the last microbatch or
+    reduce-scatters each microbatch's (memory for communication), so both are tried; None
+    where it does not apply."""
+    if replicas == 1:
+        return [(SHARDINGS[0], None)]
+    pairs: list[tuple[str, bool | None]] = [(s, None) for s in SHARDINGS if s != "full"]
+    return pairs + [("full", every) for every in ((False, True) if microbatches > 1 else (None,))]
 
 
 def _schedules(pp: int, vpps: list[int]) -> list[tuple[int, str]]:
@@ -178,7 +199,8 @@ def plan(
             f"stage {memory['stage']}; {usable / GIB:.1f} GiB usable "
             f"({1 - HEADROOM:.0%} of {gpu.memory_gib:g})"
         )
-    result.ranked.sort(key=lambda e: e.time["total"])
+    # the faster first; of equal times (FSDP's reductions hidden either way) the smaller
+    result.ranked.sort(key=lambda e: (e.time["total"], e.memory["total"]))
     return result
 
 
