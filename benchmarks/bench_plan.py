@@ -149,13 +149,15 @@ def published(out: Path, profile_path: str | None) -> dict:
         )
     used = profile.source if profile else "each run's GPU's, gpus.toml (volta, ampere, hopper)"
     print(f"profile: {used}")
-    print(f"{'run':<40} {'use':<5} {'metric':<10} {'published':>10} {'predicted':>10} ratio")
+    width = max(40, *(len(row["name"]) for row in rows))
+    print(f"{'run':<{width}} {'use':<5} {'metric':<10} {'published':>10} {'predicted':>10} ratio")
     short = {"tokens_per_s_per_gpu": "tok/s/GPU", "hardware_tflops_per_gpu": "HW TF/GPU"}
     for row in rows:
         mark = "ok" if row["within_15pct"] else "off"
         fits = "" if row["predicted_fits"] else "  (plan: does not fit)"
         print(
-            f"{row['name']:<40} {row['use']:<5} {short.get(row['metric'], 'model TF/GPU'):<10} "
+            f"{row['name']:<{width}} {row['use']:<5} "
+            f"{short.get(row['metric'], 'model TF/GPU'):<10} "
             f"{row['published']:>10.1f} {row['predicted']:>10.1f} {row['ratio']:5.2f} {mark}"
             f"{fits}"
         )
