@@ -38,6 +38,7 @@ def test_every_gpu_names_a_profile_of_its_generation():
         "a100-40gb": "ampere",
         "a100-80gb": "ampere",
         "h100-80gb": "hopper",
+        "h100-96gb": "hopper",
         "h200-141gb": "hopper",
         "b200-180gb": "hopper",  # no Blackwell profile sourced: Hopper's, assumed
     }
@@ -177,7 +178,7 @@ def test_the_h100_plan_uses_hopper_and_says_how_far_it_is_off_published_runs():
     assert check["median_abs_error"] == pytest.approx(statistics.median(errors))
     line = (
         f"published runs: {check['within']} of {len(runs)} check rows on hopper GPUs "
-        f"(h100-80gb) within 15% with this profile, median absolute error "
+        f"(h100-80gb, h100-96gb) within 15% with this profile, median absolute error "
         f"{check['median_abs_error']:.0%}"
     )
     assert line in text
