@@ -37,8 +37,9 @@ from bench_gpt_train import random_docs, write_corpus
 
 from megatrain.config import Config, ModelConfig, TrainingConfig
 from megatrain.plan.calibrate import calibrate
-from megatrain.plan.cost_model import Layout, apply_layout, estimate
+from megatrain.plan.cost_model import estimate
 from megatrain.plan.hardware import load_gpus, load_profile
+from megatrain.plan.layout import Layout, apply_layout
 from megatrain.plan.published import load_runs, predict
 from megatrain.run import launch
 

@@ -541,7 +541,8 @@ def test_plan_fits_llama3_8b_on_8_h100s_without_tp_only_fully_sharded():
 
     from megatrain.plan import hardware
     from megatrain.plan.accounting import state_bytes_per_parameter
-    from megatrain.plan.cost_model import Layout, apply_layout, estimate
+    from megatrain.plan.cost_model import estimate
+    from megatrain.plan.layout import Layout, apply_layout
     from megatrain.plan.search import plan
 
     config = load_config(Path(__file__).parents[3] / "pipelines/models/llama3-8b.toml")

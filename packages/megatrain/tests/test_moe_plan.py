@@ -12,7 +12,8 @@ from megatrain.models import build_model_chunks, model_config
 from megatrain.models.moe import moe_layers
 from megatrain.models.transformer import TransformerConfig
 from megatrain.plan import accounting, hardware, search
-from megatrain.plan.cost_model import apply_layout, estimate
+from megatrain.plan.cost_model import estimate
+from megatrain.plan.layout import apply_layout
 from megatrain.plan.memory import GIB
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"

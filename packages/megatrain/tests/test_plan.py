@@ -27,18 +27,15 @@ from megatrain.plan.accounting import (
     context_parallel_attention_per_layer,
     weight_grad_inputs_per_layer,
 )
+from megatrain.plan.attention_time import context_parallel_seconds
 from megatrain.plan.cost_model import (
-    Costs,
-    Layout,
-    apply_layout,
-    context_parallel_seconds,
     estimate,
-    group_bandwidth,
-    layout_of,
     memory_per_gpu,
     pipeline_seconds,
     schedule_seconds,
 )
+from megatrain.plan.costs import Costs, group_bandwidth
+from megatrain.plan.layout import Layout, apply_layout, layout_of
 from megatrain.plan.memory import GPU_MEMORY, memory_breakdown
 from megatrain.plan.search import _reason, candidates, memory_warning, plan
 from megatrain.plan.validation import PAPER, fit_builtin_profile, paper_config, predictions

@@ -14,14 +14,10 @@ from megatrain.config import load_config
 from megatrain.models import model_config
 from megatrain.plan import hardware
 from megatrain.plan.accounting import activations_per_layer, attention_kernel, layer_gemms
-from megatrain.plan.cost_model import (
-    Costs,
-    Layout,
-    apply_layout,
-    attention_core_seconds,
-    estimate,
-    layer_seconds,
-)
+from megatrain.plan.attention_time import attention_core_seconds
+from megatrain.plan.cost_model import estimate, layer_seconds
+from megatrain.plan.costs import Costs
+from megatrain.plan.layout import Layout, apply_layout
 from megatrain.plan.memory import memory_breakdown
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"

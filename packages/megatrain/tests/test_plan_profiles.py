@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from megatrain.cli import main
 from megatrain.plan import hardware
-from megatrain.plan.cost_model import Costs
+from megatrain.plan.costs import Costs
 from megatrain.plan.published import check_rows_summary, load_runs, predict
 
 if sys.version_info >= (3, 11):

@@ -1,6 +1,6 @@
 """`megatrain plan`: choose tp, cp (context parallelism and its communication), pp, vpp, dp,
-micro batch, recompute, sequence parallelism and the distributed optimizer for a model and a
-cluster before running it.
+micro batch, recompute, sequence parallelism, the data-parallel sharding and a mixture of
+experts' layout for a model and a cluster before running it.
 
 - accounting.py: every count from a config alone (parameters, FLOPs, bytes of state and of
   activations), which MFU logging counts with too;
@@ -8,7 +8,13 @@ cluster before running it.
   generation (a `Profile`), or a measured one from a file;
 - memory.py: the memory per GPU of a config (accounting's counts added up per pipeline
   stage) and the cheapest recompute that fits a GPU;
-- cost_model.py: memory (memory.py) and step time of one layout;
+- layout.py: a layout (tp, cp, pp, dp, ..., the shardings) and a config at it;
+- costs.py: the time model's primitives on one GPU (a GEMM, a flash kernel, memory-bound
+  passes, a collective) and a group's bandwidth;
+- attention_time.py: the attention core's time as its kernel runs, and context
+  parallelism's communication around it;
+- cost_model.py: memory (memory.py) and step time of one layout (its layers, pipeline,
+  data-parallel communication and optimizer);
 - search.py: every valid layout, ranked, with why the others are out;
 - calibrate.py: a profile measured on the machine at hand;
 - validation.py: the paper's scaling results the volta profile is fitted to;

@@ -202,7 +202,9 @@ def fit_layers(measured: list, gpu: Gpu, profile: Profile, precision: str) -> tu
     """(gemm_overhead_us, elementwise_passes) by weighted least squares of the cost model's
     layer time (forward and backward, tp 1), linear in both, to [(shape, seconds)]."""
     from megatrain.config import Config, ModelConfig, TrainingConfig
-    from megatrain.plan.cost_model import Costs, Layout, layer_seconds
+    from megatrain.plan.cost_model import layer_seconds
+    from megatrain.plan.costs import Costs
+    from megatrain.plan.layout import Layout
 
     rows, seconds = [], []
     for (hidden, heads, seq, batch), took in measured:

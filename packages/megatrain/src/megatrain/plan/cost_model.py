@@ -98,23 +98,29 @@ MFU is the model FLOPs of an iteration (megatrain.plan.accounting.flops_per_iter
 and the peak of every GPU.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
 from megatrain.config import Config
 from megatrain.models import model_config
 from megatrain.models.transformer import TransformerConfig
 from megatrain.plan.accounting import (
-    ATTENTION_IMPLEMENTATIONS,
     MASKED_LM_PROB,
     activations_per_layer,
-    attention_core_flops,
     attention_kernel_for,
     flops_per_iteration,
     layer_gemms,
     moe_layer_count,
 )
+from megatrain.plan.attention_time import (
+    FUSED_SOFTMAX_BYTES,
+    FUSED_SOFTMAX_DROPOUT_BYTES,
+    attention_core_seconds,
+    context_parallel_seconds,
+)
+from megatrain.plan.costs import Costs, group_bandwidth
 from megatrain.plan.hardware import Gpu, Profile
+from megatrain.plan.layout import Layout, apply_layout
 from megatrain.plan.memory import HEADROOM, memory_breakdown
 
 # Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32
@@ -123,193 +129,10 @@ from megatrain.plan.memory import HEADROOM, memory_breakdown
 # zeroing the gradient buffer writes it (4).  Sharded by the distributed optimizer but the
 # last: the whole buffer is zeroed.
 ADAM_BYTES = {"sharded": 28 + 4, "copy_16bit": 6, "zero_grads": 4}
-# HBM bytes megacore's ring attention (context_parallel._block_attention, float32) moves a
-# score and head besides its GEMMs, each torch op reading and writing the block's scores once
-# (4 bytes an element; the mask's byte per score where an op reads it): forward, the scale
-# (8), torch.where with the mask (9), logsumexp (24: amax, the difference, exp, the sum) and
-# softmax (8); backward, softmax's (12), logsumexp's (24: the difference, exp, the product),
-# the two gradients summed (12), torch.where's (9) and the scale's (8).
-RING_FORWARD_BYTES = 8 + 9 + 24 + 8
-RING_BACKWARD_BYTES = 12 + 24 + 12 + 9 + 8
-# Bytes a (query, key) pair of the masks moves, whatever the heads: the all-gather path's
-# boolean mask written (1), read for the rows that see no key (1), and converted by SDPA to
-# the additive mask (1 read, 2 written); the ring's written and read for each block (2).
-MASKED_MASK_BYTES = 5
-RING_MASK_BYTES = 2
-# HBM bytes a score moves (16 bits) around Megatron-LM's two batched products in its fused
-# attention ("fused_softmax"; megatron/model/fused_softmax.py and transformer.py as of the
-# sc21 scripts, de7dc40f88): forward, the fused scale-mask-softmax reads the scores and
-# writes the probabilities (4), dropout reads them and writes its output and its 1-byte mask
-# (5); backward, dropout's reads the gradient and the mask and writes a gradient (5), the
-# softmax's reads that and the probabilities and writes the scores' gradient (6).  Without
-# dropout, the softmax's alone.
-FUSED_SOFTMAX_BYTES = {"forward": 4, "backward": 6}
-FUSED_SOFTMAX_DROPOUT_BYTES = {"forward": 5, "backward": 5}
-# How much longer FlashAttention in Triton ("flash_triton") takes than FlashAttention-2 (the
-# profile's attention_tflops): Dao 2023 (arXiv 2307.08691) section 4.1, on an A100, "around
-# 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in
-# the backward pass"; the forward at the range's middle.  Measured on A100 only; on a
-# Hopper profile this is assumed (FlashAttention-2 there used no Hopper instructions, nor did
-# the pre-MLIR Triton the kernel was written for).
-TRITON_FLASH_SLOWDOWN = {"forward": 1.4, "backward": 2.0}
 TIME_PARTS = (
     "compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "pp_p2p", "dp_comm", "optimizer",
 )  # fmt: skip
 MEMORY_PARTS = ("weights", "gradients", "optimizer_state", "activations")
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    vpp: int = 1
-    micro_batch: int = 1
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    schedule: str = "1f1b"  # the pipeline schedule: 1f1b, interleaved (vpp > 1) or zb-h1
-    cp: int = 1  # context parallelism: each sequence split over cp ranks
-    cp_comm: str = "p2p"  # its attention's communication: "p2p" (a ring) or "allgather"
-    fsdp: bool = False  # parallel.data_parallel_sharding = "full" (torch's FSDP2)
-    ep: int = 1  # a mixture of experts: parallel.expert_model_parallel_size
-    etp: int | None = None  # parallel.expert_tensor_parallel_size (None: tp)
-    # FSDP reduce-scatters every microbatch's gradients (parallel.reduce_every_microbatch):
-    # True or False as the plan tries both, None for the config's own choice
-    reduce_every_microbatch: bool | None = None
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def sharding(self) -> str:
-        """parallel.data_parallel_sharding at this layout."""
-        return "full" if self.fsdp else "optimizer" if self.distributed_optimizer else "none"
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    def describe(self) -> str:
-        parts = [f"tp {self.tp}"]
-        if self.cp > 1:
-            parts.append(f"cp {self.cp} {self.cp_comm}")
-        parts.append(f"pp {self.pp}")
-        if self.vpp > 1:
-            parts.append(f"vpp {self.vpp}")
-        if self.schedule == "zb-h1" and self.pp > 1:
-            parts.append("zb-h1")
-        parts += [f"dp {self.dp}", f"mb {self.micro_batch}", f"recompute {self.recompute}"]
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.distributed_optimizer:
-            parts.append("distopt")
-        if self.fsdp:
-            parts.append("fsdp")
-        if self.fsdp and self.reduce_every_microbatch:
-            parts.append("reduce-every-mb")
-        if self.ep > 1 or self.etp is not None:
-            parts.append(f"ep {self.ep} etp {self.expert_tp}")
-        return " ".join(parts)
-
-    def overrides(self) -> list[str]:
-        """The `section.field=value` overrides that give a config this layout."""
-        return [
-            f"parallel.tensor_model_parallel_size={self.tp}",
-            f"parallel.context_parallel_size={self.cp}",
-            *([f'parallel.cp_comm_type="{self.cp_comm}"'] if self.cp > 1 else []),
-            f"parallel.pipeline_model_parallel_size={self.pp}",
-            f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
-            "parallel.pipeline_schedule=" + (f'"{self.schedule}"' if self.pp > 1 else "none"),
-            f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
-            # a config's parallel.tp_comm_overlap needs sequence parallelism (apply_layout)
-            *([] if self.sequence_parallel else ["parallel.tp_comm_overlap=false"]),
-            f"parallel.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
-            *(['parallel.data_parallel_sharding="full"'] if self.fsdp else []),
-            *(
-                [f"parallel.reduce_every_microbatch={str(self.reduce_every_microbatch).lower()}"]
-                if self.fsdp and self.reduce_every_microbatch is not None
-                else []
-            ),
-            *(
-                [
-                    f"parallel.expert_model_parallel_size={self.ep}",
-                    f"parallel.expert_tensor_parallel_size={self.expert_tp}",
-                ]
-                if self.ep > 1 or self.etp is not None
-                else []
-            ),
-            f"training.micro_batch_size={self.micro_batch}",
-            f"model.recompute={self.recompute}",
-        ]
-
-
-def layout_of(config: Config, dp: int) -> Layout:
-    """The layout a config runs at on tp x cp x pp x dp GPUs."""
-    p = config.parallel
-    vpp = p.virtual_pipeline_model_parallel_size or 1
-    return Layout(
-        tp=p.tensor_model_parallel_size,
-        pp=p.pipeline_model_parallel_size,
-        dp=dp,
-        vpp=vpp,
-        schedule=p.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b"),
-        micro_batch=config.training.micro_batch_size,
-        recompute=config.model.recompute,
-        sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
-        distributed_optimizer=p.use_distributed_optimizer
-        or p.data_parallel_sharding == "optimizer",
-        cp=p.context_parallel_size,
-        cp_comm=p.cp_comm_type if p.context_parallel_size > 1 else "p2p",
-        fsdp=p.data_parallel_sharding == "full",
-        ep=p.expert_model_parallel_size,
-        etp=p.expert_tensor_parallel_size,
-        reduce_every_microbatch=(
-            True if p.data_parallel_sharding == "full" and p.reduce_every_microbatch else None
-        ),
-    )
-
-
-def apply_layout(config: Config, layout: Layout, global_batch: int | None = None) -> Config:
-    """A copy of `config` at `layout` (and `global_batch`); the rest of the config kept."""
-    p, t = config.parallel, config.training
-    return replace(
-        config,
-        model=replace(config.model, recompute=layout.recompute),
-        parallel=replace(
-            p,
-            tensor_model_parallel_size=layout.tp,
-            context_parallel_size=layout.cp,
-            cp_comm_type=layout.cp_comm if layout.cp > 1 else p.cp_comm_type,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-            pipeline_schedule=layout.schedule if layout.pp > 1 else None,
-            data_parallel_size=layout.dp,
-            sequence_parallel=layout.sequence_parallel,
-            # the config's choice where the layout has sequence parallelism to overlap
-            tp_comm_overlap=p.tp_comm_overlap and layout.sequence_parallel,
-            use_distributed_optimizer=layout.distributed_optimizer,
-            data_parallel_sharding=layout.sharding,
-            reshard_after_forward=p.reshard_after_forward if layout.fsdp else None,
-            reduce_every_microbatch=layout.fsdp
-            and (
-                p.reduce_every_microbatch
-                if layout.reduce_every_microbatch is None
-                else layout.reduce_every_microbatch
-            ),
-            overlap_param_gather=p.overlap_param_gather and layout.distributed_optimizer,
-            distribute_saved_activations=p.distribute_saved_activations
-            and not layout.sequence_parallel,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp,
-        ),
-        training=replace(
-            t,
-            micro_batch_size=layout.micro_batch,
-            global_batch_size=global_batch or t.global_batch_size,
-        ),
-    )
 
 
 @dataclass
@@ -321,70 +144,6 @@ class Estimate:
     tflops_per_gpu: float  # hardware FLOPs (recompute included) per second per GPU
     fits: bool
     notes: dict = field(default_factory=dict)
-
-
-class Costs:
-    """Times of GEMMs, memory-bound ops and collectives on one GPU of a profile."""
-
-    def __init__(self, gpu: Gpu, profile: Profile, precision: str):
-        self.gpu, self.profile = gpu, profile
-        self.peak = gpu.peak_flops(precision)
-        self.flops = self.peak * profile.gemm_efficiency  # a large GEMM's rate
-        # what memory-bound kernels reach of the data sheet's bandwidth
-        self.hbm = gpu.hbm_gbps * 1e9 * profile.hbm_efficiency
-        self.element = 4 if precision == "fp32" else 2
-        self.attention = gpu.attention  # gpus.toml's `attention` (or --attention)
-
-    def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
-        """[m, k] x [k, n], `batch` times (a batched GEMM is one kernel), at the profile's
-        fraction of peak for a GEMM of its size."""
-        flops = 2 * m * n * k * batch
-        rate = self.flops
-        if self.profile.gemm_efficiency_by_size:
-            rate = self.peak * self.profile.gemm_fraction(flops)
-        traffic = self.element * batch * (m * k + k * n + m * n) / self.hbm
-        return max(flops / rate, traffic) + self.profile.gemm_overhead_s
-
-    def gemm_fwd_bwd(self, m: float, n: float, k: float, batch: float = 1) -> tuple[float, float]:
-        """A GEMM's forward and its backward: the input's gradient [m, n] x [n, k] and the
-        weight's (or other operand's) [k, m] x [m, n]."""
-        return self.gemm(m, n, k, batch), self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
-
-    def flash_attention(self, flops: float, nbytes: float, seq: int) -> tuple[float, float]:
-        """A flash kernel's forward and backward at sequence length `seq`, doing `flops` in
-        the forward (the backward 2.5 x: it recomputes the scores, 5 products to the
-        forward's 2) and reading and writing `nbytes` (q, k, v and the output; twice in the
-        backward, with the gradients): one kernel each, at the profile's `attention_tflops`
-        for `seq` (a forward-and-backward rate, so both at it)."""
-        rate = self.profile.attention_flops(seq)
-        slow = TRITON_FLASH_SLOWDOWN if self.attention == "flash_triton" else {}
-        overhead = self.profile.gemm_overhead_s
-        forward = max(flops / rate * slow.get("forward", 1), nbytes / self.hbm)
-        backward = max(2.5 * flops / rate * slow.get("backward", 1), 2 * nbytes / self.hbm)
-        return forward + overhead, backward + overhead
-
-    def elementwise(self, stored_bytes: float) -> float:
-        return self.profile.elementwise_passes * stored_bytes / self.hbm
-
-    def memory_bound(self, nbytes: float) -> float:
-        return nbytes / self.hbm
-
-    def collective(self, kind: str, nbytes: float, ranks: int, bandwidth: float) -> float:
-        if ranks <= 1:
-            return 0.0
-        factor = {"all_reduce": 2 * (ranks - 1) / ranks, "p2p": 1.0}.get(kind, (ranks - 1) / ranks)
-        rate = bandwidth * self.profile.collective_efficiency
-        return self.profile.collective_latency_s + factor * nbytes / rate
-
-
-def group_bandwidth(gpu: Gpu, members: int, stride: int) -> float:
-    """Bytes/s of a group of `members` GPUs `stride` ranks apart (TP: stride 1; DP: tp): the
-    NVLink bandwidth when the group fits in a node, else the network's, of which each node
-    gives the group its adapters' share for the group's GPUs on it."""
-    per_node = max(1, min(members, gpu.gpus_per_node // stride))
-    if per_node >= members:
-        return gpu.intra_node_gbps * 1e9
-    return gpu.inter_node_gbps * 1e9 * per_node
 
 
 def layer_seconds(
@@ -516,111 +275,6 @@ def tp_overlap_seconds(
     return forward * (passes - 1) + backward
 
 
-def attention_core_seconds(
-    config: Config, cfg: TransformerConfig, layout: Layout, costs: Costs
-) -> list[tuple[float, float]]:
-    """(forward, backward) seconds of one layer's attention core for one microbatch on one
-    TP rank: the rank's s / cp queries of each sequence against all s keys, as the kernel
-    `accounting.attention_kernel` names runs (the GPU's `attention`, the precision, cp and
-    its communication; q heads of d on the rank, g key/value groups, b sequences):
-
-    - "flash" (16 bits, cp 1): one kernel at the profile's attention rate, the masked half
-      of causal attention skipped, moving q, k, v and the output (O(s h) bytes:
-      `Costs.flash_attention`).
-    - "masked" (16 bits, cp > 1, "allgather"): SDPA with megacore's boolean mask runs
-      cuDNN's fused kernel (Hopper, Blackwell) or the memory-efficient one (A100), timed as
-      one fused kernel at the same rate (no published figure for the masked kernels in
-      this table's sources: an optimistic bound for them) but with every score's FLOPs (an
-      arbitrary mask: no block skipped) and, besides q, k, v and the output, the additive
-      mask read once per sequence and head (b q (s / cp) s x 2 bytes; the backward reads
-      it again, as `Costs.flash_attention` counts all its bytes twice).  Besides the
-      kernels, building the mask and converting it to the bias, 5 bytes a (query, key)
-      pair (`MASKED_MASK_BYTES`), in the forward.
-    - "ring" (cp > 1, "p2p", no packed documents): megacore's fused ring
-      (`_fused_ring_seconds`).
-    - "ring_float32" (cp > 1, "p2p", packed documents): megacore's float32 ring, cp blocks each of
-      two float32 batched GEMMs per head (QK^T and probabilities x V, s / cp queries
-      against s / cp keys) at the fp32 peak (torch leaves TF32 off and megatrain does not
-      turn it on), and the float32 torch ops over each block's scores, memory-bound:
-      `RING_FORWARD_BYTES` and `RING_BACKWARD_BYTES` a score and head, and each block's
-      mask (`RING_MASK_BYTES` a pair).  No block is skipped (megacore's balanced chunks
-      give every block a visible key); the merge's O(s h / t) passes are left out (d cp / s
-      of the scores').
-    - "unfused" (the 2019 path): two batched GEMMs per head, QK^T and scores x V, each
-      max(FLOPs, bytes) at `gemm_efficiency`; the softmax and dropout over the s x s scores
-      are the layer's element-wise passes (`layer_seconds`)."""
-    m, t = config.model, config.training
-    cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
-    local, a = s // cp, m.num_attention_heads
-    head = cfg.kv_channels or cfg.hidden_size // a
-    heads = b * a / tp
-    kernel = attention_kernel_for(
-        costs.attention, t.precision, cp, layout.cp_comm, config.data.reset_attention_mask
-    )
-    masks = b if config.data.reset_attention_mask else 1  # one causal mask, or per sequence
-    if kernel in ("flash", "masked"):
-        causal_skip = kernel == "flash"
-        flops = b * attention_core_flops(cfg, local, s, causal_skip=causal_skip) / tp
-        groups = b * max(cfg.num_query_groups or a, tp) / tp  # key/value heads on the rank
-        nbytes = costs.element * head * (2 * heads * local + 2 * groups * s)
-        if kernel == "masked":  # the additive mask, read for every sequence and head
-            nbytes += costs.element * heads * local * s
-        fused = [costs.flash_attention(flops, nbytes, s)]
-        if kernel == "masked":
-            fused.append((costs.memory_bound(MASKED_MASK_BYTES * local * s * masks), 0.0))
-        return fused
-    if kernel == "unfused":
-        return [
-            costs.gemm_fwd_bwd(local, s, head, heads),
-            costs.gemm_fwd_bwd(local, head, s, heads),
-        ]
-    if kernel == "ring":
-        return _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, t.precision)
-    fp32 = Costs(costs.gpu, costs.profile, "fp32") if "fp32" in costs.gpu.peak_tflops else costs
-    block = s // cp  # each block's keys
-    gemms = [
-        fp32.gemm_fwd_bwd(local, block, head, heads),
-        fp32.gemm_fwd_bwd(local, head, block, heads),
-    ]
-    scores = heads * local * s  # every block's, every head's
-    passes = (
-        costs.memory_bound(RING_FORWARD_BYTES * scores + RING_MASK_BYTES * local * s * masks),
-        costs.memory_bound(RING_BACKWARD_BYTES * scores),
-    )
-    return cp * gemms + [passes]
-
-
-def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
-    """megacore's fused ring (`attention_kernel` "ring"): cp kernel calls a pass, each of the
-    rank's s / cp queries against a block of s / cp keys (the balanced chunks paired so that
-    causal attention computes half of all the scores, as flash at cp 1), each merging its
-    partial output into a float32 accumulator (read and written); the backward re-runs the
-    ring.  In 16 bits on a GPU whose attention is "flash": FlashAttention-2 at the profile's
-    rate for a call's s / cp keys.  Otherwise (fp32, or an "unfused" GPU) the memory-efficient
-    kernel, for which no rate is published: its two products per head timed as GEMMs of the
-    visible keys (at the fp32 peak in fp32), the scores never in memory."""
-    cp = layout.cp
-    flops = layout.micro_batch * attention_core_flops(cfg, local, s, causal_skip=True) / layout.tp
-    visible = flops / (layout.micro_batch * attention_core_flops(cfg, local, s, False) / layout.tp)
-    groups = layout.micro_batch * max(cfg.num_query_groups or cfg.num_attention_heads, layout.tp)
-    groups /= layout.tp  # key/value heads on the rank
-    block = s // cp  # a call's keys
-    # each call reads q and a K/V block and writes its output; the merge reads and writes the
-    # float32 accumulator and reads the call's output
-    call_bytes = costs.element * head * (2 * heads * local + 2 * groups * block)
-    merge = costs.memory_bound(cp * (2 * 4 + costs.element) * heads * local * head)
-    if ATTENTION_IMPLEMENTATIONS[costs.attention] == "flash" and precision != "fp32":
-        forward, backward = costs.flash_attention(flops, cp * call_bytes, block)
-        overhead = (cp - 1) * costs.profile.gemm_overhead_s  # cp calls, one counted
-        return [(forward + overhead + merge, backward + overhead + merge)]
-    gemm = Costs(costs.gpu, costs.profile, "fp32") if precision == "fp32" else costs
-    keys = visible * block  # the visible keys of a call, on average
-    return cp * [
-        gemm.gemm_fwd_bwd(local, keys, head, heads),
-        gemm.gemm_fwd_bwd(local, head, keys, heads),
-    ] + [(merge, merge)]
-
-
 def moe_seconds(
     config: Config,
     layout: Layout,
@@ -665,42 +319,6 @@ def moe_seconds(
         "weight_grads": sum(costs.gemm(kk, n, mm, bb) for mm, n, kk, bb in shapes),
         "all_to_all": 2 * costs.collective("all_to_all", a2a, ep, bandwidth),
     }
-
-
-def context_parallel_seconds(
-    config: Config,
-    layout: Layout,
-    costs: Costs,
-    core_forward: float,
-    bandwidth: float,
-    core_backward: float = 0.0,
-) -> float:
-    """Exposed seconds of one layer's CP communication for one microbatch on one TP rank
-    (forward, backward, and the forward's again when the attention is recomputed);
-    `core_forward` and `core_backward`: the attention core's forward and backward times,
-    behind which the ring's transfers run."""
-    cp = layout.cp
-    if cp == 1:
-        return 0.0
-    m, t = config.model, config.training
-    a = m.num_attention_heads
-    groups = max(m.num_query_groups or a, layout.tp) / layout.tp  # key/value groups per rank
-    # The whole sequence's K and V on one TP rank; each CP rank receives (cp - 1)/cp of it.
-    kv = costs.element * 2 * layout.micro_batch * t.seq_length * groups * (m.hidden_size // a)
-    if layout.cp_comm == "allgather":
-        forward = costs.collective("all_gather", kv, cp, bandwidth)
-        backward = costs.collective("reduce_scatter", kv, cp, bandwidth)
-    else:  # each of cp - 1 blocks passed on while the block in hand is attended to
-        step = costs.collective("p2p", kv / cp, 2, bandwidth)
-        forward = (cp - 1) * max(0.0, step - core_forward / cp)
-        if config.data.reset_attention_mask:  # the float32 ring: each block's gradient sent
-            backward = (cp - 1) * step  # back before the next block's backward
-        else:  # the fused ring re-runs: each step passes a K/V block and a float32 K/V
-            # gradient on behind the step's kernel; the last gradient, going home, is exposed
-            grads = costs.collective("p2p", 4 / costs.element * kv / cp, 2, bandwidth)
-            backward = (cp - 1) * max(0.0, step + grads - core_backward / cp) + grads
-    again = forward if layout.recompute in ("selective", "full") else 0.0
-    return forward + backward + again
 
 
 # A MoE layer's GEMMs `moe_seconds` times (as grouped GEMMs, over the expert layout).

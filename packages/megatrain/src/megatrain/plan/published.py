@@ -22,8 +22,9 @@ from megatrain.config import (
     validate,
 )
 from megatrain.plan.accounting import ATTENTION_IMPLEMENTATIONS
-from megatrain.plan.cost_model import Estimate, Layout, estimate
+from megatrain.plan.cost_model import Estimate, estimate
 from megatrain.plan.hardware import GIB, PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
+from megatrain.plan.layout import Layout
 from megatrain.plan.memory import HEADROOM
 
 if sys.version_info >= (3, 11):
@@ -233,7 +234,7 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         attention=lay.get("attention"),
     )
     try:  # the same checks a run of this config gets before any worker starts
-        from megatrain.plan.cost_model import apply_layout
+        from megatrain.plan.layout import apply_layout
 
         validate(apply_layout(run.config(), layout), world_size=layout.gpus)
     except ConfigError as e:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, replace
 
 from megatrain.config import DATA_PARALLEL_SHARDINGS as SHARDINGS
 from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
-from megatrain.plan.cost_model import Estimate, Layout, apply_layout, estimate, memory_per_gpu
+from megatrain.plan.cost_model import Estimate, estimate, memory_per_gpu
 from megatrain.plan.hardware import GIB, Gpu, Profile
+from megatrain.plan.layout import Layout, apply_layout
 from megatrain.plan.memory import HEADROOM
 
 MAX_VPP = 8  # virtual stages per GPU tried (Megatron's own examples stop at a few)

@@ -21,8 +21,9 @@ import math
 from dataclasses import replace
 
 from megatrain.config import Config, ModelConfig, TrainingConfig
-from megatrain.plan.cost_model import Layout, estimate
+from megatrain.plan.cost_model import estimate
 from megatrain.plan.hardware import Profile, builtin_profile, load_gpus
+from megatrain.plan.layout import Layout
 
 GPU = "v100-32gb"
 VOCAB = 50257
