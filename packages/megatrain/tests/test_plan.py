@@ -585,6 +585,28 @@ def test_long_context_configs_are_the_plans_choice(name):
     assert memory_per_gpu(at, LLAMA3_VOCAB, 1, H100.attention)["total"] <= usable
 
 
+def test_fsdp_gathers_and_reduce_scatters_share_the_link_by_hand():
+    """FSDP's exposed communication in a step of 4 microbatches over 10 layers: each forward
+    shows its first layer's gather; each backward its first layer's gather again (resharded
+    after the forward) and, where it reduces, the last layer's reduce-scatter, unless the
+    gathers and reduce-scatters together outlast the backward: they share the link."""
+    from megatrain.plan.cost_model import _fsdp_exposed
+
+    # light: a gather 1 s, a reduce-scatter 2 s, behind a 10 s forward and 20 s backward
+    gathers, reduces = _fsdp_exposed(1.0, 2.0, 10.0, 20.0, 10, 4, 4, True)
+    assert gathers + reduces == pytest.approx(4 * 0.1 + 4 * (0.1 + 0.2))
+    assert reduces == pytest.approx(4 * 2 / 3 * 0.3)  # its share of a reducing backward
+    # heavy: a 2.5 s backward hides either alone, not both: 1 + 2 - 2.5 shows
+    gathers, reduces = _fsdp_exposed(1.0, 2.0, 10.0, 2.5, 10, 4, 4, True)
+    assert gathers + reduces == pytest.approx(4 * 0.1 + 4 * 0.5)
+    # reducing once a step: three backwards only regather (hidden but the first layer's)
+    gathers, reduces = _fsdp_exposed(1.0, 2.0, 10.0, 2.5, 10, 4, 1, True)
+    assert gathers + reduces == pytest.approx(4 * 0.1 + 3 * 0.1 + 0.5)
+    # kept gathered after the forward: the backward only reduce-scatters
+    gathers, reduces = _fsdp_exposed(1.0, 2.0, 10.0, 2.5, 10, 4, 4, False)
+    assert (gathers, reduces) == pytest.approx((4 * 0.1, 4 * 0.2))
+
+
 def test_context_parallel_communication_by_hand():
     """Per layer and microbatch on one TP rank: the all-gather of the other ranks' K/V and the
     reduce-scatter of their gradients, unhidden; the ring's cp - 1 blocks hidden behind the

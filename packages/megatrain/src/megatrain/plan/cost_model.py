@@ -91,7 +91,9 @@ and one microbatch of b sequences of s tokens:
   `data_parallel_sharding = "full"`): the fp32 gradients reduce-scattered once a step (every
   microbatch with `reduce_every_microbatch`, each behind that microbatch's backward), and the
   16-bit weights all-gathered in every microbatch's forward (and again in its backward when
-  resharded after the forward), each layer's gather behind the previous layer's compute.
+  resharded after the forward), each layer's gather behind the previous layer's compute; a
+  backward's gathers and reduce-scatters share the link, so together they hide behind it
+  (`_fsdp_exposed`).
 - **Optimizer step**: memory-bound, the bytes Adam reads and writes per parameter / HBM.
 
 MFU is the model FLOPs of an iteration (megatrain.plan.accounting.flops_per_iteration) over the time
@@ -422,6 +424,39 @@ def memory_per_gpu(config: Config, vocab: int, dp: int, attention: str = "unfuse
     }
 
 
+def _fsdp_exposed(
+    gather: float,
+    reduce: float,
+    forward: float,
+    backward: float,
+    layers: int,
+    microbatches: int,
+    reductions: int,
+    reshard: bool,
+) -> tuple[float, float]:
+    """(exposed gathers, exposed reduce-scatters) of FSDP in a step, from one gather of the
+    stage's parameters (`gather` seconds), one reduce-scatter of its gradients (`reduce`) and
+    one microbatch's `forward` and `backward` seconds over its `layers` layers.  Each
+    microbatch's forward gathers every layer, each prefetched behind the previous layer's
+    forward but the first; its backward gathers them again when resharded after the forward,
+    and on the `reductions` microbatches that reduce (the last, or every one) reduce-scatters
+    each layer's gradients as its backward ends, the last layer's after all compute.  A
+    backward's gathers and reduce-scatters share the link: together they hide behind the
+    backward, not each behind all of it."""
+    first = gather / layers  # the first layer's gather, before any compute
+    forward_exposed = max(first, gather - forward)
+    regather = gather if reshard else 0.0
+    plain = max(first if reshard else 0.0, regather - backward)
+    reducing = max(
+        (first if reshard else 0.0) + reduce / layers, regather + reduce - backward
+    )  # fmt: skip
+    # the reduce-scatters' share of a reducing backward's exposed time, the rest the gathers'
+    share = reduce / (regather + reduce) if regather + reduce else 0.0
+    gathers = microbatches * forward_exposed + (microbatches - reductions) * plain
+    gathers += reductions * (1 - share) * reducing
+    return gathers, reductions * share * reducing
+
+
 def estimate(
     config: Config,
     layout: Layout,
@@ -501,16 +536,17 @@ def estimate(
     if layout.fsdp:  # FSDP2: fp32 gradients reduce-scattered, 16-bit parameters gathered
         if p.reduce_every_microbatch:  # ... after every microbatch's backward
             reductions = microbatches
-        reduce = reductions * costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
         reshard = pp == 1 if p.reshard_after_forward is None else p.reshard_after_forward
-        # every microbatch's forward gathers each layer (resharded after its backward), and
-        # its backward again when resharded after the forward
-        gathers = microbatches * (2 if reshard else 1)
-        gather = gathers * costs.collective(
-            "all_gather", costs.element * params, replicas, dp_bandwidth
+        gather, reduce = _fsdp_exposed(
+            costs.collective("all_gather", costs.element * params, replicas, dp_bandwidth),
+            costs.collective("reduce_scatter", grads, replicas, dp_bandwidth),
+            layers * (layer["compute"] - layer["backward"]),
+            layers * layer["backward"],
+            max(layers, 1),
+            microbatches,
+            reductions,
+            reshard,
         )
-        # each layer's gather prefetched behind the previous layer's compute, but the first
-        gather = max(gather / max(layers, 1), gather - microbatches * layers * layer["compute"])
     elif layout.distributed_optimizer:
         reduce = costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
         gather = costs.collective("all_gather", costs.element * params, replicas, dp_bandwidth)
@@ -520,7 +556,7 @@ def estimate(
             )
     else:
         reduce = costs.collective("all_reduce", grads, replicas, dp_bandwidth)
-    if p.overlap_grad_reduce and replicas > 1:
+    if p.overlap_grad_reduce and replicas > 1 and not layout.fsdp:
         # buckets go out as a reducing microbatch's backward produces their gradients
         reduce = max(min(bucket, reduce), reduce - reductions * layers * layer["backward"])
     embedding = 0.0
