@@ -386,7 +386,7 @@ def plan_command(
     GPU table), whether it was measured or comes from published figures, and how far it is
     off the published runs of that generation it was not fitted to.
     OVERRIDES are section.field=value, as for `megatrain run`.  Exit status 1 when no
-    layout fits.
+    layout fits.  How far the search is goes to stderr (not with --json).
 
     With --calibrate, measure GEMMs by size, memory bandwidth, SDPA's causal attention by
     sequence length, transformer layers and all-reduces (over every GPU of this node, or
@@ -425,7 +425,10 @@ def plan_command(
         from megatrain.plan.report import format_plan, plan_dict
         from megatrain.plan.search import plan
 
-        result = plan(config, gpus, gpu, profile, config.model.vocab_size, global_batch)
+        result = plan(
+            config, gpus, gpu, profile, config.model.vocab_size, global_batch,
+            progress=not as_json,
+        )  # fmt: skip
         check = check_rows_summary(gpu, profile)
     except (ConfigError, hardware.HardwareError, ValueError) as e:
         _plan_error(str(e))

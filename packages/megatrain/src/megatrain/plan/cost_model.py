@@ -464,16 +464,18 @@ def estimate(
     profile: Profile,
     vocab_size: int,
     global_batch: int | None = None,
+    memory: dict | None = None,
 ) -> Estimate:
     """Memory and step time of `config` at `layout` on GPUs `gpu` (`vocab_size`: the
-    tokenizer's, padded here for tp)."""
+    tokenizer's, padded here for tp); `memory`: `memory_per_gpu` of the config at the layout
+    where the caller has it (the search, which estimates only the layouts that fit)."""
     config = apply_layout(config, layout, global_batch)
     t, p = config.training, config.parallel
     tp, cp, pp, dp, vpp = layout.tp, layout.cp, layout.pp, layout.dp, layout.vpp
     microbatches = t.global_batch_size // (layout.micro_batch * dp)
     cfg = model_config(config, vocab_size)
     costs = Costs(gpu, profile, t.precision)
-    memory = memory_per_gpu(config, vocab_size, dp, gpu.attention)
+    memory = memory or memory_per_gpu(config, vocab_size, dp, gpu.attention)
 
     tp_bandwidth = group_bandwidth(gpu, tp, 1)
     # tp-cp-dp-pp: a CP group's members are tp ranks apart, its data-parallel peers tp x cp.

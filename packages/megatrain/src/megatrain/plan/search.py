@@ -16,6 +16,7 @@ example of each.
 import re
 from dataclasses import dataclass, field, replace
 
+from megacommon.progress import progress_bar
 from megatrain.config import DATA_PARALLEL_SHARDINGS as SHARDINGS
 from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
 from megatrain.plan.cost_model import Estimate, estimate, memory_per_gpu
@@ -80,16 +81,25 @@ def candidates(config: Config, gpus: int, global_batch: int):
         yield layout, error
 
 
-def _candidates(config: Config, gpus: int, global_batch: int):
-    """`candidates`, each with the config at its layout (None when refused)."""
-    for tp in _divisors(gpus):
-        for cp in _context_parallel_sizes(gpus // tp):
-            for pp in _divisors(gpus // (tp * cp)):
-                for comm in ("p2p", "allgather") if cp > 1 else ("p2p",):
-                    for ep, etp in _expert_layouts(config, gpus // pp, tp):
-                        yield from _layouts_of(
-                            config, gpus, global_batch, tp, cp, pp, comm, ep, etp
-                        )
+def _candidates(config: Config, gpus: int, global_batch: int, bar=None):
+    """`candidates`, each with the config at its layout (None when refused); `bar`: a progress
+    bar advanced by one for each way of splitting the GPUs (`_splits`)."""
+    for split in _splits(config, gpus):
+        yield from _layouts_of(config, gpus, global_batch, *split)
+        if bar is not None:
+            bar.update(1)
+
+
+def _splits(config: Config, gpus: int) -> list[tuple]:
+    """Each (tp, cp, pp, CP communication, ep, etp) of `gpus` the search tries."""
+    return [
+        (tp, cp, pp, comm, ep, etp)
+        for tp in _divisors(gpus)
+        for cp in _context_parallel_sizes(gpus // tp)
+        for pp in _divisors(gpus // (tp * cp))
+        for comm in (("p2p", "allgather") if cp > 1 else ("p2p",))
+        for ep, etp in _expert_layouts(config, gpus // pp, tp)
+    ]
 
 
 def _expert_layouts(config: Config, stage_gpus: int, tp: int) -> list[tuple[int, int | None]]:
@@ -166,33 +176,38 @@ def plan(
     profile: Profile,
     vocab_size: int,
     global_batch: int | None = None,
+    progress: bool = False,
 ) -> Plan:
-    """Every layout of `config` on `gpus` GPUs of kind `gpu`, the fitting ones ranked."""
+    """Every layout of `config` on `gpus` GPUs of kind `gpu`, the fitting ones ranked;
+    `progress`: show how far the search is on stderr (hundreds of GPUs take seconds)."""
     global_batch = global_batch or config.training.global_batch_size
     gpu.peak_flops(config.training.precision)  # a precision the GPU lacks: refused here
     result = Plan(config, gpu, profile, gpus, global_batch, vocab_size, ranked=[])
     usable = (1 - HEADROOM) * gpu.memory_bytes
     nearest: dict = {}
-    for layout, error, config_at in _candidates(config, gpus, global_batch):
-        result.enumerated += 1
-        if error is None:
-            # Memory first: the step time only of the layouts that fit (at long sequences
-            # most do not).
-            memory = memory_per_gpu(config_at, vocab_size, layout.dp, gpu.attention)
-            if memory["total"] <= usable:
-                result.ranked.append(
-                    estimate(config, layout, gpu, profile, vocab_size, global_batch)
-                )
-                continue
-            reason = OUT_OF_MEMORY
-            if reason not in nearest or memory["total"] < nearest[reason][1]["total"]:
-                nearest[reason] = (layout, memory)
-        else:
-            reason = _reason(error)
-        entry = result.rejected.setdefault(reason, {"count": 0, "example": ""})
-        entry["count"] += 1
-        if error is not None and not entry["example"]:
-            entry["example"] = f"{layout.describe()}: {error}"
+    with progress_bar(
+        len(_splits(config, gpus)), "megatrain plan", "splits", enabled=progress, leave=False
+    ) as bar:
+        for layout, error, config_at in _candidates(config, gpus, global_batch, bar):
+            result.enumerated += 1
+            if error is None:
+                # Memory first: the step time only of the layouts that fit (at long sequences
+                # most do not).
+                memory = memory_per_gpu(config_at, vocab_size, layout.dp, gpu.attention)
+                if memory["total"] <= usable:
+                    result.ranked.append(
+                        estimate(config, layout, gpu, profile, vocab_size, global_batch, memory)
+                    )
+                    continue
+                reason = OUT_OF_MEMORY
+                if reason not in nearest or memory["total"] < nearest[reason][1]["total"]:
+                    nearest[reason] = (layout, memory)
+            else:
+                reason = _reason(error)
+            entry = result.rejected.setdefault(reason, {"count": 0, "example": ""})
+            entry["count"] += 1
+            if error is not None and not entry["example"]:
+                entry["example"] = f"{layout.describe()}: {error}"
     if OUT_OF_MEMORY in nearest:
         layout, memory = nearest[OUT_OF_MEMORY]
         result.rejected[OUT_OF_MEMORY]["example"] = (
