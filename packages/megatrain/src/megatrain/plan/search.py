@@ -1,8 +1,10 @@
 """Every layout of a config on a number of GPUs, ranked by predicted step time.
 
 A layout is tp x cp x pp x dp = the GPUs, a virtual pipeline size (interleaving), a micro
-batch size, a recompute mode, sequence parallelism (tp > 1), the distributed optimizer
-(dp x cp > 1), and for context parallelism (cp: 1, 2, 4, ... dividing the GPUs; the
+batch size, a recompute mode, sequence parallelism (tp > 1), the data-parallel sharding
+(dp x cp > 1: none, the distributed optimizer, or FSDP, which with gradient accumulation
+either holds the unsharded gradients to the step's end or reduce-scatters every
+microbatch's), and for context parallelism (cp: 1, 2, 4, ... dividing the GPUs; the
 sequence must cut into 2 x cp chunks) its attention's communication, "p2p" or
 "allgather"; for a mixture of experts (`model.num_moe_experts`) the expert-parallel size ep
 (dividing the experts) and the experts' tensor-parallel size etp (1, or tp), where etp x ep
