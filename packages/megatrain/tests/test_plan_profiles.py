@@ -182,6 +182,14 @@ def test_the_h100_plan_uses_hopper_and_says_how_far_it_is_off_published_runs():
         f"{check['median_abs_error']:.0%}"
     )
     assert line in text
+    # ... and names the rows beyond 15%, the worst first
+    off = sorted(
+        ((r.name, predict(r)[0] / r.value) for r, e in zip(runs, errors, strict=True) if e > 0.15),
+        key=lambda item: -abs(item[1] - 1),
+    )
+    assert check["off"] == [{"run": n, "ratio": r} for n, r in off]
+    assert len(off) == len(runs) - check["within"] > 0
+    assert "; off (predicted / published): " + ", ".join(f"{n} {r:.2f}" for n, r in off) in text
     assert "308 at s" not in text and "at s 512-16384" in text  # llama-tiny's own s
     # an A100 plan: its own generation's profile and rows
     a100 = json.loads(_plan("--gpu", "a100-80gb", "--json"))["profile"]

@@ -307,19 +307,26 @@ def check_rows_summary(gpu: Gpu, profile: Profile, tolerance: float = 0.15) -> d
     """How far a plan on `gpu` with `profile` is off the published runs it was not fitted to:
     the "check" rows on GPUs of `gpu`'s generation (those naming the same gpus.toml profile),
     each predicted with `profile`; how many are within `tolerance` and the median absolute
-    error (None without rows).  Rows on flash-attention GPUs are left out (and counted) when
-    `profile` has no attention_tflops to time them."""
+    error (None without rows), and the rows beyond it ("off": {"run", "ratio"}, the ratio
+    predicted / published, the worst first).  Rows on flash-attention GPUs are left out (and
+    counted) when `profile` has no attention_tflops to time them."""
     table = load_gpus()
     same = [r for r in load_runs() if r.use == "check" and table[r.gpu].profile == gpu.profile]
     runs = [r for r in same if profile.attention_tflops or not _flash(run_gpu(r).attention)]
-    errors = [abs(predict(r, profile)[0] / r.value - 1) for r in runs]
+    ratios = {r.name: predict(r, profile)[0] / r.value for r in runs}
+    errors = [abs(ratio - 1) for ratio in ratios.values()]
     median = statistics.median(errors) if errors else None
+    off = [(name, ratio) for name, ratio in ratios.items() if abs(ratio - 1) > tolerance]
     return {
         "generation": gpu.profile,
         "rows": len(runs),
-        "within": sum(e <= tolerance for e in errors),
+        "within": len(runs) - len(off),
         "tolerance": tolerance,
         "median_abs_error": median,
         "gpus": sorted({r.gpu for r in runs}),
         "left_out": len(same) - len(runs),
+        "off": [
+            {"run": name, "ratio": ratio}
+            for name, ratio in sorted(off, key=lambda item: -abs(item[1] - 1))
+        ],
     }

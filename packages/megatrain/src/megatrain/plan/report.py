@@ -41,11 +41,13 @@ def describe_check(check: dict) -> str:
             f"published runs: no check rows on {check['generation']} GPUs{untimed}, so no "
             "measure of how far this profile is off"
         )
+    off = ", ".join(f"{row['run']} {row['ratio']:.2f}" for row in check["off"])
     return (
         f"published runs: {check['within']} of {check['rows']} check rows on "
         f"{check['generation']} GPUs ({', '.join(check['gpus'])}) within "
         f"{check['tolerance']:.0%} with this profile, median absolute error "
         f"{check['median_abs_error']:.0%} (python benchmarks/bench_plan.py --published)"
+        + (f"; off (predicted / published): {off}" if off else "")
     )
 
 
