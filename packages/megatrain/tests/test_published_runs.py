@@ -206,6 +206,11 @@ def test_every_run_that_ran_fits_the_plans_memory():
         ('metric = "tokens_per_s_per_gpu"', 'metric = "mfu"', "published.metric = 'mfu'"),
         ('gpu = "h100-80gb"', 'gpu = "tpu"', "layout.gpu = 'tpu'"),
         (
+            'gpu = "h100-80gb"',
+            'gpu = "v100-32gb"\nattention = "flash_triton"',
+            "layout.attention = 'flash_triton' is a flash kernel, which profile volta",
+        ),
+        (
             "sharding =",
             'attention = "xformers"\nsharding =',
             "layout.attention = 'xformers'; expected one of flash, unfused, flash_triton",

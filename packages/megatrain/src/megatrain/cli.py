@@ -10,6 +10,7 @@ from megacommon.errors import FAILURE, CommandError
 from megatrain import __version__
 from megatrain.checkpoint.files import find_checkpoint
 from megatrain.config import CAUSAL_KINDS, ConfigError, load_config, validate
+from megatrain.plan.hardware import ATTENTION_CHOICES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -356,7 +357,7 @@ def _plan_error(message: str) -> None:
 )
 @click.option(
     "--attention",
-    type=click.Choice(["flash", "unfused"]),
+    type=click.Choice(ATTENTION_CHOICES),
     help="The attention kernel the time and memory model assume: flash (fused: O(s h) bytes, "
     "causal half skipped, no s x s scores kept) or unfused (the scores materialized, the "
     "2019 kernels) [default: the GPU table's: flash on A100 and newer, unfused on V100]; "

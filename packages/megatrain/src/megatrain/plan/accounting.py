@@ -675,7 +675,6 @@ def activations_per_layer(
     return per_token + s * b * h * 5 * a * whole / (h * tp)
 
 
-ATTENTION_CHOICES = ("flash", "unfused")
 # How a layer's attention core runs (`attention_kernel`).
 ATTENTION_KERNELS = ("flash", "masked", "ring", "ring_float32", "unfused")
 # Implementations of a kernel that published runs ran and megatrain does not, so that the
@@ -876,7 +875,6 @@ def weight_grad_inputs_per_layer(config: Config) -> float:
 
 
 __all__ = [
-    "ATTENTION_CHOICES",
     "ATTENTION_IMPLEMENTATIONS",
     "ATTENTION_KERNELS",
     "BERT",

@@ -239,10 +239,15 @@ def _gpu(key: str, entry: dict, source: str, profiles: dict, default: str | None
     return gpu
 
 
+# The attention kernels a GPU entry (and `megatrain plan --attention`) may name; published
+# runs may name more implementations of them (accounting.ATTENTION_IMPLEMENTATIONS).
+ATTENTION_CHOICES = ("flash", "unfused")
+
+
 def check_attention(attention: str, profile: Profile) -> None:
     """ValueError naming the field unless `attention` is "unfused", or "flash" with a profile
     that gives the flash kernel's rate (`attention_tflops`)."""
-    if attention not in ("flash", "unfused"):
+    if attention not in ATTENTION_CHOICES:
         raise ValueError(f'attention must be "flash" or "unfused", not {attention!r}')
     if attention == "flash" and not profile.attention_tflops:
         raise ValueError(

@@ -186,6 +186,13 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
     _choice(lay["gpu"], tuple(gpus), where, "layout.gpu")
     if "attention" in lay:
         _choice(lay["attention"], tuple(ATTENTION_IMPLEMENTATIONS), where, "layout.attention")
+        profile = builtin_profile(gpus[lay["gpu"]].profile)
+        if _flash(lay["attention"]) and not profile.attention_tflops:
+            raise PublishedError(
+                f"{where}: layout.attention = {lay['attention']!r} is a flash kernel, which "
+                f"profile {profile.name} (of layout.gpu = {lay['gpu']!r}) cannot time: it has "
+                "no attention_tflops"
+            )
     vpp = lay.get("vpp", 1)
     layout = Layout(
         tp=lay["tp"],
