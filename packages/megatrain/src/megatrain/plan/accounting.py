@@ -287,6 +287,23 @@ class Gemm:
         return self.k / divide[0], self.n / divide[1]
 
 
+# Float8Recipe.applies_to (megacore/tensor_parallel/float8.py): a linear whose weight has a
+# dimension that is not a multiple of 16 keeps bf16 (float8 GEMMs need them).
+FLOAT8_ALIGN = 16
+
+
+def float8_gemm(g: Gemm, tp: int) -> bool:
+    """Whether megatrain runs `g` in float8 under training.precision = "fp8" at tensor
+    parallelism tp: `parallelize.apply_float8` converts the column- and row-parallel linears
+    of the layers (qkv or q and kv, the projection, the MLP's, the shared expert's), each
+    rank's weight shard when both its dimensions are multiples of FLOAT8_ALIGN; a routed
+    expert's grouped GEMMs, the router, the shared expert's gate and `ReplicatedKV` (fewer
+    key/value groups than tp) stay bf16."""
+    if g.split not in ("column", "row") and not (g.split == "kv" and g.groups >= tp):
+        return False
+    return all(d % FLOAT8_ALIGN == 0 for d in g.per_rank(tp))
+
+
 def _mlp_gemms(h: int, f: int, swiglu: bool, prefix: str = "") -> list[Gemm]:
     """A dense MLP's GEMMs: SwiGLU's gate and fc1 (SiLU(gate) x fc1), or GeLU's fc1; fc2."""
     up = [Gemm(prefix + "gate", h, f, "column")] if swiglu else []

@@ -19,7 +19,12 @@ and one microbatch of b sequences of s tokens:
   model's own GEMMs (`accounting.layer_gemms`, the list the FLOP count sums: QKV, or Q and
   grouped K/V; the projection; the MLP's two, or SwiGLU's three; a MoE layer's router,
   experts and shared expert), each split over tp as the model splits it; the backward
-  runs two GEMMs per forward one (the input's and the weight's gradients).
+  runs two GEMMs per forward one (the input's and the weight's gradients).  Under fp8
+  (`training.precision = "fp8"`) the linears megatrain converts (`accounting.float8_gemm`)
+  run at the fp8 peak x the profile's `fp8_gemm_efficiency`, float8 operands and a bf16
+  output, plus torchao's tensorwise casts of their input, weight and output gradient,
+  memory-bound (`costs.FLOAT8_CAST_BYTES`: as torch ops run them eager, or fused under
+  `training.compile`); everything else runs in bf16, and MFU is of the bf16 peak.
 - **The attention core** (`attention_core_seconds`), as the GPU's entry says it runs
   (`Gpu.attention`, `megatrain plan --attention`): "unfused", the 2019 kernels, two
   products per head (the s x s scores written and read, their softmax and dropout among
@@ -110,6 +115,7 @@ from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     activations_per_layer,
     attention_kernel_for,
+    float8_gemm,
     flops_per_iteration,
     layer_gemms,
     moe_layer_count,
@@ -167,8 +173,8 @@ def layer_seconds(
     local = s // cp  # the rank's tokens of each sequence
     cfg = cfg or model_config(config, m.vocab_size or 1)  # the layers do not see the vocabulary
     tokens, h = local * b, m.hidden_size
-    shapes = _dense_shapes(cfg, tp, moe)
-    dense = [costs.gemm_fwd_bwd(tokens, n, k) for k, n in shapes]
+    gemms = _dense_gemms(cfg, tp, moe)
+    dense = [costs.linear_fwd_bwd(tokens, n, k, float8) for k, n, float8 in gemms]
     experts = moe_seconds(config, layout, costs, tokens, ep_bandwidth, cfg) if moe else {}
     core = attention_core_seconds(config, cfg, layout, costs)
     scale = 2 if t.precision == "fp32" else 1  # the activation formula counts 16-bit bytes
@@ -203,8 +209,9 @@ def layer_seconds(
         one_way = 2 * costs.collective("all_reduce", activation, tp, bandwidth)
     forward = sum(g[0] for g in dense) + sum(g[0] for g in core) + ops
     backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + backward_ops
-    # The dense weights' gradients: what ZB-H1 defers to its W steps.
-    weight = sum(costs.gemm(k, n, tokens) for k, n in shapes)
+    # The dense weights' gradients: what ZB-H1 defers to its W steps (bf16 GEMMs: megatrain
+    # refuses ZB-H1 with fp8).
+    weight = sum(costs.gemm(k, n, tokens) for k, n, _ in gemms)
     if moe:
         forward += experts["forward"]
         backward += experts["backward"]
@@ -327,11 +334,12 @@ def moe_seconds(
 _ROUTED = ("router", "experts.weight1", "experts.weight2")
 
 
-def _dense_shapes(cfg: TransformerConfig, tp: int, moe: bool) -> list[tuple[float, float]]:
-    """(input, output) sizes of a layer's dense GEMMs on one TP rank, as the model runs them
-    (`accounting.layer_gemms`: qkv or q and kv, the projection, the MLP or the shared
-    expert)."""
-    return [g.per_rank(tp) for g in layer_gemms(cfg, moe) if g.name not in _ROUTED]
+def _dense_gemms(cfg: TransformerConfig, tp: int, moe: bool) -> list[tuple[float, float, bool]]:
+    """(input size, output size, in float8 under fp8) of a layer's dense GEMMs on one TP rank,
+    as the model runs them (`accounting.layer_gemms`: qkv or q and kv, the projection, the
+    MLP or the shared expert; `accounting.float8_gemm`)."""
+    gemms = [g for g in layer_gemms(cfg, moe) if g.name not in _ROUTED]
+    return [(*g.per_rank(tp), float8_gemm(g, tp)) for g in gemms]
 
 
 def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: float):
@@ -474,7 +482,7 @@ def estimate(
     tp, cp, pp, dp, vpp = layout.tp, layout.cp, layout.pp, layout.dp, layout.vpp
     microbatches = t.global_batch_size // (layout.micro_batch * dp)
     cfg = model_config(config, vocab_size)
-    costs = Costs(gpu, profile, t.precision)
+    costs = Costs(gpu, profile, t.precision, compiled=t.compile)
     memory = memory or memory_per_gpu(config, vocab_size, dp, gpu.attention)
 
     tp_bandwidth = group_bandwidth(gpu, tp, 1)
@@ -606,7 +614,7 @@ def estimate(
         layout=layout,
         memory=memory,
         time=time,
-        mfu=model_flops / (time["total"] * gpus * gpu.peak_flops(t.precision)),
+        mfu=model_flops / (time["total"] * gpus * gpu.base_peak_flops(t.precision)),
         tflops_per_gpu=hardware_flops / (time["total"] * gpus) / 1e12,
         fits=memory["total"] <= (1 - HEADROOM) * gpu.memory_bytes,
         notes={"microbatches": microbatches},

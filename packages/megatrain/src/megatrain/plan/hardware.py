@@ -29,7 +29,11 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 GIB = 2**30
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# What runs in a precision besides its own GEMMs: fp8 trains with bf16 parameters and
+# activations, only its layers' linears in float8 (the attention core, the output layer and
+# every other op in bf16), and `megatrain run` (as torchtitan) gives its MFU of the bf16 peak.
+BASE_PRECISION = {"fp8": "bf16"}
 _GPU_FIELDS = (
     "name",
     "memory_gib",
@@ -69,11 +73,22 @@ class Gpu:
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s for a training precision; ValueError if the GPU has none."""
         if precision not in self.peak_tflops:
+            why = (
+                ": fp8 trains with float8 GEMMs, which need Hopper or newer (compute "
+                "capability 8.9+); plan it in bf16, or on such a GPU"
+                if precision == "fp8"
+                else ""
+            )
             raise ValueError(
                 f"{self.key} has no {precision} peak in the GPU table (it lists "
-                f"{', '.join(self.peak_tflops)})"
+                f"{', '.join(self.peak_tflops)}){why}"
             )
         return self.peak_tflops[precision] * 1e12
+
+    def base_peak_flops(self, precision: str) -> float:
+        """The peak of what a run in `precision` does outside its own GEMMs, and that its MFU
+        is a fraction of (`BASE_PRECISION`: bf16's for fp8)."""
+        return self.peak_flops(BASE_PRECISION.get(precision, precision))
 
 
 class HardwareError(ValueError):
@@ -105,6 +120,8 @@ class Profile:
     gemm_efficiency_by_size: tuple = ()
     # ((sequence length, TFLOP/s), ...): the flash kernel, forward and backward
     attention_tflops: tuple = ()
+    # the fraction of the fp8 peak a large float8 GEMM reaches; None: fp8 cannot be timed
+    fp8_gemm_efficiency: float | None = None
     name: str = DEFAULT_PROFILE
     source: str = "gpus.toml [profile.volta]"
     measured: bool = False  # calibrated here, not published figures or a fit to them
@@ -127,6 +144,16 @@ class Profile:
             return self.gemm_efficiency
         return log_interpolate(self.gemm_efficiency_by_size, flops / 1e9)
 
+    def fp8_fraction(self) -> float:
+        """`fp8_gemm_efficiency`; ValueError naming the field when the profile has none."""
+        if self.fp8_gemm_efficiency is None:
+            raise ValueError(
+                f"profile {self.name} has no fp8_gemm_efficiency: it cannot time float8 GEMMs "
+                '(training.precision = "fp8"); add the fraction of the fp8 peak a large '
+                "float8 GEMM reaches to the profile, or plan in bf16"
+            )
+        return self.fp8_gemm_efficiency
+
     def attention_flops(self, seq: int) -> float:
         """FLOP/s of the flash kernel at sequence length `seq`; ValueError without a curve."""
         if not self.attention_tflops:
@@ -146,12 +173,14 @@ CONSTANTS = (
     "collective_latency_us",
     "hbm_efficiency",
 )
-_POSITIVE = ("gemm_efficiency", "collective_efficiency", "hbm_efficiency")
+# Optional numbers: a profile without one cannot time what it is for.
+OPTIONAL_CONSTANTS = ("fp8_gemm_efficiency",)
+_POSITIVE = ("gemm_efficiency", "collective_efficiency", "hbm_efficiency", "fp8_gemm_efficiency")
 _CURVES = {  # field -> (what x is, what y is)
     "gemm_efficiency_by_size": ("GFLOP", "fraction of peak"),
     "attention_tflops": ("sequence length", "TFLOP/s"),
 }
-_PROFILE_FIELDS = (*CONSTANTS, *_CURVES, "source", "measured")
+_PROFILE_FIELDS = (*CONSTANTS, *OPTIONAL_CONSTANTS, *_CURVES, "source", "measured")
 
 
 def _number(value) -> bool:
@@ -193,7 +222,7 @@ def _profile(name: str, data: dict, where: str, extra: tuple = ()) -> Profile:
     if not isinstance(data, dict):
         raise HardwareError(f"{where} is not a table")
     _fields(where, data, [*CONSTANTS, "source", "measured"], _PROFILE_FIELDS + extra, "a profile")
-    for f in CONSTANTS:
+    for f in (*CONSTANTS, *(f for f in OPTIONAL_CONSTANTS if data.get(f) is not None)):
         value = data[f]
         bad = not _number(value) or value < 0 or (f in _POSITIVE and value == 0)
         if bad:
@@ -205,6 +234,7 @@ def _profile(name: str, data: dict, where: str, extra: tuple = ()) -> Profile:
         raise HardwareError(f"{where} measured must be true or false")
     return Profile(
         **{f: float(data[f]) for f in CONSTANTS},
+        **{f: float(data[f]) for f in OPTIONAL_CONSTANTS if data.get(f) is not None},
         **{f: _curve(data[f], f, where) for f in _CURVES if f in data},
         name=name,
         source=data["source"],
@@ -320,7 +350,9 @@ def load_gpus(extra: str | Path | None = None) -> dict[str, Gpu]:
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    data = {k: v for k, v in asdict(profile).items() if k != "name"}
+    # what the profile has not (an empty curve, a missing optional number) is left out, as
+    # load_profile reads it
+    data = {k: v for k, v in asdict(profile).items() if k != "name" and v not in ((), None)}
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -3,7 +3,7 @@
 from dataclasses import asdict
 
 from megatrain.plan.cost_model import MEMORY_PARTS, TIME_PARTS, Estimate
-from megatrain.plan.hardware import CONSTANTS, GIB, Profile
+from megatrain.plan.hardware import CONSTANTS, GIB, OPTIONAL_CONSTANTS, Profile
 from megatrain.plan.memory import HEADROOM
 from megatrain.plan.search import Plan
 
@@ -69,6 +69,22 @@ def describe_attention(gpu, profile: Profile, seq: int | None = None) -> str:
     )
 
 
+def describe_float8(gpu, profile: Profile, compiled: bool) -> str:
+    """What training.precision = "fp8" is timed as (costs.Costs, FLOAT8_CAST_BYTES)."""
+    peak = gpu.peak_flops("fp8") / 1e12
+    casts = (
+        "compiled (training.compile): an amax pass and one cast per tensor, torchao's roofline"
+        if compiled
+        else "eager, as torchao's ops run (33 bytes an element a cast; training.compile=true "
+        "fuses them)"
+    )
+    return (
+        f"the layers' linears in float8 at {profile.fp8_fraction():.0%} of the fp8 peak "
+        f"({peak:.0f} TFLOP/s), their tensorwise casts {casts}; the attention, the output "
+        "layer and the rest in bf16, MFU of the bf16 peak"
+    )
+
+
 # What cp > 1 runs whatever the GPU's attention (accounting.attention_kernel).
 _CONTEXT_PARALLEL = (
     "; with context parallelism megacore's own: the p2p ring fused (a kernel call a ring step, "
@@ -113,7 +129,7 @@ def plan_dict(plan: Plan, top: int, check: dict | None = None) -> dict:
             "name": plan.profile.name,
             "source": plan.profile.source,
             "measured": plan.profile.measured,
-            **{k: getattr(plan.profile, k) for k in CONSTANTS},
+            **{k: getattr(plan.profile, k) for k in (*CONSTANTS, *OPTIONAL_CONSTANTS)},
             "gemm_efficiency_by_size": [list(p) for p in plan.profile.gemm_efficiency_by_size],
             "attention_tflops": [list(p) for p in plan.profile.attention_tflops],
             "published_check": check,
@@ -207,6 +223,11 @@ def format_plan(plan: Plan, top: int, check: dict | None = None) -> str:
         f"time model: {describe_profile(plan.profile)}",
         *([describe_check(check)] if check else []),
         f"attention: {describe_attention(gpu, plan.profile, t.seq_length)}",
+        *(
+            [f"fp8: {describe_float8(gpu, plan.profile, t.compile)}"]
+            if t.precision == "fp8"
+            else []
+        ),
         f"{plan.enumerated} layouts: {len(plan.ranked)} fit in "
         f"{(1 - HEADROOM) * gpu.memory_gib:.1f} GiB ({1 - HEADROOM:.0%} of {gpu.memory_gib:g}), "
         f"{plan.enumerated - len(plan.ranked)} refused",

@@ -22,6 +22,7 @@ from megacommon.progress import progress_bar
 from megatrain.config import DATA_PARALLEL_SHARDINGS as SHARDINGS
 from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
 from megatrain.plan.cost_model import Estimate, estimate, memory_per_gpu
+from megatrain.plan.costs import Costs
 from megatrain.plan.hardware import GIB, Gpu, Profile
 from megatrain.plan.layout import Layout, apply_layout
 from megatrain.plan.memory import HEADROOM
@@ -183,7 +184,9 @@ def plan(
     """Every layout of `config` on `gpus` GPUs of kind `gpu`, the fitting ones ranked;
     `progress`: show how far the search is on stderr (hundreds of GPUs take seconds)."""
     global_batch = global_batch or config.training.global_batch_size
-    gpu.peak_flops(config.training.precision)  # a precision the GPU lacks: refused here
+    # a precision the GPU or the profile cannot time (fp8 without its peak or its GEMMs'
+    # efficiency): refused here, before the search
+    Costs(gpu, profile, config.training.precision)
     result = Plan(config, gpu, profile, gpus, global_batch, vocab_size, ranked=[])
     usable = (1 - HEADROOM) * gpu.memory_bytes
     nearest: dict = {}
