@@ -1,9 +1,11 @@
 """Fully sharded data parallelism (parallel.data_parallel_sharding = "full", torch's FSDP2):
 every layout takes the one-process steps, for GPT-2, Llama and BERT.
 
-One 1-rank spawn trains the references (fp32 and bf16); one 4-rank spawn trains the layouts:
-dp 4 (ZeRO-3 and ZeRO-2), tp 2 x dp 2 with sequence parallelism, pp 2 x dp 2 under 1F1B
-(tied embeddings over the stages) and interleaved, selective and full recompute, bf16, each
+One 1-rank spawn trains the references (fp32, bf16, fp8 emulated, fp8 with compiled layers);
+one 4-rank spawn trains the layouts: dp 4 (ZeRO-3 and ZeRO-2), tp 2 x dp 2 with sequence
+parallelism, pp 2 x dp 2 under 1F1B (tied embeddings over the stages) and interleaved,
+selective and full recompute, bf16, fp8 and fp8 with compiled layers (torchtitan's usual
+FSDP run), each
 with 2-4 microbatches a step (the reduce-scatter once a step; every microbatch with
 parallel.reduce_every_microbatch) and clipping active (the norm
 over the shards).  Every rank runs under the NCCL-semantics checker, and every layout runs
@@ -69,26 +71,39 @@ TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=t
 PP2 = ["parallel.pipeline_model_parallel_size=2"]
 VPP2 = [*PP2, "parallel.virtual_pipeline_model_parallel_size=2"]
 BF16 = ['training.precision="bf16"']
-# name: (model, bf16, overrides); 4 ranks each (dp fills the rest).
+FP8 = ['training.precision="fp8"', "training.fp8_emulate=true"]  # torchao's casts, any device
+# The precisions a reference trains in: the overrides each adds.
+PRECISIONS = {
+    "fp32": [],
+    "bf16": BF16,
+    "fp8": FP8,
+    "fp8-compiled": [*FP8, "training.compile=true"],  # fp8 and compile under FSDP (torchtitan's)
+}
+# name: (model, precision, overrides); 4 ranks each (dp fills the rest).
 LAYOUTS = {
-    "gpt-dp4": ("gpt", False, FULL),
+    "gpt-dp4": ("gpt", "fp32", FULL),
     "gpt-dp4-zero2-one-sync": (
-        "gpt", False,
+        "gpt", "fp32",
         [*FULL, "parallel.reshard_after_forward=false", "training.one_sync_per_iteration=true"]),
-    "gpt-tp2-seqpar-dp2-selective": ("gpt", False, [*FULL, *TP2_SP, 'model.recompute="selective"']),
-    "gpt-pp2-dp2-1f1b-full": ("gpt", False, [*FULL, *PP2, 'model.recompute="full"']),
-    "gpt-dp4-bf16": ("gpt", True, [*FULL, *BF16]),
+    "gpt-tp2-seqpar-dp2-selective": (
+        "gpt", "fp32", [*FULL, *TP2_SP, 'model.recompute="selective"']),
+    "gpt-pp2-dp2-1f1b-full": ("gpt", "fp32", [*FULL, *PP2, 'model.recompute="full"']),
+    "gpt-dp4-bf16": ("gpt", "bf16", [*FULL, *BF16]),
     # a reduce-scatter every microbatch, the shards accumulating (torchtitan's, Composer's way)
     "gpt-dp4-bf16-reduce-every-microbatch": (
-        "gpt", True, [*FULL, *BF16, "parallel.reduce_every_microbatch=true"]),
-    "gpt-cp2-dp2": ("gpt", False, [*FULL, "parallel.context_parallel_size=2"]),  # over dp x cp
-    "llama-pp2-vpp2-dp2": ("llama", False, [*FULL, *VPP2]),
+        "gpt", "bf16", [*FULL, *BF16, "parallel.reduce_every_microbatch=true"]),
+    "gpt-cp2-dp2": ("gpt", "fp32", [*FULL, "parallel.context_parallel_size=2"]),  # over dp x cp
+    # float8 GEMMs (torchao's emulation) on FSDP's gathered bf16 weights; and compiled layers
+    "gpt-dp4-fp8": ("gpt", "fp8", [*FULL, *FP8]),
+    "llama-tp2-seqpar-dp2-fp8-compiled": (
+        "llama", "fp8-compiled", [*FULL, *TP2_SP, *PRECISIONS["fp8-compiled"]]),
+    "llama-pp2-vpp2-dp2": ("llama", "fp32", [*FULL, *VPP2]),
     "llama-tp2-seqpar-dp2-full-bf16": (
-        "llama", True, [*FULL, *TP2_SP, 'model.recompute="full"', *BF16]),
-    "bert-tp2-dp2": ("bert", False, [*FULL, "parallel.tensor_model_parallel_size=2"]),
-    "bert-pp2-dp2": ("bert", False, [*FULL, *PP2]),
+        "llama", "bf16", [*FULL, *TP2_SP, 'model.recompute="full"', *BF16]),
+    "bert-tp2-dp2": ("bert", "fp32", [*FULL, "parallel.tensor_model_parallel_size=2"]),
+    "bert-pp2-dp2": ("bert", "fp32", [*FULL, *PP2]),
 }  # fmt: skip
-REFERENCES = sorted({(model, bf16) for model, bf16, _ in LAYOUTS.values()})
+REFERENCES = sorted({(model, precision) for model, precision, _ in LAYOUTS.values()})
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +115,7 @@ def corpora(tmp_path_factory):
     return {"gpt": str(gpt), "llama": str(gpt), "bert": str(bert), "text": str(text)}
 
 
-def _config(corpora, out, model, bf16, overrides=()):
+def _config(corpora, out, model, precision, overrides=()):
     return load_config(
         None,
         [
@@ -108,7 +123,7 @@ def _config(corpora, out, model, bf16, overrides=()):
             f"training.output_dir={out!r}",
             *COMMON,
             *MODELS[model],
-            *(BF16 if bf16 else []),
+            *PRECISIONS[precision],
             *overrides,
         ],
     )
@@ -116,8 +131,8 @@ def _config(corpora, out, model, bf16, overrides=()):
 
 def _references(corpora, out):
     return {
-        (model, bf16): train(_config(corpora, f"{out}/{model}-{bf16}", model, bf16))
-        for model, bf16 in REFERENCES
+        (model, precision): train(_config(corpora, f"{out}/{model}-{precision}", model, precision))
+        for model, precision in REFERENCES
     }
 
 
@@ -281,8 +296,8 @@ def _layouts(corpora, out):
     original = _gloo_average_as_sum(seen)
     try:
         runs = {
-            name: train(_config(corpora, f"{out}/{name}", model, bf16, o))
-            for name, (model, bf16, o) in LAYOUTS.items()
+            name: train(_config(corpora, f"{out}/{name}", model, precision, o))
+            for name, (model, precision, o) in LAYOUTS.items()
         }
         runs["ops"] = sorted({str(op) for op in seen})
         # The negative control: FSDP's own reduction (ReduceOp.AVG) meets the trap.
@@ -290,7 +305,7 @@ def _layouts(corpora, out):
         setup.apply_fsdp = lambda *args, **kwargs: apply_fsdp(
             *args, **kwargs, sum_then_divide=False
         )
-        runs["avg"] = train(_config(corpora, f"{out}/avg", "gpt", False, FULL))
+        runs["avg"] = train(_config(corpora, f"{out}/avg", "gpt", "fp32", FULL))
         runs["avg-ops"] = sorted({str(op) for op in seen})
     finally:
         setup.apply_fsdp = apply_fsdp
@@ -298,15 +313,15 @@ def _layouts(corpora, out):
     for sharding in SHARDINGS:
         overrides = [f"parallel.data_parallel_sharding={sharding!r}"]
         runs[f"bytes-{sharding}"] = _measured_bytes(
-            _config(corpora, f"{out}/bytes-{sharding}", "gpt", True, overrides)
+            _config(corpora, f"{out}/bytes-{sharding}", "gpt", "bf16", overrides)
         )
     for every in (False, True):  # what a microbatch under no_sync leaves unsharded
         overrides = [*FULL, *BF16, f"parallel.reduce_every_microbatch={str(every).lower()}"]
         runs[f"unsharded-every-{every}"] = _unsharded_gradient_bytes(
-            _config(corpora, f"{out}/unsharded-{every}", "gpt", True, overrides)
+            _config(corpora, f"{out}/unsharded-{every}", "gpt", "bf16", overrides)
         )
     one = ["training.global_batch_size=4"]  # one microbatch a rank
-    runs["order"] = _gather_order(_config(corpora, f"{out}/order", "gpt", False, [*FULL, *one]))
+    runs["order"] = _gather_order(_config(corpora, f"{out}/order", "gpt", "fp32", [*FULL, *one]))
     _checkpoints(corpora, out, runs)
     _exports(corpora, out, runs)
     return runs
@@ -333,9 +348,9 @@ def _checkpoints(corpora, out, runs):
         save = ["training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
         load = [f"checkpoint.load={ckpt!r}"]
         runs[f"{name}/first"] = train(
-            _config(corpora, f"{out}/{name}-1", "gpt", True, [*first, *save])
+            _config(corpora, f"{out}/{name}-1", "gpt", "bf16", [*first, *save])
         )
-        runs[name] = train(_config(corpora, f"{out}/{name}-2", "gpt", True, [*then, *load]))
+        runs[name] = train(_config(corpora, f"{out}/{name}-2", "gpt", "bf16", [*then, *load]))
         runs[f"{name}/ckpt"] = ckpt
 
 
@@ -354,7 +369,7 @@ def _exports(corpora, out, runs):
             f"data.corpus={corpora['text']!r}",
             f"checkpoint.save={ckpt!r}",
         ]
-        train(_config(corpora, f"{out}/export-{sharding}", "gpt", False, overrides))
+        train(_config(corpora, f"{out}/export-{sharding}", "gpt", "fp32", overrides))
         if dist.get_rank() == 0:
             result = CliRunner().invoke(main, ["export-hf", "--ckpt", ckpt, "--out", hf])
             runs[f"export-{sharding}"] = (result.exit_code, result.output, hf)
@@ -374,11 +389,12 @@ def layouts(corpora, tmp_path_factory):
 
 
 def test_every_fully_sharded_layout_equals_one_process(references, layouts):
-    for name, (model, bf16, _) in LAYOUTS.items():
-        reference = references[(model, bf16)]
+    for name, (model, precision, _) in LAYOUTS.items():
+        reference = references[(model, precision)]
         # Clipping acted on every step, so the norm over the shards decided each update.
         assert min(reference["grad_norm"]) > 0.5, (name, reference["grad_norm"])
-        assert_same_steps(layouts[name], reference, name, BF16_TOL if bf16 else FP32_TOL)
+        tolerance = FP32_TOL if precision == "fp32" else BF16_TOL
+        assert_same_steps(layouts[name], reference, name, tolerance)
 
 
 def test_no_reliance_on_gloo_average_and_the_trap_is_caught(references, layouts):
@@ -389,14 +405,14 @@ def test_no_reliance_on_gloo_average_and_the_trap_is_caught(references, layouts)
     assert layouts["ops"] == ["RedOpType.SUM"], layouts["ops"]
     assert "RedOpType.AVG" in layouts["avg-ops"], layouts["avg-ops"]
     with pytest.raises(AssertionError):
-        assert_same_steps(layouts["avg"], references[("gpt", False)], "avg", FP32_TOL)
+        assert_same_steps(layouts["avg"], references[("gpt", "fp32")], "avg", FP32_TOL)
 
 
 def test_full_checkpoints_load_at_every_sharding_and_layout(references, layouts):
     """A "full" checkpoint goes on at "full" (bitwise: the uninterrupted run's steps exactly),
     at "optimizer" with tp 2 and at "none" with pp 2; "optimizer" and "none" checkpoints go on
     at "full"; every one takes the one-process run's third step."""
-    reference = references[("gpt", True)]
+    reference = references[("gpt", "bf16")]
     for name in CHECKPOINTS:
         first, run = layouts[f"{name}/first"], layouts[name]
         assert first["stopped_at"] == 2, name
@@ -503,7 +519,7 @@ def test_state_bytes_are_the_accounting_figures(layouts, sharding):
     # fp32 shards under FSDP (bf16 only when gathered), else the bf16 model
     assert measured["dtypes"] == ["torch.float32" if sharding == "full" else "torch.bfloat16"]
     overrides = [f"parallel.data_parallel_sharding={sharding!r}"]
-    config = _config({"gpt": "unused"}, "unused", "gpt", True, overrides)
+    config = _config({"gpt": "unused"}, "unused", "gpt", "bf16", overrides)
     validate(config, 4)
     planned = memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=4)
     assert planned["parameters"] == measured["parameters"]

@@ -173,8 +173,9 @@ def test_the_optional_fields_reach_the_config_and_the_estimate(tmp_path):
 # not theirs: torchtitan's "selective" is its op-level policy (every other GEMM's output kept),
 # which keeps less than megatrain's (everything but the attention core).
 NOT_MEGATRAINS_LAYOUT = {
-    "torchtitan-llama3.1-8b-8xh100-fsdp": "torchtitan's op-level selective recompute",
-    "torchtitan-llama3.1-8b-128xh100-fsdp": "torchtitan's op-level selective recompute",
+    f"torchtitan-llama3.1-8b-{gpus}xh100-fsdp{lever}": "torchtitan's op-level selective recompute"
+    for gpus in (8, 128)
+    for lever in ("", "-compile", "-compile-fp8")
 }
 
 

@@ -684,12 +684,6 @@ def _check_data_parallel_sharding(config: Config) -> None:
             "data_parallel_sharding = 'optimizer' for fp16",
         ),
         (
-            t.precision == "fp8",
-            "training.precision = 'fp8': float8 GEMMs under FSDP (and float8 all-gathers) are "
-            "not proven here; use training.precision = 'bf16', or data_parallel_sharding = "
-            "'optimizer' for fp8",
-        ),
-        (
             p.pipeline_schedule == "zb-h1",
             "parallel.pipeline_schedule = 'zb-h1': FSDP reduce-scatters a layer's gradients "
             "when its backward ends, before ZB-H1's deferred weight-gradient (W) steps run; use "
@@ -701,11 +695,6 @@ def _check_data_parallel_sharding(config: Config) -> None:
             "training.gradient_accumulation_fusion = true: the fused GEMMs add into megacore "
             "DDP's main_grad buffer, which FSDP's sharded gradients replace; set "
             "training.gradient_accumulation_fusion = false",
-        ),
-        (
-            t.compile,
-            "training.compile = true: compiled layers under FSDP are not proven here; set "
-            "training.compile = false, or use data_parallel_sharding = 'optimizer'",
         ),
         (
             p.overlap_param_gather,

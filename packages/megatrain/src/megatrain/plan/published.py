@@ -52,18 +52,20 @@ _LAYOUT = {
 # charges TP collectives on the critical path), and the memory of the run's GPUs in GiB where
 # it is not the GPU entry's (absent: the entry's; only the fits check reads it); whether the
 # output layer and its loss ran fused (training.fused_linear_cross_entropy; absent: not);
+# whether its layers ran compiled (training.compile, which fuses fp8's casts; absent: not);
 # the attention implementation the run ran (accounting.ATTENTION_IMPLEMENTATIONS; absent: its
 # GPU entry's).
 _LAYOUT_OPTIONAL = {
     "vpp": int, "cp": int, "ep": int, "sequence_parallel": bool, "overlap_grad_reduce": bool,
     "overlap_param_gather": bool, "reduce_every_microbatch": bool, "tp_comm_overlap": bool,
     "gpu_memory_gib": float, "fused_linear_cross_entropy": bool, "attention": str,
+    "compile": bool,
 }  # fmt: skip
 # the [run.layout] fields that are megatrain config fields, by section
 _PARALLEL_FIELDS = (
     "overlap_grad_reduce", "overlap_param_gather", "reduce_every_microbatch", "tp_comm_overlap",
 )  # fmt: skip
-_TRAINING_FIELDS = ("fused_linear_cross_entropy",)
+_TRAINING_FIELDS = ("fused_linear_cross_entropy", "compile")
 _MAY_BE_ZERO = {"dropout"}  # numbers that may be 0 (the rest must be positive)
 _PUBLISHED = {"metric": str, "value": float, "definition": str}
 _PUBLISHED_OPTIONAL = {"assumed": list}
