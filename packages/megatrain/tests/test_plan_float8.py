@@ -149,9 +149,19 @@ def test_cli_plans_fp8_and_says_how():
         result.output
     )
     assert "eager, as torchao's ops run" in result.output
+    # eager: what #1 would take compiled, said in the text and the JSON
+    data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)
+    first, compiled = data["layouts"][0], data["first_compiled"]
+    assert compiled["layout"] == first["layout"]
+    assert compiled["time_s"]["total"] < first["time_s"]["total"]
+    line = f"with training.compile=true it would take {compiled['time_s']['total']:.3f} s a step"
+    assert line in result.output
     result = CliRunner().invoke(main, [*args, "training.compile=true", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["profile"]["fp8_gemm_efficiency"] == 0.709
+    data = json.loads(result.output)
+    assert data["profile"]["fp8_gemm_efficiency"] == 0.709 and data["first_compiled"] is None
+    # the compiled plan's #1 is at most the eager #1 compiled
+    assert data["layouts"][0]["time_s"]["total"] <= compiled["time_s"]["total"]
     a100 = [("a100-80gb" if a == "h100-80gb" else a) for a in args]
     result = CliRunner().invoke(main, a100)
     assert result.exit_code == 2

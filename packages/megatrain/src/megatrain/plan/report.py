@@ -5,7 +5,7 @@ from dataclasses import asdict
 from megatrain.plan.cost_model import MEMORY_PARTS, TIME_PARTS, Estimate
 from megatrain.plan.hardware import CONSTANTS, GIB, OPTIONAL_CONSTANTS, Profile
 from megatrain.plan.memory import HEADROOM
-from megatrain.plan.search import Plan
+from megatrain.plan.search import Plan, compiled_float8
 
 
 def _number(value: float) -> str:
@@ -111,6 +111,7 @@ def _estimate_dict(rank: int, e: Estimate) -> dict:
 def plan_dict(plan: Plan, top: int, check: dict | None = None) -> dict:
     """The plan for tools; `check`: published.check_rows_summary of its GPU and profile."""
     m, t = plan.config.model, plan.config.training
+    compiled = compiled_float8(plan)
     return {
         "config": plan.config.name,
         "model": {
@@ -137,6 +138,8 @@ def plan_dict(plan: Plan, top: int, check: dict | None = None) -> dict:
         "enumerated": plan.enumerated,
         "fit": len(plan.ranked),
         "layouts": [_estimate_dict(i + 1, e) for i, e in enumerate(plan.ranked[:top])],
+        # fp8 without training.compile: #1 timed with it (None where that does not apply)
+        "first_compiled": None if compiled is None else _estimate_dict(1, compiled),
         "rejected": [
             {"reason": reason, **entry}
             for reason, entry in sorted(plan.rejected.items(), key=lambda kv: -kv[1]["count"])
@@ -246,6 +249,13 @@ def format_plan(plan: Plan, top: int, check: dict | None = None) -> str:
             "to run #1: megatrain run --config <config> "
             + " ".join(plan.ranked[0].layout.overrides()),
         ]
+        compiled = compiled_float8(plan)
+        if compiled is not None:
+            lines.append(
+                f"fp8 without training.compile: #1's float8 casts run as torch ops; with "
+                f"training.compile=true it would take {compiled.time['total']:.3f} s a step "
+                f"({compiled.mfu:.1%} MFU) in place of {plan.ranked[0].time['total']:.3f} s"
+            )
         if plan.config.checkpoint.async_save:
             copy = plan.ranked[0].memory["host_checkpoint_copy"] / GIB
             lines.append(

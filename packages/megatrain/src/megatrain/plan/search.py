@@ -225,6 +225,24 @@ def plan(
     return result
 
 
+def compiled_float8(plan: Plan) -> Estimate | None:
+    """#1 of an fp8 plan without training.compile, timed with it (the float8 casts fused:
+    `costs.FLOAT8_CAST_BYTES`), when the layout allows compile; None otherwise."""
+    t = plan.config.training
+    if t.precision != "fp8" or t.compile or not plan.ranked:
+        return None
+    best = plan.ranked[0]
+    config = replace(plan.config, training=replace(t, compile=True))
+    try:
+        validate(apply_layout(config, best.layout, plan.global_batch), world_size=plan.gpus)
+    except ConfigError:  # compile refused at that layout (MoE layers, CUDA graphs, ...)
+        return None
+    return estimate(
+        config, best.layout, plan.gpu, plan.profile, plan.vocab_size, plan.global_batch,
+        memory=best.memory,
+    )  # fmt: skip
+
+
 def memory_warning(
     config: Config, dp: int, vocab_size: int, gpu_memory_bytes: float, attention: str = "unfused"
 ) -> str | None:
