@@ -9,8 +9,10 @@
 Each JSON that `benchmarks/bench_gpu.py` wrote becomes one `[[run]]` of
 megatrain/plan/published_runs.toml (issue 50, item 4): use "check", source "measured by
 benchmarks/bench_gpu.py on <device> <date>", the model and layout from the record's "shape"
-(one GPU: tp = pp = dp = 1; the micro batch, sequence, precision, recompute, dropout and the
-fused output layer as the run had them), published.value its "megatrain" tokens_per_s_median.
+(one GPU: tp = pp = dp = 1; the micro batch, sequence, precision, recompute, dropout, compile
+and the fused output layer as the run had them), published.value its "megatrain"
+tokens_per_s_median; and a second row, "-fp8", of its "megatrain-fp8" measurement (`--fp8`:
+the same shape in fp8) where there is one (not skipped, not emulated).
 The GPU is the gpus.toml entry whose model (h100, a100, ...) and memory the device's name gives
 (`--gpu KEY` where that is not one entry).  Every row is read back by
 `megatrain.plan.published.load_runs` (the same checks as the table's rows) and predicted at its
@@ -66,13 +68,26 @@ def _value(record: dict, where: str, *path: str):
     return value
 
 
-def row(record: dict, source: str, gpu: str) -> str:
-    """The `[[run]]` TOML of one bench_gpu.py record (`source`: the file, for `where`)."""
+# The measurements of a record that become rows: (its key, the precision it ran, name suffix).
+VARIANTS = {"megatrain": (None, ""), "megatrain-fp8": ("fp8", "-fp8")}
+
+
+def fp8_measured(record: dict) -> bool:
+    """Whether a record holds a real (not skipped, not emulated) fp8 measurement."""
+    fp8 = record.get("megatrain-fp8")
+    return bool(fp8) and not fp8.get("skipped") and "emulated" not in fp8.get("precision", "")
+
+
+def row(record: dict, source: str, gpu: str, variant: str = "megatrain") -> str:
+    """The `[[run]]` TOML of one bench_gpu.py record's `variant` measurement (`source`: the
+    file, for `where`)."""
     shape = _value(record, source, "shape")
-    ours = _value(record, source, "megatrain")
+    ours = _value(record, source, variant)
     if ours.get("skipped"):
-        raise RowError(f"{source}: megatrain was skipped ({ours.get('reason')}): no measurement")
-    tokens_per_s = _value(record, source, "megatrain", "tokens_per_s_median")
+        raise RowError(f"{source}: {variant} was skipped ({ours.get('reason')}): no measurement")
+    tokens_per_s = _value(record, source, variant, "tokens_per_s_median")
+    precision, suffix = VARIANTS[variant]
+    precision = precision or shape["precision"]
     if shape.get("num_moe_experts"):
         raise RowError(f"{source}: a mixture of experts; the table's rows are dense models")
     hidden, attention = shape["hidden_dropout"], shape["attention_dropout"]
@@ -87,7 +102,7 @@ def row(record: dict, source: str, gpu: str) -> str:
     config = Path(shape["config"]).stem
     layers, heads = shape["num_layers"], shape["num_attention_heads"]
     groups = shape.get("num_query_groups")
-    name = f"bench-gpu-{config}-{layers}l-1x{gpu}-{date}"
+    name = f"bench-gpu-{config}-{layers}l-1x{gpu}-{date}{suffix}"
     model = [
         f'kind = "{shape["kind"]}"',
         f"layers = {layers}",
@@ -108,15 +123,16 @@ def row(record: dict, source: str, gpu: str) -> str:
         f"micro_batch = {batch}",
         f"global_batch = {shape['global_batch_size']}",
         f"seq_length = {shape['seq_length']}",
-        f'precision = "{shape["precision"]}"',
+        f'precision = "{precision}"',
         f'recompute = "{shape["recompute"]}"',
         'sharding = "none"',
         "fused_linear_cross_entropy = "
         + str(bool(shape.get("levers", {}).get("fused_linear_cross_entropy"))).lower(),
+        f"compile = {str(bool(shape.get('compile'))).lower()}",
     ]
     steps = method.get("timed_steps")
     where = (
-        f"{Path(source).name}: megatrain.tokens_per_s_median"
+        f"{Path(source).name}: {variant}.tokens_per_s_median"
         + (f" of {steps} timed steps after {method.get('warmup_steps')}" if steps else "")
         + f"; model and layout from its shape ({shape['config']}, {layers} layers)"
     )
@@ -151,6 +167,8 @@ def rows(paths: list[Path], gpu: str | None = None) -> str:
         record = json.loads(path.read_text())
         key = gpu or gpu_key(_value(record, str(path), "machine", "device"), gpus)
         out.append(row(record, str(path), key))
+        if fp8_measured(record):
+            out.append(row(record, str(path), key, "megatrain-fp8"))
     return "\n\n".join(out) + "\n"
 
 

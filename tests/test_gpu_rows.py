@@ -104,6 +104,30 @@ def test_a_record_is_a_row_the_table_reads(tmp_path):
     assert run.name == "bench-gpu-gpt2-1.2b-40l-1xh100-80gb-2026-11-27"
 
 
+def test_an_fp8_measurement_is_a_second_row_in_fp8(tmp_path):
+    """bench_gpu.py --fp8's "megatrain-fp8" (the same shape, the layers' GEMMs in float8) is a
+    row of its own, precision fp8, compiled as the record's shape says; a skipped or emulated
+    one is none."""
+    fp8 = {"tokens_per_s_median": 36000.0, "precision": "fp8 (torchao float8 training)"}
+    data = record(shape__compile=True)
+    data["megatrain-fp8"] = fp8
+    path = tmp_path / "rows.toml"
+    path.write_text(gpu_rows.rows([write(tmp_path, "gpu.json", data)]))
+    bf16, float8 = load_runs(path)
+    assert (bf16.precision, bf16.value) == ("bf16", 30000.0)
+    assert (float8.precision, float8.value) == ("fp8", 36000.0)
+    assert float8.name == bf16.name + "-fp8" and "megatrain-fp8.tokens_per_s_median" in float8.where
+    assert bf16.config().training.compile and float8.config().training.compile
+    assert float8.layout == bf16.layout
+    planned = {run.precision: predict(run)[0] for run in (bf16, float8)}
+    assert planned["fp8"] > planned["bf16"]  # compiled float8 GEMMs: faster than bf16's
+    for other in ({"skipped": True, "reason": "no float8 GEMMs"},
+                  {**fp8, "precision": "fp8 (torchao float8 training, emulated)"}):  # fmt: skip
+        data["megatrain-fp8"] = other
+        path.write_text(gpu_rows.rows([write(tmp_path, "gpu.json", data)]))
+        assert [run.precision for run in load_runs(path)] == ["bf16"]
+
+
 def test_the_gpu_is_the_table_entry_the_device_name_says(tmp_path):
     gpus = {key: None for key in ("v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb")}
     assert gpu_rows.gpu_key("NVIDIA A100-SXM4-80GB", gpus) == "a100-80gb"

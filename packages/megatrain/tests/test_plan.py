@@ -363,6 +363,14 @@ def test_calibration_fits_and_profile_round_trip(tmp_path, monkeypatch):
     assert all(t > 0 for _, t in profile.attention_tflops)
     assert profile.hbm_efficiency == pytest.approx(1.0)
     assert profile.collective_latency_us == hardware.builtin_profile().collective_latency_us
+    # no float8 GEMMs measured on a CPU: volta's (none) kept, and the measurements say so
+    assert profile.fp8_gemm_efficiency is None
+    assert profile.measurements["fp8_gemms"] == "profile volta's, not measured"
+    # what a GPU with float8 tensor cores runs, timed here through torch._scaled_mm's CPU path
+    fp8 = calibrate.measure_fp8_gemms(torch.device("cpu"), (32, 64), repeats=1)
+    assert [n for n, _ in fp8] == [32, 64] and all(t > 0 for _, t in fp8)
+    best = max(2 * n**3 / t for n, t in fp8)
+    assert calibrate.fp8_gemm_efficiency(fp8, best / 0.5) == pytest.approx(0.5)
     args = ["plan", "--config", str(MODELS / "gpt2-tiny.toml"), "model.vocab_size=1000"]
     result = CliRunner().invoke(main, [*args, "--gpus", "1", "--profile", str(out), "--json"])
     assert result.exit_code == 0, result.output

@@ -8,6 +8,11 @@
   applies to an arbitrary CPU); each GEMM's own FLOPs / ((time - tau) peak) gives
   `gemm_efficiency_by_size`, by its GFLOP; tau alone is recorded (the layers below give the
   one used).
+- **float8 GEMMs** (a GPU with float8 tensor cores, compute capability 8.9+): square
+  `torch._scaled_mm` GEMMs of the largest sizes above, e4m3 operands and a bf16 output as
+  torchao's float8 linears run them; the best rate over the GPU table's fp8 peak gives
+  `fp8_gemm_efficiency` (as the published figure, the best shape's).  Elsewhere the profile
+  keeps its generation's published figure, or none, and its measurements say so.
 - **Attention**: torch's SDPA, causal, forward and backward, head dimension 128, at sequence
   lengths 512 to 16384 in bf16 on a GPU (16 heads, 16k tokens a call, as FlashAttention's
   benchmarks; whichever kernel SDPA picks there) and 128 to 512 in fp32 on a CPU: FLOPs
@@ -81,6 +86,27 @@ def measure_gemms(device: torch.device, dtype: torch.dtype, sizes, repeats: int 
         b = torch.randn(k, n, device=device, dtype=dtype)
         out.append((m, n, k, _best_seconds(lambda a=a, b=b: a @ b, device, repeats)))
     return out
+
+
+def measure_fp8_gemms(device: torch.device, sizes, repeats: int = 5) -> list:
+    """[(n, seconds)] of square float8 GEMMs (e4m3 operands, the second column-major as
+    `torch._scaled_mm` takes it, per-tensor scales, a bf16 output)."""
+    out = []
+    one = torch.ones((), device=device, dtype=torch.float32)
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+
+        def gemm(a=a, b=b):
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        out.append((n, _best_seconds(gemm, device, repeats)))
+    return out
+
+
+def fp8_gemm_efficiency(measured: list, peak: float) -> float:
+    """The best rate of `measure_fp8_gemms`' GEMMs over the fp8 peak."""
+    return max(2.0 * n**3 / seconds for n, seconds in measured) / peak
 
 
 def fit_gemms(measured: list) -> tuple[float, float]:
@@ -311,6 +337,13 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
         precision,
     )
     log(f"calibrate: layers give {overhead_us:.1f} us per GEMM, {passes:.2f} passes")
+    fp8, fp8_note = base.fp8_gemm_efficiency, f"profile {base.name}'s, not measured"
+    float8 = cuda and gpu is not None and "fp8" in gpu.peak_tflops
+    if float8 and torch.cuda.get_device_capability(device) >= (8, 9):
+        fp8_gemms = measure_fp8_gemms(device, sizes[-2:])
+        fp8 = fp8_gemm_efficiency(fp8_gemms, gpu.peak_flops("fp8"))
+        fp8_note = [{"n": n, "seconds": t} for n, t in fp8_gemms]
+        log(f"calibrate: float8 GEMMs at {fp8:.0%} of the fp8 peak")
     measured = {
         "device": device_name,
         "dtype": str(dtype),
@@ -322,6 +355,7 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
             for (h, a, sq, b), t in zip(shapes, layers, strict=True)
         ],
         "copy_gbps": copy / 1e9,
+        "fp8_gemms": fp8_note,
         "attention": {
             "kernel": "torch.nn.functional.scaled_dot_product_attention, is_causal=True",
             "head_dim": ATTENTION_HEAD_DIM,
@@ -336,6 +370,7 @@ def calibrate(ranks: int = 2, log=print) -> Profile:
         gemm_overhead_us=overhead_us,
         hbm_efficiency=hbm,
         elementwise_passes=passes,
+        fp8_gemm_efficiency=fp8,
         attention_tflops=tuple((float(s), t) for s, t in attention),
         name="calibrated",
         source=f"calibrated on {platform.node()} ({device_name}) {time.strftime('%Y-%m-%d')}",
