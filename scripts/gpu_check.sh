@@ -6,7 +6,7 @@
 # (ours also in fp8 and with CUDA graphs), and Llama 3 8B's shape at 4 layers (ours also with
 # packed documents: FlexAttention's document mask); then `megatrain plan --calibrate` writes the
 # GPU's measured profile (gpu-profile.json) and plans Llama 3 8B on 8 H100s with it and with the
-# published one.
+# published one, and in fp8 (compiled) with it.
 #
 #   bash scripts/gpu_check.sh OUTDIR       # needs the demo corpus (`make data`) in data/corpus
 #
@@ -85,7 +85,10 @@ step plan-calibrate 150 megatrain plan --calibrate --out "$OUT/gpu-profile.json"
 PLAN=(--config pipelines/models/llama3-8b.toml --gpus 8 --gpu h100-80gb --top 3)
 step plan-measured 60 megatrain plan --profile "$OUT/gpu-profile.json" "${PLAN[@]}"
 step plan-published 60 megatrain plan "${PLAN[@]}"
-for name in plan-measured plan-published; do  # profile, check rows, attention and the top 3
+# fp8 compiled with the measured profile (its float8 GEMMs measured above on Hopper and newer)
+step plan-measured-fp8 60 megatrain plan --profile "$OUT/gpu-profile.json" "${PLAN[@]}" \
+    training.precision=\"fp8\" training.compile=true
+for name in plan-measured plan-published plan-measured-fp8; do  # profile, check rows, top 3
     echo "== $name"
     sed -n '2,4p;/^  1 /,/^  3 /p' "$OUT/$name.log"
 done

@@ -9,6 +9,7 @@ the field and the numbers, so no worker starts on a config that would fail later
 """
 
 import dataclasses
+import functools
 import math
 import sys
 import typing
@@ -706,20 +707,25 @@ def _check_data_parallel_sharding(config: Config) -> None:
         _need(not refused, f"{why} with {message}")
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _check_sizes(config: Config) -> None:
     """Every integer of model, parallel and training is positive (vocab_size may be 0: the
     tokenizer's; seed is any)."""
     for section in ("model", "parallel", "training"):
         obj = getattr(config, section)
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if isinstance(value, int) and not isinstance(value, bool) and f.name != "seed":
-                allowed_zero = f.name == "vocab_size"
-                if value > 0 or (allowed_zero and value == 0):
-                    continue  # (the message only for the refusal: `megatrain plan` checks many)
+        for name in _field_names(type(obj)):  # (fields() once a class: the plan checks many)
+            value = getattr(obj, name)
+            if type(value) is int and value <= 0 and name != "seed":
+                allowed_zero = name == "vocab_size"
+                if allowed_zero and value == 0:
+                    continue
                 _need(
                     False,
-                    f"{section}.{f.name} must be {'>= 0' if allowed_zero else '> 0'}, got {value}",
+                    f"{section}.{name} must be {'>= 0' if allowed_zero else '> 0'}, got {value}",
                 )
 
 
