@@ -388,14 +388,46 @@ def active_ffn_width(cfg: TransformerConfig) -> int:
     )
 
 
+# Recompute policies published runs ran and megatrain does not offer, each counted and timed as
+# it ran so that the plan is checked against what the run did (published_runs.toml's
+# layout.recompute), with the megatrain mode a config of the run takes:
+# - "op_selective": torchtitan's op-level selective activation checkpointing (torchtitan/
+#   parallelisms/parallelize_llama.py's _save_list and _custom_policy at 9dec370, Llama):
+#   each layer's forward keeps the outputs of every other matmul (the first, third, ...) and
+#   of the attention kernel, and its backward reruns everything else of the forward.
+RECOMPUTE_IMPLEMENTATIONS = {"op_selective": "selective"}
+# The share of each of a layer's GEMMs (`layer_gemms`' names) whose forward "op_selective"
+# reruns: torchtitan's Llama block calls wq, wk, wv, wo, w1, w3, w2 (SwiGLU: w2(silu(w1(x)) *
+# w3(x))), so the second, fourth and sixth rerun: wk (the first half of megatrain's kv), wo
+# (proj) and w3 (the up projection, megatrain's fc1; its gate is w1).
+OP_SELECTIVE_RERUN = {"kv": 0.5, "proj": 1.0, "fc1": 1.0}
+
+
+def op_selective_activations_per_token(config: Config) -> float:
+    """Bytes one layer keeps a token under "op_selective" (tp 1, a SwiGLU model with grouped
+    key/value heads: what torchtitan's Llama is): the checkpointed layer's input (h), the
+    kept matmuls' outputs (wq: a d, wv: g d, w1: f, w2: h) and the attention's output (a d),
+    16-bit, and its fp32 log-sum-exp (a)."""
+    m = config.model
+    a, h, f = m.num_attention_heads, m.hidden_size, config.ffn_hidden_size
+    d = m.kv_channels or h // a
+    g = m.num_query_groups or a
+    return 2 * (h + a * d + g * d + a * d + f + h) + 4 * a
+
+
 def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: str | None) -> float:
     """FLOPs recomputation runs again in one iteration's backward (what HFU adds to MFU):
     nothing ("none"), the attention cores ("selective"), or every layer's forward ("full";
-    the heads sit outside the checkpointed layers).  `recompute` defaults to the config's."""
+    the heads sit outside the checkpointed layers); "op_selective" the GEMMs it reruns
+    (`OP_SELECTIVE_RERUN`).  `recompute` defaults to the config's."""
     recompute = cfg.recompute if recompute is None else recompute
-    if recompute not in RECOMPUTE_CHOICES:
+    if recompute not in (*RECOMPUTE_CHOICES, *RECOMPUTE_IMPLEMENTATIONS):
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
     dense, core = transformer_forward_flops(cfg, batch, seq)
+    if recompute == "op_selective":
+        gemms = {g.name: g.flops_per_token for g in layer_gemms(cfg)}
+        per_token = sum(share * gemms[name] for name, share in OP_SELECTIVE_RERUN.items())
+        return per_token * batch * seq * cfg.num_layers
     return {"none": 0.0, "selective": core, "full": dense + core}[recompute]
 
 
@@ -674,6 +706,8 @@ def activations_per_layer(
     if recompute == "full":
         split_input = sp or (p.distribute_saved_activations and tp > 1)
         return 2 * s * b * h / (tp if split_input else 1)
+    if recompute == "op_selective":  # a published run's (RECOMPUTE_IMPLEMENTATIONS)
+        return s * b * op_selective_activations_per_token(config)
     # k and v: g groups split over tp, or one whole group per rank when g < tp
     groups = max(m.num_query_groups or a, tp)
     f_tensors = 8 if config.model_switch("swiglu") else 4

@@ -43,7 +43,10 @@ and one microbatch of b sequences of s tokens:
   backward.  Without sequence parallelism the LayerNorms and dropouts run whole on every
   TP rank, as the formula's replicated 10 s b h says.
 - **Recompute**: full reruns each layer's forward (GEMMs, ops and its all-reduces) in the
-  backward; selective reruns the attention core (its two GEMMs and its softmax/dropout).
+  backward; selective reruns the attention core (its two GEMMs and its softmax/dropout).  A
+  published run's "op_selective" (torchtitan's op-level policy,
+  `accounting.RECOMPUTE_IMPLEMENTATIONS`) reruns the GEMMs `OP_SELECTIVE_RERUN` names and
+  every non-GEMM op of the forward.
 - **TP communication** (on the critical path): per layer 2 all-reduces of s b h in the
   forward and 2 in the backward (Fig. 4), or with sequence parallelism an all-gather and a
   reduce-scatter for each (the same bytes, twice the latency), plus the embedding's and the
@@ -113,6 +116,7 @@ from megatrain.models import model_config
 from megatrain.models.transformer import TransformerConfig
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
+    OP_SELECTIVE_RERUN,
     activations_per_layer,
     attention_kernel_for,
     float8_gemm,
@@ -216,11 +220,16 @@ def layer_seconds(
         forward += experts["forward"]
         backward += experts["backward"]
         weight += experts["weight_grads"]
-    recompute = {
-        "none": 0.0,
-        "selective": sum(g[0] for g in core) + core_ops,
-        "full": forward,
-    }[layout.recompute]
+    if layout.recompute == "op_selective":  # a published run's: its rerun GEMMs, every other op
+        names = [g.name for g in layer_gemms(cfg, moe) if g.name not in _ROUTED]
+        forwards = dict(zip(names, (g[0] for g in dense), strict=True))
+        recompute = sum(share * forwards[n] for n, share in OP_SELECTIVE_RERUN.items()) + ops
+    else:
+        recompute = {
+            "none": 0.0,
+            "selective": sum(g[0] for g in core) + core_ops,
+            "full": forward,
+        }[layout.recompute]
     comm = one_way * (3 if layout.recompute == "full" else 2)
     if layout.sequence_parallel and config.parallel.tp_comm_overlap:
         passes = 3 if layout.recompute == "full" else 2  # the forward runs again under full
@@ -411,12 +420,20 @@ def schedule_seconds(
     return max(end for _, end in times.values())
 
 
-def memory_per_gpu(config: Config, vocab: int, dp: int, attention: str = "unfused") -> dict:
-    """Bytes per GPU of the fullest pipeline stage (megatrain.plan.memory), by part."""
+def memory_per_gpu(
+    config: Config, vocab: int, dp: int, attention: str = "unfused", recompute: str | None = None
+) -> dict:
+    """Bytes per GPU of the fullest pipeline stage (megatrain.plan.memory), by part;
+    `recompute`: the config's (None), or a published run's policy (a layout's)."""
     pp = config.parallel.pipeline_model_parallel_size
     stages = {
         stage: memory_breakdown(
-            config, vocab_size=vocab, data_parallel_size=dp, stage=stage, attention=attention
+            config,
+            recompute,
+            vocab_size=vocab,
+            data_parallel_size=dp,
+            stage=stage,
+            attention=attention,
         )
         for stage in sorted({0, pp - 1})
     }
@@ -483,7 +500,7 @@ def estimate(
     microbatches = t.global_batch_size // (layout.micro_batch * dp)
     cfg = model_config(config, vocab_size)
     costs = Costs(gpu, profile, t.precision, compiled=t.compile)
-    memory = memory or memory_per_gpu(config, vocab_size, dp, gpu.attention)
+    memory = memory or memory_per_gpu(config, vocab_size, dp, gpu.attention, layout.recompute)
 
     tp_bandwidth = group_bandwidth(gpu, tp, 1)
     # tp-cp-dp-pp: a CP group's members are tp ranks apart, its data-parallel peers tp x cp.

@@ -5,6 +5,7 @@ the shardings and the expert layout), and the config at it: what `megatrain plan
 from dataclasses import dataclass, replace
 
 from megatrain.config import Config
+from megatrain.plan.accounting import RECOMPUTE_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,11 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
     p, t = config.parallel, config.training
     return replace(
         config,
-        model=replace(config.model, recompute=layout.recompute),
+        # a published run's recompute policy (RECOMPUTE_IMPLEMENTATIONS) as megatrain's nearest
+        model=replace(
+            config.model,
+            recompute=RECOMPUTE_IMPLEMENTATIONS.get(layout.recompute, layout.recompute),
+        ),
         parallel=replace(
             p,
             tensor_model_parallel_size=layout.tp,

@@ -69,6 +69,7 @@ from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
+    RECOMPUTE_IMPLEMENTATIONS,
     activations_per_layer,
     checkpoint_copy_bytes_per_parameter,
     context_parallel_attention_per_layer,
@@ -115,7 +116,7 @@ def memory_breakdown(
     GPU whose entry says so: `accounting.activations_per_layer`)."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
-    if recompute not in RECOMPUTE_CHOICES:
+    if recompute not in (*RECOMPUTE_CHOICES, *RECOMPUTE_IMPLEMENTATIONS):
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, not {recompute!r}")
     vocab_size = vocab_size or m.vocab_size
     if not vocab_size:
@@ -172,7 +173,8 @@ def memory_breakdown(
         microbatches = t.global_batch_size // (b * dp) or 1
         deferred = min(stage, microbatches - 1)
         activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
-    if recompute == "full":  # the layer being recomputed holds all of its activations
+    # the layer being recomputed holds all of its activations
+    if recompute in ("full", "op_selective"):
         activations += activations_per_layer(config, "none", moe > 0, attention)
     # Held by one layer at a time, each at its own point of the layer's backward: a MoE layer's
     # all-to-all buffers (its MLP's), and under selective recompute the attention being

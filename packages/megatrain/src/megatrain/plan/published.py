@@ -21,7 +21,7 @@ from megatrain.config import (
     TrainingConfig,
     validate,
 )
-from megatrain.plan.accounting import ATTENTION_IMPLEMENTATIONS
+from megatrain.plan.accounting import ATTENTION_IMPLEMENTATIONS, RECOMPUTE_IMPLEMENTATIONS
 from megatrain.plan.cost_model import Estimate, estimate
 from megatrain.plan.hardware import GIB, PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
 from megatrain.plan.layout import Layout
@@ -35,7 +35,7 @@ else:  # pragma: no cover
 USES = ("fit", "check")
 METRICS = ("tokens_per_s_per_gpu", "hardware_tflops_per_gpu", "model_tflops_per_gpu")
 KINDS = ("gpt", "llama", "bert")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", *RECOMPUTE_IMPLEMENTATIONS)
 SHARDING = ("none", "optimizer", "full")
 # (field, type, required) per section; ints are sizes (> 0).
 _TOP = {"name": str, "use": str, "source": str, "where": str}
@@ -115,7 +115,9 @@ class PublishedRun:
                 vocab_size=m["vocab"],
                 hidden_dropout=m.get("dropout", 0.0),
                 attention_dropout=m.get("dropout", 0.0),
-                recompute=self.layout.recompute,
+                recompute=RECOMPUTE_IMPLEMENTATIONS.get(
+                    self.layout.recompute, self.layout.recompute
+                ),
             ),
             parallel=ParallelConfig(**self.parallel),
             training=TrainingConfig(
@@ -195,6 +197,14 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
                 f"profile {profile.name} (of layout.gpu = {lay['gpu']!r}) cannot time: it has "
                 "no attention_tflops"
             )
+    if lay["recompute"] == "op_selective" and (
+        model["kind"] != "llama" or lay["tp"] != 1 or lay.get("cp", 1) != 1
+    ):
+        raise PublishedError(
+            f"{where}: layout.recompute = 'op_selective' is torchtitan's policy for its Llama "
+            f"block at tp 1 and cp 1 (accounting.RECOMPUTE_IMPLEMENTATIONS), not model.kind "
+            f"{model['kind']!r} at tp {lay['tp']}, cp {lay.get('cp', 1)}"
+        )
     vpp = lay.get("vpp", 1)
     layout = Layout(
         tp=lay["tp"],
@@ -285,7 +295,7 @@ def predicted(run: PublishedRun, result: Estimate, gpu: Gpu) -> float:
         return run.global_batch * run.seq_length / (result.time["total"] * run.gpus)
     if run.metric == "hardware_tflops_per_gpu":
         return result.tflops_per_gpu
-    return result.mfu * gpu.peak_flops(run.precision) / 1e12
+    return result.mfu * gpu.base_peak_flops(run.precision) / 1e12
 
 
 def run_gpu(run: PublishedRun) -> Gpu:
