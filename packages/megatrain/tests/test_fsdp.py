@@ -331,6 +331,9 @@ OPTIMIZER = ['parallel.data_parallel_sharding="optimizer"']
 # name: (sharding and layout that saves after 2 steps, those that take the third step)
 CHECKPOINTS = {
     "full-at-full": (FULL, FULL),
+    # Saved right after an evaluation, whose forwards leave the chunk's own parameters
+    # gathered (FSDP frees them in a backward): the save reshards them first.
+    "full-after-eval-at-full": ([*FULL, "training.eval_interval=2"], FULL),
     # The background writer (issue 49) takes FSDP's shards as they are: the same files.
     "full-async-at-full": ([*FULL, "checkpoint.async_save=true"], FULL),
     "full-at-optimizer-tp2": (FULL, [*OPTIMIZER, "parallel.tensor_model_parallel_size=2"]),

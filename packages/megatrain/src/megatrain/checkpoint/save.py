@@ -26,6 +26,7 @@ from megatrain.checkpoint.dcp import (
     flat_range_boxes,
     global_tensor,
     layout_of,
+    module_of,
     named_buffers,
     named_params,
     own_storage,
@@ -156,10 +157,24 @@ class Snapshot:
     tokenizer: Path | None
 
 
+def _reshard(chunks) -> None:
+    """FSDP2 keeps the parameters it does not free after a forward (a chunk's own, gathered
+    from its forward to its backward) unsharded until the backward; an evaluation runs
+    forwards only, and leaves them so.  A save sees the sharded parameters the optimizer
+    updates: reshard every fully sharded module first (nothing to do where it is)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for chunk in chunks:
+        for module in module_of(chunk).modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def snapshot(run) -> Snapshot:
     """This rank's state at `run.iteration`, nothing copied or gathered."""
     # Under overlap_param_gather the last step's all-gathers may still be filling the weights.
     run.optimizer.finish_param_sync()
+    _reshard(run.chunks)
     mesh = tp_mesh(run.device)
     params = named_params(run.chunks)
     meta = tokenizer = None
