@@ -236,8 +236,8 @@ def main() -> None:
         corpus = write_corpus(
             Path(tmp) / "corpus",
             {
-                "train": random_docs(rng, 200_000, VOCAB, 512),
-                "valid": random_docs(rng, 20_000, VOCAB, 512),
+                "train": [random_docs(rng, 200_000, VOCAB, 512)],  # one shard each
+                "valid": [random_docs(rng, 20_000, VOCAB, 512)],
             },
             vocab_size=VOCAB,
         )
