@@ -240,6 +240,17 @@ def test_a_malformed_row_is_refused_naming_the_field(tmp_path, old, new, message
         load_runs(path)
 
 
+def test_a_row_in_a_precision_its_gpu_cannot_run_is_refused(tmp_path):
+    path = tmp_path / "runs.toml"
+    row = ROW.replace('gpu = "h100-80gb"', 'gpu = "a100-80gb"').replace('"bf16"', '"fp8"')
+    path.write_text(row)
+    with pytest.raises(PublishedError, match=r"layout.precision = 'fp8': a100-80gb has no fp8"):
+        load_runs(path)
+    path.write_text(ROW.replace('"bf16"', '"fp8"'))  # an H100 has float8 GEMMs
+    (run,) = load_runs(path)
+    assert run.precision == "fp8"
+
+
 def test_a_file_without_runs_is_refused(tmp_path):
     path = tmp_path / "runs.toml"
     path.write_text("# nothing\n")
@@ -298,3 +309,9 @@ def test_published_runs_op_level_recompute_by_hand():
     assert flops == 2 * (h * g * d + h * a * d + h * f) * tokens * 32
     _, result = predict(run)
     assert result.fits  # at megatrain's selective it did not (109 GiB on a 96 GB GPU)
+    # the estimate's hardware FLOP/s count what the policy reruns
+    model = result.mfu * result.time["total"] * run.gpus * gpu.base_peak_flops("bf16")
+    hardware = result.tflops_per_gpu * 1e12 * result.time["total"] * run.gpus
+    assert hardware - model == pytest.approx(
+        recomputed_flops(cfg, run.global_batch, s, "op_selective")
+    )

@@ -389,10 +389,12 @@ def plan_command(
     OVERRIDES are section.field=value, as for `megatrain run`.  Exit status 1 when no
     layout fits.  How far the search is goes to stderr (not with --json).
 
-    With --calibrate, measure GEMMs by size, memory bandwidth, SDPA's causal attention by
-    sequence length, transformer layers and all-reduces (over every GPU of this node, or
-    --ranks processes on a CPU) on this machine and write the time model's profile to --out,
-    for --profile; without --gpu a plan with a CPU's profile is for that CPU.
+    With --calibrate, measure GEMMs by size (and float8 GEMMs on a GPU that has them),
+    memory bandwidth, SDPA's causal attention by sequence length, transformer layers and
+    all-reduces (over every GPU of this node, or --ranks processes on a CPU) on this machine
+    and write the time model's profile to --out, for --profile; without --gpu a plan with a
+    CPU's profile is for that CPU.  A config in fp8 (training.precision) is timed with its
+    layers' linears in float8 and torchao's casts, compiled or not as training.compile says.
     """
     import json
 

@@ -529,14 +529,19 @@ def parameter_count(kind: str, cfg: TransformerConfig) -> int:
 
 
 def flops_per_iteration(
-    kind: str, cfg: TransformerConfig, global_batch: int, seq_length: int
+    kind: str,
+    cfg: TransformerConfig,
+    global_batch: int,
+    seq_length: int,
+    recompute: str | None = None,
 ) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one training iteration of the `kind` model: the
-    numerators of MFU and HFU (recompute as `cfg.recompute`)."""
+    numerators of MFU and HFU (recompute as `cfg.recompute`, or a published run's policy)."""
     formulas = KINDS[kind]
+    recompute = recompute or cfg.recompute
     return (
         formulas.model_flops_per_iteration(cfg, global_batch, seq_length),
-        formulas.hardware_flops_per_iteration(cfg, global_batch, seq_length, cfg.recompute),
+        formulas.hardware_flops_per_iteration(cfg, global_batch, seq_length, recompute),
     )
 
 

@@ -624,7 +624,7 @@ def estimate(
     time["total"] = sum(time[k] for k in TIME_PARTS)
 
     model_flops, hardware_flops = flops_per_iteration(
-        config.model.kind, cfg, t.global_batch_size, t.seq_length
+        config.model.kind, cfg, t.global_batch_size, t.seq_length, layout.recompute
     )
     gpus = layout.gpus
     return Estimate(

@@ -23,6 +23,7 @@ from megatrain.config import (
 )
 from megatrain.plan.accounting import ATTENTION_IMPLEMENTATIONS, RECOMPUTE_IMPLEMENTATIONS
 from megatrain.plan.cost_model import Estimate, estimate
+from megatrain.plan.costs import Costs
 from megatrain.plan.hardware import GIB, PRECISIONS, Gpu, Profile, builtin_profile, load_gpus
 from megatrain.plan.layout import Layout
 from megatrain.plan.memory import HEADROOM
@@ -197,6 +198,11 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
                 f"profile {profile.name} (of layout.gpu = {lay['gpu']!r}) cannot time: it has "
                 "no attention_tflops"
             )
+    try:  # a precision its GPU and profile can time (fp8: its peak and GEMMs' efficiency)
+        gpu = gpus[lay["gpu"]]
+        Costs(gpu, builtin_profile(gpu.profile), lay["precision"])
+    except ValueError as e:
+        raise PublishedError(f"{where}: layout.precision = {lay['precision']!r}: {e}") from e
     if lay["recompute"] == "op_selective" and (
         model["kind"] != "llama" or lay["tp"] != 1 or lay.get("cp", 1) != 1
     ):
