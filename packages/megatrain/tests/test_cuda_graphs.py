@@ -91,7 +91,7 @@ def test_graphed_layers_train_as_eager_ones_and_start_every_reduction(gloo_world
 def test_without_the_announcement_the_fused_weights_buckets_wait(gloo_world_of_one, monkeypatch):
     """The negative control of the check above: with the call after each layer's backward
     removed, the buckets holding fused weights start only at finish_grad_sync."""
-    monkeypatch.setattr(parallelize._AfterBackward, "apply", lambda x, done: x)
+    monkeypatch.setattr(parallelize.cuda_graphs._AfterBackward, "apply", lambda x, done: x)
     started = _microbatches(_graphed("cpu"))["started"]
     assert not all(started) and any(started), started
 

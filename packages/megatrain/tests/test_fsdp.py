@@ -289,7 +289,7 @@ def _gather_order(config) -> list:
 def _layouts(corpora, out):
     import torch.distributed as dist
 
-    import megatrain.run.setup as setup
+    import megatrain.parallelize as parallelize
     from megatrain.parallelize import apply_fsdp
 
     seen: list = []
@@ -302,13 +302,13 @@ def _layouts(corpora, out):
         runs["ops"] = sorted({str(op) for op in seen})
         # The negative control: FSDP's own reduction (ReduceOp.AVG) meets the trap.
         seen.clear()
-        setup.apply_fsdp = lambda *args, **kwargs: apply_fsdp(
+        parallelize.apply_fsdp = lambda *args, **kwargs: apply_fsdp(
             *args, **kwargs, sum_then_divide=False
         )
         runs["avg"] = train(_config(corpora, f"{out}/avg", "gpt", "fp32", FULL))
         runs["avg-ops"] = sorted({str(op) for op in seen})
     finally:
-        setup.apply_fsdp = apply_fsdp
+        parallelize.apply_fsdp = apply_fsdp
         dist.reduce_scatter_single = original
     for sharding in SHARDINGS:
         overrides = [f"parallel.data_parallel_sharding={sharding!r}"]

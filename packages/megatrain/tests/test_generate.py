@@ -78,7 +78,7 @@ def _generations(ckpt: str) -> dict:
     }
     out["text"] = tok.decode(out["greedy_cache"])
     # Logits of a prompt fed in pieces through the cache against one full forward.
-    from megatrain.models.transformer import KVCache
+    from megatrain.models.attention.kv_cache import KVCache
 
     ids = torch.tensor([prompt + out["greedy_cache"][:6]])
     with torch.no_grad():

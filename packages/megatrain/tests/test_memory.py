@@ -313,8 +313,9 @@ def _saved_elements(config, vocab: int) -> int:
     import torch
 
     from megatrain.models import build_model_chunks
+    from megatrain.parallelize import parallelize_model
 
-    (chunk,) = build_model_chunks("gpt", model_config(config, vocab), 1)
+    (chunk,) = parallelize_model(build_model_chunks("gpt", model_config(config, vocab), 1))
     chunk.train()
     t = config.training
     tokens = torch.randint(0, vocab, (t.micro_batch_size, t.seq_length))

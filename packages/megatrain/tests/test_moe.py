@@ -23,8 +23,9 @@ from megatrain.config import (
     validate,
 )
 from megatrain.models import model_config
+from megatrain.models.common import cpu_generator, placement
 from megatrain.models.moe import MoELayer, is_moe_layer, moe_layers
-from megatrain.models.transformer import TransformerConfig, _cpu_generator, _placement
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.testing import world_of_one, write_counting_corpus
 
 MODELS = Path(__file__).resolve().parents[3] / "pipelines" / "models"
@@ -51,7 +52,7 @@ def _cfg(**fields) -> TransformerConfig:
 
 
 def _layer(cfg, parallel=None, seed=7) -> MoELayer:
-    return MoELayer(cfg, _placement(_cpu_generator(seed), None, torch.float32), parallel)
+    return MoELayer(cfg, placement(cpu_generator(seed), None, torch.float32), parallel)
 
 
 def _swiglu(x, gate, up, down):

@@ -10,7 +10,7 @@ import pytest
 from megatrain.config import load_config
 from megatrain.models import build_model_chunks, model_config
 from megatrain.models.moe import moe_layers
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan import accounting, hardware, search
 from megatrain.plan.cost_model import estimate
 from megatrain.plan.layout import apply_layout

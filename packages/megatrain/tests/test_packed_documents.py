@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatrain.config import ConfigError, load_config, validate
 from megatrain.data.samples import PackedDocuments, document_arrays
 from megatrain.models import build_model_chunks, model_config
-from megatrain.models.transformer import document_mask, flex_document_attention
+from megatrain.models.attention.masks import document_mask, flex_document_attention
 
 EOD = 0
 ALL = PackedDocuments(True, True, True)

@@ -198,7 +198,7 @@ def _measure_state_bytes() -> list:
         dtype = PRECISION_DTYPES[precision]
         cfg = model_config(config, 1000)
         chunks = build_model_chunks(kind, cfg, 1, dtype=dtype)
-        chunks, optimizer = prepare_training(config, chunks, dtype)
+        chunks, optimizer = prepare_training(config, chunks)
         for chunk in chunks:
             for buffer in chunk.buffers:
                 buffer.grad_data.zero_()

@@ -19,7 +19,7 @@ from megacore import tensor_parallel as tp
 from megacore.testing import run_distributed
 from megatrain.config import ConfigError, load_config
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
-from megatrain.parallelize import apply_compile, apply_recompute
+from megatrain.parallelize import apply_compile, apply_recompute, parallelize_model
 
 B, S, VOCAB = 2, 16, 64
 
@@ -188,7 +188,7 @@ def _at_tp2_with_sequence_parallelism():
     )
 
     def built(c):
-        return build_gpt_chunks(c, 1234, device="cpu")[0]
+        return parallelize_model(build_gpt_chunks(c, 1234, device="cpu"))[0]
 
     def per_draw(model):  # the forks inside the layer swap each time: no outer fork
         model.in_rank_stream = lambda layer: layer

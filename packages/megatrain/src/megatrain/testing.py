@@ -258,14 +258,15 @@ def cuda_graphs_on_cpu():
     and the CUDA-only check lets the run through.  The GPU check runs the real capture."""
     from megacore.testing.cuda_graphs import emulate_make_graphed_callables
     from megatrain import parallelize
+    from megatrain.parallelize import cuda_graphs
 
-    saved = parallelize.make_graphed_callables, parallelize.check_cuda_graphs
-    parallelize.make_graphed_callables = emulate_make_graphed_callables
+    saved = cuda_graphs.make_graphed_callables, parallelize.check_cuda_graphs
+    cuda_graphs.make_graphed_callables = emulate_make_graphed_callables
     parallelize.check_cuda_graphs = lambda device: None
     try:
         yield
     finally:
-        parallelize.make_graphed_callables, parallelize.check_cuda_graphs = saved
+        cuda_graphs.make_graphed_callables, parallelize.check_cuda_graphs = saved
 
 
 @contextlib.contextmanager

@@ -353,7 +353,7 @@ def finetune(task_name: str, ckpt: str, data: str, out: str, settings: Settings)
         resuming = (out / "ckpt" / LATEST).is_file()
         # The encoder from the checkpoint; its task head too when it is a fine-tuned one.
         load_weights(chunks, directory, device, optional=("task_head.",))
-        chunks, optimizer = prepare_training(config, chunks, dtype)
+        chunks, optimizer = prepare_training(config, chunks)
         data = TaskData(task.name, task.train_split, train_feats or next(iter(feats.values())),
                         meta.get("tokenizer") or {}, vocab)  # fmt: skip
         micro = config.training.micro_batch_size // (data.feats.tokens.shape[1])

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.models.bert import BertModel, replicated_linear
-from megatrain.models.transformer import TransformerConfig
-from megatrain.parallelize import build_chunks
+from megatrain.models.layout import build_chunks
+from megatrain.models.transformer_config import TransformerConfig
 
 HEADS = ("classify", "choice", "span")
 CHOICES = 4  # RACE's options per question
@@ -78,7 +78,8 @@ class TaskModel(BertModel):
 def build_task_chunks(
     cfg: TransformerConfig, head: str, num_classes: int, seed: int = 1234, **placement
 ) -> list[TaskModel]:
-    """This rank's chunks of BERT with the task's head (see `parallelize.build_chunks`)."""
+    """This rank's chunks of BERT with the task's head (see `layout.build_chunks`), as built:
+    `prepare_training` parallelizes them."""
     model = partial(TaskModel, head=head, num_classes=num_classes)
     return build_chunks(model, cfg, seed, **placement)
 

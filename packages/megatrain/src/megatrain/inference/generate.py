@@ -16,8 +16,8 @@ import torch.distributed as dist
 from megacore import parallel_state as ps
 from megacore import tensor_parallel as tp
 from megatrain.config import CAUSAL_KINDS
+from megatrain.models.attention.kv_cache import KVCache
 from megatrain.models.gpt import GPTModel
-from megatrain.models.transformer import KVCache
 
 
 @dataclass

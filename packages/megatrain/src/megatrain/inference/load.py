@@ -20,7 +20,8 @@ from megatrain.checkpoint.load import load_weights
 from megatrain.config import Config
 from megatrain.models import build_model_chunks
 from megatrain.models import model_config as run_model_config
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
+from megatrain.parallelize import parallelize_model
 
 
 @dataclass
@@ -114,6 +115,7 @@ def load_model(
     # parameter); loading casts the saved tensors to `dtype`, rounding them as `.to(dtype)`
     # would.
     chunks = build_model_chunks(model_kind(meta), cfg, device=device, dtype=dtype, initialize=False)
+    chunks = parallelize_model(chunks)  # the experts' place, which the checkpoint is read by
     load_weights(chunks, directory, device)
     for c in chunks:
         c.eval()

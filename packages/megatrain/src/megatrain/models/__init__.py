@@ -2,22 +2,30 @@
 
 `model.kind` of a run config picks the model; the functions here dispatch on it, so the
 training loop, checkpoints and loaders take the kind from the config instead of assuming
-GPT.
+GPT.  The chunks come out as built at the rank's layout; `megatrain.parallelize` applies
+the rest of the run's parallelism to them (`parallelize_model`).
+
+The tree: `transformer_config` (the model as built), `layout` (where a rank sits, its chunks
+built), `common` (placement, norms, fused elementwise ops), `attention/` (one module per
+attention kind, and what they share), `mlp` (the dense MLP), `moe` (the routed experts),
+`spec` (which attention and which MLP each layer holds), `transformer` (the layer and the
+language-model base), `gpt` and `bert` (the models).
 """
 
 from megacore import tensor_parallel as tp
 from megatrain.config import MOE_FIELDS, Config
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 
 # A Llama is GPTModel with the Llama switches of TransformerConfig set (`model_config`).
 _BUILDERS = {"gpt": build_gpt_chunks, "bert": build_bert_chunks, "llama": build_gpt_chunks}
 
 
 def build_model_chunks(kind: str, cfg: TransformerConfig, seed: int = 1234, **placement) -> list:
-    """This rank's chunks of the `kind` model ("gpt", "bert" or "llama"); `placement`:
-    device, dtype, initialize, as `build_gpt_chunks`."""
+    """This rank's chunks of the `kind` model ("gpt", "bert" or "llama") as built (no
+    recompute, context or expert parallelism applied: `parallelize.parallelize_model`);
+    `placement`: device, dtype, initialize, as `build_gpt_chunks`."""
     return _BUILDERS[kind](cfg, seed, **placement)
 
 

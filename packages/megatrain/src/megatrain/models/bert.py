@@ -27,14 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megacore import tensor_parallel as tp
-from megatrain.models.transformer import (
-    GELUS,
-    LanguageModel,
-    TransformerConfig,
-    _cpu_generator,
-    _layer_norm,
-)
-from megatrain.parallelize import build_chunks
+from megatrain.models.common import cpu_generator, layer_norm
+from megatrain.models.layout import build_chunks
+from megatrain.models.transformer import LanguageModel
+from megatrain.models.transformer_config import GELUS, TransformerConfig
 
 
 def bert_config(**fields) -> TransformerConfig:
@@ -49,7 +45,7 @@ def replicated_linear(cfg, rows: int, cols: int, seed: int, device, dtype, initi
     layer = nn.Linear(cols, rows, device="cpu" if device is None else device, dtype=dtype)
     if initialize:
         full = torch.empty(rows, cols)
-        tp.init_method_normal(cfg.init_method_std)(full, generator=_cpu_generator(seed))
+        tp.init_method_normal(cfg.init_method_std)(full, generator=cpu_generator(seed))
         with torch.no_grad():
             layer.weight.copy_(full)
             layer.bias.zero_()
@@ -107,7 +103,7 @@ class BertModel(LanguageModel):
         if not self.PRETRAINING_HEADS:
             return
         self.lm_dense = replicated_linear(cfg, h, h, seed - 3, device, dtype, initialize)
-        self.lm_layernorm = _layer_norm(cfg, device, dtype)
+        self.lm_layernorm = layer_norm(cfg, device, dtype)
         for p in self.lm_layernorm.parameters():
             p.sequence_parallel = False  # after the gather: every rank sees every token
         self.lm_output = tp.ColumnParallelLinear(
@@ -186,7 +182,8 @@ def build_bert_chunks(
     dtype: torch.dtype = torch.float32,
     initialize: bool = True,
 ) -> list[BertModel]:
-    """This rank's BERT chunks (see `parallelize.build_chunks`)."""
+    """This rank's BERT chunks (see `layout.build_chunks`), as built: `parallelize_model`
+    applies the run's parallelism to them."""
     return build_chunks(BertModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)
 
 

@@ -16,26 +16,15 @@ attends over all cached positions, so a new token costs one position's work.
 import torch
 
 from megacore import tensor_parallel as tp
-from megatrain.models.transformer import (
-    KVCache,
-    LanguageModel,
-    TransformerConfig,
-    bias_dropout_add,
-    bias_gelu,
-)
-from megatrain.parallelize import build_chunks
+from megatrain.models.attention.kv_cache import KVCache
+from megatrain.models.layout import build_chunks
+from megatrain.models.transformer import LanguageModel
+from megatrain.models.transformer_config import TransformerConfig
 
 # GPT's settings are TransformerConfig's defaults (pre_ln, causal, tanh GeLU, no token types).
 GPTConfig = TransformerConfig
 
-__all__ = [
-    "GPTConfig",
-    "GPTModel",
-    "KVCache",
-    "bias_dropout_add",
-    "bias_gelu",
-    "build_gpt_chunks",
-]
+__all__ = ["GPTConfig", "GPTModel", "build_gpt_chunks"]
 
 
 class GPTModel(LanguageModel):
@@ -103,5 +92,6 @@ def build_gpt_chunks(
     dtype: torch.dtype = torch.float32,
     initialize: bool = True,
 ) -> list[GPTModel]:
-    """This rank's GPT chunks (see `parallelize.build_chunks`)."""
+    """This rank's GPT chunks (see `layout.build_chunks`), as built: `parallelize_model`
+    applies the run's parallelism to them."""
     return build_chunks(GPTModel, cfg, seed, device=device, dtype=dtype, initialize=initialize)

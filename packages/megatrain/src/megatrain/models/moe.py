@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP that `TransformerLayer` holds in place of `ParallelMLP` on its MoE
-layers (`is_moe_layer`), from megacore.moe's functions.
+"""The mixture-of-experts MLP that fills a layer's MLP slot (`models.mlp`) on its MoE layers
+(`is_moe_layer`, chosen in `models.spec`), from megacore.moe's functions.
 
 `MoELayer` (parameter names are part of the checkpoint and HF contracts):
 - `router.weight` [E, h]: the router, replicated, no bias; its logits in fp32.
@@ -38,6 +38,7 @@ from torch import nn
 
 from megacore import moe
 from megacore import tensor_parallel as tp
+from megatrain.models.mlp import ParallelMLP
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,6 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg, place: dict, parallel=None):
         super().__init__()
-        from megatrain.models.transformer import ParallelMLP  # the dense MLP, shared expert
-
         self.cfg = cfg
         experts = ExpertPlace.of(parallel)
         self.router = TopKRouter(cfg, place)

@@ -3,7 +3,7 @@ context parallelism's communication around it: one layer, one microbatch, one TP
 (`cost_model.layer_seconds` adds them to the layer's GEMMs and element-wise passes)."""
 
 from megatrain.config import Config
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
     ATTENTION_IMPLEMENTATIONS,
     attention_core_flops,

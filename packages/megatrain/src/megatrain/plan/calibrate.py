@@ -199,7 +199,9 @@ def _layer_worker(shapes: tuple, precision: str, repeats: int) -> list:
     """[seconds] of forward + backward of one TransformerLayer (dropout on) per shape."""
     from megacore import parallel_state as ps
     from megacore import tensor_parallel
-    from megatrain.models.transformer import TransformerConfig, TransformerLayer, _placement
+    from megatrain.models.common import placement
+    from megatrain.models.transformer import TransformerLayer
+    from megatrain.models.transformer_config import TransformerConfig
     from megatrain.run.distributed import init_distributed
     from megatrain.run.setup import PRECISION_DTYPES
 
@@ -216,7 +218,7 @@ def _layer_worker(shapes: tuple, precision: str, repeats: int) -> list:
             vocab_size=128,
             max_position_embeddings=seq,
         )
-        layer = TransformerLayer(cfg, _placement(torch.Generator().manual_seed(0), device, dtype))
+        layer = TransformerLayer(cfg, placement(torch.Generator().manual_seed(0), device, dtype))
         x = torch.randn(seq, batch, hidden, device=device, dtype=dtype, requires_grad=True)
         grad = torch.ones(seq, batch, hidden, device=device, dtype=dtype)
         step = lambda layer=layer, x=x, grad=grad: layer(x).backward(grad)  # noqa: E731

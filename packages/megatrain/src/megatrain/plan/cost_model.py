@@ -113,7 +113,7 @@ from dataclasses import dataclass, field
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
 from megatrain.config import Config
 from megatrain.models import model_config
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     OP_SELECTIVE_RERUN,

@@ -11,24 +11,13 @@ import torch
 import torch.distributed as dist
 
 from megacore import parallel_state as ps
-from megacore import tensor_parallel as tp
-from megacore.distributed import DistributedDataParallel
 from megacore.optimizer import MegatronOptimizer, OptimizerConfig
-from megatrain import parallelize
 from megatrain.config import PACKING_SWITCHES, Config, validate
 from megatrain.data.blend import BlendedBatches, OpenBlend, open_run_blend
 from megatrain.data.samples import GPTBatches, PackedDocuments
 from megatrain.models import build_model_chunks, model_config
-from megatrain.models.transformer import TransformerConfig
-from megatrain.parallelize import apply_compile, apply_float8, apply_fsdp
-
-# fp8 keeps bf16 parameters and activations; the layers' GEMMs run in float8.
-PRECISION_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8": torch.bfloat16,
-}
+from megatrain.models.transformer_config import TransformerConfig
+from megatrain.parallelize import PRECISION_DTYPES, check_device_support, parallelize_model
 
 
 @dataclass
@@ -86,63 +75,19 @@ def batches_for(config: Config, data: "OpenBlend", dp: int):
     return BlendedBatches(data.entries, sources, **batch, **rank)
 
 
-def _reshard_after_forward(p) -> bool:
-    """FSDP's reshard_after_forward: as configured, else off under pipeline parallelism."""
-    if p.reshard_after_forward is not None:
-        return p.reshard_after_forward
-    return p.pipeline_model_parallel_size == 1
+def prepare_training(config: Config, chunks: list) -> tuple[list, MegatronOptimizer]:
+    """Built model chunks ready to train as `config` says (`parallelize_model`: every step of
+    the run's parallelism, in its order, ending wrapped for data parallelism) and the
+    optimizer over them.  Shared by pretraining and fine-tuning (megaeval)."""
+    chunks = parallelize_model(chunks, config)
+    return chunks, build_optimizer(config, chunks)
 
 
-def _ddp(chunk, config: Config, dtype: torch.dtype, group) -> DistributedDataParallel:
-    """`chunk` in megacore's DDP (the distributed optimizer's buffers with "optimizer")."""
-    p, t = config.parallel, config.training
-    return DistributedDataParallel(
-        chunk,
-        grad_reduce_in_fp32=dtype != torch.float32,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        use_distributed_optimizer=p.use_distributed_optimizer,
-        overlap_param_gather=p.overlap_param_gather,
-        bucket_size=p.bucket_size,
-        gradient_accumulation_fusion=t.gradient_accumulation_fusion,
-        data_parallel_group=group,
-    )
-
-
-def prepare_training(
-    config: Config, chunks: list, dtype: torch.dtype
-) -> tuple[list, MegatronOptimizer]:
-    """Model chunks ready to train as `config` says: compiled if asked, wrapped in megacore's
-    DDP (or the distributed optimizer's buffers), or fully sharded by FSDP2
-    (`data_parallel_sharding = "full"`: fp32 sharded parameters, which the optimizer updates
-    in place), the tensor-parallel dropout seeds set, and the optimizer over them.  Shared by
-    pretraining and fine-tuning (megaeval)."""
+def build_optimizer(config: Config, chunks: list) -> MegatronOptimizer:
+    """Megatron's optimizer over the wrapped chunks (the distributed optimizer's shards with
+    `parallel.use_distributed_optimizer`; FSDP's sharded fp32 parameters updated in place)."""
     p, t, o = config.parallel, config.training, config.optimizer
-    if t.precision == "fp8":
-        chunks = [apply_float8(c, tp.Float8Recipe(emulate=t.fp8_emulate)) for c in chunks]
-    if t.compile:
-        chunks = [apply_compile(c) for c in chunks]
-    # Context-parallel ranks hold the whole model too: their gradients are summed.
-    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    if p.data_parallel_sharding == "full":
-        chunks = [
-            apply_fsdp(
-                c, dp_group, dtype, _reshard_after_forward(p),
-                reduce_every_microbatch=p.reduce_every_microbatch,
-            )
-            for c in chunks
-        ]  # fmt: skip
-    else:
-        chunks = [_ddp(c, config, dtype, dp_group) for c in chunks]
-    # Dropout masks: the same on the TP ranks of a stage, different between stages.
-    seed = t.seed + 100 * ps.get_pipeline_model_parallel_rank()
-    tp.model_parallel_manual_seed(seed)
-    if t.cuda_graphs:  # after DDP (the distributed optimizer moves the parameters)
-        chunks = [
-            parallelize.apply_cuda_graphs(c, t.seq_length, t.micro_batch_size, dtype)
-            for c in chunks
-        ]
-        tp.model_parallel_manual_seed(seed)  # undo the capture's draws
-    optimizer = MegatronOptimizer(
+    return MegatronOptimizer(
         OptimizerConfig(
             lr=o.lr,
             weight_decay=o.weight_decay,
@@ -162,7 +107,6 @@ def prepare_training(
         ),
         chunks,
     )
-    return chunks, optimizer
 
 
 def build_run(config: Config, device: torch.device) -> Run:
@@ -186,14 +130,10 @@ def build_run(config: Config, device: torch.device) -> Run:
     valid_data = open_run_blend(config, "valid", verify)
     transformer = model_config(config, train_corpora.first.vocab_size)
     dtype = PRECISION_DTYPES[t.precision]
-    if t.precision == "fp8":  # before any weight is built
-        tp.check_float8_available(device, t.fp8_emulate)
-    if t.cuda_graphs:
-        parallelize.check_cuda_graphs(device)
+    check_device_support(config, device)  # before any weight is built
     # Built in place (on `device`, in `dtype`): the tied-embedding sync inside runs on the
     # device (NCCL needs that at pp > 1), and no weight passes through a second copy.
     chunks = build_model_chunks(config.model.kind, transformer, t.seed, device=device, dtype=dtype)
-    chunks = [parallelize.apply_context_parallel(c, p.cp_comm_type) for c in chunks]
-    chunks, optimizer = prepare_training(config, chunks, dtype)
+    chunks, optimizer = prepare_training(config, chunks)
     train_data = batches_for(config, train_corpora, dp)
     return Run(config, transformer, chunks, optimizer, train_data, valid_data, device, dtype, dp)

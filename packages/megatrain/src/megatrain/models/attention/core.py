@@ -1,0 +1,80 @@
+"""The attention core every kind shares: softmax(q k^T / sqrt(d)) v over [b, heads, s, d], through
+the kernel that fits the call — `scaled_dot_product_attention` (flash-eligible when causal on
+CUDA: `is_causal`, never an s x s mask), FlexAttention's block mask for packed documents on
+CUDA, the dense document mask on the CPU, megacore's context-parallel attention when the
+sequence is split over CP ranks — and its cached form for generation.
+
+An attention kind computes its queries, keys and values and hands them here; what it
+projects (and how it splits heads over TP) is its own.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megacore import tensor_parallel as tp
+from megacore.context_parallel import context_parallel_attention
+from megatrain.models.attention.inputs import AttentionInputs
+from megatrain.models.attention.kv_cache import KVCache
+from megatrain.models.attention.masks import (
+    document_block_mask,
+    document_mask,
+    flex_document_attention,
+)
+
+
+def attend(q, k, v, mask=None, *, causal: bool, dropout_p: float, tp_size: int, context_parallel):
+    """Attention over q [b, heads, s, d] and k, v [b, groups, s, d] (grouped-query when fewer).
+
+    `mask`: keys to attend [b, 1, 1, s] (bidirectional), or, causal, the batch's
+    `AttentionInputs` (positions, documents).  `context_parallel`: the layer's
+    `parallelize.ContextParallel` (None: this rank holds the whole sequence).  `tp_size`: with
+    dropout at tp > 1 each rank draws its heads' masks from the model-parallel stream."""
+    # The flash-eligible call (bf16/fp16 on CUDA) when causal: no attn_mask (is_causal
+    # instead of a materialized s x s mask), 4-D [b, heads, s, d] inputs with head_dim
+    # <= 256, and the last dimension of stride 1.  Flash takes the batch, head and
+    # sequence strides as they come, so the permuted views of the QKV output need no
+    # contiguous() copy.  Bidirectional: the key-padding mask [b, 1, 1, s] broadcasts.
+    p = dropout_p
+    if isinstance(mask, AttentionInputs):  # causal; packed documents: within each
+        inputs, segments, mask = mask, mask.segments, None
+        cp = context_parallel
+        if cp is not None:  # the sequence is split over CP ranks: attend over all of it
+            positions = cp.positions(q.shape[2], q.device)
+            return context_parallel_attention(
+                q, k, v, q_positions=positions, kv_positions=positions, segments=segments,
+                comm_type=cp.comm_type, group=cp.group,
+            )  # fmt: skip
+        if segments is not None:
+            if q.is_cuda and not p:  # FlexAttention skips the masked blocks
+                if inputs.block_mask is None:
+                    inputs.block_mask = document_block_mask(segments)
+                return flex_document_attention(q, k, v, segments, block=inputs.block_mask)
+            mask, causal = document_mask(segments), False  # SDPA with the s x s mask
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    # No random numbers needed (so none need seeding, e.g. for evaluation); or one TP rank,
+    # whose heads the default stream serves: no generator swap, which torch.compile cannot
+    # trace (it would cut the compiled layer in three around the attention).
+    if not p or tp_size == 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
+        )
+    # Local heads: another mask on each TP rank.  Under sequence parallelism the layer's
+    # caller has forked around the whole layer and this fork is a no-op (no swap).
+    with tp.get_rng_tracker().fork():
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
+        )
+
+
+def attend_cached(q, k, v, cache: KVCache, layer_id: int):
+    """Causal attention of new queries over the cached keys and values and their own (appended
+    to `cache`, layer `layer_id`'s: the local key/value heads, groups, not heads)."""
+    offset = cache.offset
+    k, v = cache.append(layer_id, k, v)
+    s = q.shape[2]
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    # Query i sits at position offset + i and sees keys up to there.
+    mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(offset)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)

@@ -1,0 +1,31 @@
+"""The KV cache of generation: each attention layer's keys and values of the positions seen."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions seen so far, per layer (local heads of this TP rank).
+
+    `offset` is the number of cached positions; `GPTModel.forward` advances it.
+    """
+
+    max_length: int
+    offset: int = 0
+    layers: dict = field(default_factory=dict)  # layer id -> (keys, values) [b, heads, max, d]
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [b, heads, s, d] at the next positions; all cached keys and values."""
+        b, heads, s, d = k.shape
+        end = self.offset + s
+        if end > self.max_length:
+            raise ValueError(f"KVCache: {end} positions exceed max_length={self.max_length}")
+        if layer_id not in self.layers:
+            shape = (b, heads, self.max_length, d)
+            self.layers[layer_id] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = self.layers[layer_id]
+        keys[:, :, self.offset : end] = k
+        values[:, :, self.offset : end] = v
+        return keys[:, :, :end], values[:, :, :end]
