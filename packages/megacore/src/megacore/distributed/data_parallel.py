@@ -40,7 +40,9 @@ mark) live in buffers of their own, reduced (or sharded, with the distributed op
 over the expert-data-parallel group instead: the ranks holding the same expert shard.  They
 are divided by the dense data-parallel size all the same: the loss is the mean over the
 dense replicas' batches, and an expert's gradient on one rank already sums what every token
-routed to it (from any rank of its expert-parallel group) contributed.
+routed to it (from any rank of its expert-parallel group) contributed.  Part of
+megacore.moe's gradient-scale rule: the EDP ranks of one expert slice take the tokens of
+disjoint ETP x EP groups, so their sum covers the stage's tokens once, as the dense one does.
 """
 
 import contextlib
@@ -244,7 +246,9 @@ class DistributedDataParallel(nn.Module):
         return data[bucket.shard_rank * size : (bucket.shard_rank + 1) * size]
 
     def _start(self, bucket: Bucket) -> None:
-        if self.dp_size > 1:  # the mean over the dense replicas, for expert buckets too
+        # Part of megacore.moe's gradient-scale rule: divided by the dense size (megatrain's
+        # DP x CP), for expert buckets too, though they are summed over expert DP.
+        if self.dp_size > 1:
             bucket.grad_data.div_(self.dp_size)
         if bucket.shards == 1:
             bucket.handle = True

@@ -21,6 +21,9 @@ The auxiliary losses return this rank's share of a loss over a `group` of ranks 
 hold part of the tokens (megatron-core passes the tensor x context parallel group): the
 token counts per expert are summed over the group, so the shares add up over the group to
 the loss of all its tokens, and every layout gives the same number.  One process: None.
+Part of megacore.moe's gradient-scale rule: the shares add up to one loss, not one per CP
+rank, so their gradient scale carries x cp against the data-parallel mean (see
+`MoEAuxLossAutoScaler`).
 """
 
 import math
@@ -181,7 +184,8 @@ def sequence_load_balancing_loss(
 
 def z_loss(logits: torch.Tensor, coeff: float, group=None) -> torch.Tensor:
     """ST-MoE's router z-loss: coeff x mean over tokens of logsumexp(logits)^2.  With
-    `group` (ranks holding equal parts of the tokens), this rank's share: its mean / size."""
+    `group` (ranks holding equal parts of the tokens), this rank's share: its mean / size
+    (megacore.moe's gradient-scale rule: the shares sum to the group's mean)."""
     ranks = 1 if group is None else dist.get_world_size(group)
     return torch.logsumexp(logits.float(), dim=-1).square().mean() * (coeff / ranks)
 
@@ -191,7 +195,8 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     is, the backward hands the loss a gradient of `main_loss_backward_scale` (what the main
     loss's gradient is scaled by: 1 / microbatches, x the fp16 loss scale), so the loss
     trains the router without changing any forward signature or the reported LM loss
-    (Megatron's MoEAuxLossAutoScaler)."""
+    (Megatron's MoEAuxLossAutoScaler).  Part of megacore.moe's gradient-scale rule: under
+    context parallelism the train step sets that scale x cp (a share is not a whole loss)."""
 
     main_loss_backward_scale: torch.Tensor | float = 1.0
 

@@ -125,6 +125,31 @@ class AllToAllDispatcher:
             )
         self.num_experts, self.local = num_experts, num_experts // self.ep
 
+    # The block order the regroup depends on.  L = E / ep local experts; a block is the rows one
+    # source rank sends to one local expert, in the sender's token order.
+    # - `sent` is sorted by global expert, so it is ep blocks, one per destination EP rank in
+    #   EP-group rank order, each by local expert: EP-group rank k must hold global experts
+    #   [k L, (k + 1) L) (parallel_state's groups list ranks by coordinate; the experts'
+    #   `first` is ep_rank x L).  The all-to-all's output is then [ep source, local expert].
+    # - The ETP peers hold the same experts (ETP varies only the etp coordinate), and both the
+    #   count gather (`all_gather_flat`) and the row gather (`gather_rows`) concatenate in
+    #   ETP-group rank order, so `matrix[q, s, i]` counts exactly the rows gather_rows puts in
+    #   block (q, s, i): the rows arrive ordered (etp source q, ep source s, local expert i),
+    #   block sizes matrix.reshape(-1), the same matrix on every peer.
+    # - `sizes` packs three orders into one host read: [etp_sizes (etp: what each ETP peer
+    #   received over EP, the row gather's per-rank sizes) | output_splits (ep: what this rank
+    #   receives from each EP source, matrix[etp_rank].sum(1)) | input_splits (ep: what it
+    #   sends to each EP destination)].
+    # - The regroup stably sorts the blocks into (local expert, etp source, ep source) order;
+    #   `combine` inverts it, then reduce-scatters over ETP and all-to-alls back.
+    # Example, ep 2 x etp 2, E 4 (L 2) on 4 ranks: ETP [0,1] (experts 0,1), [2,3] (2,3); EP
+    # [0,2], [1,3].  Rank 0 (etp 0, ep 0) gets from rank 0 2 rows for expert 0, 1 for 1; from
+    # rank 2 0 and 3; its peer rank 1 gets from rank 1 1 and 0, from rank 3 2 and 2.  On ranks 0
+    # and 1, matrix = [[[2, 1], [0, 3]], [[1, 0], [2, 2]]]: the 11 rows arrive as blocks
+    # r0e0 (2) r0e1 (1) r2e0 (0) r2e1 (3) r1e0 (1) r1e1 (0) r3e0 (2) r3e1 (2); etp_sizes
+    # [6, 5]; rank 0's output_splits [3, 3] (rank 1's [1, 4]); regrouped: expert 0 = r0 r0 r1
+    # r3 r3, expert 1 = r0 r2 r2 r2 r3 r3, tokens_per_local_expert [5, 6].  If rank 0 sends 3
+    # rows to EP rank 0 and 2 to EP rank 1, its sizes are [6, 5, 3, 3, 3, 2].
     def dispatch(self, hidden, probs, indices):
         # Sorted by global expert, the pairs for each EP rank are one block (its experts').
         sent, counts, self.order = permute(hidden, indices, self.num_experts, self.dropless)
@@ -138,7 +163,8 @@ class AllToAllDispatcher:
             all_gather_flat(gathered, received, group=self.etp_group)
             received = gathered
         matrix = received.view(self.etp, self.ep, self.local)
-        # The split sizes, which all_to_all_single takes as lists: the dispatch's host sync.
+        # The split sizes, which all_to_all_single takes as lists: the dispatch's host sync
+        # ([etp_sizes | output_splits | input_splits], the block order above).
         sent_per_rank = counts.view(self.ep, self.local).sum(1)
         sizes = torch.cat([matrix.sum((1, 2)), matrix[self.etp_rank].sum(1), sent_per_rank])
         sizes = sizes.tolist()
@@ -185,6 +211,8 @@ class AllGatherDispatcher:
         self.first = ep_rank * self.local
 
     def dispatch(self, hidden, probs, indices):
+        # `sizes`, the gathers and the combine's reduce-scatter all go in ETP x EP group-rank
+        # order, so rank i's tokens are rows [sum(sizes[:i]), sum(sizes[:i + 1])) everywhere.
         self.sizes = _sizes_over(self.group, hidden.size(0), hidden.device)
         hidden = gather_rows(hidden, self.group, self.sizes)
         self.probs = gather_rows(probs, self.group, self.sizes)

@@ -40,7 +40,8 @@ def _grad(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def counts_once(p: torch.Tensor) -> bool:
-    """Whether p's gradient enters the global norm on this rank (so each element counts once)."""
+    """Whether p's gradient enters the global norm on this rank (so each element counts once);
+    part of megacore.moe's gradient-scale rule."""
     if is_expert_param(p):  # split over ETP (no expert parts replicated there) and EP
         return True
     if not param_is_not_tensor_parallel_duplicate(p):
@@ -93,7 +94,8 @@ def grad_stats(
 def expert_norm_groups(sharded_over_data: bool) -> list | None:
     """The groups expert parameters' norm terms are summed over (ETP x EP x PP, and expert DP
     when the optimizer shards them there), or None when the expert layout is the dense one
-    (ep 1, etp = tp: expert parameters then count with the dense ones)."""
+    (ep 1, etp = tp: expert parameters then count with the dense ones).  Part of megacore.moe's
+    gradient-scale rule: each expert element lives on one rank of ETP x EP x PP."""
     if not ps.model_parallel_is_initialized() or ps.expert_layout_is_dense_layout():
         return None
     groups = [ps.get_expert_tensor_model_pipeline_parallel_group()]

@@ -65,7 +65,8 @@ def _masked_loss(loss_mask: torch.Tensor, cp: int, output: torch.Tensor):
     """The mean loss over the tokens `loss_mask` keeps (data.eod_mask_loss).  Under context
     parallelism each rank holds part of the microbatch: its sum over the microbatch's count
     of kept tokens, times cp, so that the gradients' mean over the CP ranks (the
-    data-parallel reduction includes them) and the logged mean are the microbatch's mean."""
+    data-parallel reduction includes them) and the logged mean are the microbatch's mean
+    (the L of megacore.moe's gradient-scale rule)."""
     mask = loss_mask.float()
     count = mask.sum()
     if cp > 1:
@@ -170,7 +171,8 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
     # MoE: the auxiliary losses' gradients scaled as the main loss's (1 / microbatches, x the
     # fp16 loss scale), each layer's load counted from zero.  Times cp: a CP rank's aux and z
     # losses are its share of its sequences' (the shares add up over the CP ranks), while the
-    # data-parallel reduction averages the gradients over them.
+    # data-parallel reduction averages the gradients over them.  Part of megacore.moe's
+    # gradient-scale rule (its module docstring): the x cp undoes the DDP's 1/cp.
     one = torch.ones((), device=run.device)
     cp = ps.get_context_parallel_world_size()
     moe.begin_step(run.chunks, run.optimizer.scale_loss(one) / run.num_microbatches * cp)
