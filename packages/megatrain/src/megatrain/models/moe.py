@@ -90,6 +90,8 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
         # The group whose ranks hold the other tokens of the same sequences (tensor x context
         # parallel under sequence parallelism); None: this rank holds them all.
+        # Part of megacore.moe's gradient-scale rule: the losses are this rank's shares over it,
+        # their gradient scaled by MoEAuxLossAutoScaler (the main loss's scale x cp).
         self.aux_loss_group = None
         self.last_aux_loss = None  # this microbatch's aux (or seq aux) loss / coeff, detached
 
@@ -165,7 +167,8 @@ class GroupedExperts(nn.Module):
         self.weight1, self.weight2 = nn.Parameter(weight1), nn.Parameter(weight2)
         for w in (self.weight1, self.weight2):
             # Megatron's mark of an expert parameter: reduced over the expert-data-parallel
-            # group, not the dense data-parallel one.
+            # group, not the dense data-parallel one, yet divided by the dense DP x CP size
+            # (part of megacore.moe's gradient-scale rule).
             w.allreduce = False
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ def apply_expert_parallel(chunk) -> None:
             cfg.num_moe_experts, cfg.moe_token_dispatcher_type, dropless
         )
         if spread:
+            # Part of megacore.moe's gradient-scale rule: the router's losses become TP x CP
+            # shares (the train step's x cp undoes the DDP's 1/cp on their gradients).
             layer.router.aux_loss_group = parallel_state.get_tensor_and_context_parallel_group()
 
 
@@ -58,6 +60,8 @@ def aux_loss_over_layout(chunks, cfg, device) -> torch.Tensor | None:
     value = torch.stack(means).sum().reshape(1) if means else torch.zeros(1, device=device)
     value = value.to(device, torch.float32)
     if parallel_state.model_parallel_is_initialized():
+        # Part of megacore.moe's gradient-scale rule: the TP x CP shares add up to one loss
+        # (no / cp, unlike the gradients' DP x CP mean); only DP is averaged.
         dist.all_reduce(value, group=parallel_state.get_tensor_and_data_parallel_group(True))
         value /= parallel_state.get_data_parallel_world_size()
     layers = torch.tensor([float(len(means))], device=device)
