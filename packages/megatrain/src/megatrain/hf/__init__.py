@@ -1,8 +1,8 @@
 """Hugging Face conversions both ways (`megatrain export-hf`, `megatrain import-hf`): GPT-2
-(`gpt2`), BERT (`bert`), Llama and Mistral (`llama`), Qwen2 and Qwen3 (`qwen`, through
-`llama`'s reader and writer), Mixtral, Qwen2-MoE and Qwen3-MoE (`moe`), with what they
-share in `common`.  The two functions here pick
-the model kind; transformers is needed by export only."""
+(`gpt2`), BERT (`bert`), Llama and Mistral (`llama`), Qwen2 and Qwen3 (`qwen`), Mixtral,
+Qwen2-MoE and Qwen3-MoE (`moe`): the three decoder families over their shared base (`decoder`,
+the classes an export writes in `families`), every kind over what all share (`common`).  The
+two functions here pick the model kind; transformers is needed by export only."""
 
 import json
 from pathlib import Path

@@ -1,6 +1,8 @@
 """Hugging Face mixtures of experts both ways: Mixtral (`MixtralForCausalLM`), Qwen2-MoE
 (`Qwen2MoeForCausalLM`) and Qwen3-MoE (`Qwen3MoeForCausalLM`), as our Llama kind with
-`model.num_moe_experts` (`models.moe.MoELayer`), through `hf.llama`'s reader and writer.
+`model.num_moe_experts` (`models.moe.MoELayer`), through the decoders' reader (`hf.decoder`)
+and `llama.export_llama`; the classes an export writes, with their MLP writer and the
+routers they refuse, are `hf.families`' (`moe_family`).
 
 The storage differs only in the MLPs:
 
@@ -32,35 +34,25 @@ from pathlib import Path
 
 import torch
 
-from megatrain.checkpoint.files import CheckpointError
-from megatrain.hf.llama import (
-    Family,
+from megatrain.hf.decoder import (
+    SHARED,
     decoder_fields,
     dense_mlp_from_hf,
     dense_mlp_shapes,
-    dense_mlp_to_hf,
-    import_llama,
+    expert_names,
+    import_decoder,
     load_hf_config,
+    read_qwen_config,
     refuser,
     weight_shapes,
 )
-from megatrain.hf.qwen import read_qwen_config
+from megatrain.hf.families import moe_family  # noqa: F401 (benchmarks import it from here)
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Fields that change what a model computes and that we have no switch for, refused when set
 # (DeepSeek's latent attention and its grouped, scaled routing, should a config carry them).
 UNREPRESENTED = ("kv_lora_rank", "q_lora_rank", "n_routed_experts", "n_shared_experts",
                  "topk_method", "routed_scaling_factor")  # fmt: skip
-# Per expert: ours (rows of weight1 [gate | up], weight2) -> HF's, by family.
-EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")),
-    "qwen": ("mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")),
-}
-SHARED = {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}  # ours -> Qwen2-MoE's
-
-
-def _names(model_type: str) -> tuple[str, str, tuple[str, str, str]]:
-    return EXPERT_NAMES["mixtral" if model_type == "mixtral" else "qwen"]
 
 
 def moe_layers(c: dict) -> list[bool]:
@@ -78,7 +70,7 @@ def _experts(c: dict, default: int | None):
 
 
 def read_moe_config(hf_dir: Path) -> dict:
-    """config.json of a Mixtral, Qwen2-MoE or Qwen3-MoE as `llama.decoder_fields` reads it, with
+    """config.json of a Mixtral, Qwen2-MoE or Qwen3-MoE as `decoder_fields` reads it, with
     the experts' fields {experts, topk, expert_ffn, shared_ffn, norm_topk, sparse_step,
     mlp_only, aux}; refuses, by field, what our MoE cannot compute."""
     config_file, c = load_hf_config(hf_dir)
@@ -130,7 +122,7 @@ def moe_mlp_shapes(c: dict, i: int) -> dict[str, tuple]:
     if not moe_layers(c)[i]:
         return dense_mlp_shapes(c, i)
     h, f, E = c["hidden"], c["expert_ffn"], c["experts"]
-    prefix, router, (gate, up, down) = _names(c["model_type"])
+    prefix, router, (gate, up, down) = expert_names(c["model_type"])
     if c["fused"]:  # transformers 5's modules as they hold them
         shapes = {"mlp." + router: (E, h), "mlp.experts.gate_up_proj": (E, 2 * f, h),
                   "mlp.experts.down_proj": (E, h, f)}  # fmt: skip
@@ -155,7 +147,7 @@ def moe_mlp_from_hf(hf: dict, c: dict, i: int) -> dict[str, torch.Tensor]:
     if not moe_layers(c)[i]:
         return dense_mlp_from_hf(hf, c, i)
     layer = f"model.layers.{i}."
-    prefix, router, (gate, up, down) = _names(c["model_type"])
+    prefix, router, (gate, up, down) = expert_names(c["model_type"])
     if c["fused"]:  # [E, 2f, h] (gate rows, then up) and [E, h, f]: transposed per expert
         prefix = "mlp."
         weight1 = hf[f"{layer}mlp.experts.gate_up_proj"].transpose(1, 2)
@@ -205,110 +197,6 @@ def import_moe(hf_dir: Path, out_ckpt, tokenizer_file) -> Path:
     # / `down_proj` (a state dict saved as it is held): the headers say which.
     names = weight_shapes(hf_dir, c)[0]
     c["fused"] = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
-    return import_llama(
+    return import_decoder(
         hf_dir, out_ckpt, tokenizer_file, c, _configure, moe_mlp_shapes, moe_mlp_from_hf
     )
-
-
-# ---------------------------------------------------------------------------- export
-
-
-def _layer_is_moe(m: dict) -> list[bool]:
-    freq, n = m["moe_layer_freq"], m["num_layers"]
-    if isinstance(freq, int):
-        return [i % freq == 0 for i in range(n)]
-    return [bool(x) for x in freq]
-
-
-def _mlp_to_hf(model_type: str):
-    prefix, router, (gate, up, down) = _names(model_type)
-
-    def to_hf(weights: dict, m: dict, i: int) -> dict[str, torch.Tensor]:
-        if not _layer_is_moe(m)[i]:
-            return dense_mlp_to_hf(weights, m, i)
-        ours = f"layers.{i}.mlp."
-        weight1, weight2 = weights[ours + "experts.weight1"], weights[ours + "experts.weight2"]
-        f = weight2.shape[1]
-        out = {prefix + router: weights[ours + "router.weight"]}
-        for e in range(weight1.shape[0]):
-            out[f"{prefix}experts.{e}.{gate}.weight"] = weight1[e, :, :f].t()
-            out[f"{prefix}experts.{e}.{up}.weight"] = weight1[e, :, f:].t()
-            out[f"{prefix}experts.{e}.{down}.weight"] = weight2[e].t()
-        if m["moe_shared_expert_intermediate_size"]:
-            for o, theirs in SHARED.items():
-                out[f"mlp.shared_expert.{theirs}.weight"] = weights[
-                    f"{ours}shared_expert.{o}.weight"
-                ]
-            out["mlp.shared_expert_gate.weight"] = weights[ours + "shared_expert_gate.weight"]
-        return out
-
-    return to_hf
-
-
-def _renormalized(m: dict) -> bool:
-    """Whether our router's k weights sum to one: a softmax over the k chosen logits, or the
-    softmax over all renormalized (HF's norm_topk_prob; Mixtral's always)."""
-    return not m["moe_router_pre_softmax"] or m["moe_router_norm_topk_prob"]
-
-
-def _mixtral_fields(m: dict) -> dict:
-    return {"num_local_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
-            "intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
-            "router_aux_loss_coef": m["moe_aux_loss_coeff"], "router_jitter_noise": 0.0,
-            "sliding_window": None}  # fmt: skip
-
-
-def _qwen_moe_fields(m: dict) -> dict:
-    layers = _layer_is_moe(m)
-    fields = {
-        "num_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
-        "moe_intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
-        "norm_topk_prob": _renormalized(m), "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i, moe in enumerate(layers) if not moe],
-        "router_aux_loss_coef": m["moe_aux_loss_coeff"], "use_sliding_window": False,
-    }  # fmt: skip
-    if m["moe_shared_expert_intermediate_size"]:  # Qwen2-MoE
-        fields["shared_expert_intermediate_size"] = m["moe_shared_expert_intermediate_size"]
-        fields["qkv_bias"] = m["add_qkv_bias"]
-    else:
-        fields["attention_bias"] = False
-    return fields
-
-
-# What every HF mixture here routes as: softmax scores, no expert bias, no capacity (dropless).
-ROUTER = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-          "moe_expert_capacity_factor": None, "moe_router_topk_scaling_factor": None}  # fmt: skip
-MIXTRAL = Family(
-    "Mixtral", "MixtralForCausalLM", "MixtralConfig",
-    ROUTER | {"qk_layernorm": False, "add_qkv_bias": False, "moe_layer_freq": 1,
-              "moe_shared_expert_intermediate_size": None},
-    _mixtral_fields, _mlp_to_hf("mixtral"),
-)  # fmt: skip
-QWEN2_MOE = Family(
-    "Qwen2-MoE", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-    ROUTER | {"qk_layernorm": False, "moe_shared_expert_gate": True},
-    _qwen_moe_fields, _mlp_to_hf("qwen2_moe"),
-)  # fmt: skip
-QWEN3_MOE = Family(
-    "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-    ROUTER | {"qk_layernorm": True, "add_qkv_bias": False,
-              "moe_shared_expert_intermediate_size": None},
-    _qwen_moe_fields, _mlp_to_hf("qwen3_moe"),
-)  # fmt: skip
-
-
-def moe_family(m: dict) -> Family:
-    """The HF class a mixture of experts exports as: Qwen3-MoE with q/k norms, Qwen2-MoE with a
-    shared expert, else Mixtral (whose router always renormalizes its k weights: a router
-    that does not is refused naming the field)."""
-    if m["qk_layernorm"]:
-        return QWEN3_MOE
-    if m["moe_shared_expert_intermediate_size"]:
-        return QWEN2_MOE
-    if not _renormalized(m):
-        raise CheckpointError(
-            "model.moe_router_norm_topk_prob is false with model.moe_router_pre_softmax: "
-            "Mixtral renormalizes the top-k weights, and a Qwen-MoE export needs q/k norms "
-            "(Qwen3) or a shared expert (Qwen2)"
-        )
-    return MIXTRAL

@@ -1,0 +1,162 @@
+"""The Hugging Face classes a Llama-kind checkpoint exports as (`Family`: Llama, Qwen2, Qwen3,
+Mixtral, Qwen2-MoE, Qwen3-MoE), each with its config fields and MLP writer, and the choice among
+them from the resolved [model] switches (`decoder_family`, `moe_family`).  `llama.export_llama`
+writes the one chosen; the families' importers are `hf.llama`, `hf.qwen` and `hf.moe`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.checkpoint.files import CheckpointError
+from megatrain.hf.decoder import SHARED, dense_mlp_to_hf, expert_names
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face class our Llama-like model exports as: its name in messages, its
+    architecture and config class, the resolved [model] fields it needs beyond
+    `llama.LLAMA_SWITCHES` (field -> value), its own config fields (`fields(m)`) and its MLP
+    (`mlp_to_hf(weights, m, i)`)."""
+
+    name: str
+    architecture: str
+    config_class: str
+    switches: dict
+    fields: Callable[[dict], dict] = lambda m: {}
+    mlp_to_hf: Callable = dense_mlp_to_hf
+
+
+LLAMA = Family("Llama", "LlamaForCausalLM", "LlamaConfig",
+               {"qk_layernorm": False, "add_qkv_bias": False, "num_moe_experts": None})  # fmt: skip
+
+
+def _qwen3_fields(m: dict) -> dict:
+    return {"attention_bias": False, "use_sliding_window": False}
+
+
+QWEN2 = Family(
+    "Qwen2", "Qwen2ForCausalLM", "Qwen2Config",
+    {"qk_layernorm": False, "add_qkv_bias": True, "num_moe_experts": None},
+    lambda m: {"use_sliding_window": False},
+)  # fmt: skip
+QWEN3 = Family(
+    "Qwen3", "Qwen3ForCausalLM", "Qwen3Config",
+    {"qk_layernorm": True, "add_qkv_bias": False, "num_moe_experts": None},
+    _qwen3_fields,
+)  # fmt: skip
+
+
+def decoder_family(m: dict) -> Family:
+    """The Hugging Face class a Llama-kind model of resolved [model] section `m` exports as:
+    a mixture of experts' (`moe_family`), Qwen3 with q/k norms, Qwen2 with q, k, v
+    biases, else Llama.  A switch the chosen class lacks is refused by the exporter."""
+    if m.get("num_moe_experts"):
+        return moe_family(m)
+    if m["qk_layernorm"]:
+        return QWEN3
+    if m["add_qkv_bias"]:
+        return QWEN2
+    return LLAMA
+
+
+def _layer_is_moe(m: dict) -> list[bool]:
+    freq, n = m["moe_layer_freq"], m["num_layers"]
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    return [bool(x) for x in freq]
+
+
+def _mlp_to_hf(model_type: str):
+    prefix, router, (gate, up, down) = expert_names(model_type)
+
+    def to_hf(weights: dict, m: dict, i: int) -> dict[str, torch.Tensor]:
+        if not _layer_is_moe(m)[i]:
+            return dense_mlp_to_hf(weights, m, i)
+        ours = f"layers.{i}.mlp."
+        weight1, weight2 = weights[ours + "experts.weight1"], weights[ours + "experts.weight2"]
+        f = weight2.shape[1]
+        out = {prefix + router: weights[ours + "router.weight"]}
+        for e in range(weight1.shape[0]):
+            out[f"{prefix}experts.{e}.{gate}.weight"] = weight1[e, :, :f].t()
+            out[f"{prefix}experts.{e}.{up}.weight"] = weight1[e, :, f:].t()
+            out[f"{prefix}experts.{e}.{down}.weight"] = weight2[e].t()
+        if m["moe_shared_expert_intermediate_size"]:
+            for o, theirs in SHARED.items():
+                out[f"mlp.shared_expert.{theirs}.weight"] = weights[
+                    f"{ours}shared_expert.{o}.weight"
+                ]
+            out["mlp.shared_expert_gate.weight"] = weights[ours + "shared_expert_gate.weight"]
+        return out
+
+    return to_hf
+
+
+def _renormalized(m: dict) -> bool:
+    """Whether our router's k weights sum to one: a softmax over the k chosen logits, or the
+    softmax over all renormalized (HF's norm_topk_prob; Mixtral's always)."""
+    return not m["moe_router_pre_softmax"] or m["moe_router_norm_topk_prob"]
+
+
+def _mixtral_fields(m: dict) -> dict:
+    return {"num_local_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
+            "intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
+            "router_aux_loss_coef": m["moe_aux_loss_coeff"], "router_jitter_noise": 0.0,
+            "sliding_window": None}  # fmt: skip
+
+
+def _qwen_moe_fields(m: dict) -> dict:
+    layers = _layer_is_moe(m)
+    fields = {
+        "num_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
+        "moe_intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
+        "norm_topk_prob": _renormalized(m), "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, moe in enumerate(layers) if not moe],
+        "router_aux_loss_coef": m["moe_aux_loss_coeff"], "use_sliding_window": False,
+    }  # fmt: skip
+    if m["moe_shared_expert_intermediate_size"]:  # Qwen2-MoE
+        fields["shared_expert_intermediate_size"] = m["moe_shared_expert_intermediate_size"]
+        fields["qkv_bias"] = m["add_qkv_bias"]
+    else:
+        fields["attention_bias"] = False
+    return fields
+
+
+# What every HF mixture here routes as: softmax scores, no expert bias, no capacity (dropless).
+ROUTER = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+          "moe_expert_capacity_factor": None, "moe_router_topk_scaling_factor": None}  # fmt: skip
+MIXTRAL = Family(
+    "Mixtral", "MixtralForCausalLM", "MixtralConfig",
+    ROUTER | {"qk_layernorm": False, "add_qkv_bias": False, "moe_layer_freq": 1,
+              "moe_shared_expert_intermediate_size": None},
+    _mixtral_fields, _mlp_to_hf("mixtral"),
+)  # fmt: skip
+QWEN2_MOE = Family(
+    "Qwen2-MoE", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+    ROUTER | {"qk_layernorm": False, "moe_shared_expert_gate": True},
+    _qwen_moe_fields, _mlp_to_hf("qwen2_moe"),
+)  # fmt: skip
+QWEN3_MOE = Family(
+    "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+    ROUTER | {"qk_layernorm": True, "add_qkv_bias": False,
+              "moe_shared_expert_intermediate_size": None},
+    _qwen_moe_fields, _mlp_to_hf("qwen3_moe"),
+)  # fmt: skip
+
+
+def moe_family(m: dict) -> Family:
+    """The HF class a mixture of experts exports as: Qwen3-MoE with q/k norms, Qwen2-MoE with a
+    shared expert, else Mixtral (whose router always renormalizes its k weights: a router
+    that does not is refused naming the field)."""
+    if m["qk_layernorm"]:
+        return QWEN3_MOE
+    if m["moe_shared_expert_intermediate_size"]:
+        return QWEN2_MOE
+    if not _renormalized(m):
+        raise CheckpointError(
+            "model.moe_router_norm_topk_prob is false with model.moe_router_pre_softmax: "
+            "Mixtral renormalizes the top-k weights, and a Qwen-MoE export needs q/k norms "
+            "(Qwen3) or a shared expert (Qwen2)"
+        )
+    return MIXTRAL
