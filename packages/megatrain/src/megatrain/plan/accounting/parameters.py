@@ -1,0 +1,210 @@
+"""Parameters of a model, from its config alone.
+
+- **Parameters**: `layer_parameters`, `layer_parameters_per_rank`; the whole model by kind,
+  tied embeddings counted once (`gpt_parameters`, `bert_parameters`, `parameter_count`);
+  what one GPU of a pipeline stage holds (`parameters_per_gpu`, of which experts:
+  `expert_parameters_per_gpu`).  A mixture of experts (`num_moe_experts`) holds, on each of
+  its MoE layers (`moe_layer_count`), E experts of 2 or 3 (SwiGLU) matrices of h x f_e in
+  place of the dense MLP, the router [E, h] and the shared expert (`moe_mlp_parameters`); a
+  token uses k of the experts (`active_parameters`).
+"""
+
+import functools
+from types import SimpleNamespace
+
+from megatrain.models.moe import is_moe_layer
+from megatrain.models.transformer import TransformerConfig
+
+
+def _head_dim(cfg: TransformerConfig) -> int:
+    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _attention_width(cfg: TransformerConfig) -> int:
+    """The queries' width, the projection's input: heads x head_dim (h unless kv_channels)."""
+    return cfg.num_attention_heads * _head_dim(cfg)
+
+
+def _qk_norms(cfg: TransformerConfig) -> int:
+    """qk_layernorm's two norms over a head's width (replicated on every TP rank)."""
+    return (2 if cfg.normalization == "layernorm" else 1) * 2 * _head_dim(cfg) * cfg.qk_layernorm
+
+
+def expert_ffn_size(cfg: TransformerConfig) -> int:
+    """Each routed expert's hidden size f_e (`moe_ffn_hidden_size`, else `ffn_hidden_size`)."""
+    return cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+
+
+def moe_layer_count(cfg: TransformerConfig, first: int = 0, end: int | None = None) -> int:
+    """How many of layers first..end-1 (all by default) are MoE layers (`is_moe_layer`)."""
+    end = cfg.num_layers if end is None else end
+    if not cfg.num_moe_experts:
+        return 0
+    freq = cfg.moe_layer_freq
+    return _moe_count(freq if isinstance(freq, int) else tuple(freq), first, end)
+
+
+@functools.cache
+def _moe_count(freq: int | tuple, first: int, end: int) -> int:
+    """`moe_layer_count`, remembered: `megatrain plan` asks it for every layout it weighs."""
+    pattern = SimpleNamespace(num_moe_experts=1, moe_layer_freq=freq)
+    return sum(is_moe_layer(pattern, i) for i in range(first, end))
+
+
+def moe_mlp_parameters(cfg: TransformerConfig) -> dict[str, int]:
+    """One MoE layer's MLP (in place of the dense one), whole: the routed experts (E x 2 or 3
+    matrices of h x f_e; no biases, refused with MoE), the router [E, h] (no bias; the expert
+    bias is a buffer) and the shared expert (its matrices, and its gate [1, h])."""
+    h, E = cfg.hidden_size, cfg.num_moe_experts
+    mlp = 3 if cfg.swiglu else 2
+    shared = mlp * h * (cfg.moe_shared_expert_intermediate_size or 0)
+    return {
+        "experts": E * mlp * h * expert_ffn_size(cfg),
+        "router": E * h,
+        "shared_expert": shared + (h if cfg.moe_shared_expert_gate else 0),
+    }
+
+
+def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
+    """(QKV's output width, MLP matrices of h x f, column-parallel biases, one norm's
+    parameters): heads x head_dim + 2 x groups x head_dim (3h without grouped-query attention
+    or kv_channels); 3 matrices with SwiGLU (gate, up, down), else 2; the QKV biases with
+    add_bias or add_qkv_bias; LayerNorm has a bias, RMSNorm not."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = _attention_width(cfg) + 2 * (cfg.num_query_groups or cfg.num_attention_heads) * (
+        _head_dim(cfg)
+    )
+    mlp = 3 if cfg.swiglu else 2
+    column_biases = (qkv if cfg.add_bias or cfg.add_qkv_bias else 0) + (
+        (mlp - 1) * f if cfg.add_bias else 0
+    )
+    norm = 2 * h if cfg.normalization == "layernorm" else h
+    return qkv, mlp, column_biases, norm
+
+
+def layer_parameters(cfg: TransformerConfig, moe: bool = False) -> int:
+    """Parameters of one TransformerLayer (whole, all TP ranks together); `moe`: a MoE layer,
+    its experts, router and shared expert in place of the dense MLP."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv, mlp, column_biases, norm = _layer_shapes(cfg)
+    row_biases = 2 * h if cfg.add_bias else 0  # proj, fc2
+    attention = h * qkv + _attention_width(cfg) * h + _qk_norms(cfg)
+    mlp_params = sum(moe_mlp_parameters(cfg).values()) if moe else mlp * h * f
+    return attention + mlp_params + column_biases + row_biases + 2 * norm
+
+
+def layer_parameters_per_rank(
+    cfg: TransformerConfig, tp: int, moe: bool = False, ep: int = 1, etp: int | None = None
+) -> int:
+    """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
+    row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1), and
+    the key/value projection whole when there are fewer key/value groups than TP ranks.  A MoE
+    layer (`moe`) holds E / ep experts, each / etp (None: tp), the router and the shared
+    expert's gate whole, the shared expert / tp."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv, mlp, column_biases, norm = _layer_shapes(cfg)
+    split = h * qkv + _attention_width(cfg) * h + column_biases
+    # proj and fc2 biases, two norms, the queries' and keys' norms
+    replicated = (2 * h if cfg.add_bias else 0) + 2 * norm + _qk_norms(cfg)
+    experts = 0
+    if moe:
+        parts = moe_mlp_parameters(cfg)
+        gate = h if cfg.moe_shared_expert_gate else 0
+        split += parts["shared_expert"] - gate
+        replicated += parts["router"] + gate
+        experts = parts["experts"] // (ep * (tp if etp is None else etp))
+    else:
+        split += mlp * h * f
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    if groups < tp:  # the key/value projection (and its bias) whole on every rank
+        bias = 1 if cfg.add_bias or cfg.add_qkv_bias else 0
+        kv = 2 * groups * _head_dim(cfg) * (h + bias)
+        split, replicated = split - kv, replicated + kv
+    return split // tp + replicated + experts
+
+
+def _positions(cfg: TransformerConfig) -> int:
+    return cfg.max_position_embeddings if cfg.position_embedding == "learned" else 0
+
+
+def gpt_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of the whole GPT or Llama (tied embeddings counted once; an untied output
+    layer counted beside them), from the config alone."""
+    h = cfg.hidden_size
+    words = cfg.vocab_size * h * (1 if cfg.tie_output else 2)
+    final_norm = _layer_shapes(cfg)[3]
+    return _layers_parameters(cfg) + words + _positions(cfg) * h + final_norm
+
+
+def _layers_parameters(cfg: TransformerConfig) -> int:
+    moe = moe_layer_count(cfg)
+    dense = (cfg.num_layers - moe) * layer_parameters(cfg)
+    return dense + (moe * layer_parameters(cfg, True) if moe else 0)
+
+
+def active_parameters(cfg: TransformerConfig) -> int:
+    """Parameters one token of a GPT or Llama goes through: `gpt_parameters` with each MoE
+    layer's k of its E experts (the router and shared expert whole; the model's count for a
+    dense model).  Mixtral 8x7B: 12.9 B of 46.7 B."""
+    unused = cfg.num_moe_experts - cfg.moe_router_topk if cfg.num_moe_experts else 0
+    per_expert = (3 if cfg.swiglu else 2) * cfg.hidden_size * expert_ffn_size(cfg)
+    return gpt_parameters(cfg) - moe_layer_count(cfg) * unused * per_expert
+
+
+def bert_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of the whole BERT (tied embeddings counted once), from the config alone."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    embeddings = v * h + cfg.max_position_embeddings * h + cfg.num_tokentypes * h
+    norms = 2 * h  # the final LayerNorm (pre_ln) or the embeddings' (post_ln)
+    heads = (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)  # LM head, pooler, SOP
+    return _layers_parameters(cfg) + embeddings + norms + heads
+
+
+def _stage_layers(cfg: TransformerConfig, pp: int, stage: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) of pipeline stage `stage`: layers stage x n/pp onwards."""
+    n = cfg.num_layers // pp
+    moe = moe_layer_count(cfg, stage * n, (stage + 1) * n)
+    return n - moe, moe
+
+
+def expert_parameters_per_gpu(
+    cfg: TransformerConfig, pp: int = 1, stage: int = 0, ep: int = 1, etp: int = 1
+) -> int:
+    """The routed experts' parameters one GPU of stage `stage` holds (E / ep experts of each
+    MoE layer, each / etp): what is reduced and sharded over the expert data-parallel group
+    rather than the dense one.  0 for a dense model."""
+    if not cfg.num_moe_experts:
+        return 0
+    return _stage_layers(cfg, pp, stage)[1] * moe_mlp_parameters(cfg)["experts"] // (ep * etp)
+
+
+def parameters_per_gpu(
+    cfg: TransformerConfig,
+    tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    ep: int = 1,
+    etp: int | None = None,
+) -> int:
+    """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
+    embeddings included).  At tp = pp = 1 (and ep 1) this is the model's `parameter_count`.
+    A bidirectional config is BERT: token types, and its heads on the last stage.  MoE layers
+    hold E / ep experts, each / etp (None: tp)."""
+    h = cfg.hidden_size
+    dense, moe = _stage_layers(cfg, pp, stage)
+    count = dense * layer_parameters_per_rank(cfg, tp)
+    if moe:
+        count += moe * layer_parameters_per_rank(cfg, tp, True, ep, etp)
+    words = cfg.vocab_size * h // tp
+    if stage == 0:
+        count += words + (_positions(cfg) + cfg.num_tokentypes) * h
+        if cfg.block_order == "post_ln":
+            count += 2 * h  # the embeddings' LayerNorm
+    if stage == pp - 1:
+        if cfg.block_order == "pre_ln":
+            count += _layer_shapes(cfg)[3]  # final norm
+        if pp > 1 or not cfg.tie_output:
+            count += words  # the output layer: a copy of the word embeddings, or its own
+        if not cfg.causal:  # BERT's LM head (dense, LayerNorm, vocab-split bias), pooler, SOP
+            count += (h * h + h) + 2 * h + cfg.vocab_size // tp + (h * h + h) + (2 * h + 2)
+    return count
