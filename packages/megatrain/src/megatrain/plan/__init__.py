@@ -2,7 +2,7 @@
 micro batch, recompute, sequence parallelism, the data-parallel sharding and a mixture of
 experts' layout for a model and a cluster before running it.
 
-- accounting.py: every count from a config alone (parameters, FLOPs, bytes of state and of
+- accounting/: every count from a config alone (parameters, FLOPs, bytes of state and of
   activations), which MFU logging counts with too;
 - hardware.py: the GPU table (gpus.toml) and the time model's profiles, one per GPU
   generation (a `Profile`), or a measured one from a file;

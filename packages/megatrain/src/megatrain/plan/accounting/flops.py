@@ -10,7 +10,7 @@
 """
 
 from megatrain.config import RECOMPUTE_CHOICES
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting.gemms import layer_gemms
 from megatrain.plan.accounting.parameters import (
     _attention_width,

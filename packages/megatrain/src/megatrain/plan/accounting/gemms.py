@@ -5,7 +5,7 @@ float8 under training.precision = "fp8" (`float8_gemm`).
 
 from dataclasses import dataclass
 
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting.parameters import _attention_width, _head_dim, expert_ffn_size
 
 

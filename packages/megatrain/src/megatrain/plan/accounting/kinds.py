@@ -7,7 +7,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting.flops import (
     bert_forward_flops,
     bert_hardware_flops_per_iteration,

@@ -13,7 +13,7 @@ import functools
 from types import SimpleNamespace
 
 from megatrain.models.moe import is_moe_layer
-from megatrain.models.transformer import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig
 
 
 def _head_dim(cfg: TransformerConfig) -> int:
