@@ -20,7 +20,8 @@ all-gather of every rank's outcome (an empty tmp directory; every rank's files w
 only after every rank's files are complete.  The main thread collects the outcome at the next
 save (which first waits for the previous one), at a stop and at the end of training, points
 every rank reaches at the same iteration: a failed write raises the same `CheckpointError`
-on every rank there.
+on every rank there.  `AsyncSaver` is that side of it, one state machine (idle, writing,
+abandoned, closed) whose transitions the training loop calls.
 """
 
 import errno
@@ -129,8 +130,40 @@ class HostCopy:
         return staged
 
 
+# The states of an `AsyncSaver` (its `state`).
+IDLE, WRITING, ABANDONED, CLOSED = "idle", "writing", "abandoned", "closed"
+
+
 class AsyncSaver:
-    """Saves in the background: `save(run)` copies and returns; `wait()` collects the outcome.
+    """A rank's background saves, one small state machine: `save(run)` copies and returns;
+    `wait()` collects the outcome; `checkpoint` is a save step of the training loop.
+
+    States (`state`):
+
+    - idle: no write in flight: none yet, or the last one collected (published, or raised);
+    - writing: a writer thread started on the host copy of iteration `iteration`, its
+      outcome not collected yet (the thread may be over already);
+    - abandoned: every rank gave the write up at a deadline: its writer stops at its next
+      agreement, writes nothing more and publishes nothing; its thread and its group are
+      kept (`pending` stays true: the writer may be in an agreement on the group still);
+    - closed: the writers' group destroyed.
+
+    Transitions:
+
+    - `save(run)`, start: idle -> writing, finishing the write in flight first (`wait`);
+    - `wait()`, finish: writing or abandoned -> idle, joining the writer; a failed write
+      raises its `CheckpointError`, the same on every rank;
+    - `written_by(deadline, device)`, the deadline check: the writer waited for until
+      `deadline`, then whether every rank's is over (an all-reduce on the default group, so
+      every rank gets the same answer); no state changes;
+    - `abandon()`: writing -> abandoned (every rank must call it);
+    - `collect(info, device, deadline, bound)`: writing -> idle (`wait`) or, past `deadline`
+      (`written_by` false), -> abandoned; idle stays idle;
+    - `checkpoint(run, last, bound, info)`: collect the write in flight, start this
+      iteration's, and collect that one too when it is the run's `last` save, all within
+      `bound` seconds (a stop by a signal; None: no deadline);
+    - `close()`: idle -> closed; a pending write (an abandoned one) keeps its group and its
+      state.
 
     Made by every rank at the same point (its gloo group is a collective to create)."""
 
@@ -138,15 +171,20 @@ class AsyncSaver:
         self.ckpt, self.keep = Path(ckpt), keep
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout))
         self.host = HostCopy()
+        self.state = IDLE
         self.thread: threading.Thread | None = None
         self.iteration: int | None = None  # of the write in flight or last collected
         self.error: str | None = None
-        self.abandoned = False
         self.copy_s = 0.0  # the last save's stall: the host copy
 
     @property
     def pending(self) -> bool:
-        return self.thread is not None
+        return self.state in (WRITING, ABANDONED)
+
+    @property
+    def abandoned(self) -> bool:
+        """Read by the writer at each agreement."""
+        return self.state == ABANDONED
 
     def save(self, run) -> None:
         """Wait for the previous write, copy this rank's state, start writing it."""
@@ -155,7 +193,7 @@ class AsyncSaver:
         tmp = saving.tmp_dir(self.ckpt, run.iteration)
         staged = self.host.snapshot(saving.snapshot(run), tmp)
         self.copy_s = time.perf_counter() - started
-        self.iteration, self.error, self.abandoned = run.iteration, None, False
+        self.iteration, self.error, self.state = run.iteration, None, WRITING
         self.thread = threading.Thread(
             target=self._write, args=(staged,), name="megatrain-checkpoint", daemon=True
         )
@@ -167,9 +205,51 @@ class AsyncSaver:
         if self.thread is None:
             return
         self.thread.join()
-        self.thread = None
+        self.thread, self.state = None, IDLE
         if self.error is not None:
             raise CheckpointError(f"{self.error}; {self.standing()}")
+
+    def written_by(self, deadline: float, device) -> bool:
+        """Wait for the writer until `deadline` (time.monotonic); whether every rank's is over.
+        Every rank gives up, or none (training is over: the default group is idle; the
+        writers' group may still be busy)."""
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        done = torch.tensor([float(not self.thread.is_alive())], device=device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def collect(self, info, device, deadline: float | None, bound) -> bool:
+        """Wait for the background write in flight (until `deadline`): True when it is published
+        (or there was none), False when every rank gives it up.  A failed write raises.
+        `info` says which (rank 0's log)."""
+        if not self.pending:
+            return True
+        if deadline is not None and not self.written_by(deadline, device):
+            self.abandon()
+            info(
+                f"megatrain: abandoned the background write of iteration {self.iteration} after "
+                f"checkpoint.async_save_timeout = {bound:g} s; {self.standing()}"
+            )
+            return False
+        self.wait()
+        info(f"megatrain: saved {iteration_dir(self.ckpt, self.iteration)}")
+        return True
+
+    def checkpoint(self, run, last: bool, bound: float | None, info) -> None:
+        """Save at this iteration, copied now and written in the background.  The last save of
+        a run (`last`: the end, exit_interval, a stop) waits for its write and publishes it;
+        under a signal (`bound`) for at most that many seconds in all, the previous write
+        included, else every rank abandons the write (`latest` names what it named)."""
+        deadline = None if bound is None else time.monotonic() + bound
+        if not self.collect(info, run.device, deadline, bound):
+            return
+        self.save(run)
+        info(
+            f"megatrain: writing {iteration_dir(self.ckpt, run.iteration)} in the background "
+            f"(copied to host memory in {self.copy_s:.3f} s)"
+        )
+        if last:
+            self.collect(info, run.device, deadline, bound)
 
     def standing(self) -> str:
         """What `latest` names now, checked whole (every file, its size)."""
@@ -228,7 +308,13 @@ class AsyncSaver:
     def abandon(self) -> None:
         """Have the writer stop at its next agreement (every rank must call it): nothing more
         is written and nothing published."""
-        self.abandoned = True
+        if self.state == WRITING:
+            self.state = ABANDONED
 
     def close(self) -> None:
+        """Destroy the writers' group, unless a write is pending: an abandoned write keeps
+        its group."""
+        if self.pending:
+            return
         dist.destroy_process_group(self.group)
+        self.state = CLOSED

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megacore import parallel_state as ps
 from megacore.optimizer import NonFiniteLossGuard
 from megatrain.checkpoint.background import AsyncSaver
-from megatrain.checkpoint.files import LATEST, iteration_dir
+from megatrain.checkpoint.files import LATEST
 from megatrain.checkpoint.load import load_checkpoint
 from megatrain.checkpoint.save import save_checkpoint
 from megatrain.config import Config
@@ -148,11 +148,9 @@ def resume(run: Run) -> None:
 
 
 def _save(run: Run, log: RunLog, saver: AsyncSaver | None, last: bool, bound: float | None):
-    """Save at this iteration: at once, or (`saver`) copied now and written in the background.
-
-    The last save of a run (`last`: the end, exit_interval, a stop) waits for its write and
-    publishes it; under a signal (`bound`) for at most that many seconds in all, the previous
-    write included, else every rank abandons the write (`latest` names what it named)."""
+    """Save at this iteration: at once, or (`saver`) copied now and written in the background
+    (`AsyncSaver.checkpoint`: the `last` save of a run waits for its write, under a signal for
+    at most `bound` seconds)."""
     c = run.config.checkpoint
     if not c.save:
         return
@@ -160,39 +158,7 @@ def _save(run: Run, log: RunLog, saver: AsyncSaver | None, last: bool, bound: fl
         path = save_checkpoint(run, c.save, keep=c.keep)
         log.info(f"megatrain: saved {path}")
         return
-    deadline = None if bound is None else time.monotonic() + bound
-    if not _collect(saver, log, run.device, deadline, bound):
-        return
-    saver.save(run)
-    log.info(
-        f"megatrain: writing {iteration_dir(c.save, run.iteration)} in the background "
-        f"(copied to host memory in {saver.copy_s:.3f} s)"
-    )
-    if last:
-        _collect(saver, log, run.device, deadline, bound)
-
-
-def _collect(saver: AsyncSaver, log: RunLog, device, deadline: float | None, bound) -> bool:
-    """Wait for the background write in flight (until `deadline`): True when it is published
-    (or there was none), False when every rank gives it up.  A failed write raises."""
-    if not saver.pending:
-        return True
-    if deadline is not None:
-        saver.thread.join(max(0.0, deadline - time.monotonic()))
-        # Every rank gives up, or none (training is over: the default group is idle; the
-        # writers' group may still be busy).
-        done = torch.tensor([float(not saver.thread.is_alive())], device=device)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if not done.item():
-            saver.abandon()
-            log.info(
-                f"megatrain: abandoned the background write of iteration {saver.iteration} after "
-                f"checkpoint.async_save_timeout = {bound:g} s; {saver.standing()}"
-            )
-            return False
-    saver.wait()
-    log.info(f"megatrain: saved {iteration_dir(saver.ckpt, saver.iteration)}")
-    return True
+    saver.checkpoint(run, last, bound, log.info)
 
 
 def _loop(run: Run, stop: StopSignal) -> dict | None:
@@ -293,6 +259,7 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             or (c.save_interval and run.iteration % c.save_interval == 0)
         ):
             last = stopping or run.iteration == t.train_iters
+            # stop.signum is local to the signalled rank (issue 61), yet picks collect's all-reduce.
             bound = c.async_save_timeout if stop.signum else None
             _save(run, log, saver, last, bound)
         if record is not None:
@@ -303,8 +270,8 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             )
             run.history["stopped_at"] = stop.at = run.iteration
             break
-    if saver is not None and not saver.pending:  # an abandoned write keeps its group
-        saver.close()
+    if saver is not None:
+        saver.close()  # an abandoned write keeps its group
     plot = log.close()
     if not rank0:
         return None
