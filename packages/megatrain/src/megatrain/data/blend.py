@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from megatrain.config import DEFAULT_CORPUS, Config, ConfigError
+from megatrain.config import DEFAULT_CORPUS, Config, check_blend
 from megatrain.data.corpus import Corpus, open_run_corpus
 from megatrain.data.samples import SampleBatches
 
@@ -51,45 +49,6 @@ class BlendEntry:
     weight: float
     path: str
     field: str
-
-
-def check_blend(value: Any, field: str) -> list[tuple[float, str]]:
-    """The (weight, corpus) pairs of a `data.blend` / `data.valid_blend` value, checked
-    without touching the filesystem (ConfigError naming the field otherwise)."""
-    example = '[[0.3, "data/corpus/wiki"], [0.7, "data/corpus/news"]]'
-    if not isinstance(value, list) or not value:
-        raise ConfigError(
-            f"{field}: expected a non-empty list of [weight, corpus] pairs, e.g. {example}"
-        )
-    pairs: list[tuple[float, str]] = []
-    seen: dict[str, int] = {}
-    for i, entry in enumerate(value):
-        if (
-            not isinstance(entry, list)
-            or len(entry) != 2
-            or isinstance(entry[0], bool)
-            or not isinstance(entry[0], (int, float))
-            or not isinstance(entry[1], str)
-        ):
-            raise ConfigError(
-                f"{field}[{i}]: expected a [weight, corpus] pair (a number and a directory), "
-                f"got {entry!r}; e.g. {example}"
-            )
-        weight, path = float(entry[0]), entry[1]
-        if not math.isfinite(weight) or weight <= 0:
-            raise ConfigError(
-                f"{field}[{i}]: the weight of {path!r} is {entry[0]!r}; weights must be "
-                "positive numbers (leave a corpus out by removing its pair)"
-            )
-        key = os.path.realpath(path)
-        if key in seen:
-            raise ConfigError(
-                f"{field}[{i}]: corpus {path!r} is listed twice (also {field}[{seen[key]}]); "
-                "give each corpus once, with the sum of its weights"
-            )
-        seen[key] = i
-        pairs.append((weight, path))
-    return pairs
 
 
 def _entries(pairs: list[tuple[float, str]], field: str) -> list[BlendEntry]:
