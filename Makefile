@@ -8,6 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 # An index for the torch step only, e.g. PyTorch's CPU wheel index on a CPU-only machine
 # whose default index would serve the CUDA build.
 TORCH_INDEX ?=
+# How the packages go in: auto (uv where it is on PATH or pip can install it, else pip) or pip.
+INSTALLER ?= auto
 
 PACKAGE_FILES := pyproject.toml $(wildcard packages/*/pyproject.toml) scripts/install.py
 STAMP := $(VENV)/.installed
@@ -31,7 +33,7 @@ help:
 	@echo "make fig7      the paper's Figure 7 small: BERT post_ln vs pre_ln at 4 and 24 layers (bench-results/fig7)"
 	@echo "make data      build the corpus of pipelines/corpus/\$$(RECIPE).toml (default: bundled sample text)"
 	@echo "make clean     remove $(VENV) and caches"
-	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX)"
+	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX) INSTALLER=$(INSTALLER)"
 
 install: $(STAMP)
 
@@ -42,7 +44,8 @@ $(STAMP): $(PACKAGE_FILES)
 	  echo "make install: no Python interpreter '$(PYTHON)' found; install Python >= 3.10 or run: make install PYTHON=/path/to/python3" >&2; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
 	  echo "make install: megasuite needs Python >= 3.10, but $(PYTHON) is $$($(PYTHON) -V 2>&1); run: make install PYTHON=/path/to/python3.10-or-newer" >&2; exit 1; }
-	@$(PYTHON) scripts/install.py --venv $(VENV) --torch "$(TORCH_SPEC)" --torch-index "$(TORCH_INDEX)"
+	@$(PYTHON) scripts/install.py --venv $(VENV) --torch "$(TORCH_SPEC)" --torch-index "$(TORCH_INDEX)" \
+	  --installer $(INSTALLER)
 	@touch $@
 
 lint: install

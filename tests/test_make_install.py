@@ -61,7 +61,9 @@ def test_old_or_missing_python_stops_with_one_line(tmp_path):
     assert "no Python interpreter 'no-such-python3' found" in (proc.stdout + proc.stderr)
 
 
-def install_without_index(tmp_path: Path, python: Path) -> tuple[subprocess.CompletedProcess, str]:
+def install_without_index(
+    tmp_path: Path, python: Path, *make_args: str
+) -> tuple[subprocess.CompletedProcess, str]:
     """`make install` into a new venv with the package index pointing at a closed local port."""
     with socket.socket() as s:  # a port on this machine that nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -75,7 +77,7 @@ def install_without_index(tmp_path: Path, python: Path) -> tuple[subprocess.Comp
         PIP_NO_CACHE_DIR="1",
     )
     venv_dir = tmp_path / "venv"
-    proc = make("install", f"PYTHON={python}", f"VENV={venv_dir}", env=env)
+    proc = make("install", f"PYTHON={python}", f"VENV={venv_dir}", *make_args, env=env)
     assert proc.returncode != 0
     assert not (venv_dir / ".installed").exists()
     (line,) = our_error_lines(proc)
@@ -91,9 +93,9 @@ def test_unreachable_package_index_stops_with_one_line(tmp_path):
     assert " to get torch==2.13.0;" in line  # this base Python has no torch: torch is missing
 
 
-def test_a_torch_the_packages_accept_is_kept(tmp_path):
-    # Stand-in for a CUDA build in the base Python (as in a GPU container): an importable
-    # torch with installed metadata, seen by the base interpreter through PYTHONPATH.
+def fake_cuda_torch_python(tmp_path: Path) -> Path:
+    """A base Python that imports a torch the packages accept, as a CUDA build in a GPU
+    container: a stand-in with installed metadata, seen through PYTHONPATH."""
     fake = tmp_path / "site"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text('__version__ = "2.99.0+cu128"\n')
@@ -106,10 +108,42 @@ def test_a_torch_the_packages_accept_is_kept(tmp_path):
         f'#!/bin/sh\nPYTHONPATH={fake} exec {Path(sys.base_prefix) / "bin" / "python3"} "$@"\n'
     )
     base.chmod(0o755)
-    proc, line = install_without_index(tmp_path, base)
+    return base
+
+
+def test_a_torch_the_packages_accept_is_kept(tmp_path):
+    proc, line = install_without_index(tmp_path, fake_cuda_torch_python(tmp_path))
     assert "reusing torch 2.99.0+cu128" in proc.stdout
     assert "keeping torch 2.99.0+cu128" in proc.stdout
     # It got past torch without touching it; only the packages' own needs were missing.
     missing = re.search(r" to get (\S+);", line).group(1)
     assert not missing.startswith("torch"), line
     assert "installing torch" not in proc.stdout
+    # No uv to be had from a dead index (none on PATH here, or one that cannot reach it
+    # either): the packages went in with pip, whose failure is the line above.
+    assert "installing with pip" in proc.stdout, proc.stdout
+
+
+def test_installer_pip_forces_the_fallback(tmp_path):
+    """`make install INSTALLER=pip`: uv is neither looked for nor installed; pip installs the
+    packages (and explains its failure in the same one line)."""
+    proc, _ = install_without_index(tmp_path, fake_cuda_torch_python(tmp_path), "INSTALLER=pip")
+    assert "with uv" not in proc.stdout and "uv could not" not in proc.stdout, proc.stdout
+    assert "installing megacommon" in proc.stdout
+    log = (tmp_path / "venv" / "install.log").read_text()
+    assert "pip install --disable-pip-version-check uv" not in log
+    assert "uv pip install" not in log
+
+
+def test_the_install_log_is_quiet_and_torch_is_the_machines_build():
+    """The dev venv's install.log holds what explains a failure, not pip's -vv megabytes; on a
+    machine without a GPU its torch is a CPU build (uv, which reads none of pip's find-links,
+    would have fetched the CUDA one)."""
+    log = DEV_VENV / "install.log"
+    if log.exists():
+        assert log.stat().st_size < 1_000_000, log.stat().st_size
+    if shutil.which("nvidia-smi") is None:
+        code = "import torch; print(torch.version.cuda, torch.__version__)"
+        out = subprocess.run([str(DEV_VENV / "bin" / "python"), "-c", code], capture_output=True)
+        cuda, version = out.stdout.decode().split()
+        assert cuda == "None", version
