@@ -139,34 +139,37 @@ def explain_pip_failure(python: Path, output: str, what: str, log: Path) -> str:
     return f"pip could not install {what}: {reason} (pip log: {log})"
 
 
+def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`cmd` run from the repository root, its command line and output appended to `log`."""
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    return proc
+
+
 def pip_install(python: Path, args: list[str], what: str, log: Path) -> None:
     print(f"installing {what} (log: {log})", flush=True)
     # At pip's default verbosity: a line a package, not the megabytes of -vv.  A connection
     # error pip does not name is found by asking the indexes (explain_pip_failure).
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    with log.open("a") as f:
-        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    proc = run_logged(cmd, log)
     if proc.returncode != 0:
         fail(explain_pip_failure(python, proc.stdout + proc.stderr, what, log))
 
 
 def find_uv(python: Path, log: Path) -> Path | None:
-    """uv: on PATH, already in the venv, or installed into it by pip (a few seconds, from the
-    same indexes); None when it cannot be had (the packages then go in with pip)."""
-    here = venv_uv = python.parent / "uv"
-    if not venv_uv.exists():
-        here = shutil.which("uv")
-    if here is None:
-        cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "uv"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        with log.open("a") as f:
-            f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
-        if proc.returncode != 0 or not venv_uv.exists():
-            print(f"uv could not be installed (see {log}): installing with pip", flush=True)
-            return None
-        here = venv_uv
-    return Path(here)
+    """uv: already in the venv, on PATH, or installed into the venv by pip (a few seconds, from
+    the same indexes); None when it cannot be had (the packages then go in with pip)."""
+    in_venv = python.parent / "uv"
+    if in_venv.exists():
+        return in_venv
+    if on_path := shutil.which("uv"):
+        return Path(on_path)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "uv"]
+    if run_logged(pip, log).returncode == 0 and in_venv.exists():
+        return in_venv
+    print(f"uv could not be installed (see {log}): installing with pip", flush=True)
+    return None
 
 
 def uv_install(uv: Path, python: Path, args: list[str], what: str, log: Path) -> bool:
@@ -187,9 +190,7 @@ def uv_install(uv: Path, python: Path, args: list[str], what: str, log: Path) ->
         env.setdefault("SSL_CERT_FILE", config["cert"][0])
     print(f"installing {what} with uv (log: {log})", flush=True)
     cmd = [str(uv), "pip", "install", "--python", str(python), *sources, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    with log.open("a") as f:
-        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    proc = run_logged(cmd, log, env)
     if proc.returncode != 0:
         print(f"uv could not install them (see {log}): installing with pip", flush=True)
     return proc.returncode == 0
