@@ -86,14 +86,23 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path}: not valid TOML: {e}") from e
         config.name = path.stem
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(
-                    f"{path}: top-level key {section!r} must be a [section] of fields"
-                )
-            for key, value in values.items():
-                _apply(config, section, key, value, str(path))
+        apply_sections(config, data, str(path))
+    apply_overrides(config, overrides)
+    return config
+
+
+def apply_sections(config: Config, data: dict, source: str) -> None:
+    """Set the fields of `data` ({section: {field: value}}, a config file's or a checkpoint's
+    meta.json "config") on `config`, each checked as a config file's; errors name `source`."""
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: top-level key {section!r} must be a [section] of fields")
+        for key, value in values.items():
+            _apply(config, section, key, value, source)
+
+
+def apply_overrides(config: Config, overrides: list[str]) -> None:
+    """Apply `section.field=value` overrides to `config`."""
     for text in overrides:
         section, key, value = _parse_override(text)
         _apply(config, section, key, value, f"override {text!r}")
-    return config
