@@ -307,7 +307,7 @@ def test_a_run_with_expert_bias_resumes_bitwise(layouts, tmp_path):
     meta, state = read_full_state(out.parent, progress=False)
     meta["config"]["model"]["moe_router_score_function"] = "softmax"  # the bias alone differs
     with pytest.raises(CheckpointError, match=r"model\.moe_router_enable_expert_bias is True"):
-        export_llama(meta, state, out / "tokenizer.json", tmp_path / "hf", "float32")
+        export_llama(meta, out, tmp_path / "hf", "float32")
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,15 @@ and a run at any layout seeds its generators from the iteration instead.
 
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from megatrain.checkpoint.dcp import STATE_BUFFERS
+from megacommon.progress import progress_bar
+from megatrain.checkpoint.dcp import STATE_BUFFERS, shard_write_items
 from megatrain.checkpoint.files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -42,15 +45,83 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+class Streamed(torch.Tensor):
+    """A tensor of global shape `size` that DCP writes a piece at a time, each piece made
+    (`chunks`: (offsets, sizes, make())) only when the writer reaches it, so an offline
+    conversion holds one piece, not the model.
+
+    DCP's file writer keeps a reference to the last piece of every tensor it wrote until the
+    file is complete (it needs them for its safetensors format only; ours is torch.save's): so
+    making a piece frees the storage of the piece made before it, which the writer has written
+    by then (`_save_dir` asks for its serial loader: `per_thread_copy_ahead=0`).  No
+    operation runs on it: it only carries the pieces into DCP.
+    """
+
+    @staticmethod
+    def __new__(cls, size, dtype: torch.dtype, chunks: list[tuple[tuple, tuple, Callable]]):
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(size), dtype=dtype)
+        r._chunks = {torch.Size(o): (torch.Size(sizes), make) for o, sizes, make in chunks}
+        r._held = None  # set by `_save_dir`: what one save shares (the last piece, progress)
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a Streamed checkpoint tensor (DCP only writes it)")
+
+    def __repr__(self):
+        return f"Streamed(size={tuple(self.shape)}, {len(self._chunks)} pieces)"
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        boxes = [(offsets, sizes) for offsets, (sizes, _) in self._chunks.items()]
+        return shard_write_items(fqn, self.size(), self.dtype, boxes)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, (s, _) in self._chunks.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        held = self._held
+        if held["last"] is not None:  # written by now: its bytes are in the file
+            held["last"].untyped_storage().resize_(0)
+        sizes, make = self._chunks[torch.Size(index.offset)]
+        piece = make().to(self.dtype).contiguous()
+        if piece.shape != sizes:
+            raise ValueError(f"{index.fqn}: a piece of shape {tuple(piece.shape)}, not {sizes}")
+        held["last"] = piece
+        held["bar"].update(piece.nbytes)
+        return piece
+
+
+def _save_dir(state: dict, path: Path, progress: bool = False) -> None:
+    """One DCP directory (weights or optimizer state) of plain or `Streamed` tensors."""
+    streamed = [t for t in state.values() if isinstance(t, Streamed)]
+    total = sum(t.numel() * t.element_size() for t in streamed)
+    bar = progress_bar(
+        total, f"writing {path}", "B", enabled=progress and bool(streamed), unit_scale=True
+    )
+    held = {"last": None, "bar": bar}
+    for t in streamed:
+        t._held = held
+    state = {n: t if isinstance(t, Streamed) else t.contiguous() for n, t in state.items()}
+    with bar:
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(str(path), per_thread_copy_ahead=0),
+            no_dist=True,
+        )
+    held["last"] = None
+
+
 def write_checkpoint(
     out: str | Path,
     meta: dict,
     weights: dict[str, torch.Tensor],
     optimizer: dict[str, torch.Tensor] | None,
     tokenizer_bytes: bytes | None,
+    progress: bool = False,
 ) -> Path:
     """Write a complete checkpoint of `meta["iteration"]` under `out` from whole tensors
-    (plain tensors, which DCP reads back at any layout); returns the iteration directory.
+    (plain tensors, which DCP reads back at any layout, or `Streamed` ones, made a piece at a
+    time as they are written); returns the iteration directory.
 
     `optimizer` None: a checkpoint of weights only (meta "optimizer" must then be None).
     An existing iteration directory of that number is refused, not replaced.
@@ -69,17 +140,9 @@ def write_checkpoint(
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: here that is the point.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(
-            {n: t.contiguous() for n, t in weights.items()},
-            checkpoint_id=tmp / "model",
-            no_dist=True,
-        )
+        _save_dir(weights, tmp / "model", progress)
         if optimizer is not None:
-            dcp.save(
-                {n: t.contiguous() for n, t in optimizer.items()},
-                checkpoint_id=tmp / "optimizer",
-                no_dist=True,
-            )
+            _save_dir(optimizer, tmp / "optimizer")
     if tokenizer_bytes is not None:
         (tmp / "tokenizer.json").write_bytes(tokenizer_bytes)
     meta = {**meta, "format_version": FORMAT_VERSION, "files": file_sizes(tmp)}

@@ -253,6 +253,22 @@ def flat_range_boxes(
     return boxes
 
 
+def shard_write_items(fqn: str, size: torch.Size, dtype: torch.dtype, boxes) -> list[WriteItem]:
+    """DCP's write items for the (offsets, sizes) boxes of a tensor of global `size`."""
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties(dtype=dtype),
+                size=size,
+            ),
+        )
+        for offsets, sizes in boxes
+    ]
+
+
 class Pieces(torch.Tensor):
     """A tensor of global shape `size` of which this rank holds some rectangular pieces
     (offsets -> tensor): DCP saves and loads it piece by piece through the protocol that
@@ -276,18 +292,8 @@ class Pieces(torch.Tensor):
         return f"Pieces(size={tuple(self.shape)}, {len(self._pieces)} pieces)"
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
-                    properties=TensorProperties.create_from_tensor(t),
-                    size=self.size(),
-                ),
-            )
-            for offsets, t in self._pieces.items()
-        ]
+        boxes = [(offsets, t.size()) for offsets, t in self._pieces.items()]
+        return shard_write_items(fqn, self.size(), self.dtype, boxes)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self._pieces.items()]

@@ -18,7 +18,6 @@ from megacore import tensor_parallel as tp
 from megatrain.checkpoint.dcp import (
     Pieces,
     flat_range_boxes,
-    global_tensor,
     layout_of,
     named_buffers,
     named_params,
@@ -113,56 +112,93 @@ def check_model_matches(meta: dict, model_config, vocab_size: int, where: Path) 
         )
 
 
-def _load_into(params: dict, prefix: str, checkpoint_id: Path, mesh: DeviceMesh) -> dict:
-    """Read the saved tensors for `params` (name -> target tensor shaped like the parameter);
-    a vocabulary padded differently is read whole and its saved rows copied."""
-    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
-    direct, padded = {}, {}
-    for name, (target, like) in params.items():
-        key = f"{name}{prefix}"
-        if key not in metadata:
-            raise CheckpointError(f"{checkpoint_id}: no saved tensor {key!r}")
-        saved_shape = tuple(metadata[key].size)
-        view = global_tensor(target, like, mesh)
-        global_shape = tuple(view.shape)
-        if saved_shape == global_shape:
-            direct[key] = view
-        elif saved_shape[1:] == global_shape[1:] and getattr(like, "partition_dim", None) == 0:
-            padded[key] = (torch.zeros(saved_shape, dtype=target.dtype), target, like)
-        else:
-            raise CheckpointError(
-                f"{checkpoint_id}: {key} was saved with shape {saved_shape}, here {global_shape}"
-            )
-    # One read for both kinds: dcp.load is a collective, and under pipeline parallelism only
-    # the stages holding the word embeddings have padded tensors.
-    dcp.load({**direct, **{k: v[0] for k, v in padded.items()}}, checkpoint_id=checkpoint_id)
-    for whole, target, like in padded.values():
-        rows = target.shape[0]
-        sharded = getattr(like, "tensor_model_parallel", False)
-        start = ps.get_tensor_model_parallel_rank() * rows if sharded else 0
-        with torch.no_grad():
-            target.zero_()
-            piece = whole[start : start + rows]
-            target[: piece.shape[0]].copy_(piece)
-    return direct
+class DCPTensors:
+    """A checkpoint's DCP directory (weights or optimizer state) as a load reads it: the saved
+    tensors' global shapes (`shapes`) and `read(pieces)`, which fills each (offsets in the
+    global tensor, view) piece of `pieces` (name -> pieces) from what was saved, whatever
+    layout saved it.  A collective: every rank calls `read`, with pieces or without.
+
+    `megatrain.hf.layout.HFTensors` is the same for a Hugging Face model's files, so a run
+    starts from either (`start_from_weights`)."""
+
+    def __init__(self, path: Path):
+        self.where = Path(path)
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        # BytesStorageMetadata has no size: megatrain saves tensors only
+        self.shapes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
+
+    def read(self, pieces: dict[str, list]) -> None:
+        dcp.load(
+            {
+                key: Pieces(self.shapes[key], chunks[0][1].dtype, chunks[0][1].device, chunks)
+                for key, chunks in pieces.items()
+            },
+            checkpoint_id=self.where,
+        )
 
 
-def saved_buffers(chunks, directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The `STATE_BUFFERS` of `chunks` that checkpoint iteration `directory` holds, as
-    `_load_into` takes them.  One it lacks (saved by a model without the expert bias, or by a
-    megatrain that did not save it) starts from zero, with a note: the routing then differs
-    from the saved run's until the biases have moved again."""
-    saved = dcp.FileSystemReader(str(directory / "model")).read_metadata().state_dict_metadata
+def _saved_shape_problem(shapes: dict, key: str, like: torch.Tensor, mesh) -> str | None:
+    """Why the saved tensor `key` cannot fill parameter `like`'s state here, or None."""
+    if key not in shapes:
+        return f"no saved tensor {key!r}"
+    saved, here = shapes[key], tp_place(like, mesh)[0]
+    vocab_padding = getattr(like, "partition_dim", None) == 0 and saved[1:] == here[1:]
+    if saved != here and not vocab_padding:
+        return f"{key} was saved with shape {saved}, here {here}"
+    return None
+
+
+def _within_rows(pieces: list, rows: int) -> list:
+    """`pieces` of a tensor whose saved copy has `rows` rows (word embeddings padded to another
+    multiple): the rows past them are padding here, zeroed and left out of the read."""
+    out = []
+    for at, piece in pieces:
+        keep = max(0, min(piece.shape[0], rows - at[0]))
+        piece[keep:].zero_()
+        if keep:
+            out.append((at, piece[:keep]))
+    return out
+
+
+def _requests(like, mesh, offsets, box, saved_shape) -> list:
+    """The (global offsets, view) pieces of `box` (at `offsets` in the local tensor `like`) to
+    read, cut to the saved rows where the vocabulary padding differs."""
+    pieces = placed(like, mesh, offsets, box)
+    here = tp_place(like, mesh)[0]
+    if here and saved_shape[0] != here[0]:
+        pieces = _within_rows(pieces, saved_shape[0])
+    return pieces
+
+
+def _load_into(targets: dict, saved, mesh: DeviceMesh) -> None:
+    """Fill each target (name -> (tensor to fill, the parameter or buffer it is shaped like))
+    from `saved` (`DCPTensors`, `HFTensors`); a vocabulary padded differently reads the saved
+    rows and zeroes the rest.  One read for all: it is a collective, and under pipeline
+    parallelism only the stages holding the word embeddings have padded tensors."""
+    pieces = {}
+    for name, (target, like) in targets.items():
+        problem = _saved_shape_problem(saved.shapes, name, like, mesh)
+        if problem:
+            raise CheckpointError(f"{saved.where}: {problem}")
+        pieces[name] = _requests(like, mesh, [0] * target.dim(), target, saved.shapes[name])
+    saved.read({n: p for n, p in pieces.items() if p})
+
+
+def saved_buffers(chunks, saved) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The `STATE_BUFFERS` of `chunks` that `saved` (`DCPTensors`, ...) holds, as `_load_into`
+    takes them.  One it lacks (saved by a model without the expert bias, or by a megatrain
+    that did not save it) starts from zero, with a note: the routing then differs from the
+    saved run's until the biases have moved again."""
     buffers = named_buffers(chunks)
-    missing = sorted(n for n in buffers if n not in saved)
+    missing = sorted(n for n in buffers if n not in saved.shapes)
     if missing and (not dist.is_initialized() or dist.get_rank() == 0):
         print(
-            f"megatrain: warning: {directory} holds no expert bias for "
+            f"megatrain: warning: {saved.where} holds no expert bias for "
             f"model.moe_router_enable_expert_bias = true ({', '.join(missing)}): saved by a model "
             "without it, or by a megatrain that did not save it; these biases start from zero",
             flush=True,
         )
-    return {n: (b, b) for n, b in buffers.items() if n in saved}
+    return {n: (b, b) for n, b in buffers.items() if n in saved.shapes}
 
 
 def load_weights(chunks, directory: Path, device: torch.device, optional: tuple[str, ...] = ()):
@@ -171,38 +207,23 @@ def load_weights(chunks, directory: Path, device: torch.device, optional: tuple[
     left as it is when the checkpoint lacks it (a fine-tuning head a pretraining checkpoint
     does not hold); weights the model does not have (pretraining heads) are not read.
     Every rank calls it."""
-    saved = dcp.FileSystemReader(str(directory / "model")).read_metadata().state_dict_metadata
+    saved = DCPTensors(directory / "model")
     params = {
         n: p
         for n, p in named_params(chunks, loading=True).items()
-        if n in saved or not n.startswith(optional)
+        if n in saved.shapes or not n.startswith(optional)
     }
-    targets = {n: (p.data, p) for n, p in params.items()} | saved_buffers(chunks, directory)
+    targets = {n: (p.data, p) for n, p in params.items()} | saved_buffers(chunks, saved)
     with torch.no_grad():
-        _load_into(targets, "", directory / "model", tp_mesh(device))
+        _load_into(targets, saved, tp_mesh(device))
 
 
-def _saved_shape_problem(metadata, key: str, like: torch.nn.Parameter, mesh) -> str | None:
-    """Why the saved tensor `key` cannot fill parameter `like`'s state here, or None."""
-    if key not in metadata:
-        return f"no saved tensor {key!r}"
-    if not hasattr(metadata[key], "size"):
-        return f"{key!r} is not a tensor"
-    saved, here = tuple(metadata[key].size), tp_place(like, mesh)[0]
-    vocab_padding = getattr(like, "partition_dim", None) == 0 and saved[1:] == here[1:]
-    if saved != here and not vocab_padding:
-        return f"{key} was saved with shape {saved}, here {here}"
-    return None
-
-
-def _read_shard_state(
-    targets: list, params: dict, checkpoint_id: Path, mesh: DeviceMesh, key_of
-) -> None:
-    """Fill the optimizer's `targets` (`MegatronOptimizer.load_shard_state`) from the DCP
-    directory `checkpoint_id`: each shard's state "k" from the saved tensor `key_of(name, k)`,
-    only the boxes of the shard's own ranges.  A saved tensor of another shape is refused,
-    except word embeddings padded differently: the saved rows are read, the rest are zero."""
-    metadata = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+def _read_shard_state(targets: list, params: dict, saved, mesh: DeviceMesh, key_of) -> None:
+    """Fill the optimizer's `targets` (`MegatronOptimizer.load_shard_state`) from `saved`
+    (`DCPTensors`, `HFTensors`): each shard's state "k" from the saved tensor
+    `key_of(name, k)`, only the boxes of the shard's own ranges.  A saved tensor of another
+    shape is refused, except word embeddings padded differently: the saved rows are read, the
+    rest are zero."""
     keys = sorted({k for _, state in targets for k in state})
     # Every saved tensor this rank's stage needs is checked, whether or not this rank holds a
     # range of it, and the ranks agree before anyone reads: a rank that refused alone would
@@ -211,59 +232,58 @@ def _read_shard_state(
         problem
         for name, p in params.items()
         for k in keys
-        if (problem := _saved_shape_problem(metadata, key_of(name, k), p, mesh))
+        if (problem := _saved_shape_problem(saved.shapes, key_of(name, k), p, mesh))
     ]
     flag = torch.tensor([float(bool(problems))], device=mesh.device_type)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         raise CheckpointError(
-            f"{checkpoint_id}: "
+            f"{saved.where}: "
             + ("; ".join(problems) if problems else "another rank refused its optimizer state")
         )
     names = {p: n for n, p in params.items()}  # the last stage's tied embeddings included
     pieces: dict[str, list] = {}
     for shard, state in targets:
-        shape, _ = tp_place(shard.param, mesh)
         boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
         for k, flat in state.items():
             key = key_of(names[shard.param], k)
-            rows = metadata[key].size[0] if shape else 0  # differs for padded embeddings
             for a, b, offsets, sizes in boxes:
                 box = flat[a - shard.start : b - shard.start].view(sizes)
-                for at, piece in placed(shard.param, mesh, offsets, box):
-                    if shape and rows != shape[0]:  # rows past the saved ones are padding: zero
-                        keep = max(0, min(piece.shape[0], rows - at[0]))
-                        piece[keep:].zero_()
-                        piece = piece[:keep]
-                        if keep == 0:
-                            continue
-                    pieces.setdefault(key, []).append((at, piece))
-    # Every rank calls dcp.load (a collective), with or without pieces of its own.
-    dcp.load(
-        {
-            key: Pieces(metadata[key].size, torch.float32, chunks[0][1].device, chunks)
-            for key, chunks in pieces.items()
-        },
-        checkpoint_id=checkpoint_id,
-    )
+                requests = _requests(shard.param, mesh, offsets, box, saved.shapes[key])
+                pieces.setdefault(key, []).extend(requests)
+    # Every rank reads (a collective), with or without pieces of its own.
+    saved.read({key: chunks for key, chunks in pieces.items() if chunks})
 
 
-def _start_from_weights(run, params: dict, directory: Path, mesh: DeviceMesh, meta: dict) -> dict:
-    """A checkpoint of weights only: fine-tuning starts from them, as training starts from an
-    initialisation (fp32 masters read from the saved weights, no Adam moments, step 0,
-    iteration 0, data from the start, generators as `build_run` seeded them)."""
-    # Each shard's master is read straight from the saved weights (in fp32, not via the
-    # run's dtype: no rounding).
+def _load_model_state(run, saved) -> tuple[DeviceMesh, dict]:
+    """This rank's parameters and expert biases from `saved`, except FSDP2's (DTensors over
+    DP: they are their fp32 masters, which the optimizer's load fills); (TP mesh, name ->
+    parameter)."""
+    mesh = tp_mesh(run.device)
+    params = named_params(run.chunks, loading=True)
+    plain = {n: (p.data, p) for n, p in params.items() if not isinstance(p, DTensor)}
+    plain.update(saved_buffers(run.chunks, saved))
+    with torch.no_grad():
+        _load_into(plain, saved, mesh)
+    return mesh, params
+
+
+def start_from_weights(run, saved, meta: dict, source: str | None = None) -> dict:
+    """Start training from the weights `saved` holds (`DCPTensors` of a checkpoint of weights
+    only, `HFTensors` of a Hugging Face model), as training starts from an initialisation: this
+    rank's parameters and buffers read at its layout, the fp32 masters read straight from the
+    saved weights (in fp32, not via the run's dtype: no rounding; FSDP's sharded parameters are
+    their masters), no Adam moments, step 0, iteration 0, data from the start, generators as
+    `build_run` seeded them.  Returns `meta` at iteration 0."""
+    mesh, params = _load_model_state(run, saved)
     run.optimizer.load_shard_state(
-        lambda targets: _read_shard_state(
-            targets, params, directory / "model", mesh, lambda name, _: name
-        ),
+        lambda targets: _read_shard_state(targets, params, saved, mesh, lambda name, _: name),
         adam_step=0,
     )
     if dist.get_rank() == 0:
         print(
-            f"megatrain: {directory} holds weights only (no optimizer state): training starts "
-            "from them at iteration 0 with fresh Adam moments",
+            f"megatrain: {source or saved.where} holds weights only (no optimizer state): "
+            "training starts from them at iteration 0 with fresh Adam moments",
             flush=True,
         )
     return {**meta, "iteration": 0}
@@ -289,19 +309,14 @@ def load_checkpoint(run, ckpt: str | Path) -> dict:
             f"{directory / 'meta.json'}: trained with tokenizer sha256 {saved_tok['sha256']}, "
             f"the corpus {run.train_data.corpus.path} has {here_tok['sha256']}"
         )
-    mesh = tp_mesh(run.device)
-    params = named_params(run.chunks, loading=True)
-    # FSDP2's parameters (DTensors over DP) are their fp32 masters: the optimizer state's
-    # "master" (or the weights, for a checkpoint of weights only) fills them below.
-    plain = {n: (p.data, p) for n, p in params.items() if not isinstance(p, DTensor)}
-    plain.update(saved_buffers(run.chunks, directory))  # the expert biases
-    with torch.no_grad():
-        _load_into(plain, "", directory / "model", mesh)
+    weights = DCPTensors(directory / "model")
     if not has_optimizer_state(meta):
-        return _start_from_weights(run, params, directory, mesh, meta)
+        return start_from_weights(run, weights, meta, str(directory))
+    mesh, params = _load_model_state(run, weights)
+    optimizer = DCPTensors(directory / "optimizer")
     run.optimizer.load_shard_state(
         lambda targets: _read_shard_state(
-            targets, params, directory / "optimizer", mesh, lambda name, k: f"{name}/{k}"
+            targets, params, optimizer, mesh, lambda name, k: f"{name}/{k}"
         ),
         meta["optimizer"]["adam_step"],
     )

@@ -10,17 +10,27 @@ from pathlib import Path
 from megatrain.hf.common import HFFormatError
 
 
-def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progress: bool = True):
-    """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`: a GPT-2
-    (`gpt2.export_gpt2`), a BERT (model.kind "bert", `bert.export_bert`) or a Llama-kind
-    model as the class its switches make (`llama.export_llama`: Llama, Qwen2, Qwen3, Mixtral,
-    Qwen2-MoE, Qwen3-MoE)."""
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    progress: bool = True,
+    max_shard_size="5GB",
+):
+    """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`, its weights in
+    safetensors shards of at most `max_shard_size` (transformers' syntax: "5GB", "500MB", bytes)
+    with model.safetensors.index.json, or one model.safetensors: a GPT-2 (`gpt2.export_gpt2`),
+    a BERT (model.kind "bert", `bert.export_bert`) or a Llama-kind model as the class its
+    switches make (`llama.export_llama`: Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE;
+    streamed, a tensor at a time; GPT-2 and BERT are read whole)."""
     from megatrain.checkpoint.convert import dtype_of
-    from megatrain.checkpoint.files import CheckpointError, find_checkpoint
+    from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
     from megatrain.checkpoint.load import read_full_state
+    from megatrain.hf.shards import parse_shard_size
     from megatrain.inference.load import model_kind
 
-    dtype_of(dtype)  # an unknown dtype is refused before anything is read
+    dtype_of(dtype)  # an unknown dtype or shard size is refused before anything is read
+    parse_shard_size(max_shard_size)
     try:
         import safetensors  # noqa: F401  (save_weights uses it; refuse early without it)
         import transformers  # noqa: F401
@@ -35,18 +45,19 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32", progres
             f"{tokenizer_file} does not exist: export needs the tokenizer the model was trained "
             "with (saved there from the corpus directory's tokenizer.json)"
         )
+    meta = read_meta(directory)
+    if model_kind(meta) == "llama":
+        from megatrain.hf.llama import export_llama
+
+        return export_llama(meta, directory, out, dtype, max_shard_size, progress)
     meta, state = read_full_state(ckpt, progress=progress)
     if model_kind(meta) == "bert":
         from megatrain.hf.bert import export_bert
 
-        return export_bert(meta, state, tokenizer_file, out, dtype)
-    if model_kind(meta) == "llama":
-        from megatrain.hf.llama import export_llama
-
-        return export_llama(meta, state, tokenizer_file, out, dtype)
+        return export_bert(meta, state, tokenizer_file, out, dtype, max_shard_size)
     from megatrain.hf.gpt2 import export_gpt2
 
-    return export_gpt2(meta, state, tokenizer_file, out, dtype)
+    return export_gpt2(meta, state, tokenizer_file, out, dtype, max_shard_size)
 
 
 # The config.json model_types import reads (BERT's and the Llama family's from their modules).
@@ -73,16 +84,24 @@ def read_model_types() -> tuple[str, ...]:
 
 
 def import_hf(
-    hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None
+    hf_dir: str | Path,
+    out_ckpt: str | Path,
+    tokenizer_file: str | Path | None = None,
+    dtype: str | None = None,
+    progress: bool = False,
 ) -> Path:
     """Write the Hugging Face model of `hf_dir` as a megatrain checkpoint (iteration 0, weights
     only) under `out_ckpt`; returns the iteration directory.  config.json's model_type picks
     the reader: a BERT ("bert" or "megatron-bert") `bert.import_bert`, a Llama or Mistral
     `llama.import_llama`, a Qwen2 or Qwen3 `qwen.import_qwen`, a Mixtral, Qwen2-MoE or
     Qwen3-MoE `moe.import_moe`, a GPT-2 `gpt2.import_gpt2`;
-    any other model_type is refused naming the ones read."""
+    any other model_type is refused naming the ones read.  The weights keep the files' dtype
+    unless `dtype` ("float32", "bfloat16", "float16") says another; the Llama family is
+    streamed, a tensor (or an expert) at a time."""
+    from megatrain.checkpoint.convert import dtype_of
     from megatrain.hf import bert, gpt2
 
+    kw = {"dtype": dtype_of(dtype) if dtype else None, "progress": progress}
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HFFormatError(
@@ -90,11 +109,11 @@ def import_hf(
             f"(model_type one of {', '.join(read_model_types())})"
         )
     if bert.is_bert(hf_dir):
-        return bert.import_bert(hf_dir, out_ckpt, tokenizer_file)
+        return bert.import_bert(hf_dir, out_ckpt, tokenizer_file, **kw)
     model_type = _model_type(hf_dir)
     importers = _llama_family_importers()
     if model_type in importers:
-        return importers[model_type](hf_dir, out_ckpt, tokenizer_file)
+        return importers[model_type](hf_dir, out_ckpt, tokenizer_file, **kw)
     if model_type is not None and model_type not in GPT2_TYPES:
         from megatrain.hf.moe import UNREPRESENTED
 
@@ -107,7 +126,7 @@ def import_hf(
         )
     # GPT-2, or a config.json that is missing, unreadable or without model_type: the GPT-2
     # reader names what is wrong with it.
-    return gpt2.import_gpt2(hf_dir, out_ckpt, tokenizer_file)
+    return gpt2.import_gpt2(hf_dir, out_ckpt, tokenizer_file, **kw)
 
 
 def _model_type(hf_dir: Path) -> str | None:

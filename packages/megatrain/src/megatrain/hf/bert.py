@@ -53,9 +53,9 @@ from megatrain.hf.common import (
     read_json,
     refuse_switches,
     run_model_config,
-    save_weights,
     write_imported,
 )
+from megatrain.hf.shards import save_weights
 
 TOKENIZER_KIND = "bert-wordpiece"
 UNK_TOKEN = "[UNK]"
@@ -261,7 +261,12 @@ def _wordpiece_files(tokenizer_file: Path, vocab: int, meta_file: Path) -> tuple
 
 
 def export_bert(
-    meta: dict, state: dict[str, torch.Tensor], tokenizer_file: Path, out, dtype: str = "float32"
+    meta: dict,
+    state: dict[str, torch.Tensor],
+    tokenizer_file: Path,
+    out,
+    dtype: str = "float32",
+    max_shard_size=None,
 ) -> Path:
     """Write the BERT of a checkpoint (meta.json, whole weights, its tokenizer.json) as a
     Hugging Face directory `out` that `MegatronBertForPreTraining` (block_order "pre_ln") or
@@ -309,7 +314,7 @@ def export_bert(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config_class(**fields).save_pretrained(str(out))
-    save_weights(weights, torch_dtype, out / "model.safetensors")
+    save_weights(weights, torch_dtype, out, max_shard_size)
     tok = transformers.BertTokenizerFast(
         tokenizer_file=str(tokenizer_file),
         model_max_length=m["max_position_embeddings"],
@@ -481,11 +486,12 @@ def _check_weights(tensors: dict, expected: dict[str, tuple], hf_dir: Path, conf
 
 
 def import_bert(
-    hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None
+    hf_dir: str | Path, out_ckpt: str | Path, tokenizer_file: str | Path | None = None, **kw
 ) -> Path:
     """Write the BertForPreTraining (as block_order "post_ln") or MegatronBertForPreTraining
     ("pre_ln") of `hf_dir` as a megatrain checkpoint (iteration 0, weights only, model.kind
-    "bert") under `out_ckpt`; returns the iteration directory."""
+    "bert") under `out_ckpt`; returns the iteration directory.  `kw`: `write_imported`'s dtype
+    and progress (a BERT is read whole: it is small)."""
     from tokenizers import Tokenizer
 
     hf_dir = Path(hf_dir)
@@ -521,7 +527,7 @@ def import_bert(
     # A BERT corpus ends its documents with [SEP].
     eod_id = tok.token_to_id(SPECIAL_TOKENS["sep"])
     imported = {"hf_dir": str(hf_dir.resolve()), "architecture": ARCHITECTURE[order]}
-    return write_imported(out_ckpt, config, weights, tokenizer_bytes, eod_id, imported)
+    return write_imported(out_ckpt, config, weights, tokenizer_bytes, eod_id, imported, **kw)
 
 
 __all__ = [

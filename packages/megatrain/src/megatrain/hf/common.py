@@ -5,13 +5,12 @@ reading and writing weight files (safetensors; `torch.load(weights_only=True)` f
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from megacore.tensor_parallel import vocab_size_with_padding
-from megatrain.checkpoint.convert import write_checkpoint
+from megatrain.checkpoint.convert import Streamed, write_checkpoint
 from megatrain.checkpoint.files import MODEL_FIELDS, CheckpointError
 from megatrain.config import KIND_DEFAULTS, MODEL_SWITCHES, Config, ConfigError, validate
 from megatrain.data.corpus import TOKENIZER_KINDS
@@ -67,17 +66,6 @@ def refuse_switches(meta_file: Path, m: dict, family: str, required: dict) -> No
                 f"{meta_file}: model.{name} is {m.get(name)!r}; a {family} export needs "
                 f"{value!r} (the Hugging Face model has no such switch)"
             )
-
-
-def save_weights(weights: dict, dtype: torch.dtype, path: Path) -> None:
-    """model.safetensors in `dtype`, readable as the user's other files are: safetensors
-    writes 0600 whatever the umask, which keeps a shared model from its group."""
-    from safetensors.torch import save_file
-
-    save_file({n: t.to(dtype) for n, t in weights.items()}, str(path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def write_hf_tokenizer(
@@ -159,10 +147,21 @@ def checked_padding(config: Config, hf_dir: Path) -> int:
 
 
 def write_imported(
-    out_ckpt, config: Config, weights: dict, tokenizer_bytes: bytes, eod_id: int, imported: dict
+    out_ckpt,
+    config: Config,
+    weights: dict,
+    tokenizer_bytes: bytes,
+    eod_id: int,
+    imported: dict,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> Path:
     """An imported model as a megatrain checkpoint of weights only (iteration 0, tp = pp = 1),
-    which `megatrain run --load` fine-tunes from; returns the iteration directory."""
+    which `megatrain run --load` fine-tunes from; returns the iteration directory.  `weights`:
+    whole tensors (cast to `dtype` if given), or `checkpoint.convert.Streamed` ones read as
+    they are written (made in their dtype)."""
+    if dtype is not None:
+        weights = {n: t if isinstance(t, Streamed) else t.to(dtype) for n, t in weights.items()}
     m = config.model
     vocab = m.vocab_size
     meta = {
@@ -191,4 +190,4 @@ def write_imported(
         "dtype": str(weights["embedding.weight"].dtype).removeprefix("torch."),
         "imported_from": imported,
     }
-    return write_checkpoint(out_ckpt, meta, weights, None, tokenizer_bytes)
+    return write_checkpoint(out_ckpt, meta, weights, None, tokenizer_bytes, progress=progress)

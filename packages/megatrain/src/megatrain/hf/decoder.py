@@ -1,26 +1,30 @@
 """What the Hugging Face decoder families (`hf.llama`: Llama and Mistral, `hf.qwen`: Qwen2 and
 Qwen3, `hf.moe`: Mixtral, Qwen2-MoE and Qwen3-MoE) share: the names of HF's tensors and ours,
 config.json read as JSON and refused by field (`load_hf_config`, `refuser`, `decoder_fields`,
-Qwen's switches in `read_qwen_config`), the weights read as safetensors from their headers
-first (`hf_shapes`, `weight_shapes`, `read_weights`), the state mapping both ways
-(`from_hf_state` / `to_hf_state`, with a family's MLP) and the import of a family's fields as a
-megatrain checkpoint of kind llama (`import_decoder`).  The classes an export writes are in
-`hf.families`.  This module imports none of the families.
+Qwen's switches in `read_qwen_config`), the safetensors' headers read and checked before any
+tensor is (`read_headers`, `checked_headers`), where each of our tensors lies in HF's
+(`decoder_map`, a `tensor_map.Target` each: import, export and `run --load-hf` all read it) and
+the import of a family's fields as a megatrain checkpoint of kind llama (`decoder_config`,
+`import_decoder`, streamed: one tensor, or one expert, held at a time).  The classes an
+export writes are in `hf.families`.  This module imports none of the families.
 """
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatrain.config import Config
-from megatrain.hf.common import (
-    HFFormatError,
-    checked_padding,
-    qkv_from_hf,
-    qkv_to_hf,
-    read_json,
-    write_imported,
+from megatrain.hf.common import HFFormatError, checked_padding, read_json, write_imported
+from megatrain.hf.tensor_map import (
+    HFFiles,
+    Target,
+    attention_map,
+    experts_map,
+    fused_experts_map,
+    hf_shapes_of,
+    streamed,
+    whole,
 )
 
 ROPE_TYPES = ("default", "llama3")
@@ -34,7 +38,6 @@ DENSE_MLP = {  # ours -> HF's, under model.layers.N.
     "mlp.fc1.weight": "mlp.up_proj.weight",
     "mlp.fc2.weight": "mlp.down_proj.weight",
 }
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # Qwen3's per-head norms of the queries and keys (ours -> HF's, under model.layers.N.).
 QK_NORMS = {
     "attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -52,40 +55,6 @@ SHARED = {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}  # ours -> 
 def expert_names(model_type: str) -> tuple[str, str, tuple[str, str, str]]:
     """(prefix, router, (gate, up, down)): a mixture of experts' HF names, by family."""
     return EXPERT_NAMES["mixtral" if model_type == "mixtral" else "qwen"]
-
-
-def kv_from_hf(k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """HF's k and v (weights [groups d, h] or biases [groups d]) -> our `kv` rows, per group
-    [k, v]."""
-    rest = k.shape[1:]
-    stacked = torch.stack([k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1)
-    return stacked.reshape(-1, *rest)
-
-
-def kv_to_hf(kv: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `kv_from_hf`: (k, v)."""
-    rest = kv.shape[1:]
-    grouped = kv.reshape(groups, 2, -1, *rest)
-    return grouped[:, 0].reshape(-1, *rest), grouped[:, 1].reshape(-1, *rest)
-
-
-def _attention_from_hf(q, k, v, heads: int, groups: int, kind: str) -> dict[str, torch.Tensor]:
-    """Our attention `kind` ("weight" or "bias") from HF's q, k, v: per head [q k v] rows in
-    one `qkv` without grouped-query attention, else `q` as HF's and `kv` per group [k v]."""
-    if groups == heads:
-        return {f"qkv.{kind}": qkv_from_hf(torch.cat([q, k, v]), heads)}
-    return {f"q.{kind}": q, f"kv.{kind}": kv_from_hf(k, v, groups)}
-
-
-def _attention_to_hf(weights: dict, prefix: str, heads: int, groups: int, kind: str):
-    """The inverse of `_attention_from_hf`: (q, k, v)."""
-    if groups == heads:
-        return qkv_to_hf(weights[f"{prefix}qkv.{kind}"], heads).chunk(3)
-    return (weights[f"{prefix}q.{kind}"], *kv_to_hf(weights[f"{prefix}kv.{kind}"], groups))
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
 
 
 def load_hf_config(hf_dir: Path) -> tuple[Path, dict]:
@@ -228,73 +197,131 @@ def read_qwen_config(hf_dir: Path, required: tuple = ("intermediate_size",)) -> 
     )
 
 
-def dense_mlp_shapes(c: dict, i: int, f: int | None = None) -> dict[str, tuple]:
-    """HF's SwiGLU MLP of layer `i` (of width `f`, default intermediate_size), its names under
-    model.layers.i."""
-    h, f = c["hidden"], f or c["ffn"]
-    return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-            "mlp.down_proj.weight": (h, f)}  # fmt: skip
+def mlp_map(c: dict, i: int) -> dict[str, Target]:
+    """Layer i's MLP (our names under layers.i.): the SwiGLU of intermediate_size, or, where
+    `c["moe_layers"]` says so, the router, the experts (per expert, or transformers 5's fused
+    3-D tensors when `c["fused"]`) and Qwen2-MoE's shared expert and its gate."""
+    h, layer = c["hidden"], f"model.layers.{i}."
+    if not (c.get("moe_layers") or [False] * (i + 1))[i]:
+        f = c["ffn"]
+        shapes = {"gate": (f, h), "fc1": (f, h), "fc2": (h, f)}
+        return {
+            ours: whole(layer + theirs, shapes[ours.split(".")[1]])
+            for ours, theirs in DENSE_MLP.items()
+        }
+    f, E = c["expert_ffn"], c["experts"]
+    prefix, router, (gate, up, down) = expert_names(c["model_type"])
+    if c.get("fused"):
+        out = {"mlp.router.weight": whole(f"{layer}mlp.{router}", (E, h))}
+        out |= fused_experts_map("mlp.", f"{layer}mlp.experts.", E, h, f)
+    else:
+        out = {"mlp.router.weight": whole(layer + prefix + router, (E, h))}
+        names = tuple(f"{layer}{prefix}experts.{{e}}.{n}.weight" for n in (gate, up, down))
+        out |= experts_map("mlp.", names, E, h, f)
+    if c.get("shared_ffn"):
+        s = c["shared_ffn"]
+        shapes = {"gate": (s, h), "fc1": (s, h), "fc2": (h, s)}
+        out |= {f"mlp.shared_expert.{ours}.weight":
+                whole(f"{layer}mlp.shared_expert.{theirs}.weight", shapes[ours])
+                for ours, theirs in SHARED.items()}  # fmt: skip
+        out["mlp.shared_expert_gate.weight"] = whole(
+            f"{layer}mlp.shared_expert_gate.weight", (1, h)
+        )
+    return out
 
 
-def hf_shapes(c: dict, mlp_shapes=dense_mlp_shapes) -> dict[str, tuple]:
-    """Every HF tensor name and shape config.json describes; `mlp_shapes(c, i)`: layer i's
-    MLP, under model.layers.i."""
+def decoder_map(c: dict, padded_vocab: int) -> dict[str, Target]:
+    """Where each of our tensors lies in the HF decoder `c` describes (`decoder_fields`, with a
+    mixture's fields), in HF's order: embeddings (padded to `padded_vocab` rows), the layers,
+    the final norm, an untied output layer."""
     h, v, d = c["hidden"], c["vocab"], c["head_dim"]
-    q, kv = c["heads"] * d, c["groups"] * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not c["tied"]:
-        shapes["lm_head.weight"] = (v, h)
-    per_layer = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-    }  # fmt: skip
-    if c["qkv_bias"]:
-        per_layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                      "self_attn.v_proj.bias": (kv,)}  # fmt: skip
-    if c["qk_norm"]:
-        per_layer |= {name: (d,) for name in QK_NORMS.values()}
+    out = {"embedding.weight": whole("model.embed_tokens.weight", (v, h), rows=padded_vocab)}
     for i in range(c["layers"]):
-        layer = {**per_layer, **mlp_shapes(c, i)}
-        shapes |= {f"model.layers.{i}.{k}": s for k, s in layer.items()}
-    return shapes
+        layer, ours = f"model.layers.{i}.", f"layers.{i}."
+        out |= {ours + k: whole(layer + t, (h,)) for k, t in NORMS.items()}
+        for kind in ("weight", "bias") if c["qkv_bias"] else ("weight",):
+            out |= attention_map(ours, layer, c, kind)
+        out[ours + "attention.proj.weight"] = whole(layer + "self_attn.o_proj.weight",
+                                                     (h, c["heads"] * d))  # fmt: skip
+        if c["qk_norm"]:
+            out |= {ours + k: whole(layer + t, (d,)) for k, t in QK_NORMS.items()}
+        out |= {ours + k: t for k, t in mlp_map(c, i).items()}
+    out["final_layernorm.weight"] = whole("model.norm.weight", (h,))
+    if not c["tied"]:
+        out["output_layer.weight"] = whole("lm_head.weight", (v, h), rows=padded_vocab)
+    return out
 
 
-def weight_shapes(hf_dir: Path, c: dict) -> tuple[dict[str, tuple], dict[str, str]]:
-    """({name: shape}, {name: file}) of the safetensors of `hf_dir` (sharded or not), from
-    the files' headers alone (no tensor read)."""
-    from safetensors import safe_open
+# safetensors' dtype names -> torch's (the float ones a model's weights are stored in).
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16}  # fmt: skip
 
+
+@dataclass
+class Headers:
+    """What the safetensors headers of an HF directory say: name -> shape, file, dtype."""
+
+    shapes: dict[str, tuple]
+    where: dict[str, str]
+    dtypes: dict[str, str]
+
+
+def safetensors_files(hf_dir: Path, model_type: str) -> list[str]:
+    """The weight files of `hf_dir`: those model.safetensors.index.json lists (each must be
+    there), else model.safetensors."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise HFFormatError(
-            f"{hf_dir}: no model.safetensors (or model.safetensors.index.json); a "
-            f"{c['model_type']} is read from safetensors only, never unpickled"
-        )
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFFormatError(f"{index}: no weight_map (tensor name -> file)")
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not (hf_dir / f).is_file()]
+        if absent:
+            raise HFFormatError(
+                f"{index} lists {', '.join(absent[:3])}"
+                + (f" (and {len(absent) - 3} more)" if len(absent) > 3 else "")
+                + f", not in {hf_dir}: is the download complete?"
+            )
+        return files
+    if (hf_dir / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise HFFormatError(
+        f"{hf_dir}: no model.safetensors (or model.safetensors.index.json); a "
+        f"{model_type} is read from safetensors only, never unpickled"
+    )
+
+
+def read_headers(hf_dir: Path, c: dict) -> Headers:
+    """The headers of the safetensors of `hf_dir` (sharded or not), no tensor read; a file
+    that is not whole safetensors (truncated, say) is refused naming it.  Skipped, by name:
+    rotary `inv_freq` buffers and, for tied embeddings, a stored copy of lm_head."""
+    from safetensors import safe_open
+
     skipped = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if c["tied"] else ())
-    shapes, where = {}, {}
-    for name in files:
+    headers = Headers({}, {}, {})
+    for name in safetensors_files(hf_dir, c["model_type"]):
         try:
             with safe_open(str(hf_dir / name), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
-                    if not key.endswith(skipped):  # a tied file may store lm_head: it is
-                        shapes[key] = tuple(f.get_slice(key).get_shape())  # embed_tokens
-                        where[key] = name
+                    if not key.endswith(skipped):
+                        piece = f.get_slice(key)
+                        headers.shapes[key] = tuple(piece.get_shape())
+                        headers.dtypes[key] = piece.get_dtype()
+                        headers.where[key] = name
         except Exception as e:
-            raise HFFormatError(f"{hf_dir / name}: cannot be read as safetensors ({e})") from e
-    return shapes, where
+            raise HFFormatError(
+                f"{hf_dir / name}: cannot be read as safetensors ({e}); a truncated or partly "
+                "downloaded file reads so"
+            ) from e
+    return headers
 
 
-def read_weights(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """The safetensors of `hf_dir` (sharded or not): names and shapes checked against
-    `expected` (config.json's) from the files' headers, before any tensor is read."""
-    from safetensors import safe_open
-
-    shapes, where = weight_shapes(hf_dir, c)
+def checked_headers(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> Headers:
+    """`read_headers`, the names and shapes checked against `expected` (config.json's, from
+    `decoder_map`) before any tensor is read: every tensor the model needs and the files lack
+    named, every tensor the files hold and nothing maps named, a float dtype."""
+    headers = read_headers(hf_dir, c)
+    shapes = headers.shapes
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or extra:
         raise HFFormatError(
@@ -313,70 +340,40 @@ def read_weights(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> dict[str,
             raise HFFormatError(
                 f"{hf_dir}: {name} has shape {shapes[name]}, config.json says {shape}"
             )
-    tensors = {}
-    for name in sorted(set(where.values())):
-        with safe_open(str(hf_dir / name), framework="pt") as f:
-            tensors |= {k: f.get_tensor(k) for k, file in where.items() if file == name}
-    return tensors
+        if headers.dtypes[name] not in SAFETENSORS_DTYPES:
+            raise HFFormatError(
+                f"{hf_dir / headers.where[name]}: {name} is {headers.dtypes[name]}; expected "
+                f"one of {', '.join(SAFETENSORS_DTYPES)}"
+            )
+    return headers
 
 
-def dense_mlp_from_hf(hf: dict, c: dict, i: int) -> dict[str, torch.Tensor]:
-    """Our layer i's SwiGLU MLP (names under layers.i.) from HF's."""
-    return {ours: hf[f"model.layers.{i}.{theirs}"] for ours, theirs in DENSE_MLP.items()}
-
-
-def dense_mlp_to_hf(weights: dict, m: dict, i: int) -> dict[str, torch.Tensor]:
-    """HF's layer i's MLP (names under model.layers.i.) from ours."""
-    return {theirs: weights[f"layers.{i}.{ours}"] for ours, theirs in DENSE_MLP.items()}
-
-
-def from_hf_state(hf: dict, c: dict, padded_vocab: int, mlp=dense_mlp_from_hf) -> dict:
-    """Our weights from HF's tensors; `mlp(hf, c, i)`: layer i's MLP, named under layers.i."""
-    out = {
-        "embedding.weight": _pad_rows(hf["model.embed_tokens.weight"], padded_vocab),
-        "final_layernorm.weight": hf["model.norm.weight"],
-    }
-    if not c["tied"]:
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab)
-    for i in range(c["layers"]):
-        layer = f"model.layers.{i}."
-        ours = {k: hf[layer + theirs] for k, theirs in NORMS.items()}
-        ours["attention.proj.weight"] = hf[layer + "self_attn.o_proj.weight"]
-        kinds = ("weight", "bias") if c["qkv_bias"] else ("weight",)
-        for kind in kinds:
-            q, k, v = (hf[f"{layer}{name}.{kind}"] for name in QKV)
-            attention = _attention_from_hf(q, k, v, c["heads"], c["groups"], kind)
-            ours |= {f"attention.{name}": t for name, t in attention.items()}
-        if c["qk_norm"]:
-            ours |= {k: hf[layer + theirs] for k, theirs in QK_NORMS.items()}
-        ours |= mlp(hf, c, i)
-        out |= {f"layers.{i}.{name}": t for name, t in ours.items()}
-    return {n: t.contiguous() for n, t in out.items()}
-
-
-def to_hf_state(weights: dict, m: dict, vocab: int, mlp=dense_mlp_to_hf) -> dict:
-    """HF's tensors from our weights (`m`: the resolved [model] section); `mlp(weights, m, i)`:
-    layer i's MLP, named under model.layers.i."""
-    groups, heads = m["num_query_groups"], m["num_attention_heads"]
-    out = {
-        "model.embed_tokens.weight": weights["embedding.weight"][:vocab],
-        "model.norm.weight": weights["final_layernorm.weight"],
-    }
-    if "output_layer.weight" in weights:
-        out["lm_head.weight"] = weights["output_layer.weight"][:vocab]
-    for i in range(m["num_layers"]):
-        layer, ours = f"model.layers.{i}.", f"layers.{i}."
-        theirs = {t: weights[ours + k] for k, t in NORMS.items()}
-        theirs["self_attn.o_proj.weight"] = weights[ours + "attention.proj.weight"]
-        kinds = ("weight", "bias") if m["add_qkv_bias"] else ("weight",)
-        for kind in kinds:
-            qkv = _attention_to_hf(weights, ours + "attention.", heads, groups, kind)
-            theirs |= {f"{name}.{kind}": t for name, t in zip(QKV, qkv, strict=True)}
-        if m["qk_layernorm"]:
-            theirs |= {t: weights[ours + k] for k, t in QK_NORMS.items()}
-        theirs |= mlp(weights, m, i)
-        out |= {layer + name: t for name, t in theirs.items()}
-    return {n: t.contiguous() for n, t in out.items()}
+def decoder_config(hf_dir: Path, c: dict, configure=None) -> Config:
+    """The run config of the Llama-like decoder `c` describes (kind llama), checked; its
+    sequence length what the positions allow.  `configure(m, c)`: the family's own fields."""
+    config = Config(name=hf_dir.name)
+    m = config.model
+    m.kind = "llama"
+    m.num_layers, m.hidden_size, m.num_attention_heads = c["layers"], c["hidden"], c["heads"]
+    m.num_query_groups = c["groups"] if c["groups"] != c["heads"] else None
+    if c["head_dim"] * c["heads"] != c["hidden"]:
+        m.kv_channels = c["head_dim"]
+    m.qk_layernorm, m.add_qkv_bias = c["qk_norm"], c["qkv_bias"]
+    m.ffn_hidden_size, m.max_position_embeddings = c["ffn"] or None, c["positions"]
+    # The model's vocabulary is config.json's (Llama 3 pads its embeddings past the tokenizer).
+    m.vocab_size = c["vocab"]
+    m.hidden_dropout, m.attention_dropout = 0.0, c["dropout"]  # Llama has no residual dropout
+    m.init_method_std, m.layernorm_epsilon = c["std"], c["eps"]
+    m.rotary_base = c["theta"]
+    if c["scaling"] is not None:
+        factor, low, high, original = c["scaling"]
+        m.rope_scaling_factor, m.rope_low_freq_factor = factor, low
+        m.rope_high_freq_factor, m.rope_original_max_position_embeddings = high, original
+    m.untie_embeddings_and_output_weights = not c["tied"]
+    if configure is not None:
+        configure(m, c)
+    checked_padding(config, hf_dir)
+    return config
 
 
 def import_decoder(
@@ -385,14 +382,18 @@ def import_decoder(
     tokenizer_file: str | Path | None,
     c: dict,
     configure=None,
-    mlp_shapes=dense_mlp_shapes,
-    mlp_from_hf=dense_mlp_from_hf,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> Path:
     """Write the Llama-like decoder of `hf_dir` as a megatrain checkpoint of kind llama
     (iteration 0, weights only) under `out_ckpt`; returns the iteration directory.  `c`: its
     family's `decoder_fields` (a Llama's `llama.read_hf_config`, ...), `configure(m, c)` sets
-    the family's own [model] fields, `mlp_shapes`/`mlp_from_hf` read its MLPs."""
+    the family's own [model] fields.  Streamed: each of our tensors (a stacked expert tensor,
+    an expert at a time) is read from the files and written as it is made; in the files'
+    dtype unless `dtype` says another."""
     from tokenizers import Tokenizer
+
+    from megacore.tensor_parallel import vocab_size_with_padding
 
     source = Path(tokenizer_file) if tokenizer_file is not None else hf_dir / "tokenizer.json"
     if not source.is_file():
@@ -415,30 +416,19 @@ def import_decoder(
             f"{hf_dir / 'config.json'}: eos_token_id is {eos!r}; expected an id below "
             f"vocab_size {c['vocab']}"
         )
-    config = Config(name=hf_dir.name)
+    config = decoder_config(hf_dir, c, configure)
     m = config.model
-    m.kind = "llama"
-    m.num_layers, m.hidden_size, m.num_attention_heads = c["layers"], c["hidden"], c["heads"]
-    m.num_query_groups = c["groups"] if c["groups"] != c["heads"] else None
-    if c["head_dim"] * c["heads"] != c["hidden"]:
-        m.kv_channels = c["head_dim"]
-    m.qk_layernorm, m.add_qkv_bias = c["qk_norm"], c["qkv_bias"]
-    m.ffn_hidden_size, m.max_position_embeddings = c["ffn"] or None, c["positions"]
-    # The model's vocabulary is config.json's (Llama 3 pads its embeddings past the tokenizer).
-    m.vocab_size = c["vocab"]
-    m.hidden_dropout, m.attention_dropout = 0.0, c["dropout"]  # Llama has no residual dropout
-    m.init_method_std, m.layernorm_epsilon = c["std"], c["eps"]
-    m.rotary_base = c["theta"]
-    if c["scaling"] is not None:
-        factor, low, high, original = c["scaling"]
-        m.rope_scaling_factor, m.rope_low_freq_factor = factor, low
-        m.rope_high_freq_factor, m.rope_original_max_position_embeddings = high, original
-    m.untie_embeddings_and_output_weights = not c["tied"]
-    if configure is not None:
-        configure(m, c)
-    padded = checked_padding(config, hf_dir)
-    tensors = read_weights(hf_dir, c, hf_shapes(c, mlp_shapes))
-    weights = from_hf_state(tensors, c, padded, mlp_from_hf)
+    padded = vocab_size_with_padding(m.vocab_size, 1, m.make_vocab_size_divisible_by)
+    targets = decoder_map(c, padded)
+    headers = checked_headers(hf_dir, c, hf_shapes_of(targets))
+    files = HFFiles(hf_dir, headers.where)
+    dtypes = {n: SAFETENSORS_DTYPES[t] for n, t in headers.dtypes.items()}
     imported = {"hf_dir": str(hf_dir.resolve()), "bos_token_id": c["bos"],
                 "model_type": c["model_type"]}  # fmt: skip
-    return write_imported(out_ckpt, config, weights, tokenizer_bytes, eos, imported)
+    try:
+        weights = streamed(targets, files, dtypes, dtype)
+        return write_imported(
+            out_ckpt, config, weights, tokenizer_bytes, eos, imported, progress=progress
+        )
+    finally:
+        files.close()

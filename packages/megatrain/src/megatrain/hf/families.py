@@ -7,25 +7,21 @@ writes the one chosen; the families' importers are `hf.llama`, `hf.qwen` and `hf
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from megatrain.checkpoint.files import CheckpointError
-from megatrain.hf.decoder import SHARED, dense_mlp_to_hf, expert_names
 
 
 @dataclass(frozen=True)
 class Family:
     """A Hugging Face class our Llama-like model exports as: its name in messages, its
     architecture and config class, the resolved [model] fields it needs beyond
-    `llama.LLAMA_SWITCHES` (field -> value), its own config fields (`fields(m)`) and its MLP
-    (`mlp_to_hf(weights, m, i)`)."""
+    `llama.LLAMA_SWITCHES` (field -> value) and its own config fields (`fields(m)`).  Its
+    tensors' names are `decoder.decoder_map`'s for the config class's model_type."""
 
     name: str
     architecture: str
     config_class: str
     switches: dict
     fields: Callable[[dict], dict] = lambda m: {}
-    mlp_to_hf: Callable = dense_mlp_to_hf
 
 
 LLAMA = Family("Llama", "LlamaForCausalLM", "LlamaConfig",
@@ -61,36 +57,11 @@ def decoder_family(m: dict) -> Family:
     return LLAMA
 
 
-def _layer_is_moe(m: dict) -> list[bool]:
+def layer_is_moe(m: dict) -> list[bool]:
     freq, n = m["moe_layer_freq"], m["num_layers"]
     if isinstance(freq, int):
         return [i % freq == 0 for i in range(n)]
     return [bool(x) for x in freq]
-
-
-def _mlp_to_hf(model_type: str):
-    prefix, router, (gate, up, down) = expert_names(model_type)
-
-    def to_hf(weights: dict, m: dict, i: int) -> dict[str, torch.Tensor]:
-        if not _layer_is_moe(m)[i]:
-            return dense_mlp_to_hf(weights, m, i)
-        ours = f"layers.{i}.mlp."
-        weight1, weight2 = weights[ours + "experts.weight1"], weights[ours + "experts.weight2"]
-        f = weight2.shape[1]
-        out = {prefix + router: weights[ours + "router.weight"]}
-        for e in range(weight1.shape[0]):
-            out[f"{prefix}experts.{e}.{gate}.weight"] = weight1[e, :, :f].t()
-            out[f"{prefix}experts.{e}.{up}.weight"] = weight1[e, :, f:].t()
-            out[f"{prefix}experts.{e}.{down}.weight"] = weight2[e].t()
-        if m["moe_shared_expert_intermediate_size"]:
-            for o, theirs in SHARED.items():
-                out[f"mlp.shared_expert.{theirs}.weight"] = weights[
-                    f"{ours}shared_expert.{o}.weight"
-                ]
-            out["mlp.shared_expert_gate.weight"] = weights[ours + "shared_expert_gate.weight"]
-        return out
-
-    return to_hf
 
 
 def _renormalized(m: dict) -> bool:
@@ -107,7 +78,7 @@ def _mixtral_fields(m: dict) -> dict:
 
 
 def _qwen_moe_fields(m: dict) -> dict:
-    layers = _layer_is_moe(m)
+    layers = layer_is_moe(m)
     fields = {
         "num_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
         "moe_intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
@@ -130,18 +101,18 @@ MIXTRAL = Family(
     "Mixtral", "MixtralForCausalLM", "MixtralConfig",
     ROUTER | {"qk_layernorm": False, "add_qkv_bias": False, "moe_layer_freq": 1,
               "moe_shared_expert_intermediate_size": None},
-    _mixtral_fields, _mlp_to_hf("mixtral"),
+    _mixtral_fields,
 )  # fmt: skip
 QWEN2_MOE = Family(
     "Qwen2-MoE", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
     ROUTER | {"qk_layernorm": False, "moe_shared_expert_gate": True},
-    _qwen_moe_fields, _mlp_to_hf("qwen2_moe"),
+    _qwen_moe_fields,
 )  # fmt: skip
 QWEN3_MOE = Family(
     "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
     ROUTER | {"qk_layernorm": True, "add_qkv_bias": False,
               "moe_shared_expert_intermediate_size": None},
-    _qwen_moe_fields, _mlp_to_hf("qwen3_moe"),
+    _qwen_moe_fields,
 )  # fmt: skip
 
 

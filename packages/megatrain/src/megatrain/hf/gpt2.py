@@ -36,10 +36,10 @@ from megatrain.hf.common import (
     read_json,
     refuse_switches,
     run_model_config,
-    save_weights,
     write_hf_tokenizer,
     write_imported,
 )
+from megatrain.hf.shards import save_weights
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -151,7 +151,9 @@ def from_hf_state(hf: dict[str, torch.Tensor], num_layers: int, heads: int, padd
     return out
 
 
-def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str):
+def export_gpt2(
+    meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str, max_shard_size=None
+):
     """Write a GPT checkpoint's `meta` and full `state` as a transformers GPT2LMHeadModel
     directory `out`, in `dtype`."""
     import transformers
@@ -197,7 +199,7 @@ def export_gpt2(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
-    save_weights(weights, torch_dtype, out / "model.safetensors")
+    save_weights(weights, torch_dtype, out, max_shard_size)
     write_hf_tokenizer(tokenizer_file, out, eod, eod, eod, m["max_position_embeddings"])
     transformers.GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id).save_pretrained(
         str(out)
@@ -288,9 +290,12 @@ def read_hf_tokenizer(hf_dir: Path, tokenizer_file: Path | None = None) -> bytes
     )
 
 
-def import_gpt2(hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path | None) -> Path:
+def import_gpt2(
+    hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path | None, **kw
+) -> Path:
     """Write the GPT2LMHeadModel of `hf_dir` as a megatrain checkpoint (iteration 0, weights
-    only) under `out_ckpt`; returns the iteration directory."""
+    only) under `out_ckpt`; returns the iteration directory.  `kw`: `write_imported`'s dtype
+    and progress (a GPT-2 is read whole: it is small)."""
     from tokenizers import Tokenizer
 
     c = read_hf_config(hf_dir)
@@ -322,4 +327,4 @@ def import_gpt2(hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path |
     padded = checked_padding(config, hf_dir)
     weights = from_hf_state(tensors, m.num_layers, m.num_attention_heads, padded)
     imported = {"hf_dir": str(hf_dir.resolve()), "embd_pdrop": c["embd_pdrop"]}
-    return write_imported(out_ckpt, config, weights, tokenizer_bytes, eod_id, imported)
+    return write_imported(out_ckpt, config, weights, tokenizer_bytes, eod_id, imported, **kw)

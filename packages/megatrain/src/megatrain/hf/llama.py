@@ -32,15 +32,23 @@ from pathlib import Path
 
 from megatrain.checkpoint.convert import dtype_of
 from megatrain.checkpoint.files import CheckpointError
-from megatrain.hf.common import refuse_switches, run_model_config, save_weights, write_hf_tokenizer
+from megatrain.hf.common import refuse_switches, run_model_config, write_hf_tokenizer
 from megatrain.hf.decoder import (
     decoder_fields,
+    decoder_map,
     import_decoder,
     load_hf_config,
     refuser,
-    to_hf_state,
 )
-from megatrain.hf.families import decoder_family
+from megatrain.hf.families import decoder_family, layer_is_moe
+from megatrain.hf.shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    ShardWriter,
+    export_streamed,
+    parse_shard_size,
+    plan_shards,
+)
+from megatrain.hf.tensor_map import hf_shapes_of
 
 MODEL_TYPES = ("llama", "mistral")
 # The resolved [model] switches LlamaForCausalLM computes (its tie is read from the config).
@@ -63,10 +71,12 @@ def read_hf_config(hf_dir: Path) -> dict:
     return decoder_fields(config_file, c, required=("intermediate_size",))
 
 
-def import_llama(hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path | None) -> Path:
+def import_llama(
+    hf_dir: Path, out_ckpt: str | Path, tokenizer_file: str | Path | None, **kw
+) -> Path:
     """Write the LlamaForCausalLM of `hf_dir` as a megatrain checkpoint (iteration 0, weights
-    only) under `out_ckpt`; returns the iteration directory."""
-    return import_decoder(hf_dir, out_ckpt, tokenizer_file, read_hf_config(hf_dir))
+    only) under `out_ckpt`; returns the iteration directory (`kw`: `import_decoder`'s)."""
+    return import_decoder(hf_dir, out_ckpt, tokenizer_file, read_hf_config(hf_dir), **kw)
 
 
 def llama_config_fields(m: dict, vocab: int, bos: int, eos: int, dtype: str) -> dict:
@@ -112,11 +122,52 @@ def llama_config_fields(m: dict, vocab: int, bos: int, eos: int, dtype: str) -> 
     return fields
 
 
-def export_llama(meta: dict, state: dict, tokenizer_file: Path, out: str | Path, dtype: str):
-    """Write a Llama-kind checkpoint's `meta` and full `state` as a transformers directory
-    `out`, in `dtype`: a LlamaForCausalLM, or the family its resolved switches make
-    (`families.decoder_family`: Qwen2 with q, k, v biases, Qwen3 with q/k norms, ...)."""
+def map_fields(m: dict, vocab: int, model_type: str) -> dict:
+    """The fields `decoder.decoder_map` reads (config.json's, as `decoder_fields` and
+    `moe.read_moe_config` give them) of our resolved [model] section `m`."""
+    heads = m["num_attention_heads"]
+    c = {
+        "model_type": model_type,
+        "layers": m["num_layers"],
+        "hidden": m["hidden_size"],
+        "heads": heads,
+        "groups": m["num_query_groups"],
+        "head_dim": m["kv_channels"] or m["hidden_size"] // heads,
+        "ffn": m["ffn_hidden_size"],
+        "vocab": vocab,
+        "tied": not m["untie_embeddings_and_output_weights"],
+        "qkv_bias": m["add_qkv_bias"],
+        "qk_norm": m["qk_layernorm"],
+    }
+    if m.get("num_moe_experts"):
+        c |= {
+            "moe_layers": layer_is_moe(m),
+            "experts": m["num_moe_experts"],
+            "expert_ffn": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
+            "shared_ffn": m["moe_shared_expert_intermediate_size"],
+        }
+    return c
+
+
+def export_llama(
+    meta: dict,
+    directory: Path,
+    out: str | Path,
+    dtype: str,
+    max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = False,
+):
+    """Write the Llama-kind checkpoint iteration `directory` (its `meta`) as a transformers
+    directory `out`, in `dtype`, in safetensors shards of at most `max_shard_size`: a
+    LlamaForCausalLM, or the family its resolved switches make (`families.decoder_family`:
+    Qwen2 with q, k, v biases, Qwen3 with q/k norms, ...).  Streamed: the checkpoint's saved
+    pieces are read a group at a time and each HF tensor written once it is whole."""
     import transformers
+
+    from megacommon.progress import progress_bar
+
+    tokenizer_file = directory / "tokenizer.json"
+    max_bytes = parse_shard_size(max_shard_size)
 
     meta_file = tokenizer_file.parent / "meta.json"
     m = run_model_config(meta)
@@ -134,8 +185,17 @@ def export_llama(meta: dict, state: dict, tokenizer_file: Path, out: str | Path,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
-    weights = to_hf_state(state, m, vocab, family.mlp_to_hf)
-    save_weights(weights, dtype_of(dtype), out / "model.safetensors")
+    model_type = getattr(transformers, family.config_class).model_type
+    targets = decoder_map(map_fields(m, vocab, model_type), int(meta["padded_vocab_size"]))
+    shapes = hf_shapes_of(targets)
+    torch_dtype = dtype_of(dtype)
+    writer = ShardWriter(
+        out, plan_shards(list(shapes.items()), torch_dtype, max_bytes), torch_dtype
+    )
+    bar = progress_bar(writer.total, f"writing {out}", "B", enabled=progress, unit_scale=True)
+    with bar:
+        export_streamed(directory / "model", targets, writer, bar)
+    writer.close()
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_file))

@@ -32,19 +32,13 @@ a scaling factor).
 
 from pathlib import Path
 
-import torch
-
 from megatrain.hf.decoder import (
-    SHARED,
     decoder_fields,
-    dense_mlp_from_hf,
-    dense_mlp_shapes,
-    expert_names,
     import_decoder,
     load_hf_config,
+    read_headers,
     read_qwen_config,
     refuser,
-    weight_shapes,
 )
 from megatrain.hf.families import moe_family  # noqa: F401 (benchmarks import it from here)
 
@@ -110,65 +104,13 @@ def read_moe_config(hf_dir: Path) -> dict:
         refuse("num_experts_per_tok", f"expected 1 to the {experts} experts")
     if model_type == "qwen2_moe" and not shared_ffn:
         refuse("shared_expert_intermediate_size", "Qwen2-MoE's shared expert needs its size")
-    return fields | {
+    fields |= {
         "experts": experts, "topk": topk, "expert_ffn": int(expert_ffn), "shared_ffn": shared_ffn,
         "norm_topk": norm_topk, "sparse_step": sparse_step, "mlp_only": mlp_only,
         "aux": float(c.get("router_aux_loss_coef", 0.0)),
     }  # fmt: skip
-
-
-def moe_mlp_shapes(c: dict, i: int) -> dict[str, tuple]:
-    """HF's layer i's MLP: a dense one (of intermediate_size) or the router and experts."""
-    if not moe_layers(c)[i]:
-        return dense_mlp_shapes(c, i)
-    h, f, E = c["hidden"], c["expert_ffn"], c["experts"]
-    prefix, router, (gate, up, down) = expert_names(c["model_type"])
-    if c["fused"]:  # transformers 5's modules as they hold them
-        shapes = {"mlp." + router: (E, h), "mlp.experts.gate_up_proj": (E, 2 * f, h),
-                  "mlp.experts.down_proj": (E, h, f)}  # fmt: skip
-    else:
-        shapes = {prefix + router: (E, h)}
-        for e in range(E):
-            shapes |= {f"{prefix}experts.{e}.{gate}.weight": (f, h),
-                       f"{prefix}experts.{e}.{up}.weight": (f, h),
-                       f"{prefix}experts.{e}.{down}.weight": (h, f)}  # fmt: skip
-    if c["shared_ffn"]:
-        s = c["shared_ffn"]
-        shapes |= {"mlp.shared_expert.gate_proj.weight": (s, h),
-                   "mlp.shared_expert.up_proj.weight": (s, h),
-                   "mlp.shared_expert.down_proj.weight": (h, s),
-                   "mlp.shared_expert_gate.weight": (1, h)}  # fmt: skip
-    return shapes
-
-
-def moe_mlp_from_hf(hf: dict, c: dict, i: int) -> dict[str, torch.Tensor]:
-    """Our layer i's MLP (names under layers.i.) from HF's: the experts stacked into the
-    grouped GEMM's 3-D weights."""
-    if not moe_layers(c)[i]:
-        return dense_mlp_from_hf(hf, c, i)
-    layer = f"model.layers.{i}."
-    prefix, router, (gate, up, down) = expert_names(c["model_type"])
-    if c["fused"]:  # [E, 2f, h] (gate rows, then up) and [E, h, f]: transposed per expert
-        prefix = "mlp."
-        weight1 = hf[f"{layer}mlp.experts.gate_up_proj"].transpose(1, 2)
-        weight2 = hf[f"{layer}mlp.experts.down_proj"].transpose(1, 2)
-    else:
-        experts = f"{layer}{prefix}experts."
-        weight1 = torch.stack([
-            torch.cat([hf[f"{experts}{e}.{gate}.weight"], hf[f"{experts}{e}.{up}.weight"]]).t()
-            for e in range(c["experts"])
-        ])  # fmt: skip
-        weight2 = torch.stack([hf[f"{experts}{e}.{down}.weight"].t() for e in range(c["experts"])])
-    out = {
-        "mlp.router.weight": hf[layer + prefix + router],
-        "mlp.experts.weight1": weight1,
-        "mlp.experts.weight2": weight2,
-    }
-    if c["shared_ffn"]:
-        out |= {f"mlp.shared_expert.{ours}.weight": hf[f"{layer}mlp.shared_expert.{theirs}.weight"]
-                for ours, theirs in SHARED.items()}  # fmt: skip
-        out["mlp.shared_expert_gate.weight"] = hf[layer + "mlp.shared_expert_gate.weight"]
-    return out
+    fields["moe_layers"] = moe_layers(fields)
+    return fields
 
 
 def _configure(m, c: dict) -> None:
@@ -189,14 +131,19 @@ def _configure(m, c: dict) -> None:
     m.moe_aux_loss_coeff = c["aux"]
 
 
-def import_moe(hf_dir: Path, out_ckpt, tokenizer_file) -> Path:
+def read_moe_files(hf_dir: Path) -> dict:
+    """`read_moe_config`, with whether the files hold the per-expert matrices as transformers
+    writes them or its in-memory 3-D `gate_up_proj` / `down_proj` (a state dict saved as it is
+    held; `c["fused"]`): the headers say which."""
+    c = read_moe_config(hf_dir)
+    names = read_headers(hf_dir, c).shapes
+    c["fused"] = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
+    return c
+
+
+def import_moe(hf_dir: Path, out_ckpt, tokenizer_file, **kw) -> Path:
     """Write the Mixtral, Qwen2-MoE or Qwen3-MoE of `hf_dir` as a megatrain checkpoint of kind
     llama with num_moe_experts (iteration 0, weights only); returns the iteration directory."""
-    c = read_moe_config(hf_dir)
-    # The per-expert matrices as transformers writes them, or its in-memory 3-D `gate_up_proj`
-    # / `down_proj` (a state dict saved as it is held): the headers say which.
-    names = weight_shapes(hf_dir, c)[0]
-    c["fused"] = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
     return import_decoder(
-        hf_dir, out_ckpt, tokenizer_file, c, _configure, moe_mlp_shapes, moe_mlp_from_hf
+        hf_dir, out_ckpt, tokenizer_file, read_moe_files(hf_dir), _configure, **kw
     )

@@ -25,7 +25,7 @@ from megatrain.hf.decoder import import_decoder, load_hf_config, read_qwen_confi
 MODEL_TYPES = ("qwen2", "qwen3")
 
 
-def import_qwen(hf_dir: Path, out_ckpt, tokenizer_file) -> Path:
+def import_qwen(hf_dir: Path, out_ckpt, tokenizer_file, **kw) -> Path:
     """Write the Qwen2ForCausalLM or Qwen3ForCausalLM of `hf_dir` as a megatrain checkpoint of
     kind llama (iteration 0, weights only) under `out_ckpt`; returns the iteration
     directory."""
@@ -34,4 +34,4 @@ def import_qwen(hf_dir: Path, out_ckpt, tokenizer_file) -> Path:
         raise HFFormatError(
             f"{config_file}: model_type is {c.get('model_type')!r}: expected one of {MODEL_TYPES}"
         )
-    return import_decoder(hf_dir, out_ckpt, tokenizer_file, read_qwen_config(hf_dir))
+    return import_decoder(hf_dir, out_ckpt, tokenizer_file, read_qwen_config(hf_dir), **kw)
