@@ -304,7 +304,7 @@ def test_a_run_with_expert_bias_resumes_bitwise(layouts, tmp_path):
         assert torch.equal(converted[name], ends["whole"][name]), name
     assert converted["embedding.weight"].dtype == torch.bfloat16
     # export-hf refuses the biases (HF's mixtures route without one), naming the field.
-    meta, state = read_full_state(out.parent, progress=False)
+    meta, _ = read_full_state(out.parent, progress=False)
     meta["config"]["model"]["moe_router_score_function"] = "softmax"  # the bias alone differs
     with pytest.raises(CheckpointError, match=r"model\.moe_router_enable_expert_bias is True"):
         export_llama(meta, out, tmp_path / "hf", "float32")

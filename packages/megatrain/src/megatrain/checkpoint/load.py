@@ -100,15 +100,18 @@ def read_full_state(
     return meta, state
 
 
-def check_model_matches(meta: dict, model_config, vocab_size: int, where: Path) -> None:
-    """Refuse a checkpoint of another model, naming every field that differs."""
+def check_model_matches(
+    meta: dict, model_config, vocab_size: int, where: Path, file: str = "meta.json"
+) -> None:
+    """Refuse a checkpoint (`where`'s meta.json, or an HF model's config.json) of another
+    model, naming every field that differs."""
     saved = dict(meta["model"], vocab_size=meta["vocab_size"])
     here = {k: getattr(model_config, k) for k in MODEL_FIELDS}
     here["vocab_size"] = vocab_size
     differ = [f"{k}: saved {saved[k]}, here {here[k]}" for k in here if saved.get(k) != here[k]]
     if differ:
         raise CheckpointError(
-            f"{where / 'meta.json'} is a checkpoint of another model ({'; '.join(differ)})"
+            f"{where / file} is a checkpoint of another model ({'; '.join(differ)})"
         )
 
 

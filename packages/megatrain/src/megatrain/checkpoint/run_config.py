@@ -107,7 +107,17 @@ def check_corpus_named(config: Config, config_file: str | Path | None) -> None:
     (data.corpus and data.blend unset: the default corpus, of another tokenizer), naming
     the field and `config_file` (None: the config came from the checkpoint)."""
     d, load = config.data, config.checkpoint.load
-    if d.corpus is not None or d.blend is not None or not load:
+    if d.corpus is not None or d.blend is not None:
+        return
+    if config.checkpoint.load_hf:
+        tokenizer = Path(config.checkpoint.load_hf) / "tokenizer.json"
+        raise ConfigError(
+            f"checkpoint.load_hf (--load-hf) {config.checkpoint.load_hf} and the run names no "
+            "corpus: pass data.corpus=DIR"
+            + (f" (or set it in {config_file})" if config_file else "")
+            + f", a corpus built with the model's own tokenizer ({tokenizer})"
+        )
+    if not load:
         return
     try:
         directory = find_checkpoint(load)

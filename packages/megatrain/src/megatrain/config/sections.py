@@ -290,6 +290,10 @@ class CheckpointConfig:
     # Resume from this directory's `latest`.  Equal to `save`, a directory without a
     # checkpoint yet starts from iteration 0 (so one command starts and resumes a run).
     load: str | None = None
+    # Start from a Hugging Face Llama-family model's files (a directory with config.json and
+    # safetensors), read at this run's layout, each rank its own slices (megatrain.hf.layout_load);
+    # a `save` directory that holds a checkpoint resumes from it instead.  Not with `load`.
+    load_hf: str | None = None
     save_interval: int | None = None  # iterations; None = at the end and on SIGTERM/SIGINT only
     keep: int = 0  # newest iterations kept; 0 = all
     # Write each save in the background (megatrain.checkpoint.background): training stalls

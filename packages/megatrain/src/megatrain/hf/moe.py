@@ -113,7 +113,7 @@ def read_moe_config(hf_dir: Path) -> dict:
     return fields
 
 
-def _configure(m, c: dict) -> None:
+def configure_moe(m, c: dict) -> None:
     """Our [model] MoE fields from `read_moe_config`'s."""
     m.num_moe_experts, m.moe_router_topk = c["experts"], c["topk"]
     if c["model_type"] == "mixtral":
@@ -145,5 +145,5 @@ def import_moe(hf_dir: Path, out_ckpt, tokenizer_file, **kw) -> Path:
     """Write the Mixtral, Qwen2-MoE or Qwen3-MoE of `hf_dir` as a megatrain checkpoint of kind
     llama with num_moe_experts (iteration 0, weights only); returns the iteration directory."""
     return import_decoder(
-        hf_dir, out_ckpt, tokenizer_file, read_moe_files(hf_dir), _configure, **kw
+        hf_dir, out_ckpt, tokenizer_file, read_moe_files(hf_dir), configure_moe, **kw
     )

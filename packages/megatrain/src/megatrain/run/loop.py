@@ -124,17 +124,25 @@ def train(config: Config, stop: StopSignal | None = None) -> dict | None:
 
 
 def resume(run: Run) -> None:
-    """Load `checkpoint.load` if set (a `save` directory without a checkpoint yet starts fresh).
+    """Load `checkpoint.load` if set (a `save` directory without a checkpoint yet starts fresh),
+    or start from the Hugging Face model `checkpoint.load_hf` at this layout.
 
     Workers that torch's elastic agent restarted after a failure (--max-restarts) go on from
-    the run's own last save instead, when there is one."""
+    the run's own last save instead, when there is one; so does a run from `load_hf` whose
+    `save` holds a checkpoint (the same command run again resumes)."""
     c = run.config.checkpoint
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     load = c.load
-    if restart and c.save and os.path.exists(os.path.join(c.save, LATEST)):
+    saved = bool(c.save) and os.path.exists(os.path.join(c.save, LATEST))
+    if saved and (restart or c.load_hf):
         load = c.save
     rank0 = dist.get_rank() == 0
     after = f"restart {restart} after a failed worker: " if restart else ""
+    if c.load_hf and load is None:
+        from megatrain.hf.layout_load import load_hf
+
+        load_hf(run, c.load_hf)
+        return
     if not load or (load == c.save and not os.path.exists(os.path.join(load, LATEST))):
         if rank0 and (load or restart):
             where = f" in {load}" if load else ""

@@ -72,6 +72,10 @@ def check_inputs(config: Config) -> None:
     load, save = config.checkpoint.load, config.checkpoint.save
     if load and not (load == save and not os.path.exists(os.path.join(load, "latest"))):
         find_checkpoint(load)
+    if config.checkpoint.load_hf:  # the model's files refused here, not in every worker
+        from megatrain.hf.layout_load import check_hf_source
+
+        check_hf_source(config)
     if save:
         check_writable(save, "checkpoint.save (--save)")
     check_writable(config.training.output_dir, "training.output_dir")

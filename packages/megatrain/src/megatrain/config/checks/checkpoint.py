@@ -1,4 +1,5 @@
-"""[checkpoint]: the save interval, how many are kept, the background write's timeout."""
+"""[checkpoint]: the save interval, how many are kept, the background write's timeout, one
+source to start from (`load` or `load_hf`)."""
 
 from megatrain.config.errors import _need
 from megatrain.config.sections import Config
@@ -14,4 +15,9 @@ def _check_checkpoint(config: Config) -> None:
     _need(
         c.async_save_timeout > 0,
         f"checkpoint.async_save_timeout must be > 0 seconds, got {c.async_save_timeout}",
+    )
+    _need(
+        not (c.load and c.load_hf),
+        f"checkpoint.load ({c.load}) and checkpoint.load_hf ({c.load_hf}): give one; load_hf "
+        "starts from a Hugging Face model's files, load from a megatrain checkpoint",
     )
