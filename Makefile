@@ -80,6 +80,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_context_parallel.py --out bench-results/context_parallel.json
 	$(BIN)/python benchmarks/bench_fsdp.py --out bench-results/fsdp.json
 	$(BIN)/python benchmarks/bench_async_checkpoint.py --out bench-results/async_checkpoint.json
+	$(BIN)/python benchmarks/bench_hf_convert.py --out bench-results/hf_convert.json
 
 # One GPU, the paper's 1.2B in bf16; not part of `bench`, which runs on any CPU.
 BENCH_GPU_ARGS ?=

@@ -89,6 +89,13 @@ def test_sharded_export_loads_in_transformers_and_equals_the_whole_one(models):
         whole, sharded, theirs = (m(tokens).logits for m in (*loaded.values(), hf))
     assert torch.equal(whole, sharded)
     assert (whole - theirs).abs().max() < 1e-4
+    # A pool of two workers, each writing its share of the shards: the same files, byte for byte.
+    export_hf(root / "whole-ckpt", root / "export-pool", "float32", False, "20KB", workers=2)
+    pool = sorted(p.name for p in (root / "export-pool").glob("model*"))
+    assert pool == [*shards, "model.safetensors.index.json"]
+    for name in pool:
+        a, b = (root / d / name for d in ("export-pool", "export-sharded"))
+        assert a.read_bytes() == b.read_bytes(), name
     # bf16 files export as bf16 when asked, and as fp32 by default (the weights' values kept).
     export_hf(root / "bf16-ckpt", root / "export-bf16", "bfloat16", False, "40KB")
     back = transformers.AutoModelForCausalLM.from_pretrained(root / "export-bf16")
@@ -142,3 +149,24 @@ def test_missing_extra_and_truncated_files_are_named(models, tmp_path):
     assert f"missing ['{missing_name}']" in str(refused.value)
     for n in ("c1", "c2", "c3"):  # refused before anything was written
         assert not (tmp_path / n).exists()
+
+
+def test_the_commands_take_dtype_shard_size_and_refuse_a_bad_one(models, tmp_path):
+    from click.testing import CliRunner
+
+    from megatrain.cli import main
+
+    root, _ = models
+    runner = CliRunner()
+    done = runner.invoke(main, ["import-hf", str(root / "sharded"), "--out", str(tmp_path / "c"),
+                                "--dtype", "bfloat16"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert read_full_state(tmp_path / "c", progress=False)[0]["dtype"] == "bfloat16"
+    done = runner.invoke(main, ["export-hf", "--ckpt", str(tmp_path / "c"), "--out",
+                                str(tmp_path / "e"), "--max-shard-size", "20KB"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "e" / "model.safetensors.index.json").is_file()
+    bad = runner.invoke(main, ["export-hf", "--ckpt", str(tmp_path / "c"), "--out",
+                               str(tmp_path / "f"), "--max-shard-size", "lots"])  # fmt: skip
+    assert bad.exit_code != 0 and "--max-shard-size 'lots'" in bad.output
+    assert not (tmp_path / "f").exists()

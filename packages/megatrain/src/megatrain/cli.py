@@ -28,8 +28,9 @@ def main() -> None:
     "--config",
     "config_path",
     type=click.Path(dir_okay=False),
-    required=True,
-    help="A model/run config, e.g. pipelines/models/gpt2-tiny.toml.",
+    default=None,
+    help="A model/run config, e.g. pipelines/models/gpt2-tiny.toml, or the run.toml import-hf "
+    "writes [default with --load: the checkpoint's own, from its meta.json].",
 )
 @click.argument("overrides", nargs=-1)
 @click.option(
@@ -44,6 +45,14 @@ def main() -> None:
     type=click.Path(file_okay=False),
     default=None,
     help="Resume from this checkpoint directory's `latest` (= checkpoint.load).",
+)
+@click.option(
+    "--load-hf",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Start from this Hugging Face Llama-family model's files at the run's layout, each "
+    "rank reading its own slices (= checkpoint.load_hf) [without --config: the model is the "
+    "HF config.json's].",
 )
 @click.option(
     "--save",
@@ -79,10 +88,14 @@ def main() -> None:
     "this node's GPU memory (the check runs only where CUDA is).",
 )
 def run_command(
-    config_path, overrides, nproc_per_node, load, save, nnodes, node_rank, master_addr,
+    config_path, overrides, nproc_per_node, load, load_hf, save, nnodes, node_rank, master_addr,
     master_port, max_restarts, rdzv_timeout, no_plan_check,
 ):  # fmt: skip
     """Train the model of --config on its corpus.
+
+    With --load DIR and no --config the run config is the checkpoint's own (its meta.json;
+    an imported model's names no corpus: pass data.corpus=DIR), the overrides applied on it;
+    with --load-hf DIR and no --config, the model is the Hugging Face model's.
 
     OVERRIDES are section.field=value, e.g. training.train_iters=200
     parallel.tensor_model_parallel_size=2.  With no launcher this starts its own
@@ -97,11 +110,29 @@ def run_command(
     status is then 130 (SIGINT) or 143 (SIGTERM).  A second one kills the workers at once (the
     last complete checkpoint stays).
     """
+    from megatrain.checkpoint.run_config import check_corpus_named, checkpoint_config
     from megatrain.run import launch, preflight
 
     try:
-        flags = [f"checkpoint.{k}={v!r}" for k, v in (("load", load), ("save", save)) if v]
-        config = load_config(config_path, [*overrides, *flags])
+        given = (("load", load), ("load_hf", load_hf), ("save", save))
+        flags = [f"checkpoint.{k}={v!r}" for k, v in given if v]
+        if config_path is None and not load and not load_hf:
+            raise ConfigError(
+                "give --config FILE (a run config, e.g. pipelines/models/gpt2-tiny.toml, or the "
+                "run.toml import-hf writes), or --load DIR to run the config of that checkpoint, "
+                "or --load-hf DIR for a Hugging Face model's"
+            )
+        if config_path is None and load_hf and not load:
+            from megatrain.config.load import apply_overrides
+            from megatrain.hf.layout_load import hf_run_config
+
+            config = hf_run_config(load_hf)
+            apply_overrides(config, [*overrides, *flags])
+        elif config_path is None:
+            config = checkpoint_config(load, [*overrides, *flags])
+        else:
+            config = load_config(config_path, [*overrides, *flags])
+        check_corpus_named(config, config_path)
         if launch.in_launched_job() or launch.adopt_slurm_environment():
             validate(config, int(os.environ["WORLD_SIZE"]))
             from megatrain.run.loop import StopSignal, train
@@ -224,6 +255,53 @@ def generate_command(
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
+def verify_options(command):
+    """The parity check's options of import-hf and export-hf (`megatrain.hf.verify`)."""
+    options = [
+        click.option(
+            "--verify",
+            is_flag=True,
+            help="Then run HF's model and ours on a few hundred tokens and print max |Δ logit|, "
+            "KL and top-1 agreement; exit 1 past --verify-tol.",
+        ),
+        click.option(
+            "--verify-tol",
+            type=click.FloatRange(min=0),
+            help="Max |Δ logit| --verify passes at [0.01 in float32, 2 in bfloat16, 0.5 in "
+            "float16].",
+        ),
+        click.option(
+            "--verify-text",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Text for --verify (its first 256 tokens) [a built-in English paragraph].",
+        ),
+        click.option(
+            "--verify-dtype",
+            type=click.Choice(DTYPE_CHOICES),
+            help="What both models run in for --verify [float32; with --dtype, both models' "
+            "weights rounded to it first, as the conversion rounded them].",
+        ),
+        click.option(
+            "--verify-memory",
+            type=click.FloatRange(min=0),
+            help="GiB of host memory --verify may use; a model past it runs layer by layer "
+            "[90% of the memory available].",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _verify_requested(options: dict) -> bool:
+    """Whether --verify was given; a --verify-* option without it is refused."""
+    given = [k for k, v in options.items() if k != "verify" and v is not None]
+    if given and not options["verify"]:
+        names = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise CommandError(f"{names} go(es) with --verify")
+    return options["verify"]
+
+
 @main.command(
     "export-hf", short_help="Export a checkpoint as a Hugging Face GPT-2, BERT, Llama, Qwen or MoE."
 )
@@ -235,7 +313,23 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 )
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True)
-def export_hf_command(ckpt, out, dtype):
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="Largest safetensors file, as transformers' max_shard_size (5GB, 500MB, 2GiB, bytes): "
+    "model-0000i-of-0000N.safetensors with model.safetensors.index.json; one file is "
+    "model.safetensors.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes writing the shards, each its share of the files (a Llama-family model).",
+)
+@verify_options
+def export_hf_command(ckpt, out, dtype, max_shard_size, workers, **verify):
     """Write the GPT-2, BERT or Llama of --ckpt as a Hugging Face directory (config.json,
     model.safetensors, tokenizer files) that `AutoTokenizer` and
     `transformers.GPT2LMHeadModel.from_pretrained` load, for a BERT
@@ -243,14 +337,22 @@ def export_hf_command(ckpt, out, dtype):
     Llama-kind model the class its switches make: `LlamaForCausalLM`, `Qwen2ForCausalLM`
     (add_qkv_bias), `Qwen3ForCausalLM` (qk_layernorm), and with num_moe_experts
     `MixtralForCausalLM`, `Qwen2MoeForCausalLM` (a shared expert) or `Qwen3MoeForCausalLM`.
-    Needs transformers: pip install 'megatrain[hf]'."""
+    Needs transformers: pip install 'megatrain[hf]'.  --verify then compares the export's
+    model with the checkpoint's (docs/checkpoints.md)."""
     from megatrain.hf import export_hf
+    from megatrain.hf.common import return_freed_tensors
 
+    check = _verify_requested(verify)
     try:
-        export_hf(ckpt, out, dtype)
+        return_freed_tensors()
+        export_hf(ckpt, out, dtype, max_shard_size=max_shard_size, workers=workers)
     except (ValueError, ImportError) as e:
         raise CommandError(str(e)) from None
     click.echo(f"megatrain export-hf: wrote {out}")
+    if check:
+        from megatrain.hf.verify import cli_check
+
+        cli_check(out, ckpt, {**verify, "rounded": dtype})
 
 
 @main.command(
@@ -272,7 +374,14 @@ def export_hf_command(ckpt, out, dtype):
     "build it from this vocab.txt, instead of HF_DIR's vocab.json + merges.txt (GPT-2) or "
     "vocab.txt (BERT), else its tokenizer.json (the Llama family: always its tokenizer.json).",
 )
-def import_hf_command(hf_dir, out, tokenizer_file):
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default=None,
+    help="dtype of the stored weights [the files': bf16 stays bf16].",
+)
+@verify_options
+def import_hf_command(hf_dir, out, tokenizer_file, dtype, **verify):
     """Write the GPT2LMHeadModel, BertForPreTraining, MegatronBertForPreTraining or
     LlamaForCausalLM (or a Mistral without a sliding window), Qwen2ForCausalLM,
     Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM of
@@ -280,14 +389,35 @@ def import_hf_command(hf_dir, out, tokenizer_file):
     model.safetensors or pytorch_model.bin, tokenizer) as a megatrain checkpoint of weights
     only, which `megatrain run --load OUT` fine-tunes from (iteration 0, fresh optimizer); a
     BERT becomes model.kind "bert", block_order post_ln (BERT) or pre_ln (MegatronBERT), a
-    Llama-family model model.kind "llama" (read from safetensors only)."""
-    from megatrain.hf import import_hf
+    Llama-family model model.kind "llama" (read from safetensors only).
 
+    Beside it, OUT/run.toml: the run config of the import ([model] as imported, [training],
+    [optimizer], [parallel] to edit, [checkpoint] load = OUT), for `megatrain run --config
+    OUT/run.toml` once its [data] corpus names a corpus built with the model's tokenizer.
+
+    --verify then compares HF_DIR's model with the checkpoint's (docs/checkpoints.md) and writes
+    the report into OUT's meta.json (imported_from.verify)."""
+    from megatrain.checkpoint.run_config import write_run_file
+    from megatrain.hf import import_hf
+    from megatrain.hf.common import return_freed_tensors
+
+    check = _verify_requested(verify)
     try:
-        path = import_hf(hf_dir, out, tokenizer_file)
+        return_freed_tensors()
+        path = import_hf(hf_dir, out, tokenizer_file, dtype=dtype, progress=True)
+        run_file = write_run_file(out)
     except ValueError as e:
         raise CommandError(str(e)) from None
     click.echo(f"megatrain import-hf: wrote {path}")
+    click.echo(
+        f"megatrain import-hf: wrote {run_file}, its run config: set [data] corpus there (or "
+        f"pass data.corpus=DIR) and fine-tune with `megatrain run --config {run_file}` (or "
+        f"`megatrain run --load {out}`)"
+    )
+    if check:
+        from megatrain.hf.verify import cli_check
+
+        cli_check(hf_dir, out, {**verify, "rounded": dtype}, record=True)
 
 
 @main.command("convert", short_help="Cast or strip a checkpoint offline.")

@@ -16,13 +16,15 @@ def export_hf(
     dtype: str = "float32",
     progress: bool = True,
     max_shard_size="5GB",
+    workers: int = 1,
 ):
     """Write the model of checkpoint `ckpt` as a Hugging Face directory `out`, its weights in
     safetensors shards of at most `max_shard_size` (transformers' syntax: "5GB", "500MB", bytes)
     with model.safetensors.index.json, or one model.safetensors: a GPT-2 (`gpt2.export_gpt2`),
     a BERT (model.kind "bert", `bert.export_bert`) or a Llama-kind model as the class its
     switches make (`llama.export_llama`: Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE;
-    streamed, a tensor at a time; GPT-2 and BERT are read whole)."""
+    streamed, a tensor at a time, by `workers` processes when more than one; GPT-2 and BERT
+    are read whole)."""
     from megatrain.checkpoint.convert import dtype_of
     from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
     from megatrain.checkpoint.load import read_full_state
@@ -49,7 +51,7 @@ def export_hf(
     if model_kind(meta) == "llama":
         from megatrain.hf.llama import export_llama
 
-        return export_llama(meta, directory, out, dtype, max_shard_size, progress)
+        return export_llama(meta, directory, out, dtype, max_shard_size, progress, workers)
     meta, state = read_full_state(ckpt, progress=progress)
     if model_kind(meta) == "bert":
         from megatrain.hf.bert import export_bert

@@ -191,3 +191,21 @@ def write_imported(
         "imported_from": imported,
     }
     return write_checkpoint(out_ckpt, meta, weights, None, tokenizer_bytes, progress=progress)
+
+
+def return_freed_tensors() -> None:
+    """Have glibc's malloc give every block of 1 MB or more its own mapping, unmapped when
+    freed, for the rest of this process (a conversion command's).  Its default raises that
+    threshold to 32 MB once it sees such blocks freed, and then keeps freed tensors in a heap
+    it cannot shrink past the ones still alive: a conversion that makes and frees tensors one
+    after another grows by a shard's worth of holes (measured: a 2 GB Mixtral's import held
+    1.55 GB, 0.98 GB with this).  Not for training processes (mapping each large block costs
+    its page faults again); elsewhere than glibc, nothing."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass

@@ -44,7 +44,7 @@ from megatrain.hf.families import decoder_family, layer_is_moe
 from megatrain.hf.shards import (
     DEFAULT_MAX_SHARD_SIZE,
     ShardWriter,
-    export_streamed,
+    export_parallel,
     parse_shard_size,
     plan_shards,
 )
@@ -156,12 +156,14 @@ def export_llama(
     dtype: str,
     max_shard_size=DEFAULT_MAX_SHARD_SIZE,
     progress: bool = False,
+    workers: int = 1,
 ):
     """Write the Llama-kind checkpoint iteration `directory` (its `meta`) as a transformers
     directory `out`, in `dtype`, in safetensors shards of at most `max_shard_size`: a
     LlamaForCausalLM, or the family its resolved switches make (`families.decoder_family`:
     Qwen2 with q, k, v biases, Qwen3 with q/k norms, ...).  Streamed: the checkpoint's saved
-    pieces are read a group at a time and each HF tensor written once it is whole."""
+    pieces are read a group at a time and each HF tensor written once it is whole, by
+    `workers` processes (each its share of the shard files) when more than one."""
     import transformers
 
     from megacommon.progress import progress_bar
@@ -194,8 +196,7 @@ def export_llama(
     )
     bar = progress_bar(writer.total, f"writing {out}", "B", enabled=progress, unit_scale=True)
     with bar:
-        export_streamed(directory / "model", targets, writer, bar)
-    writer.close()
+        export_parallel(directory / "model", targets, writer, workers, bar)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_file))

@@ -80,9 +80,11 @@ def _numel(shape) -> int:
 class ShardWriter:
     """Safetensors files of a plan (`plan_shards`) in `dtype`, written a tensor at a time at its
     offset (`put`, any order); `close` checks that every tensor came and writes the index.
-    Files are readable as the user's others are (safetensors' own writer makes them 0600)."""
+    Files are readable as the user's others are (safetensors' own writer makes them 0600).
+    `create=False`: the files exist (another writer made them), and this one fills the
+    tensors of its `plan`, a part of theirs (`export_parallel`'s workers)."""
 
-    def __init__(self, out: Path, plan: dict[str, list], dtype: torch.dtype):
+    def __init__(self, out: Path, plan: dict[str, list], dtype: torch.dtype, create=True):
         self.out, self.plan, self.dtype = Path(out), plan, dtype
         self.size = torch.empty((), dtype=dtype).element_size()
         self.where: dict[str, tuple[str, int, tuple]] = {}  # name -> (file, offset, shape)
@@ -100,10 +102,11 @@ class ShardWriter:
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
             start = 8 + len(raw)
-            with open(self.out / file, "wb") as f:
-                f.write(len(raw).to_bytes(8, "little") + raw)
-                f.truncate(start + offset)
-            os.chmod(self.out / file, 0o666 & ~umask)
+            if create:
+                with open(self.out / file, "wb") as f:
+                    f.write(len(raw).to_bytes(8, "little") + raw)
+                    f.truncate(start + offset)
+                os.chmod(self.out / file, 0o666 & ~umask)
             for name, shape in tensors:
                 self.where[name] = (file, start + header[name]["data_offsets"][0], shape)
             self.total += offset
@@ -120,11 +123,13 @@ class ShardWriter:
         f.write(t.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
         self.done.add(name)
 
-    def close(self) -> None:
+    def close(self, done: set[str] | None = None) -> None:
+        """Close the files; check that every tensor was written (here, or by the writers
+        that report `done`) and write the index."""
         for f in self.handles.values():
             f.close()
         self.handles.clear()
-        missing = [n for n in self.where if n not in self.done]
+        missing = [n for n in self.where if n not in (done or self.done)]
         if missing:
             raise RuntimeError(f"export wrote no {missing[:5]}")
         if len(self.plan) > 1:
@@ -237,3 +242,43 @@ def export_streamed(
     flush()
     if pending:
         raise CheckpointError(f"{model_dir}: the saved pieces do not cover {sorted(pending)[:5]}")
+
+
+def _export_part(model_dir: Path, targets: dict, out: Path, plan: dict, dtype) -> set[str]:
+    """One worker of `export_parallel`: the tensors of its shards `plan`."""
+    writer = ShardWriter(out, plan, dtype, create=False)
+    export_streamed(model_dir, targets, writer)
+    for f in writer.handles.values():
+        f.close()
+    return writer.done
+
+
+def export_parallel(
+    model_dir: Path, targets: dict, writer: ShardWriter, workers: int, progress=None
+) -> None:
+    """`export_streamed` by a pool of `workers` processes, each reading the saved pieces of the
+    shards it is given (whole shard files, in turns) and writing them into the files `writer`
+    made; `writer` is then closed with what they wrote.  One worker: in this process."""
+    if workers <= 1 or len(writer.plan) == 1:
+        export_streamed(model_dir, targets, writer, progress)
+        writer.close()
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    files = list(writer.plan)
+    parts = [{f: writer.plan[f] for f in files[i::workers]} for i in range(workers)]
+    parts = [p for p in parts if p]
+    done: set[str] = set()
+    # spawn: a forked child of a process that ran torch's OpenMP threads can hang in them.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(parts), mp_context=context) as pool:
+        futures = [
+            pool.submit(_export_part, model_dir, targets, writer.out, part, writer.dtype)
+            for part in parts
+        ]
+        for future, part in zip(futures, parts, strict=True):
+            done |= future.result()
+            if progress is not None:
+                progress.update(sum(_numel(s) for p in part.values() for _, s in p) * writer.size)
+    writer.close(done)

@@ -139,24 +139,31 @@ def overlap(lo, size, at, extent):
 
 class HFFiles:
     """The safetensors of an HF directory, read a box at a time (`read`), counting the bytes
-    read; at most `keep` files open at once, so the pages of the files mapped stay a few
-    shards' worth whatever the model's size."""
+    read.  safetensors maps a file and hands out views of it: the pages a read touches stay
+    in this process's resident memory until the file is closed.  So one file is open at a
+    time (`keep`) and it is closed again after `remap_bytes` of reads, and what a conversion
+    holds of the files is at most that much of their pages, whatever the shard or model size.
+    """
 
-    def __init__(self, hf_dir: Path, where: dict[str, str], keep: int = 2):
+    def __init__(self, hf_dir: Path, where: dict[str, str], keep: int = 1, remap_bytes=1 << 28):
         self.hf_dir, self.where, self.keep = Path(hf_dir), where, keep
         self.open: OrderedDict[str, object] = OrderedDict()
         self.bytes_read = 0
+        self.remap_bytes, self._since_open = remap_bytes, 0
 
     def _file(self, name: str):
         from safetensors import safe_open
 
         file = self.where[name]
+        if self._since_open >= self.remap_bytes:
+            self.close()
         if file in self.open:
             self.open.move_to_end(file)
             return self.open[file]
         while len(self.open) >= self.keep:
-            self.open.popitem(last=False)  # closing unmaps the file
-        self.open[file] = safe_open(str(self.hf_dir / file), framework="pt")
+            _, last = self.open.popitem(last=False)
+            last.__exit__(None, None, None)  # unmaps the file now, not when collected
+        self.open[file] = safe_open(str(self.hf_dir / file), framework="pt").__enter__()
         return self.open[file]
 
     def read(self, name: str, start, size) -> torch.Tensor:
@@ -170,10 +177,13 @@ class HFFiles:
             path = self.hf_dir / self.where[name]
             raise HFFormatError(f"{path}: cannot read {name} ({e}); is the file complete?") from e
         self.bytes_read += t.numel() * t.element_size()
+        self._since_open += t.numel() * t.element_size()
         return t
 
     def close(self):
-        self.open.clear()
+        self._since_open = 0
+        while self.open:
+            self.open.popitem()[1].__exit__(None, None, None)
 
 
 def streamed(
