@@ -24,7 +24,7 @@ SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Bytes of saved pieces read per `dcp.load` call by `export_streamed` (each call reads the
 # checkpoint's metadata again).
-READ_GROUP_BYTES = 1 << 28
+READ_GROUP_BYTES = 1 << 26
 
 
 def parse_shard_size(value: int | str) -> int:
