@@ -247,3 +247,91 @@ def test_the_host_copy_is_what_the_plan_counts(faults):
     _, results = faults
     copied, counted = results["host_copy"]
     assert copied > 0 and copied == counted
+
+
+# Where SIGTERM reaches rank 1 alone (a preempted node's), in iteration 3: before its step
+# (with one_sync_per_iteration, after that iteration's stop agreement; saves in the background),
+# during its background write of iteration 2 (the writer paused 1 s), or during its synchronous
+# save of iteration 3.
+SIGNAL_POINTS = ("before-step", "during-background-write", "during-sync-save")
+
+
+def _signalled_once(corpus, out, point: str, one_sync: bool):
+    """A run saving every iteration, SIGTERM to rank 1 only at `point` of iteration 3, then
+    the run resumed: (stop iteration and signal as each rank saw them, the resumed history)."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megatrain.run import loop
+
+    rank1 = dist.get_rank() == 1
+    real_step, real_save = loop.train_step, loop.save_checkpoint
+
+    def step(run, **kwargs):
+        if run.iteration == 2 and rank1 and point != "during-sync-save":  # the step of 3
+            if point == "during-background-write":
+                real = real_step(run, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return real
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(run, **kwargs)
+
+    def save(run, *args, **kwargs):
+        if run.iteration == 3 and rank1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(run, *args, **kwargs)
+
+    background = point != "during-sync-save"  # the hang needed a background write pending
+    ckpt = f"{out}/ckpt"
+    saving = [f"checkpoint.save={ckpt!r}", "checkpoint.save_interval=1",
+              f"checkpoint.async_save={str(background).lower()}",
+              f"training.one_sync_per_iteration={str(one_sync).lower()}"]  # fmt: skip
+    if background:
+        os.environ[FAULT_ENV] = "writing:1:sleep1:2"
+    loop.train_step, loop.save_checkpoint = step, save
+    stop = loop.StopSignal()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train(_config(corpus, out, *saving), stop)
+    finally:
+        loop.train_step, loop.save_checkpoint = real_step, real_save
+        stop.restore()
+        os.environ.pop(FAULT_ENV, None)
+    seen = (stop.at, stop.signum)
+    with contextlib.redirect_stdout(io.StringIO()):
+        resumed = train(_config(corpus, f"{out}/resumed", *saving, f"checkpoint.load={ckpt!r}"))
+    return seen, resumed
+
+
+def _signal_points(corpus, out):
+    with contextlib.redirect_stdout(io.StringIO()):
+        whole = train(_config(corpus, f"{out}/whole"))
+    runs = {"whole": whole}
+    for point in SIGNAL_POINTS:
+        for one_sync in (False, True):
+            name = f"{point}-{'one-sync' if one_sync else 'two-syncs'}"
+            runs[name] = _signalled_once(corpus, f"{out}/{name}", point, one_sync)
+    return runs
+
+
+def test_a_signal_that_reaches_one_rank_stops_every_rank_and_resumes(corpus, tmp_path):
+    """Issue 61: whether the pending background write's deadline all-reduce runs was decided
+    from the signalled rank's own flag, so with one_sync_per_iteration a signal after the
+    iteration's agreement hung the run.  Now every collective follows the agreed signal: in
+    each case both ranks stop at one iteration with SIGTERM (the command's exit 143) within
+    the spawn's timeout, and the run resumed from its save takes the uninterrupted steps."""
+    import signal
+
+    ranks = run_distributed(_signal_points, 2, args=(corpus, str(tmp_path)), timeout=240)
+    whole = ranks[0]["whole"]
+    for name in ranks[0]:
+        if name == "whole":
+            continue
+        (at0, sig0), resumed = ranks[0][name]
+        (at1, sig1), _ = ranks[1][name]
+        assert at0 == at1 and sig0 == sig1 == signal.SIGTERM, (name, at0, at1, sig0, sig1)
+        # Agreed at iteration 3, or at 4 when the signal came after 3's agreement.
+        assert at0 in (3, 4), (name, at0)
+        n = len(whole["loss"]) - at0
+        assert resumed["loss"] == whole["loss"][at0:] and len(resumed["loss"]) == n, name

@@ -258,7 +258,10 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
                 collapse = loads.collapse_line(record, run.iteration)
                 if collapse:
                     log.info(collapse)
-        stopping = stop.settle(step["stop"]) if "stop" in step else stop.agreed(run.device)
+        # What every rank agreed on: a signal that reached one rank after this iteration's
+        # agreement is in the next one's, never in a choice of collectives here (below).
+        signalled = stop.settle(step["stop"]) if "stop" in step else stop.agreed(run.device)
+        stopping = signalled
         if t.exit_interval and run.iteration % t.exit_interval == 0:
             stopping, stop.received = True, stop.received or f"exit_interval {t.exit_interval}"
         if (
@@ -267,8 +270,9 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
             or (c.save_interval and run.iteration % c.save_interval == 0)
         ):
             last = stopping or run.iteration == t.train_iters
-            # stop.signum is local to the signalled rank (issue 61), yet picks collect's all-reduce.
-            bound = c.async_save_timeout if stop.signum else None
+            # The bound picks the background write's deadline all-reduce: from the agreed
+            # signal, not `stop.signum`, which a signal sets on its own rank at any time.
+            bound = c.async_save_timeout if signalled else None
             _save(run, log, saver, last, bound)
         if record is not None:
             interval, interval_start = [], time.perf_counter()
