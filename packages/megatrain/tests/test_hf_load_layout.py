@@ -176,8 +176,8 @@ def test_load_hf_refuses_another_model_and_a_second_source(sources, tmp_path):
 
 def test_megatrain_run_load_hf_takes_the_model_from_the_files(sources, tmp_path, references):
     """`megatrain run --load-hf DIR` without --config: the model is config.json's; in workers
-    of its own (2 ranks, tp 2) it takes the one-process steps; no corpus named: told which
-    override to pass."""
+    of its own (2 ranks: the Llama at tp 2, the Mixtral at ep 2) it takes the one-process
+    steps; no corpus named: told which override to pass."""
     import os
     import socket
     import subprocess
@@ -189,21 +189,23 @@ def test_megatrain_run_load_hf_takes_the_model_from_the_files(sources, tmp_path,
 
     refused = CliRunner().invoke(main, ["run", "--load-hf", str(sources / "llama")])
     assert refused.exit_code != 0 and "names no corpus: pass data.corpus=DIR" in refused.output
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "megatrain.cli", "run", "--load-hf", str(sources / "llama"),
-        f"data.corpus='{sources}/corpus'", "data.verify_sha256=false", *RUN,
-        "parallel.tensor_model_parallel_size=2", "--nproc-per-node", "2",
-        "--master-port", str(port), f"training.output_dir='{out}'",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "bytes by rank [" in result.stdout
-    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in log if "loss" in r]
-    for a, b in zip(losses, references["llama"]["loss"], strict=True):
-        assert abs(a - b) < TOL, (losses, references["llama"]["loss"])
+    # The Llama at tp 2 and the Mixtral at ep 2, each in 2 workers of its own.
+    for name, layout in (("llama", LAYOUTS["tp2-pp2"][1][:1]), ("mixtral", LAYOUTS["ep2"][1])):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / name
+        command = [
+            sys.executable, "-m", "megatrain.cli", "run", "--load-hf", str(sources / name),
+            f"data.corpus='{sources}/corpus'", "data.verify_sha256=false", *RUN, *layout,
+            "--nproc-per-node", "2", "--master-port", str(port), f"training.output_dir='{out}'",
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "bytes by rank [" in result.stdout
+        log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in log if "loss" in r]
+        assert len(losses) == len(references[name]["loss"]), (name, losses)
+        for a, b in zip(losses, references[name]["loss"], strict=True):
+            assert abs(a - b) < TOL, (name, losses, references[name]["loss"])

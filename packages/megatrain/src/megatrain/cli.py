@@ -331,7 +331,8 @@ def _verify_requested(options: dict) -> bool:
 @verify_options
 def export_hf_command(ckpt, out, dtype, max_shard_size, workers, **verify):
     """Write the GPT-2, BERT or Llama of --ckpt as a Hugging Face directory (config.json,
-    model.safetensors, tokenizer files) that `AutoTokenizer` and
+    model.safetensors or shards of --max-shard-size with their index, tokenizer files) that
+    `AutoTokenizer` and
     `transformers.GPT2LMHeadModel.from_pretrained` load, for a BERT
     `MegatronBertForPreTraining` (block_order pre_ln) or `BertForPreTraining` (post_ln), for a
     Llama-kind model the class its switches make: `LlamaForCausalLM`, `Qwen2ForCausalLM`

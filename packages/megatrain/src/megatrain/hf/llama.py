@@ -22,10 +22,10 @@ field; a head_dim other than hidden_size / heads is our `model.kv_channels`.  Mi
 without a sliding window is a Llama and is read as one.
 
 The Llama-like families (`hf.qwen`: Qwen2's q, k, v biases, Qwen3's per-head q/k norms; and
-the mixtures of experts, `hf.moe`) share the reader (`decoder_fields`, `hf_shapes`,
-`read_weights`), the state mapping (`from_hf_state` / `to_hf_state` with their MLP's) and the
-import (`import_decoder`) with it, in `hf.decoder`; `export_llama` writes each of them, as the
-`Family` (`hf.families`) its resolved switches pick.
+the mixtures of experts, `hf.moe`) share the reader (`decoder_fields`, `checked_headers`), the
+map of where each tensor lies (`decoder_map`, read both ways) and the streamed import
+(`import_decoder`) with it, in `hf.decoder`; `export_llama` writes each of them, as the
+`Family` (`hf.families`) its resolved switches pick, in shards (`hf.shards`).
 """
 
 from pathlib import Path

@@ -10,6 +10,7 @@ a decoder from a checkpoint's saved pieces through the decoder's `tensor_map` re
 """
 
 import json
+import math
 import os
 import re
 import warnings
@@ -56,7 +57,7 @@ def plan_shards(
     size = torch.empty((), dtype=dtype).element_size()
     shards, current, current_bytes = [], [], 0
     for name, shape in tensors:
-        nbytes = size * _numel(shape)
+        nbytes = size * math.prod(shape)
         if current and current_bytes + nbytes > max_bytes:
             shards.append(current)
             current, current_bytes = [], 0
@@ -68,13 +69,6 @@ def plan_shards(
         return {"model.safetensors": shards[0]}
     n = len(shards)
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": s for i, s in enumerate(shards)}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class ShardWriter:
@@ -95,7 +89,7 @@ class ShardWriter:
         for file, tensors in plan.items():
             header, offset = {"__metadata__": {"format": "pt"}}, 0
             for name, shape in tensors:
-                end = offset + self.size * _numel(shape)
+                end = offset + self.size * math.prod(shape)
                 header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
                                 "data_offsets": [offset, end]}  # fmt: skip
                 offset = end
@@ -188,7 +182,7 @@ def export_streamed(
             if s.hf not in pending:
                 pending[s.hf] = [
                     torch.empty(shapes[s.hf], dtype=writer.dtype),
-                    _numel(shapes[s.hf]),
+                    math.prod(shapes[s.hf]),
                 ]
             entry = pending[s.hf]
             at = zip(s.start, rel, box.shape, strict=True)
@@ -280,5 +274,6 @@ def export_parallel(
         for future, part in zip(futures, parts, strict=True):
             done |= future.result()
             if progress is not None:
-                progress.update(sum(_numel(s) for p in part.values() for _, s in p) * writer.size)
+                elements = sum(math.prod(s) for p in part.values() for _, s in p)
+                progress.update(elements * writer.size)
     writer.close(done)
