@@ -110,6 +110,19 @@ def _stopped_mid_write(corpus, out, timeout):
     return printed.getvalue(), history, _latest(f"{out}/ckpt")
 
 
+def _saved_once(run, ckpt):
+    """A step, then a background save of it, written and collected: the saver, closed."""
+    from megatrain.checkpoint.background import AsyncSaver
+    from megatrain.run.step import train_step
+
+    train_step(run)
+    saver = AsyncSaver(ckpt, 0, 60)
+    saver.save(run)
+    saver.wait()
+    saver.close()
+    return saver
+
+
 def _host_copy(corpus, out):
     """(the bytes both ranks of a dp 2 run copy to host for a background save, without the
     generators' states; what megatrain.plan.memory counts for two ranks)."""
@@ -117,28 +130,35 @@ def _host_copy(corpus, out):
     import torch.distributed as dist
 
     from megacore import parallel_state as ps
-    from megatrain.checkpoint.background import AsyncSaver
+    from megatrain.checkpoint import background
     from megatrain.plan.memory import memory_breakdown
     from megatrain.run.distributed import init_distributed
     from megatrain.run.setup import build_run
-    from megatrain.run.step import train_step
 
     config = _config(corpus, out, "parallel.use_distributed_optimizer=true",
                      *_background(f"{out}/ckpt"))  # fmt: skip
     device, _ = init_distributed()
     run = build_run(config, device)
+    real_use_device, devices = background.use_device, []
+
+    def use_device(device):  # the writer's device, and where it was set
+        devices.append((threading.current_thread().name, device))
+        real_use_device(device)
+
+    background.use_device = use_device
     try:
-        train_step(run)
-        saver = AsyncSaver(f"{out}/ckpt", 0, 60)
-        saver.save(run)
-        saver.wait()
-        saver.close()
+        saver = _saved_once(run, f"{out}/ckpt")
         copied = sum(b.nbytes for key, b in saver.host.buffers.items() if key[0] != "rng")
         both = torch.tensor([copied], dtype=torch.float64)
         dist.all_reduce(both)  # the ranks' optimizer shards may differ by a few elements
         counted = memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=2)
-        return both.item(), 2 * counted["host_checkpoint_copy"]
+        return (
+            both.item(),
+            2 * counted["host_checkpoint_copy"],
+            devices == [("megatrain-checkpoint", run.device)],
+        )
     finally:
+        background.use_device = real_use_device
         ps.destroy_model_parallel()
 
 
@@ -245,8 +265,68 @@ def test_the_host_copy_is_what_the_plan_counts(faults):
     parameter in fp32) and its half of the optimizer state (12 bytes a parameter): what
     megatrain.plan.memory's host_checkpoint_copy counts per rank, summed over the ranks."""
     _, results = faults
-    copied, counted = results["host_copy"]
+    copied, counted, _ = results["host_copy"]
     assert copied > 0 and copied == counted
+
+
+def test_the_writer_thread_takes_the_rank_s_device(faults, monkeypatch):
+    """Issue 61, item 2: a new thread starts on CUDA's default device 0, where DCP's file
+    writer would synchronise (and make a context on GPU 0 for every rank).  The writer thread
+    sets the rank's device first (seen on CPU: called in the thread with `run.device`), and
+    `use_device` sets a CUDA device (torch's call patched: this machine may have no GPU)."""
+    import torch
+
+    from megatrain.checkpoint import background
+
+    _, results = faults
+    assert results["host_copy"][2], "the writer thread did not set the rank's device"
+    calls = []
+    monkeypatch.setattr(background.torch.cuda, "set_device", calls.append)
+    background.use_device(torch.device("cuda", 3))
+    background.use_device(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 3)]
+
+
+def _gpu_contexts_after_a_save(corpus, out):
+    """(rank, whether this process holds a CUDA context on each GPU) after a background save
+    of a rank on its own GPU."""
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+
+    from megacore import parallel_state as ps
+    from megatrain.run.setup import build_run
+
+    device = torch.device("cuda", dist.get_rank())
+    run = build_run(_config(corpus, out, *_background(f"{out}/ckpt")), device)
+    try:
+        _saved_once(run, f"{out}/ckpt")
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        active = []
+        for index in range(torch.cuda.device_count()):
+            handle, flags, on = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+            assert libcuda.cuDeviceGet(ctypes.byref(handle), index) == 0
+            assert libcuda.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags),
+                                                      ctypes.byref(on)) == 0  # fmt: skip
+            active.append(bool(on.value))
+        return dist.get_rank(), active
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs: rank 1 on GPU 1 must hold nothing on GPU 0",
+)
+def test_cuda_a_background_save_holds_nothing_on_another_rank_s_gpu(corpus, tmp_path):
+    """2 NCCL ranks on GPUs 0 and 1, each saving in the background: after the save, rank 1's
+    process holds a CUDA context on its GPU and none on GPU 0 (the writer used to make one)."""
+    ranks = run_distributed(_gpu_contexts_after_a_save, 2, args=(corpus, str(tmp_path)),
+                            backend="nccl", nccl_rules=False, timeout=240)  # fmt: skip
+    for rank, active in ranks:
+        print(f"rank {rank}: CUDA contexts on GPUs {[i for i, a in enumerate(active) if a]}")
+        assert active[rank] and (rank == 0 or not active[0]), (rank, active)
 
 
 # Where SIGTERM reaches rank 1 alone (a preempted node's), in iteration 3: before its step

@@ -130,6 +130,15 @@ class HostCopy:
         return staged
 
 
+def use_device(device: torch.device) -> None:
+    """The writer thread's CUDA device: the rank's.  A new thread starts on CUDA's default
+    device 0, and DCP's file writer synchronises the current stream, so each rank's first
+    background save would make a context on GPU 0 and wait on GPU 0's stream (torch's own
+    pin-memory thread sets its device the same way)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 # The states of an `AsyncSaver` (its `state`).
 IDLE, WRITING, ABANDONED, CLOSED = "idle", "writing", "abandoned", "closed"
 
@@ -195,7 +204,7 @@ class AsyncSaver:
         self.copy_s = time.perf_counter() - started
         self.iteration, self.error, self.state = run.iteration, None, WRITING
         self.thread = threading.Thread(
-            target=self._write, args=(staged,), name="megatrain-checkpoint", daemon=True
+            target=self._write, args=(staged, run.device), name="megatrain-checkpoint", daemon=True
         )
         self.thread.start()
 
@@ -281,9 +290,10 @@ class AsyncSaver:
             return f"saving iteration {self.iteration} in the background failed: {e!r}"
         return None
 
-    def _write(self, staged: saving.Snapshot) -> None:
+    def _write(self, staged: saving.Snapshot, device: torch.device) -> None:
         """The writer thread: each phase ends in an agreement, and the next one starts only
         when every rank's went well and no rank abandoned the write."""
+        use_device(device)
         n = staged.iteration
         tmp, final = saving.tmp_dir(self.ckpt, n), iteration_dir(self.ckpt, n)
         rank0 = dist.get_rank() == 0
