@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from tiny_stack import TinyConfig, build_chunks, full_tensor
 
+from megacore import moe
 from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megacore import tensor_parallel as tp
@@ -39,12 +40,10 @@ LOW_PRECISION = {  # dtype: (LOSS_TOL, WEIGHT_TOL)
 }
 
 
-def _batches(step):
-    """The global batch of a step: GLOBAL_MICROBATCHES microbatches, split over DP ranks."""
+def _batches(step, microbatches=GLOBAL_MICROBATCHES):
+    """The global batch of a step: `microbatches` microbatches, split over DP ranks."""
     g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(
-        0, CFG.vocab_size, (GLOBAL_MICROBATCHES, MICRO_BATCH, SEQ + 1), generator=g
-    )
+    tokens = torch.randint(0, CFG.vocab_size, (microbatches, MICRO_BATCH, SEQ + 1), generator=g)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
@@ -164,6 +163,7 @@ def _train(
     state=None,
     start=0,
     overlap_param_gather=False,
+    microbatches=GLOBAL_MICROBATCHES,
     **opt,
 ):
     """Train `steps` steps from step `start` and report losses, weights and optimizer facts.
@@ -212,8 +212,8 @@ def _train(
         optimizer.load_state_dict(state["optimizer"])
     losses, results, scales, host_reads = [], [], [], []
     for step in range(start, start + steps):
-        count = GLOBAL_MICROBATCHES // dp
-        mine = _batches(step)[dp_rank * count : (dp_rank + 1) * count]
+        count = microbatches // dp
+        mine = _batches(step, microbatches)[dp_rank * count : (dp_rank + 1) * count]
         inject = [step in inject_at and dp_rank == dp - 1]
         infos = pipe.get_forward_backward_func()(
             forward_step_func=_forward_step(inject),
@@ -240,9 +240,12 @@ def _train(
     # The last step's overlapped all-gather has no forward after it to wait for it.
     optimizer.finish_param_sync()
     module = lambda c: c.module if isinstance(c, DistributedDataParallel) else c  # noqa: E731
-    weights = {}
+    weights, unaligned = {}, []
     for c in chunks:
         for name, p in module(c).named_parameters():
+            for what, t in (("", p), (" main_grad", getattr(p, "main_grad", None))):
+                if t is not None and t.data_ptr() % 16:
+                    unaligned.append(f"{name}{what}")
             name = "embedding.weight" if name == "output_weight" else name
             weights[name] = full_tensor(p).float()
     out = {
@@ -258,6 +261,7 @@ def _train(
             "optimizer": optimizer.state_dict(),
         },
         "owned": _owned_elements(optimizer, group),
+        "unaligned": unaligned,  # parameters or gradients not starting on 16 bytes
     }
     ps.destroy_model_parallel()
     return out
@@ -539,3 +543,122 @@ def test_tp2_pp2_dp2_equals_one_process():
 def ps_layout_is_last_stage(rank, world=8, tp_size=2, pp=2):
     """Pipeline stage = the outermost coordinate of the Megatron layout."""
     return rank // (world // pp) == pp - 1
+
+
+# Sizes that are no multiple of 16 bytes (LayerNorms of 30, fc1's bias of 66, 67 x 30
+# embeddings): packed back to back in a flat buffer, every parameter after the first would
+# start off a 16-byte boundary; dp 3 pads each bucket by a length that is no power of two.
+ODD = TinyConfig(vocab_size=67, hidden=30, ffn=66, layers=2)
+ODD_MICROBATCHES = 6  # divisible by dp 3
+
+
+class _OddExperts(torch.nn.Module):
+    """Two experts' 3-D weights (fp32 rows of 96 and 32 bytes, which the grouped GEMM takes)
+    with an expert parameter of 5 elements laid out between them, and a dense LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.norm = torch.nn.LayerNorm(8)
+        self.w1 = torch.nn.Parameter(torch.randn(2, 8, 24, generator=g) / 3)
+        self.scale = torch.nn.Parameter(torch.rand(5, generator=g) + 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(2, 12, 8, generator=g) / 3)
+        for p in (self.w1, self.scale, self.w2):
+            p.allreduce = False  # expert parameters: their buffer is over expert DP
+
+    def forward(self, x, counts):
+        # grouped=True: torch's grouped GEMM or an error where grouped_gemm_available says no.
+        return moe.grouped_mlp(self.norm(x), counts, self.w1, self.w2, grouped=True) * (
+            self.scale.sum()
+        )
+
+
+def _expert_step(dp_size):
+    """One Adam step of `_OddExperts` on this rank's tokens (over expert DP = DP = the world
+    when dp_size > 1, sharded, in buckets of about one parameter), or on every rank's in one
+    process (dp_size 1): (weights after the step, parameters or gradients off 16 bytes)."""
+    ps.initialize_model_parallel(1, 1)
+    model = _OddExperts()
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randn(9, 8, generator=g), torch.tensor([4, 5])) for _ in range(3)]
+    chunk = model
+    if dp_size > 1:
+        chunk = DistributedDataParallel(model, use_distributed_optimizer=True, bucket_size=100)
+        batches = batches[dist.get_rank() :: dp_size]
+    optimizer = MegatronOptimizer(
+        OptimizerConfig(lr=LR, use_distributed_optimizer=dp_size > 1), [chunk]
+    )
+    loss = sum(chunk(x, counts).square().mean() for x, counts in batches) / len(batches)
+    loss.backward()
+    if dp_size > 1:
+        chunk.finish_grad_sync()
+    optimizer.step()
+    optimizer.finish_param_sync()
+    unaligned = [
+        f"{name}{what}"
+        for name, p in model.named_parameters()
+        for what, t in (("", p), (" main_grad", getattr(p, "main_grad", None)))
+        if t is not None and t.data_ptr() % 16
+    ]
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ps.destroy_model_parallel()
+    return weights, unaligned
+
+
+def _world_of_3():
+    reference = _train(cfg=ODD, microbatches=ODD_MICROBATCHES)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for dist_opt in (False, True):
+            run = _train(
+                cfg=ODD,
+                dp_groups="world",
+                dist_opt=dist_opt,
+                dtype=dtype,
+                microbatches=ODD_MICROBATCHES,
+            )
+            out[(str(dtype), dist_opt)] = {
+                "diff": _diff(run, reference),
+                "norm_diff": max(
+                    abs(a - b) / b
+                    for a, b in zip(run["grad_norms"], reference["grad_norms"], strict=True)
+                ),
+                "owned": run["owned"],
+                "unaligned": run["unaligned"],
+            }
+    out["update"] = _diff(_train(cfg=ODD, steps=0), reference)[2]
+    (one, _), (sharded, unaligned) = _expert_step(1), _expert_step(3)
+    initial = _OddExperts().state_dict()
+    out["experts"] = {
+        "diff": max((sharded[n] - w).abs().max().item() for n, w in one.items()),
+        "moved": min((w - initial[n]).abs().max().item() for n, w in one.items()),
+        "unaligned": unaligned,
+    }
+    return out
+
+
+def test_odd_sizes_at_dp_3_aligned_and_equal_one_process():
+    """dp 3 (as an expert data-parallel size of 3 is: Mixtral 8x7B at pp 4 x ep 8 on 96 GPUs)
+    with parameters of sizes that are no multiple of 16 bytes: every parameter and gradient
+    starts on 16 bytes in fp32 and bf16, with and without the distributed optimizer, the
+    grouped GEMM takes expert weights sharded over expert DP 3, and training equals one
+    process."""
+    for rank, out in enumerate(run_distributed(_world_of_3, world_size=3, timeout=300)):
+        for dist_opt in (False, True):
+            where = f"rank {rank} dist_opt={dist_opt}"
+            got = out[("torch.float32", dist_opt)]
+            assert got["unaligned"] == [], where
+            assert got["diff"][0] < FP32_TOL and got["diff"][1] < FP32_WEIGHT_TOL, where
+            assert got["norm_diff"] < FP32_TOL, where
+            mine, over_dp, model = got["owned"]
+            # Sharded, each element's master on one rank, none on the padding between.
+            assert (over_dp == model and mine < model) if dist_opt else mine == model, where
+            low = out[("torch.bfloat16", dist_opt)]
+            assert low["unaligned"] == [], where
+            loss_tol, weight_tol = LOW_PRECISION["torch.bfloat16"]
+            assert low["diff"][0] < loss_tol, where
+            assert low["diff"][2] < weight_tol * out["update"], where
+        experts = out["experts"]
+        assert experts["unaligned"] == [], rank
+        assert experts["moved"] > LR / 10, rank  # the step moved every weight
+        assert experts["diff"] < 1e-6, rank

@@ -157,6 +157,13 @@ def test_grouped_gemm_equals_the_per_expert_loop(activation):
     assert not moe.grouped_gemm_available(x, w1, w2)
     with pytest.raises(RuntimeError, match="grouped GEMM"):
         moe.grouped_mlp(x, counts, w1, w2, "swiglu", grouped=True)
+    # Rows on 16 bytes but a weight 4 bytes past a 16-byte boundary, as a view into a flat
+    # buffer after an odd-sized parameter starts (CUDA's kernel refuses its data_ptr).
+    x, counts, w1, w2 = _mlp_inputs()
+    flat = torch.empty(w1.numel() + 1)
+    shifted = flat[1:].view_as(w1).copy_(w1)
+    assert shifted.data_ptr() % 16 == 4 and shifted.is_contiguous()
+    assert not moe.grouped_gemm_available(x, shifted, w2)
 
 
 def test_fc1_shard_splits_gate_and_up_apart():

@@ -11,8 +11,14 @@ reduced over the data-parallel group as soon as all its gradients are in
 (`overlap_grad_reduce=True`), or all buckets at `finish_grad_sync()`.
 Gradients are averaged: each rank scales by 1/dp before the sum.
 
-With `use_distributed_optimizer=True` (ZeRO-1) every bucket is padded
-to a multiple of dp and split into dp equal contiguous shards; the reduction
+Every parameter starts at a multiple of `PARAM_ALIGNMENT` elements of its buffer, so each
+parameter and gradient view starts on a 16-byte boundary whatever the sizes before it
+(CUDA's grouped GEMM refuses a weight that does not: "expected data_ptr to be aligned to
+16 bytes"); the padding between them is zeros that no parameter owns.
+
+With `use_distributed_optimizer=True` (ZeRO-1) every bucket is padded to a multiple of
+lcm(its group's size, `BUCKET_ALIGNMENT`) elements (megatron-core's rule) and split into
+equal contiguous shards, each a multiple of 128 / gcd(size, 128) elements; the reduction
 is a reduce-scatter, after which rank r holds the summed gradients of its shard
 only.  The parameters then live in a param buffer laid out like the gradients,
 so the optimizer updates its shard in place and `all_gather_params()` gives
@@ -46,6 +52,7 @@ disjoint ETP x EP groups, so their sum covers the stage's tokens once, as the de
 """
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +61,19 @@ from torch import nn
 
 from megacore import parallel_state as ps
 from megacore.collectives import all_gather_flat, reduce_scatter_flat
+
+# A parameter's start in its buffer, in elements: 64 elements are at least 64 bytes in any
+# dtype (fp8 up), so a view starting there is 16-byte aligned in the buffer's allocation
+# (aligned itself); megatron-core pads parameter starts to 64 elements too.
+PARAM_ALIGNMENT = 64
+# With sharding a bucket's length is a multiple of lcm(shards, 128), as in megatron-core:
+# divisible by the group for equal shards, and a group size that is not a power of two
+# (an expert data-parallel size of 3) leaves the next bucket's start aligned all the same.
+BUCKET_ALIGNMENT = 128
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(eq=False)
@@ -80,6 +100,13 @@ class GradBuffer:
     param_data: torch.Tensor | None
     buckets: list[Bucket]
     param_ranges: dict[nn.Parameter, tuple[int, int]]  # [start, end) of each parameter
+
+    @property
+    def padding(self) -> int:
+        """Elements no parameter holds: the alignment of parameter starts and bucket ends."""
+        return self.grad_data.numel() - sum(
+            end - start for start, end in self.param_ranges.values()
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,12 +208,13 @@ class DistributedDataParallel(nn.Module):
         shards, shard_rank = dist.get_world_size(group), dist.get_rank(group)
         layout, ranges, offset = [], {}, 0
         for members in _bucket_layout(params, bucket_size):
-            start = offset
+            start = offset = _round_up(offset, PARAM_ALIGNMENT)
             for p in members:
+                offset = _round_up(offset, PARAM_ALIGNMENT)
                 ranges[p] = (offset, offset + p.numel())
                 offset += p.numel()
             if self.use_distributed_optimizer:
-                offset += -(offset - start) % shards  # pad to a multiple of its group
+                offset = start + _round_up(offset - start, math.lcm(shards, BUCKET_ALIGNMENT))
             layout.append((members, start, offset))
         device = params[0].device
         grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
