@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megacore import attention_kernels
 from megacore import context_parallel as cpa
 from megacore import parallel_state as ps
 from megacore.context_parallel import (
@@ -112,11 +113,11 @@ def test_merge_by_log_sum_exp_and_a_dropped_term():
     parts = [
         cpa._block_attention(qg, k[:, :, i], v[:, :, i], mask[..., i], d**-0.5) for i in blocks
     ]
-    merged = cpa._merge(*map(list, zip(*parts, strict=True))).reshape(b, heads, s, d)
+    merged = cpa._merge(*map(list, zip(*parts, strict=True)))[0].reshape(b, heads, s, d)
     assert (merged - ref).abs().max() < TOL
     # Rows with no visible key in a block (row 0 in blocks 2 and 3) gave -inf, not NaN.
     assert not torch.isnan(merged).any()
-    dropped = cpa._merge([parts[0][0], parts[2][0]], [parts[0][1], parts[2][1]])
+    dropped = cpa._merge([parts[0][0], parts[2][0]], [parts[0][1], parts[2][1]])[0]
     assert (dropped.reshape(b, heads, s, d) - ref).abs().max() > 1e-2
     assert (_reference(q, k, v, _mask(s, None, causal=True)) - ref).abs().max() > 1e-2
 
@@ -220,7 +221,7 @@ def _fused_ring_evidence(cp_rank, cp):
     k, v = (torch.randn(b, groups, s, d, generator=g) for _ in range(2))
     mine = cp_chunk_indices(s, cp_rank, cp)
     calls = []
-    real = cpa._fused_kernel
+    real = attention_kernels.fused_kernel
 
     def recording(*tensors):
         kernel = real(*tensors)
@@ -233,7 +234,7 @@ def _fused_ring_evidence(cp_rank, cp):
             calls.append(("backward", q.size(2), k.size(2), causal))
             return kernel.backward(grad, q, k, v, out, lse, causal, scale)
 
-        return cpa._FusedKernel(kernel.name, forward, backward)
+        return attention_kernels.FusedKernel(kernel.name, forward, backward)
 
     saved = {}
     for path, segments in (
@@ -247,7 +248,7 @@ def _fused_ring_evidence(cp_rank, cp):
             sizes.append(t.numel() * t.element_size())
             return t
 
-        cpa._fused_kernel = recording
+        attention_kernels.fused_kernel = recording
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = context_parallel_attention(
@@ -255,13 +256,89 @@ def _fused_ring_evidence(cp_rank, cp):
                 )
             out.sum().backward()
         finally:
-            cpa._fused_kernel = real
+            attention_kernels.fused_kernel = real
         saved[path] = sum(sizes)
         if path == "fused":
             lse_bytes = out[..., 0].numel() * 4
             saved["q k v out lse"] = sum(t.numel() * 4 for t in (*local, out)) + lse_bytes
             saved["local"] = out.size(2)
     return saved, calls
+
+
+WINDOW_CASES = [
+    # (comm_type, heads, groups, window, sinks, segments): s = 16, so a chunk is 2 tokens at
+    # cp 4 and 4 at cp 2: windows of 1 (itself), 3 (under a cp 2 chunk) and 7 (over chunks)
+    (comm, 4, groups, window, sinks, segmented)
+    for comm, groups, (window, sinks, segmented) in itertools.product(
+        ("allgather", "p2p"),
+        (4, 2),
+        (
+            (1, False, False),
+            (3, True, False),
+            (7, False, True),
+            (7, True, True),
+            (None, True, False),
+        ),
+    )
+]
+
+
+def _windowed_reference(q, k, v, mask, sinks):
+    """Attention with an optional sink logit per head in the denominator, as HF's gpt-oss eager
+    path computes it: the sink joins the scores as one more column, dropped after softmax."""
+    b, heads, s, d = q.shape
+    k, v = (t.repeat_interleave(heads // t.size(1), dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, -1) @ v
+    column = sinks.reshape(1, heads, 1, 1).expand(b, heads, s, 1)
+    probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    return probs @ v
+
+
+def _window_errors(case, cp_rank, cp, seed):
+    """Max |difference| from one process of this rank's output and q, k, v (and sink)
+    gradients, in float64, for a sliding window and/or sinks; and the ring steps skipped."""
+    comm, heads, groups, window, with_sinks, segmented = case
+    g = torch.Generator().manual_seed(seed)
+    b, s, d = 2, 16, 8
+    q = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (
+        torch.randn(b, groups, s, d, generator=g, dtype=torch.float64).requires_grad_()
+        for _ in range(2)
+    )
+    sinks = torch.randn(heads, generator=g, dtype=torch.float64) if with_sinks else None
+    upstream = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
+    segments = _documents(b, s, g) if segmented else None
+    mask = _mask(s, segments, causal=True)
+    if window is not None:
+        pos = torch.arange(s)
+        mask = mask & (pos[:, None] - pos[None, :] < window)[None, None]
+    full_sinks = None if sinks is None else sinks.clone().requires_grad_()
+    ref = _windowed_reference(q, k, v, mask, full_sinks)
+    ref.backward(upstream)
+    mine = cp_chunk_indices(s, cp_rank, cp)
+    local = [
+        split_for_context_parallel(t.detach(), 2, cp_rank, cp).requires_grad_() for t in (q, k, v)
+    ]
+    local_sinks = None if sinks is None else sinks.clone().requires_grad_()
+    out = context_parallel_attention(
+        *local, q_positions=mine, kv_positions=mine,
+        segments=None if segments is None else segments[:, mine],
+        comm_type=comm, window=window, sinks=local_sinks,
+    )  # fmt: skip
+    out.backward(upstream[:, :, mine])
+    errors = [(out - ref[:, :, mine]).abs().max().item()]
+    errors += [
+        (t.grad - f.grad[:, :, mine]).abs().max().item()
+        for t, f in zip(local, (q, k, v), strict=True)
+    ]
+    if sinks is not None:  # each rank's share; the sum over CP ranks is the full gradient
+        errors.append(local_sinks.grad)
+        errors.append(full_sinks.grad)
+    skipped = sorted(cpa._window_skips(mine, cp_rank, cp, window)) if comm == "p2p" else []
+    return errors, skipped
 
 
 def _check_attention_on_4_ranks():
@@ -281,6 +358,8 @@ def _check_attention_on_4_ranks():
             for heads, groups in ((4, 4), (4, 2)):
                 results[("bf16", cp, heads, groups)] = _bf16_errors(cp_rank, cp, heads, groups)
             results[("evidence", cp)] = _fused_ring_evidence(cp_rank, cp)
+            for case in WINDOW_CASES:
+                results[("window", cp, *case)] = _window_errors(case, cp_rank, cp, seed=11)
         ps.destroy_model_parallel()
     return results
 
@@ -293,15 +372,46 @@ def cp_ranks():
 
 def test_attention_over_cp_ranks_equals_full_attention(cp_ranks):
     ranks = cp_ranks
-    assert len(ranks[0]) == 2 * len(CASES) + 2 + 4 + 2 * 3
+    assert len(ranks[0]) == 2 * len(CASES) + 2 + 4 + 2 * 3 + 2 * len(WINDOW_CASES)
     for key in ranks[0]:
-        if key[0] in ("bf16", "evidence"):
+        if key[0] in ("bf16", "evidence", "window"):
             continue
         worst = [max(r[key][i] for r in ranks) for i in range(4)]  # out, dq, dk, dv
         if key[0] == "wrong":
             assert worst[0] > 1e-2, key  # the test can fail
         else:
             assert max(worst) < TOL, (key, worst)
+
+
+def test_sliding_windows_and_sinks_over_cp_ranks_equal_one_process(cp_ranks):
+    """Sliding windows (shorter than a chunk and longer, with packed documents) and attention
+    sinks, by both comm types at cp 2 and 4 (float64 inputs; the float32 ring within TOL): each
+    rank's output and q, k, v gradients equal one process's at its positions, and the sinks'
+    gradient summed over the CP ranks (as the data x context gradient all-reduce sums it)
+    equals one process's.  The p2p
+    ring skips the steps whose block lies wholly outside every local query's window — a window
+    of 1 or 3 at cp 4 skips some on every rank — and still equals one process, so a skip of a
+    block some query needed would fail here."""
+    keys = [k for k in cp_ranks[0] if k[0] == "window"]
+    assert len(keys) == 2 * len(WINDOW_CASES)
+    skipped_any = set()
+    for key in keys:
+        cp, case = key[1], key[2:]
+        per_rank = [r[key][0] for r in cp_ranks]
+        worst = [max(e[i] for e in per_rank) for i in range(4)]
+        assert max(worst) < TOL, (key, worst)
+        if case[4]:  # sinks: the CP group's shares sum to the full gradient
+            groups_of = [list(range(i, i + cp)) for i in range(0, 4, cp)]
+            for ranks in groups_of:
+                total = sum(cp_ranks[r][key][0][4] for r in ranks)
+                torch.testing.assert_close(total, cp_ranks[ranks[0]][key][0][5], rtol=0, atol=TOL)
+        if any(r[key][1] for r in cp_ranks):
+            skipped_any.add((cp, case[3]))
+        if case[0] == "p2p" and cp == 4 and case[3] in (1, 3):
+            assert all(r[key][1] for r in cp_ranks), key  # every rank skips some steps
+        if case[3] is None or case[3] > 2 * 16 // cp:
+            assert not any(r[key][1] for r in cp_ranks), key
+    assert (4, 1) in skipped_any and (4, 3) in skipped_any
 
 
 BF16_SLACK = 2.0
@@ -385,9 +495,9 @@ def test_fused_ring_kernels_equal_attention(kernel, dtype, tol):
     op signatures, GQA's expansion and the efficient kernel's padded log-sum-exp, which no CPU
     run reaches; scripts/gpu_check.sh runs them)."""
     fused = {
-        "cpu flash": cpa._CPU_FLASH,
-        "cuda flash": cpa._CUDA_FLASH,
-        "cuda efficient": cpa._CUDA_EFFICIENT,
+        "cpu flash": attention_kernels._CPU_FLASH,
+        "cuda flash": attention_kernels._CUDA_FLASH,
+        "cuda efficient": attention_kernels._CUDA_EFFICIENT,
     }[kernel]
     device = kernel.split()[0]
     if device == "cuda" and not torch.cuda.is_available():

@@ -75,14 +75,13 @@ attention and communicate nothing.
 
 import math
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megacore import parallel_state
+from megacore import attention_kernels, parallel_state
+from megacore.attention_kernels import attention_with_sinks, sink_gradient, with_sinks
 from megacore.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 __all__ = ["context_parallel_attention", "cp_chunk_indices", "split_for_context_parallel"]
@@ -131,11 +130,16 @@ def _visible(
     q_segments: torch.Tensor | None,
     kv_segments: torch.Tensor | None,
     causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """Boolean mask [b or 1, 1, s_q, s_k] of the keys each query sees (None: all)."""
+    """Boolean mask [b or 1, 1, s_q, s_k] of the keys each query sees (None: all); `window`:
+    a causal query at i sees only keys at i - window < j (itself and window - 1 before)."""
     mask = None
     if causal:
         mask = (kv_positions[None, :] <= q_positions[:, None])[None, None]
+    if window is not None:
+        near = (q_positions[:, None] - kv_positions[None, :] < window)[None, None]
+        mask = near if mask is None else mask & near
     if q_segments is not None:
         same = (q_segments[:, :, None] == kv_segments[:, None, :])[:, None]
         mask = same if mask is None else mask & same
@@ -150,7 +154,17 @@ def _token_meta(positions: torch.Tensor, segments: torch.Tensor | None) -> torch
     return torch.cat([positions[:, None], segments.t()], 1).to(torch.int64).contiguous()
 
 
-def _check(q, k, v, q_positions, kv_positions, segments, comm_type):
+def _check(q, k, v, q_positions, kv_positions, segments, comm_type, window, sinks, causal):
+    if window is not None and (not causal or window < 1):
+        raise ValueError(
+            f"context_parallel_attention: window must be a positive key count of causal "
+            f"attention, got window={window!r} with causal={causal}"
+        )
+    if sinks is not None and sinks.shape != (q.size(1),):
+        raise ValueError(
+            f"context_parallel_attention: sinks must be [heads] = ({q.size(1)},), got "
+            f"{tuple(sinks.shape)}"
+        )
     if comm_type not in COMM_TYPES:
         raise ValueError(
             f"context_parallel_attention: comm_type must be one of {COMM_TYPES}, got {comm_type!r}"
@@ -190,6 +204,8 @@ def context_parallel_attention(
     comm_type: str = "p2p",
     group: dist.ProcessGroup | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this CP rank's queries against the whole sequence's keys (module doc).
 
@@ -206,8 +222,13 @@ def context_parallel_attention(
     Returns [b, heads, s_local, d] in q's dtype: full attention over every rank's tokens
     with that mask, at this rank's queries.  A query that sees no key at all gets zeros.
     Every rank of the group must call it with the same shapes and comm_type.
+
+    window: a sliding window (causal only): a query at position i sees the keys at positions
+    i - window < j <= i; the ring skips the blocks no local query sees.  sinks: [heads], a
+    learned logit per head in every query's softmax denominator (gpt-oss), differentiable,
+    applied once to the merged result (`megacore.attention_kernels`).
     """
-    _check(q, k, v, q_positions, kv_positions, segments, comm_type)
+    _check(q, k, v, q_positions, kv_positions, segments, comm_type, window, sinks, causal)
     # The mask is built, and the positions and documents sent, on the tensors' device.
     q_positions, kv_positions = q_positions.to(q.device), kv_positions.to(q.device)
     segments = None if segments is None else segments.to(q.device)
@@ -215,17 +236,18 @@ def context_parallel_attention(
         group = parallel_state.get_context_parallel_group()
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
+    args = (q, k, v, q_positions, kv_positions, segments, causal, group, scale, window, sinks)
     if comm_type == "allgather":
-        return _allgather_attention(
-            q, k, v, q_positions, kv_positions, segments, causal, group, scale
-        )
-    return _ring_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale)
+        return _allgather_attention(*args)
+    return _ring_attention(*args)
 
 
 # --- all-gather -----------------------------------------------------------------------------
 
 
-def _allgather_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale):
+def _allgather_attention(
+    q, k, v, q_positions, kv_positions, segments, causal, group, scale, window, sinks
+):
     groups = k.size(1)
     # One collective for K and V along a leading sequence dim: [s, 2, b, g, d] per rank.
     kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()
@@ -235,7 +257,9 @@ def _allgather_attention(q, k, v, q_positions, kv_positions, segments, causal, g
     meta = gather_from_sequence_parallel_region(_token_meta(kv_positions, segments), True, group)
     all_positions = meta[:, 0]
     all_segments = None if segments is None else meta[:, 1:].t()
-    mask = _visible(q_positions, all_positions, segments, all_segments, causal)
+    mask = _visible(q_positions, all_positions, segments, all_segments, causal, window)
+    if sinks is not None:  # every local query sees itself among the gathered keys
+        return attention_with_sinks(q, kv[0], kv[1], sinks, mask=mask, scale=scale)
     out = F.scaled_dot_product_attention(
         q, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=groups != q.size(1)
     )
@@ -275,24 +299,26 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _ring_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale):
-    kernel = _fused_kernel(q, k, v)
+def _ring_attention(
+    q, k, v, q_positions, kv_positions, segments, causal, group, scale, window, sinks
+):
+    kernel = attention_kernels.fused_kernel(q, k, v)
     # The fused ring knows which keys a query sees from the ring step alone, so it runs only
     # where the mask is that of the balanced layout: no packed documents (their masks cut
     # blocks anywhere; the fused kernels take no mask here), and, under a causal mask,
     # positions that are `cp_chunk_indices` (others, e.g. a contiguous split, need the
     # positions themselves).  A device, dtype or head size no fused kernel takes also goes
-    # to the float32 ring.
-    fused = kernel is not None and segments is None
+    # to the float32 ring; so do sliding windows, whose blocks it skips where no query sees them.
+    fused = kernel is not None and segments is None and window is None
     if fused and causal:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         fused = _holds_balanced_chunks(q_positions, rank, cp) and _holds_balanced_chunks(
             kv_positions, rank, cp
         )
     if fused:
-        return _FusedRing.apply(q, k, v, causal, group, scale, kernel)
+        return _FusedRing.apply(q, k, v, causal, group, scale, kernel, sinks)
     return _masked_ring_attention(
-        q, k, v, q_positions, kv_positions, segments, causal, group, scale
+        q, k, v, q_positions, kv_positions, segments, causal, group, scale, window, sinks
     )
 
 
@@ -317,117 +343,6 @@ def _holds_balanced_chunks(positions: torch.Tensor, rank: int, cp: int) -> bool:
         _BALANCED_POSITIONS.clear()
     _BALANCED_POSITIONS[key] = (weakref.ref(positions), positions._version)
     return True
-
-
-@dataclass(frozen=True)
-class _FusedKernel:
-    """One fused attention call that returns its log-sum-exp, and its backward.
-
-    forward(q, k, v, causal, scale) -> out [b, heads, s_q, d] (q's dtype), lse [b, heads, s_q]
-    (float32).  backward(grad, q, k, v, out, lse, causal, scale) -> dq, dk, dv: the gradient of
-    one call given any out and lse; given the whole ring's final out and lse (the softmax over
-    every block's keys), it is exactly that block's share of the full attention's gradient.
-    causal: SDPA's top-left causal mask (s_q = s_k here).  k, v may have fewer heads (groups).
-    """
-
-    name: str
-    forward: Callable
-    backward: Callable
-
-
-def _fused_kernel(q, k, v) -> _FusedKernel | None:
-    """The fused kernel for these tensors, or None where none is built (float32 ring)."""
-    if not q.dtype == k.dtype == v.dtype:
-        return None
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
-        return _CPU_FLASH
-    if q.device.type != "cuda" or q.size(-1) % 8 or q.size(-1) > 256:
-        return None  # the CUDA kernels' head sizes: multiples of 8, at most 256
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if half and torch.cuda.get_device_capability(q.device) >= (8, 0):
-        return _CUDA_FLASH  # FlashAttention-2: 16-bit, sm80 and newer
-    if half or q.dtype == torch.float32:
-        return _CUDA_EFFICIENT  # memory-efficient attention: float32, or 16-bit before sm80
-    return None
-
-
-def _cpu_flash_forward(q, k, v, causal, scale):
-    # The CPU kernel takes grouped K/V heads as SDPA's enable_gqa does (head h uses group
-    # h // (heads // groups)), forward and backward, so K/V are not expanded here.
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
-    )
-
-
-def _cpu_flash_backward(grad, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, scale=scale
-    )
-
-
-def _expand_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """[b, groups, s, d] -> [b, heads, s, d], head h holding group h // (heads // groups)
-    (the CUDA kernels are called with as many K/V heads as query heads)."""
-    groups = kv.size(1)
-    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
-
-
-def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of `_expand_groups`: each group's heads summed."""
-    heads = grad.size(1)
-    return grad if groups == heads else grad.unflatten(1, (groups, heads // groups)).sum(2)
-
-
-def _no_dropout_seed() -> torch.Tensor:
-    # The CUDA kernels' philox seed and offset, read only with dropout (never here).
-    return torch.empty((), dtype=torch.int64)
-
-
-def _cuda_flash_forward(q, k, v, causal, scale):
-    heads = q.size(1)
-    k, v = _expand_groups(k, heads), _expand_groups(v, heads)
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale
-    )
-    return out, lse
-
-
-def _cuda_flash_backward(grad, q, k, v, out, lse, causal, scale):
-    heads, groups = q.size(1), k.size(1)
-    seed = _no_dropout_seed()
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad, q, _expand_groups(k, heads), _expand_groups(v, heads), out, lse,
-        None, None, q.size(2), k.size(2), 0.0, causal, seed, seed, scale=scale,
-    )  # fmt: skip
-    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
-
-
-_EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel's log-sum-exp is padded to 32 rows
-
-
-def _cuda_efficient_forward(q, k, v, causal, scale):
-    heads = q.size(1)
-    k, v = _expand_groups(k, heads), _expand_groups(v, heads)
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale
-    )
-    return out, lse[..., : q.size(2)]
-
-
-def _cuda_efficient_backward(grad, q, k, v, out, lse, causal, scale):
-    heads, groups = q.size(1), k.size(1)
-    lse = F.pad(lse, (0, -q.size(2) % _EFFICIENT_LSE_ROWS)).contiguous()  # as it gave it
-    seed = _no_dropout_seed()
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, _expand_groups(k, heads), _expand_groups(v, heads), None, out, lse,
-        seed, seed, 0.0, [True, True, True, False], causal, scale=scale,
-    )  # fmt: skip
-    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
-
-
-_CPU_FLASH = _FusedKernel("cpu flash", _cpu_flash_forward, _cpu_flash_backward)
-_CUDA_FLASH = _FusedKernel("cuda flash", _cuda_flash_forward, _cuda_flash_backward)
-_CUDA_EFFICIENT = _FusedKernel("cuda efficient", _cuda_efficient_forward, _cuda_efficient_backward)
 
 
 def _ring_step(step: int, rank: int, cp: int, causal: bool, half: int) -> tuple[slice, slice, bool]:
@@ -471,7 +386,7 @@ class _FusedRing(torch.autograd.Function):
     float32 log-sum-exp [b, heads, s_local], and runs the ring again in backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, group, scale, kernel):
+    def forward(ctx, q, k, v, causal, group, scale, kernel, sinks):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         half = q.size(2) // 2
         q_late = _rows(q, slice(half, None)) if causal and cp > 1 else None
@@ -485,21 +400,24 @@ class _FusedRing(torch.autograd.Function):
                 q if rows == slice(None) else q_late,
                 _rows(kv[0], keys), _rows(kv[1], keys), step_causal, scale,
             )  # fmt: skip
-            if out is None:  # step 0 covers every query row
-                out, lse = part.float(), part_lse.float()
+            if out is None:  # step 0 covers every query row; merged in float32 (or float64)
+                acc = torch.promote_types(q.dtype, torch.float32)
+                out, lse = part.to(acc), part_lse.to(acc)
             else:
                 _merge_into(out[:, :, rows], lse[:, :, rows], part, part_lse)
             if step < cp - 1:
                 _wait(requests)
                 kv = received
+        if sinks is not None:  # once, on the merged result; backward sees the sink softmax
+            out, lse = with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.causal, ctx.group, ctx.scale, ctx.kernel = causal, group, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         causal, group, scale, kernel = ctx.causal, ctx.group, ctx.scale, ctx.kernel
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         half = q.size(2) // 2
@@ -507,7 +425,8 @@ class _FusedRing(torch.autograd.Function):
         # The late query chunk's rows, for the steps that see it alone.
         late = slice(half, None)
         late_args = [_rows(t, late) for t in (grad, q, out, lse)] if causal and cp > 1 else None
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros_like(q, dtype=acc)
         kv = torch.stack([k, v])
         # Each block's K/V gradient travels with it round the ring, summed in float32 over
         # the ranks that used it; one shift after the last step brings it home.
@@ -525,7 +444,7 @@ class _FusedRing(torch.autograd.Function):
             )  # fmt: skip
             dq[:, :, rows] += dq_part
             if step == 0:
-                dkv = torch.zeros_like(kv, dtype=torch.float32)
+                dkv = torch.zeros_like(kv, dtype=acc)
             else:  # the block's gradient so far, from the rank that held it last step
                 _wait(dkv_requests)
                 dkv = dkv_received
@@ -539,7 +458,8 @@ class _FusedRing(torch.autograd.Function):
         if cp > 1:
             _wait(dkv_requests)
             dkv = dkv_received
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dsinks = None if sinks is None else sink_gradient(grad, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 4, dsinks
 
 
 # --- the float32 ring: packed documents, any positions, any device ----------------------------
@@ -561,6 +481,22 @@ class _RingShifted(torch.autograd.Function):
         for request in requests:
             request.wait()
         return grad_sent, None, None
+
+
+class _ThroughRing(torch.autograd.Function):
+    """The output, made to depend on the ring's last block: a rank that skipped the blocks at
+    the end of its ring (a sliding window) would otherwise not run their shifts' backward,
+    whose sends its neighbours, which used those blocks, wait for.  Its gradient: zeros."""
+
+    @staticmethod
+    def forward(ctx, out, last_block):
+        ctx.block = (last_block.shape, last_block.dtype)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype = ctx.block
+        return grad, torch.zeros((), dtype=dtype, device=grad.device).expand(shape)
 
 
 def _block_attention(q, k, v, mask, scale):
@@ -586,38 +522,70 @@ def _block_attention(q, k, v, mask, scale):
     return out, torch.where(seen, lse, float("-inf"))
 
 
-def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Combine partial attentions by their log-sum-exps: softmax over all blocks' keys."""
+def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]):
+    """Combine partial attentions by their log-sum-exps: softmax over all blocks' keys; the
+    merged output and its lse (-inf where a row sees no key)."""
     lse = torch.stack(lses)  # [blocks, b, g, rep, s_q]
     seen = torch.isfinite(lse).any(0)
     # Rows that see no key in any block: a finite stand-in, their weights are exp(-inf) = 0.
     total = torch.logsumexp(torch.where(seen, lse, 0.0), dim=0)
     weights = torch.exp(lse - total).unsqueeze(-1)
-    return (weights * torch.stack(outs)).sum(0)
+    return (weights * torch.stack(outs)).sum(0), torch.where(seen, total, float("-inf"))
 
 
-def _masked_ring_attention(q, k, v, q_positions, kv_positions, segments, causal, group, scale):
+def _masked_ring_attention(
+    q, k, v, q_positions, kv_positions, segments, causal, group, scale, window, sinks
+):
     """The ring in float32 torch ops with each block's mask built from the positions and
-    documents sent along with it: any mask, any device; autograd keeps every block's scores."""
+    documents sent along with it: any mask, any device; autograd keeps every block's scores.
+    With a window, a block that no local query sees (`_window_skips`) is passed on unread."""
     b, heads, s_q, d = q.shape
     groups = k.size(1)
     cp = dist.get_world_size(group)
     qg = q.float().reshape(b, groups, heads // groups, s_q, d)
     kv = torch.stack([k, v]).contiguous()  # one transfer per step for K and V
     meta = _token_meta(kv_positions, segments)
+    skips = _window_skips(q_positions, dist.get_rank(group), cp, window)
     outs, lses = [], []
     for step in range(cp):
         if step < cp - 1:  # start passing this block on before computing with it
             received, requests = _start_shift([kv.detach(), meta], group)
-        block_segments = None if segments is None else meta[:, 1:].t()
-        mask = _visible(q_positions, meta[:, 0], segments, block_segments, causal)
-        out, lse = _block_attention(qg, kv[0], kv[1], mask, scale)
-        outs.append(out)
-        lses.append(lse)
+        if step not in skips:
+            block_segments = None if segments is None else meta[:, 1:].t()
+            mask = _visible(q_positions, meta[:, 0], segments, block_segments, causal, window)
+            out, lse = _block_attention(qg, kv[0], kv[1], mask, scale)
+            outs.append(out)
+            lses.append(lse)
         if step < cp - 1:
             for request in requests:
                 request.wait()
             kv = _RingShifted.apply(kv, received[0], group)
             meta = received[1]
-    out = _merge(outs, lses)
-    return out.reshape(b, heads, s_q, d).to(q.dtype)
+    out, lse = _merge(outs, lses)
+    if skips:  # every rank's backward runs every shift's return trip, used here or not
+        out = _ThroughRing.apply(out, kv)
+    out, lse = out.reshape(b, heads, s_q, d), lse.reshape(b, heads, s_q)
+    if sinks is not None:
+        out, _ = with_sinks(out, lse, sinks)
+    return out.to(q.dtype)
+
+
+def _window_skips(q_positions, rank: int, cp: int, window: int | None) -> set[int]:
+    """The ring steps whose block no local query sees through the window: on the balanced
+    layout (`cp_chunk_indices`) the block of step i holds chunks j and 2cp-1-j (j = rank - i
+    mod cp), and query chunk a sees key chunk c < a only if their nearest tokens, (a - c - 1)
+    chunks + 1 apart, are within the window.  Other layouts: none skipped (the masks decide)."""
+    if window is None or cp == 1 or not _holds_balanced_chunks(q_positions, rank, cp):
+        return set()
+    size = q_positions.numel() // 2  # tokens a chunk
+    mine = (rank, 2 * cp - 1 - rank)
+
+    def seen(a, c):
+        return c == a or (c < a and (a - c - 1) * size + 1 < window)
+
+    skips = set()
+    for step in range(1, cp):
+        j = (rank - step) % cp
+        if not any(seen(a, c) for a in mine for c in (j, 2 * cp - 1 - j)):
+            skips.add(step)
+    return skips
