@@ -172,6 +172,122 @@ def test_fc1_shard_splits_gate_and_up_apart():
     assert moe.fc1_shard(full, 1, 4, swiglu=False).tolist() == [[4, 5, 6, 7]]
 
 
+def _group_limited_by_hand(scores, topk, groups, group_topk, summed):
+    """Token by token: each group's score the sum of its `summed` best, the `group_topk`
+    best groups, the top k of their experts."""
+    T, E = scores.shape
+    per = E // groups
+    out = []
+    for t in range(T):
+        rank = [scores[t, g * per : (g + 1) * per].topk(summed).values.sum() for g in range(groups)]
+        best = torch.stack(rank).topk(group_topk).indices.tolist()
+        allowed = [e for g in best for e in range(g * per, (g + 1) * per)]
+        pick = scores[t, allowed].topk(topk).indices
+        out.append(torch.tensor(allowed)[pick])
+    return torch.stack(out)
+
+
+def test_group_limited_routing_chooses_within_each_tokens_best_groups():
+    logits = _logits(11, t=T, e=16)
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 0.3
+    # DeepSeek-V3 (HF): sigmoid + correction bias ranks the groups by their top-2 sum.
+    probs, indices = moe.topk_routing(
+        logits, 4, score_function="sigmoid", expert_bias=bias, num_groups=4, group_topk=2,
+        group_score_topk=2, scaling_factor=2.5,
+    )  # fmt: skip
+    s = torch.sigmoid(logits)
+    chosen = _group_limited_by_hand(s + bias, 4, 4, 2, 2)
+    picked = s.gather(1, chosen)
+    _same_choices(probs, indices, picked / picked.sum(-1, keepdim=True) * 2.5, chosen)
+    # Every token's experts lie in at most group_topk groups.
+    assert ((indices // 4).sort(-1).values.diff(dim=-1) != 0).sum(-1).max() <= 1
+    # The limit changes the choice: without it some token picks from a third group.
+    _, free = moe.topk_routing(logits, 4, score_function="sigmoid", expert_bias=bias)
+    assert ((free // 4).sort(-1).values.diff(dim=-1) != 0).sum(-1).max() > 1
+    # DeepSeek-V2's group_limited_greedy: the softmax over all, groups ranked by their max
+    # (the top 1), the k weights as they are.
+    probs, indices = moe.topk_routing(
+        logits, 3, pre_softmax=True, num_groups=4, group_topk=2, group_score_topk=1
+    )
+    p = torch.softmax(logits, -1)
+    chosen = _group_limited_by_hand(p, 3, 4, 2, 1)
+    _same_choices(probs, indices, p.gather(1, chosen), chosen)
+    # Megatron's default rank: the sum of the top k / group_topk (here 4 / 2 = 2).
+    probs, indices = moe.topk_routing(logits, 4, pre_softmax=True, num_groups=4, group_topk=2)
+    chosen = _group_limited_by_hand(p, 4, 4, 2, 2)
+    _same_choices(probs, indices, p.gather(1, chosen), chosen)
+    # A gradient reaches the chosen logits only.
+    leaf = logits.clone().requires_grad_()
+    probs, indices = moe.topk_routing(
+        leaf, 4, score_function="sigmoid", num_groups=4, group_topk=2, group_score_topk=2
+    )
+    probs.sum().backward()
+    assert torch.isfinite(leaf.grad).all()
+
+
+def test_sigmoid_weights_normalized_as_told():
+    logits = _logits(12)
+    s = torch.sigmoid(logits)
+    top = s.topk(K, dim=-1)
+    # HF DeepSeek-V3 with norm_topk_prob false: the chosen scores as they are, scaled.
+    probs, indices = moe.topk_routing(
+        logits, K, score_function="sigmoid", norm_topk_prob=False, scaling_factor=2.5
+    )
+    _same_choices(probs, indices, top.values * 2.5, top.indices)
+    # Unset (Megatron's): normalized when k > 1; told, even at k = 1 (HF's).
+    probs, _ = moe.topk_routing(logits, K, score_function="sigmoid")
+    torch.testing.assert_close(probs.sum(-1), torch.ones(T))
+    one, _ = moe.topk_routing(logits, 1, score_function="sigmoid")
+    torch.testing.assert_close(one[:, 0], s.max(-1).values)
+    one, _ = moe.topk_routing(logits, 1, score_function="sigmoid", norm_topk_prob=True)
+    torch.testing.assert_close(one, torch.ones(T, 1))
+
+
+def test_glu_is_swiglu_and_gpt_oss_clamped_quick_geglu():
+    g = torch.Generator().manual_seed(8)
+    gate, up = torch.randn(50, 6, generator=g) * 6, torch.randn(50, 6, generator=g) * 6
+    torch.testing.assert_close(moe.glu(gate, up), torch.nn.functional.silu(gate) * up)
+    # gpt-oss (HF GptOssExperts._apply_gate): gate clamped above at the limit, up to
+    # [-limit, limit], (up + 1) x gate sigmoid(alpha gate), alpha 1.702.
+    limit = 7.0
+    cg, cu = gate.clamp(max=limit), up.clamp(-limit, limit)
+    expected = (cu + 1) * (cg * torch.sigmoid(cg * 1.702))
+    assert (gate > limit).any() and (up.abs() > limit).any()  # the clamps act here
+    torch.testing.assert_close(moe.glu(gate, up, "quick_geglu", 1.0, limit), expected)
+    with pytest.raises(ValueError, match="quick_geglu"):
+        moe.glu(gate, up, "gelu")
+
+
+def test_grouped_gemm_with_biases_and_the_clamped_activation():
+    x, counts, w1, w2 = _mlp_inputs()
+    g = torch.Generator().manual_seed(9)
+    b1, b2 = torch.randn(4, w1.shape[-1], generator=g), torch.randn(4, 8, generator=g)
+    kw = {"glu_linear_offset": 1.0, "clamp_value": 0.5}  # a small limit: the clamps act
+    results = []
+    for grouped in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, b1, b2)]
+        xs, a, b, c, d = leaves
+        out = moe.grouped_mlp(xs, counts, a, b, "quick_geglu", grouped, b_fc1=c, b_fc2=d, **kw)
+        (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    start, expected = 0, []
+    for e, c in enumerate(counts.tolist()):
+        gate, up = (x[start : start + c] @ w1[e] + b1[e]).chunk(2, -1)
+        expected.append(moe.glu(gate, up, "quick_geglu", **kw) @ w2[e] + b2[e])
+        start += c
+    torch.testing.assert_close(results[0][0], torch.cat(expected), rtol=1e-5, atol=1e-6)
+    # An expert without tokens gets no bias gradient.
+    assert results[0][4][1].abs().max() == 0 and results[0][5][1].abs().max() == 0
+
+
+def test_fc2_bias_share_adds_the_bias_once_over_etp():
+    bias = torch.arange(8.0).view(1, 8)
+    shares = [moe.fc2_bias_share(bias.chunk(4, -1)[r], r, 4) for r in range(4)]
+    assert torch.equal(sum(shares), bias) and shares[1].tolist() == [[0, 0, 2, 3, 0, 0, 0, 0]]
+
+
 def test_aux_and_z_losses_match_the_papers_and_reach_the_router():
     logits = _logits(5)
     coeff = 0.01

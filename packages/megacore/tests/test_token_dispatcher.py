@@ -1,15 +1,18 @@
 """Expert-parallel token dispatch against one process, in real gloo groups under the NCCL
-checker: one 4-rank spawn runs every layout and both dispatchers, and checks the expert
-getters and the checker's all-to-all rule on the way."""
+checker: one 4-rank spawn runs every layout and the three dispatchers (all-to-all, all-gather,
+all-to-all once per rank) on experts with biases on both GEMMs (fc1's split with its columns
+over ETP, fc2's shared out over h), and checks the expert getters, the rows the per-rank
+dispatch sends, and the checker's all-to-all rule on the way."""
 
 import torch
 import torch.distributed as dist
 
 from megacore import parallel_state as ps
-from megacore.moe import DROPPED, LocalDispatcher, fc1_shard, grouped_mlp
+from megacore.moe import DROPPED, LocalDispatcher, fc1_shard, fc2_bias_share, grouped_mlp
 from megacore.moe.token_dispatcher import (
     AllGatherDispatcher,
     AllToAllDispatcher,
+    PerRankAllToAllDispatcher,
     build_token_dispatcher,
 )
 from megacore.testing import NCCLSemanticsError, run_distributed
@@ -17,6 +20,7 @@ from megacore.testing import NCCLSemanticsError, run_distributed
 E, K, H, F = 8, 2, 8, 6  # experts, top-k, hidden, expert ffn
 WORLD = 4
 LAYOUTS = [(1, 4, None), (2, 2, 1), (2, 2, None), (1, 2, 2)]  # (tp, ep, etp)
+KINDS = ("alltoall", "allgather", "per_rank")
 
 
 def _data(drop: bool):
@@ -34,7 +38,8 @@ def _data(drop: bool):
         )
     w1 = torch.randn(E, H, 2 * F, generator=g) * 0.3
     w2 = torch.randn(E, F, H, generator=g) * 0.3
-    return ranks, w1, w2
+    b1, b2 = torch.randn(E, 2 * F, generator=g), torch.randn(E, H, generator=g)
+    return ranks, (w1, w2, b1, b2)
 
 
 def _leaf(t):
@@ -42,24 +47,24 @@ def _leaf(t):
 
 
 def _one_process(drop: bool):
-    ranks, w1, w2 = _data(drop)
-    w1, w2 = _leaf(w1), _leaf(w2)
+    ranks, weights = _data(drop)
+    w1, w2, b1, b2 = (_leaf(w) for w in weights)
     outs, grads = [], []
     for hidden, probs, indices, upstream in ranks:
         hidden, probs = _leaf(hidden), _leaf(probs)
         d = LocalDispatcher(E, dropless=not drop)
         x, counts = d.dispatch(hidden, probs, indices)
-        out = d.combine(grouped_mlp(x, counts, w1, w2, grouped=False))
+        out = d.combine(grouped_mlp(x, counts, w1, w2, grouped=False, b_fc1=b1, b_fc2=b2))
         (out * upstream).sum().backward()
         outs.append(out.detach())
         grads.append((hidden.grad, probs.grad))
-    return outs, grads, w1.grad, w2.grad
+    return outs, grads, (w1.grad, w2.grad, b1.grad, b2.grad)
 
 
 def _layout_result(kind: str, drop: bool, reference):
-    outs, grads, w1_grad, w2_grad = reference
+    outs, grads, (w1_grad, w2_grad, b1_grad, b2_grad) = reference
     rank = dist.get_rank()
-    ranks, w1, w2 = _data(drop)
+    ranks, (w1, w2, b1, b2) = _data(drop)
     hidden, probs, indices, upstream = ranks[rank]
     hidden, probs = _leaf(hidden), _leaf(probs)
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
@@ -67,23 +72,52 @@ def _layout_result(kind: str, drop: bool, reference):
     mine = slice(ep_rank * E // ep, (ep_rank + 1) * E // ep)
     w1_local = _leaf(fc1_shard(w1[mine], etp_rank, etp, swiglu=True))
     w2_local = _leaf(w2[mine].chunk(etp, dim=1)[etp_rank])
-    d = AllToAllDispatcher(E, dropless=not drop) if kind == "alltoall" else AllGatherDispatcher(E)
+    b1_local = _leaf(fc1_shard(b1[mine], etp_rank, etp, swiglu=True))
+    b2_local = _leaf(b2[mine].chunk(etp, dim=1)[etp_rank])  # h's columns shared out over ETP
+    if kind == "alltoall":
+        d = AllToAllDispatcher(E, dropless=not drop)
+    elif kind == "allgather":
+        d = AllGatherDispatcher(E)
+    else:
+        d = PerRankAllToAllDispatcher(E)
     x, counts = d.dispatch(hidden, probs, indices)
-    out = d.combine(grouped_mlp(x, counts, w1_local, w2_local, grouped=False))
+    b2_share = fc2_bias_share(b2_local, etp_rank, etp)
+    y = grouped_mlp(x, counts, w1_local, w2_local, grouped=False, b_fc1=b1_local, b_fc2=b2_share)
+    out = d.combine(y)
     (out * upstream).sum().backward()
     # Expert weights are replicated over expert-data-parallel ranks: their gradients sum there.
-    for w in (w1_local, w2_local):
+    local = (w1_local, w2_local, b1_local, b2_local)
+    for w in local:
         dist.all_reduce(w.grad, group=ps.get_expert_data_parallel_group())
-    want_w1 = fc1_shard(w1_grad[mine], etp_rank, etp, swiglu=True)
-    want_w2 = w2_grad[mine].chunk(etp, dim=1)[etp_rank]
+    want = (
+        fc1_shard(w1_grad[mine], etp_rank, etp, swiglu=True),
+        w2_grad[mine].chunk(etp, dim=1)[etp_rank],
+        fc1_shard(b1_grad[mine], etp_rank, etp, swiglu=True),
+        b2_grad[mine].chunk(etp, dim=1)[etp_rank],
+    )
+    names = ("w1_grad", "w2_grad", "b1_grad", "b2_grad")
+    grad_error = {
+        name: (w.grad - ref).abs().max().item()
+        for name, w, ref in zip(names, local, want, strict=True)
+    }
+    # Rows this rank sends over EP: one per (token, choice) off the per-rank dispatcher, one per
+    # (token, destination rank) on it.
+    sent = sum(d.input_splits) if kind != "allgather" else None
     return {
         "out": (out.detach() - outs[rank]).abs().max().item(),
         "hidden_grad": (hidden.grad - grads[rank][0]).abs().max().item(),
         "probs_grad": (probs.grad - grads[rank][1]).abs().max().item(),
-        "w1_grad": (w1_local.grad - want_w1).abs().max().item(),
-        "w2_grad": (w2_local.grad - want_w2).abs().max().item(),
+        **grad_error,
         "tokens": int(counts.sum()),
+        "sent": sent,
+        "pairs": _rank_pairs(indices, ep),
     }
+
+
+def _rank_pairs(indices, ep):
+    """(token, EP rank) pairs the routing `indices` makes: the rows the per-rank dispatch sends."""
+    ranks = {(t, e // (E // ep)) for t, row in enumerate(indices.tolist()) for e in row if e >= 0}
+    return len(ranks)
 
 
 def _ranks(group):
@@ -107,7 +141,7 @@ def _dispatch_everywhere():
             "etp_ep": _ranks(ps.get_expert_tensor_and_model_parallel_group()),
             "factory": type(build_token_dispatcher(E, "allgather")).__name__,
         }  # fmt: skip
-        for kind in ("alltoall", "allgather"):
+        for kind in KINDS:
             for drop in (False, True):
                 result = _layout_result(kind, drop, references[drop])
                 out["layouts"][tp, ep, etp, kind, drop] = result
@@ -130,7 +164,8 @@ def test_dispatchers_equal_one_process():
     results = run_distributed(_dispatch_everywhere, world_size=WORLD, timeout=240)
     for rank, out in enumerate(results):
         for layout, r in out["layouts"].items():
-            for name in ("out", "hidden_grad", "probs_grad", "w1_grad", "w2_grad"):
+            for name in ("out", "hidden_grad", "probs_grad", "w1_grad", "w2_grad", "b1_grad",
+                         "b2_grad"):  # fmt: skip
                 assert r[name] < 1e-5, (rank, layout, name, r[name])
         groups = out["groups"]
         assert groups[1, 4, None]["ep"] == ([0, 1, 2, 3], rank)
@@ -150,3 +185,13 @@ def test_dispatchers_equal_one_process():
         etp = layout[0] if layout[2] is None else layout[2]
         assert full == etp * K * sum(3 + 2 * r for r in range(WORLD))
         assert kept < full
+    # The per-rank dispatch sends each token once to each rank of its experts, no more.
+    for out in results:
+        for layout in LAYOUTS:
+            for drop in (False, True):
+                per_rank = out["layouts"][(*layout, "per_rank", drop)]
+                assert per_rank["sent"] == per_rank["pairs"], (layout, drop)
+                assert per_rank["sent"] <= out["layouts"][(*layout, "alltoall", drop)]["sent"]
+    assert sum(o["layouts"][(1, 4, None, "per_rank", False)]["sent"] for o in results) < sum(
+        o["layouts"][(1, 4, None, "alltoall", False)]["sent"] for o in results
+    )

@@ -43,7 +43,15 @@ The logged aux loss mirrors the rule: megatrain's `aux_loss_over_layout` sums th
 over TP x CP x DP and divides by dp.
 """
 
-from megacore.moe.experts import ACTIVATIONS, fc1_shard, grouped_gemm_available, grouped_mlp
+from megacore.moe.experts import (
+    ACTIVATIONS,
+    GATED,
+    fc1_shard,
+    fc2_bias_share,
+    glu,
+    grouped_gemm_available,
+    grouped_mlp,
+)
 from megacore.moe.permute import LocalDispatcher, permute, unpermute
 from megacore.moe.router import (
     DROP_POLICIES,
@@ -53,6 +61,7 @@ from megacore.moe.router import (
     MoEAuxLossAutoScaler,
     drop_over_capacity,
     expert_capacity,
+    group_limited_topk,
     routing_scores_for_aux_loss,
     sequence_load_balancing_loss,
     switch_load_balancing_loss,
@@ -66,6 +75,7 @@ __all__ = [
     "ACTIVATIONS",
     "DROPPED",
     "DROP_POLICIES",
+    "GATED",
     "LOAD_BALANCING_TYPES",
     "SCORE_FUNCTIONS",
     "LocalDispatcher",
@@ -73,6 +83,9 @@ __all__ = [
     "drop_over_capacity",
     "expert_capacity",
     "fc1_shard",
+    "fc2_bias_share",
+    "glu",
+    "group_limited_topk",
     "grouped_gemm_available",
     "grouped_mlp",
     "permute",

@@ -6,9 +6,19 @@ torch's grouped GEMM (`torch._grouped_mm`, with a row offset per expert) where t
 use has it for the device, dtype and shapes; otherwise a loop over the experts (one matmul
 each, the fallback and the reference).  The two agree to fp32 rounding, gradients too.
 
-SwiGLU: w_fc1's last dimension is [gate | up] (f each); SiLU(gate) x up.  Under expert
+The gated activations (`GATED`, `glu`): w_fc1's last dimension is [gate | up] (f each);
+SwiGLU is SiLU(gate) x up, quick-GeGLU gate sigmoid(1.702 gate) x up (Megatron-LM's
+quick_gelu, gpt-oss's with alpha 1.702), either with `glu_linear_offset` added to up and
+`clamp_value` clamping gate to at most it and up to [-it, it] first (Megatron-LM's
+glu_linear_offset and activation_func_clamp_value; gpt-oss: 1 and 7).  Under expert
 tensor parallelism each rank holds f / etp of both halves ([gate_r | up_r], see
 `fc1_shard`) and its fc2 output is a partial sum over the etp ranks.
+
+Biases (`b_fc1` [E, f or 2f], `b_fc2` [E, h_out]): each row of x gets its expert's, taken
+by `repeat_interleave` over the counts (no loop over the experts, no host sync), added
+after each GEMM.  Under expert tensor parallelism b_fc1 is split with fc1's columns and
+the caller hands each rank a b_fc2 that is zero outside its share, so the partial sums
+add it once.
 """
 
 from functools import lru_cache
@@ -16,7 +26,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu")
+ACTIVATIONS = ("swiglu", "quick_geglu", "gelu_tanh", "gelu")
+GATED = ("swiglu", "quick_geglu")  # w_fc1 is [gate | up]
+QUICK_GELU_ALPHA = 1.702  # Megatron-LM's quick_gelu, gpt-oss's swiglu_alpha
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -75,10 +87,33 @@ def _matmul_loop(x, w, counts):
     return torch.cat([part @ w[e] for e, part in enumerate(parts)], dim=0)
 
 
-def _activate(hidden: torch.Tensor, activation: str) -> torch.Tensor:
+def glu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str = "swiglu",
+    glu_linear_offset: float = 0.0,
+    clamp_value: float | None = None,
+) -> torch.Tensor:
+    """act(gate) x (up + glu_linear_offset), act SiLU ("swiglu") or x sigmoid(1.702 x)
+    ("quick_geglu"); `clamp_value`: gate clamped to at most it, up to [-it, it], first."""
+    if clamp_value is not None:
+        gate = gate.clamp(max=clamp_value)
+        up = up.clamp(min=-clamp_value, max=clamp_value)
     if activation == "swiglu":
+        act = F.silu(gate)
+    elif activation == "quick_geglu":
+        act = gate * torch.sigmoid(gate * QUICK_GELU_ALPHA)
+    else:
+        raise ValueError(f"glu: activation must be one of {GATED}, got {activation!r}")
+    return act * (up + glu_linear_offset) if glu_linear_offset else act * up
+
+
+def _activate(
+    hidden: torch.Tensor, activation: str, glu_linear_offset: float, clamp_value: float | None
+) -> torch.Tensor:
+    if activation in GATED:
         gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return glu(gate, up, activation, glu_linear_offset, clamp_value)
     if activation == "gelu_tanh":
         return F.gelu(hidden, approximate="tanh")
     if activation == "gelu":
@@ -93,10 +128,16 @@ def grouped_mlp(
     w_fc2: torch.Tensor,
     activation: str = "swiglu",
     grouped: bool | None = None,
+    *,
+    b_fc1: torch.Tensor | None = None,
+    b_fc2: torch.Tensor | None = None,
+    glu_linear_offset: float = 0.0,
+    clamp_value: float | None = None,
 ) -> torch.Tensor:
-    """fc2(act(fc1(x))) per expert over its rows of x [N, h]; [N, h_out].
+    """fc2(act(fc1(x) + b_fc1)) + b_fc2 per expert over its rows of x [N, h]; [N, h_out].
     `grouped`: True forces torch's grouped GEMM (an error where it cannot run), False the
-    loop, None the grouped GEMM where `grouped_gemm_available`."""
+    loop, None the grouped GEMM where `grouped_gemm_available`.  `glu_linear_offset`,
+    `clamp_value`: the gated activation's (`glu`)."""
     if grouped is None:
         grouped = grouped_gemm_available(x, w_fc1, w_fc2)
     elif grouped and not grouped_gemm_available(x, w_fc1, w_fc2):
@@ -107,11 +148,39 @@ def grouped_mlp(
         )
     if grouped:
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        hidden = _matmul_grouped(x, w_fc1, offsets)
-        return _matmul_grouped(_activate(hidden, activation), w_fc2, offsets)
-    counts = tokens_per_expert.tolist()
-    hidden = _matmul_loop(x, w_fc1, counts)
-    return _matmul_loop(_activate(hidden, activation), w_fc2, counts)
+
+        def matmul(a, w):
+            return _matmul_grouped(a, w, offsets)
+    else:
+        counts = tokens_per_expert.tolist()
+
+        def matmul(a, w):
+            return _matmul_loop(a, w, counts)
+
+    hidden = _biased(matmul(x, w_fc1), b_fc1, tokens_per_expert)
+    hidden = _activate(hidden, activation, glu_linear_offset, clamp_value)
+    return _biased(matmul(hidden, w_fc2), b_fc2, tokens_per_expert)
+
+
+def _biased(
+    y: torch.Tensor, bias: torch.Tensor | None, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """y [N, n] plus each row's expert's bias (bias [E, n]); y itself without a bias."""
+    if bias is None:
+        return y
+    # output_size: the rows are known, so no host sync reads the counts.
+    rows = bias.repeat_interleave(tokens_per_expert, dim=0, output_size=y.shape[0])
+    return y + rows.to(y.dtype)
+
+
+def fc2_bias_share(bias: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Expert tensor-parallel rank `rank`'s fc2 bias [..., h / size] (its share of h's columns)
+    as the [..., h] it adds to its partial sum: zero outside its columns, so the partial sums
+    over the `size` ranks hold the whole bias once (and each bias element lives on one rank)."""
+    if size == 1:
+        return bias
+    width = bias.shape[-1]
+    return F.pad(bias, (rank * width, (size - 1 - rank) * width))
 
 
 def fc1_shard(full: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Tensor:

@@ -7,15 +7,23 @@ token path.  A choice dropped by an expert's capacity has index -1 (`DROPPED`): 
 sent to any expert and adds nothing to its token.
 
 The scores (`topk_routing`):
-- softmax, `pre_softmax` False (Megatron's default, Mixtral's numbers): the top k of the
-  logits, a softmax over those k (weights that sum to one).
-- softmax, `pre_softmax` True (HF Mixtral / Qwen-MoE order): a softmax over all E, then the
-  top k; `norm_topk_prob` (HF's name) divides the k by their sum (Qwen3-MoE), else they are
-  used as they are (Qwen2-MoE).
+- softmax, `pre_softmax` False (Megatron's default, Mixtral's numbers, gpt-oss's order): the
+  top k of the logits, a softmax over those k (weights that sum to one).
+- softmax, `pre_softmax` True (HF Mixtral / Qwen-MoE / DeepSeek-V2 order): a softmax over all
+  E, then the top k; `norm_topk_prob` (HF's name) divides the k by their sum (Qwen3-MoE),
+  else they are used as they are (Qwen2-MoE, DeepSeek-V2).
 - sigmoid (DeepSeek-V3): sigmoid of every logit, the top k, divided by their sum when k > 1
-  (Megatron); `expert_bias` (auxiliary-loss-free balancing) is added to the scores for the
-  choice only, never to the weights.
-Then `scaling_factor` multiplies the weights (Megatron's moe_router_topk_scaling_factor).
+  (Megatron; `norm_topk_prob` True or False says so explicitly, HF's DeepSeek-V3 switch);
+  `expert_bias` (auxiliary-loss-free balancing, HF's e_score_correction_bias) is added to
+  the scores for the choice only, never to the weights.
+The top k may be group-limited (`group_limited_topk`, DeepSeek's): the E experts in
+`num_groups` equal groups of consecutive ids, each token choosing among the experts of its
+`group_topk` best groups only, a group ranked by the sum of its `group_score_topk` highest
+scores (None: topk // group_topk, Megatron's; HF's DeepSeek-V3 sums the top 2, DeepSeek-V2's
+group_limited_greedy takes the max, the top 1).  The scores the groups are ranked by are
+those the experts are chosen by (with the expert bias under sigmoid, as HF's).
+Then `scaling_factor` multiplies the weights (Megatron's moe_router_topk_scaling_factor,
+HF's routed_scaling_factor, after any normalization as both do).
 
 The auxiliary losses return this rank's share of a loss over a `group` of ranks that each
 hold part of the tokens (megatron-core passes the tensor x context parallel group): the
@@ -37,39 +45,73 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 DROPPED = -1  # the expert index of a choice its expert's capacity dropped
 
 
+def group_limited_topk(
+    scores: torch.Tensor,
+    topk: int,
+    num_groups: int,
+    group_topk: int,
+    group_score_topk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [T, k], indices [T, k]): the top k of `scores` [T, E] among the experts of each
+    token's `group_topk` best groups of the `num_groups` (E / num_groups consecutive experts
+    each), a group's rank the sum of its `group_score_topk` highest scores (None: topk //
+    group_topk, Megatron's).  The experts outside the chosen groups are never chosen (they
+    are -inf here, so the caller must leave k of them: group_topk x E / num_groups >= k)."""
+    T, E = scores.shape
+    per_group = E // num_groups
+    summed = group_score_topk or topk // group_topk
+    grouped = scores.view(T, num_groups, per_group)
+    group_scores = grouped.topk(summed, dim=-1).values.sum(dim=-1)
+    chosen = group_scores.topk(group_topk, dim=-1).indices
+    allowed = torch.zeros(T, num_groups, dtype=torch.bool, device=scores.device)
+    allowed = allowed.scatter(1, chosen, True).repeat_interleave(per_group, dim=1)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
 def topk_routing(
     logits: torch.Tensor,
     topk: int,
     *,
     score_function: str = "softmax",
     pre_softmax: bool = False,
-    norm_topk_prob: bool = False,
+    norm_topk_prob: bool | None = None,
     scaling_factor: float | None = None,
     expert_bias: torch.Tensor | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    group_score_topk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [T, k] fp32, indices [T, k] int64): each token's k experts and their weights."""
+    """(probs [T, k] fp32, indices [T, k] int64): each token's k experts and their weights.
+    `norm_topk_prob` None: the score function's own (sigmoid's k weights normalized when
+    k > 1, softmax's top k of all not); `num_groups` and `group_topk`: group-limited."""
     logits = logits.float()
+
+    def choose(scores):
+        if num_groups is None:
+            return scores.topk(topk, dim=-1)
+        return group_limited_topk(scores, topk, num_groups, group_topk, group_score_topk)
+
     if score_function == "softmax":
         if expert_bias is not None:
             raise ValueError("topk_routing: expert_bias is for the sigmoid score function")
         if pre_softmax:
-            probs, indices = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
-            if norm_topk_prob:
-                probs = probs / probs.sum(dim=-1, keepdim=True)
-        else:
-            top, indices = logits.topk(topk, dim=-1)
+            probs, indices = choose(torch.softmax(logits, dim=-1))
+        else:  # the softmax over the k chosen sums to one: nothing to normalize
+            top, indices = choose(logits)
             probs = torch.softmax(top, dim=-1)
+        normalize = bool(norm_topk_prob) and pre_softmax
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits)
         if expert_bias is None:
-            probs, indices = scores.topk(topk, dim=-1)
+            probs, indices = choose(scores)
         else:  # the bias chooses; the weights are the unbiased scores of the chosen
-            indices = (scores + expert_bias.float()).topk(topk, dim=-1).indices
+            indices = choose(scores + expert_bias.float()).indices
             probs = scores.gather(1, indices)
-        if topk > 1:
-            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        normalize = topk > 1 if norm_topk_prob is None else norm_topk_prob
     else:
         raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if normalize:
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:
         probs = probs * scaling_factor
     return probs, indices

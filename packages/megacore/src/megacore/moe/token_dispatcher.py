@@ -21,6 +21,13 @@ of every expert output that the combine step adds up (a reduce-scatter).
 - `AllGatherDispatcher` ("allgather"): all-gather tokens, probabilities and expert ids over
   ETP x EP, keep the pairs routed to the local experts; the combine adds each rank's
   outputs into the gathered token positions and reduce-scatters over ETP x EP.
+- `PerRankAllToAllDispatcher` ("alltoall" sending each token once per rank, DeepSeek's
+  node-limited dispatch): a token goes once to each EP rank holding any of its experts,
+  with its k expert ids and weights; that rank sorts the choices its experts take (as the
+  all-gather dispatcher does), and its combine sums the token's weighted expert outputs
+  there and sends one row back, which the token's rank adds up over the ranks it went to.
+  With group-limited routing whose groups lie whole on the ranks (megatrain's
+  moe_group_limited_dispatch), a token crosses to at most group_topk ranks, whatever k.
 
 Uneven gathers and reduce-scatters pad each rank's rows to the largest count (one small
 size exchange first), so every collective has NCCL's equal-size form.  The split sizes are
@@ -108,22 +115,28 @@ def reduce_scatter_rows(x: torch.Tensor, group, sizes: list[int], rank: int) -> 
 # --- the dispatchers ---------------------------------------------------------------------------
 
 
+def _take_expert_groups(dispatcher, num_experts: int) -> None:
+    """The all-to-all dispatchers' groups and sizes: the EP and ETP groups, ep, etp, this
+    rank's ETP rank, the E experts and the E / ep each EP rank holds."""
+    d = dispatcher
+    d.ep_group = ps.get_expert_model_parallel_group()
+    d.etp_group = ps.get_expert_tensor_parallel_group()
+    d.ep, d.etp = dist.get_world_size(d.ep_group), dist.get_world_size(d.etp_group)
+    d.etp_rank = dist.get_rank(d.etp_group)
+    if num_experts % d.ep:
+        raise ValueError(
+            f"{type(d).__name__}: num_moe_experts ({num_experts}) is not divisible by "
+            f"expert_model_parallel_size ({d.ep})"
+        )
+    d.num_experts, d.local = num_experts, num_experts // d.ep
+
+
 class AllToAllDispatcher:
     """Tokens to the experts' ranks by all-to-all over EP, then all-gathered over ETP."""
 
     def __init__(self, num_experts: int, dropless: bool = True):
         self.dropless = dropless
-        self.ep_group = ps.get_expert_model_parallel_group()
-        self.etp_group = ps.get_expert_tensor_parallel_group()
-        self.ep = dist.get_world_size(self.ep_group)
-        self.etp = dist.get_world_size(self.etp_group)
-        self.etp_rank = dist.get_rank(self.etp_group)
-        if num_experts % self.ep:
-            raise ValueError(
-                f"AllToAllDispatcher: num_moe_experts ({num_experts}) is not divisible by "
-                f"expert_model_parallel_size ({self.ep})"
-            )
-        self.num_experts, self.local = num_experts, num_experts // self.ep
+        _take_expert_groups(self, num_experts)
 
     # The block order the regroup depends on.  L = E / ep local experts; a block is the rows one
     # source rank sends to one local expert, in the sender's token order.
@@ -228,11 +241,68 @@ class AllGatherDispatcher:
         return reduce_scatter_rows(out, self.group, self.sizes, self.rank)
 
 
+class PerRankAllToAllDispatcher:
+    """Each token to each EP rank holding one of its experts, once; then all-gathered over
+    ETP.  The rows cross in (destination rank, token) order, each with the token's k expert
+    ids and weights (the weights with their gradient)."""
+
+    def __init__(self, num_experts: int):
+        _take_expert_groups(self, num_experts)
+        self.first = dist.get_rank(self.ep_group) * self.local
+
+    def dispatch(self, hidden, probs, indices):
+        T, k = indices.shape
+        # [T, ep]: whether the token goes to each rank (a dropped choice to none, bin ep).
+        rank_of_choice = torch.where(indices == DROPPED, self.ep, indices // self.local)
+        goes = torch.zeros(T, self.ep + 1, dtype=torch.bool, device=indices.device)
+        goes = goes.scatter(1, rank_of_choice, True)[:, : self.ep]
+        pairs = goes.t().nonzero()  # (rank, token), ranks in order, each rank's tokens in order
+        self.dest, self.token = pairs[:, 0], pairs[:, 1]
+        # Where each (token, rank) row lands among the token's ranks, for a sum with no atomics.
+        self.slot = (torch.cumsum(goes, 1) - 1)[self.token, self.dest]
+        self.width, self.num_tokens = min(k, self.ep), T
+        sent_per_rank = goes.sum(0)
+        received = torch.empty_like(sent_per_rank)
+        dist.all_to_all_single(received, sent_per_rank, group=self.ep_group)
+        sizes = torch.cat([received, sent_per_rank]).tolist()
+        self.output_splits, self.input_splits = sizes[: self.ep], sizes[self.ep :]
+        splits = (self.ep_group, self.output_splits, self.input_splits)
+        x = _AllToAll.apply(hidden[self.token], *splits)
+        weights = _AllToAll.apply(probs[self.token], *splits)
+        chosen = _all_to_all(indices[self.token], *splits)  # integers: no gradient
+        self.etp_sizes = [x.size(0)]
+        if self.etp > 1:
+            self.etp_sizes = _sizes_over(self.etp_group, x.size(0), x.device)
+        x = gather_rows(x, self.etp_group, self.etp_sizes)
+        weights = gather_rows(weights, self.etp_group, self.etp_sizes)
+        chosen = gather_rows(chosen, self.etp_group, self.etp_sizes)
+        # Choices of other ranks' experts (and dropped ones) are none of this rank's.
+        local = chosen - self.first
+        local = torch.where((local >= 0) & (local < self.local), local, DROPPED)
+        expert_input, counts, self.order = permute(x, local, self.local)
+        self.weights, self.rows = weights, x.size(0)
+        return expert_input, counts
+
+    def combine(self, expert_output):
+        # Each received row: its token's weighted outputs of this rank's experts, summed.
+        x = unpermute(expert_output, self.order, self.weights, self.rows)
+        x = reduce_scatter_rows(x, self.etp_group, self.etp_sizes, self.etp_rank)
+        x = _AllToAll.apply(x, self.ep_group, self.input_splits, self.output_splits)
+        h = x.size(-1)
+        placed = x.new_zeros(self.num_tokens * self.width, h, dtype=torch.float32)
+        placed = placed.index_put((self.token * self.width + self.slot,), x.float())
+        return placed.view(self.num_tokens, self.width, h).sum(1).to(x.dtype)
+
+
 def build_token_dispatcher(
-    num_experts: int, moe_token_dispatcher_type: str = "alltoall", dropless: bool = True
+    num_experts: int,
+    moe_token_dispatcher_type: str = "alltoall",
+    dropless: bool = True,
+    per_rank: bool = False,
 ):
     """The dispatcher for this rank's expert layout: the one-process `LocalDispatcher` when
-    no experts are split (ep x etp = 1), else megatron-core's kind of that name."""
+    no experts are split (ep x etp = 1), else megatron-core's kind of that name; `per_rank`
+    (with "alltoall"): `PerRankAllToAllDispatcher`, each token sent once per rank."""
     if moe_token_dispatcher_type not in DISPATCHER_TYPES:
         raise ValueError(
             f"moe_token_dispatcher_type must be one of {', '.join(DISPATCHER_TYPES)}, "
@@ -245,4 +315,6 @@ def build_token_dispatcher(
         return LocalDispatcher(num_experts, dropless)
     if moe_token_dispatcher_type == "allgather":
         return AllGatherDispatcher(num_experts)
+    if per_rank:
+        return PerRankAllToAllDispatcher(num_experts)
     return AllToAllDispatcher(num_experts, dropless)
