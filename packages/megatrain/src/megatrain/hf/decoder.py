@@ -9,13 +9,14 @@ the import of a family's fields as a megatrain checkpoint of kind llama (`decode
 export writes are in `hf.families`.  This module imports none of the families.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megatrain.config import Config
 from megatrain.hf.common import HFFormatError, checked_padding, read_json, write_imported
+from megatrain.hf.quantized import logical_headers, read_quantization
 from megatrain.hf.tensor_map import (
     HFFiles,
     Target,
@@ -155,6 +156,7 @@ def decoder_fields(
         "bos": c.get("bos_token_id"),
         "qkv_bias": qkv_bias,
         "qk_norm": qk_norm,
+        "quantization": read_quantization(config_file, c),
     }
 
 
@@ -255,15 +257,31 @@ def decoder_map(c: dict, padded_vocab: int) -> dict[str, Target]:
 # safetensors' dtype names -> torch's (the float ones a model's weights are stored in).
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                       "BF16": torch.bfloat16}  # fmt: skip
+# Bytes an element of each safetensors dtype takes (a quantized model's stored ones too).
+STORED_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+                   "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8,
+                   "F64": 8}  # fmt: skip
 
 
 @dataclass
 class Headers:
-    """What the safetensors headers of an HF directory say: name -> shape, file, dtype."""
+    """What the safetensors headers of an HF directory say: name -> shape, file, dtype; a
+    tensor stored quantized at its dequantised shape and dtype, with its dequantiser in
+    `quantized` (`hf.quantized`; `where` also holds its stored blocks' and scales' files)."""
 
     shapes: dict[str, tuple]
     where: dict[str, str]
     dtypes: dict[str, str]
+    quantized: dict = field(default_factory=dict)
+
+    def stored_bytes(self) -> int:
+        """The bytes the files hold of these tensors (a quantized one's blocks and scales)."""
+        return sum(
+            self.quantized[n].nbytes
+            if n in self.quantized
+            else torch.Size(s).numel() * STORED_ITEMSIZE[self.dtypes[n]]
+            for n, s in self.shapes.items()
+        )
 
 
 def safetensors_files(hf_dir: Path, model_type: str) -> list[str]:
@@ -293,27 +311,36 @@ def safetensors_files(hf_dir: Path, model_type: str) -> list[str]:
 
 def read_headers(hf_dir: Path, c: dict) -> Headers:
     """The headers of the safetensors of `hf_dir` (sharded or not), no tensor read; a file
-    that is not whole safetensors (truncated, say) is refused naming it.  Skipped, by name:
-    rotary `inv_freq` buffers and, for tied embeddings, a stored copy of lm_head."""
+    that is not whole safetensors (truncated, say) is refused naming it.  A quantized model's
+    (config.json's quantization_config) tensors as they dequantise (`hf.quantized`).
+    Skipped, by name: rotary `inv_freq` buffers and, for tied embeddings, a stored copy of
+    lm_head."""
     from safetensors import safe_open
 
     skipped = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if c["tied"] else ())
-    headers = Headers({}, {}, {})
+    shapes, dtypes, where = {}, {}, {}
     for name in safetensors_files(hf_dir, c["model_type"]):
         try:
             with safe_open(str(hf_dir / name), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
-                    if not key.endswith(skipped):
-                        piece = f.get_slice(key)
-                        headers.shapes[key] = tuple(piece.get_shape())
-                        headers.dtypes[key] = piece.get_dtype()
-                        headers.where[key] = name
+                    piece = f.get_slice(key)
+                    shapes[key], dtypes[key] = tuple(piece.get_shape()), piece.get_dtype()
+                    where[key] = name
         except Exception as e:
             raise HFFormatError(
                 f"{hf_dir / name}: cannot be read as safetensors ({e}); a truncated or partly "
                 "downloaded file reads so"
             ) from e
-    return headers
+    shapes, dtypes, where, quantized = logical_headers(
+        hf_dir, c.get("quantization"), shapes, dtypes, where
+    )
+    kept = [n for n in shapes if not n.endswith(skipped)]
+    return Headers(
+        {n: shapes[n] for n in kept},
+        where,
+        {n: dtypes[n] for n in kept},
+        {n: quantized[n] for n in kept if n in quantized},
+    )
 
 
 def checked_headers(hf_dir: Path, c: dict, expected: dict[str, tuple]) -> Headers:
@@ -421,10 +448,12 @@ def import_decoder(
     padded = vocab_size_with_padding(m.vocab_size, 1, m.make_vocab_size_divisible_by)
     targets = decoder_map(c, padded)
     headers = checked_headers(hf_dir, c, hf_shapes_of(targets))
-    files = HFFiles(hf_dir, headers.where)
+    files = HFFiles(hf_dir, headers.where, quantized=headers.quantized)
     dtypes = {n: SAFETENSORS_DTYPES[t] for n, t in headers.dtypes.items()}
     imported = {"hf_dir": str(hf_dir.resolve()), "bos_token_id": c["bos"],
                 "model_type": c["model_type"]}  # fmt: skip
+    if headers.quantized:
+        imported["dequantized_from"] = c["quantization"].method
     try:
         weights = streamed(targets, files, dtypes, dtype)
         return write_imported(

@@ -9,14 +9,12 @@ weights only (`checkpoint.load.start_from_weights`, here with `HFTensors` for th
 import hashlib
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.files import MODEL_FIELDS, CheckpointError
 from megatrain.config import Config
 from megatrain.hf.common import HFFormatError
 from megatrain.hf.decoder import (
-    SAFETENSORS_DTYPES,
     checked_headers,
     decoder_config,
     decoder_map,
@@ -100,7 +98,7 @@ def load_hf(run, hf_dir: str | Path) -> dict:
             )
     targets = decoder_map(c, c["vocab"])
     headers = checked_headers(hf_dir, c, hf_shapes_of(targets))
-    files = HFFiles(hf_dir, headers.where)
+    files = HFFiles(hf_dir, headers.where, quantized=headers.quantized)
     saved = HFTensors(hf_dir, targets, files)
     try:
         meta = start_from_weights(run, saved, meta, source=str(hf_dir))
@@ -108,8 +106,7 @@ def load_hf(run, hf_dir: str | Path) -> dict:
         files.close()
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, saved.bytes_read)
-    sizes = {n: SAFETENSORS_DTYPES[t].itemsize for n, t in headers.dtypes.items()}
-    total = sum(torch.Size(s).numel() * sizes[n] for n, s in headers.shapes.items())
+    total = headers.stored_bytes()
     if dist.get_rank() == 0:
         share = max(counts) / max(total, 1)
         print(

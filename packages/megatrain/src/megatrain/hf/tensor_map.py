@@ -143,10 +143,21 @@ class HFFiles:
     in this process's resident memory until the file is closed.  So one file is open at a
     time (`keep`) and it is closed again after `remap_bytes` of reads, and what a conversion
     holds of the files is at most that much of their pages, whatever the shard or model size.
+    A tensor the files store quantized (`quantized`: name -> its `hf.quantized` dequantiser,
+    from `decoder.Headers`) is read from the stored blocks a box meets, dequantised; the
+    bytes counted are those stored.
     """
 
-    def __init__(self, hf_dir: Path, where: dict[str, str], keep: int = 1, remap_bytes=1 << 28):
+    def __init__(
+        self,
+        hf_dir: Path,
+        where: dict[str, str],
+        keep: int = 1,
+        remap_bytes=1 << 28,
+        quantized: dict | None = None,
+    ):
         self.hf_dir, self.where, self.keep = Path(hf_dir), where, keep
+        self.quantized = quantized or {}
         self.open: OrderedDict[str, object] = OrderedDict()
         self.bytes_read = 0
         self.remap_bytes, self._since_open = remap_bytes, 0
@@ -168,6 +179,12 @@ class HFFiles:
 
     def read(self, name: str, start, size) -> torch.Tensor:
         """HF tensor `name`'s box [start, start + size), a tensor of its own."""
+        if name in self.quantized:
+            return self.quantized[name].read(self.read_stored, start, size)
+        return self.read_stored(name, start, size)
+
+    def read_stored(self, name: str, start, size) -> torch.Tensor:
+        """The box of the tensor `name` as the files store it."""
         index = tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))
         try:
             t = self._file(name).get_slice(name)[index]
