@@ -111,11 +111,12 @@ step import-hf 300 megatrain import-hf "$RUN/hf" --out "$RUN/reimported"
 step cuda-tests 600 "$PY" -m pytest -q -p no:cacheprovider packages/megatrain/tests/test_speed_path.py \
     packages/megatrain/tests/test_construction.py \
     packages/megacore/tests/test_context_parallel.py::test_fused_ring_kernels_equal_attention
-# The background writer (issue 61): with two GPUs or more, rank 1 holds no context on GPU 0 after a
-# background save (the test is skipped on one GPU: the log says so).
+# The background save on the GPU (issue 61): its pinned host copy, bytes allocated against the
+# plan's host_checkpoint_copy; with two GPUs or more, rank 1 holds no context on GPU 0 after a
+# background save (skipped on one GPU: the log says so).
 step async-save-cuda 300 "$PY" -m pytest -q -s -rs -p no:cacheprovider \
     packages/megatrain/tests/test_async_checkpoint.py -k cuda
-grep -E '^rank [0-9]+: CUDA contexts|^SKIPPED' "$OUT/async-save-cuda.log"
+grep -E '^pinned host copy:|^rank [0-9]+: CUDA contexts|^SKIPPED' "$OUT/async-save-cuda.log"
 # NCCL with two ranks on one GPU: refused by some NCCL versions ("Duplicate GPU"); reported, not
 # counted. Pipeline parallelism, then the point-to-point rings no CPU run puts on NCCL: tensor
 # parallelism's overlapped collectives (parallel.tp_comm_overlap) and context parallelism's

@@ -2,7 +2,8 @@
 
 At a save step each rank copies its share of the state (`save.snapshot`: the weights, the
 optimizer's shards as they are, the generators, the data position; nothing gathered) into
-host buffers of its own (pinned on CUDA, kept from one save to the next), and training goes
+one host buffer of its own (`HostCopy`: exactly its bytes, pinned on CUDA, kept from one save
+to the next), and training goes
 on while a thread of the same process writes that copy through the path a synchronous save
 takes: `.tmp-iter_N/`, every file checked, `publish` (meta.json, the rename, `latest`).
 
@@ -29,6 +30,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from megatrain.checkpoint import save as saving
-from megatrain.checkpoint.dcp import Pieces
+from megatrain.checkpoint.dcp import Pieces, own_storage
 from megatrain.checkpoint.files import CheckpointError, find_checkpoint, iteration_dir, read_meta
 
 # A test's fault in the background save of one iteration: "<point>:<rank>:<action>:<iteration>",
@@ -65,24 +67,86 @@ def fault(point: str, iteration: int, path: Path) -> None:
         time.sleep(float(action[5:]))
 
 
+def _local_tensors(name: str, state: dict):
+    """(key, tensor) of every tensor of `state` that `HostCopy.state` copies, in its order."""
+    for key, value in state.items():
+        if isinstance(value, Pieces):
+            for o, t in value._pieces.items():
+                yield (name, key, tuple(o)), t
+        elif isinstance(value, DTensor):
+            yield (name, key), value.to_local()
+        elif isinstance(value, torch.Tensor):
+            yield (name, key), value
+
+
+def pin(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer`'s memory as it is (cudaHostRegister, as DCP's stager does): its
+    copies from the GPU then run at full bandwidth, and it stays exactly its size, where
+    `pin_memory=True` goes through torch's caching host allocator, which rounds an
+    allocation up to a power of two and keeps it."""
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0))
+    if code != 0:
+        raise CheckpointError(
+            f"checkpoint.async_save: pinning the {buffer.nbytes} bytes of host memory of a "
+            f"background save failed (cudaHostRegister error {code}); lower the host memory "
+            "the run holds, or set checkpoint.async_save = false"
+        )
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 class HostCopy:
-    """Host copies of a rank's tensors, one buffer per tensor kept for the next save (the
-    previous write is over by then): pinned on CUDA, so the copies run at full bandwidth."""
+    """Host copies of a rank's weights and optimizer state: one flat buffer of exactly their
+    bytes (what the plan counts as `host_checkpoint_copy`), allocated once and kept for the
+    next save (the previous write is over by then) while every tensor's key, shape and dtype
+    stay the same.  Each tensor is a view of it at an offset that is a multiple of its element
+    size, with no padding: the tensors of larger elements come first.  Pinned on CUDA (`pin`).
+    The generators' states (a few KB, fresh tensors already) are copied as they are."""
 
     def __init__(self):
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.buffer: torch.Tensor | None = None  # uint8, every view's memory
+        self.views: dict[tuple, torch.Tensor] = {}  # key -> its view of `buffer`
+        self.unpin = None  # unregisters a pinned buffer, once: at `release` or with this copy
         self.copied = 0  # tensors copied by this save, for the "copying" fault
         self.iteration = 0
 
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers.values())
+        return 0 if self.buffer is None else self.buffer.nbytes
+
+    def allocate(self, tensors: list[tuple[tuple, torch.Tensor]]) -> None:
+        """The buffer and its views for `tensors` (key, tensor), unless the kept ones fit."""
+        fits = len(tensors) == len(self.views) and all(
+            (v := self.views.get(key)) is not None and v.shape == t.shape and v.dtype == t.dtype
+            for key, t in tensors
+        )
+        if fits:
+            return
+        self.release()
+        order = sorted(tensors, key=lambda kt: -kt[1].element_size())  # stable: larger first
+        total = sum(t.nbytes for _, t in order)
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        if any(t.device.type == "cuda" for _, t in order):
+            pin(self.buffer)
+            self.unpin = weakref.finalize(self, _unpin, self.buffer.data_ptr())
+            self.unpin.atexit = False  # not after CUDA's own teardown (as DCP's stager)
+        offset = 0
+        for key, t in order:
+            view = self.buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            self.views[key] = own_storage(view)  # DCP writes its bytes, not the whole buffer's
+            offset += t.nbytes
+
+    def release(self) -> None:
+        """Unpin and drop the buffer (the next save allocates one)."""
+        if self.unpin is not None:
+            self.unpin()
+        self.buffer, self.views, self.unpin = None, {}, None
 
     def tensor(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-            pin = t.device.type == "cuda"
-            buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            self.buffers[key] = buffer
+        buffer = self.views.get(key)
+        if buffer is None:  # the generators' states
+            return t.detach().to("cpu", copy=True)
         buffer.copy_(t.detach(), non_blocking=True)
         self.copied += 1
         return buffer
@@ -117,6 +181,9 @@ class HostCopy:
 
     def snapshot(self, snap: saving.Snapshot, path: Path) -> saving.Snapshot:
         self.copied, self.iteration = 0, snap.iteration
+        self.allocate([
+            *_local_tensors("model", snap.model), *_local_tensors("optimizer", snap.optimizer)
+        ])  # fmt: skip
         staged = saving.Snapshot(
             snap.iteration,
             self.state("model", snap.model, path),
