@@ -126,6 +126,15 @@ class ModelConfig(MoEConfig):
     # Biases on the query, key and value projections alone (Qwen2) while add_bias_linear is
     # false; split over TP with the projection's columns.
     add_qkv_bias: bool = False
+    # Sliding-window attention (Mistral, Qwen2, Gemma, gpt-oss): a causal query sees itself and
+    # the window_size - 1 keys before it (HF's sliding_window); None: every earlier key.
+    # layer_types names each layer "sliding_attention" or "full_attention" (HF's list, e.g.
+    # gpt-oss's alternation); None: every layer sliding when window_size is set.
+    window_size: int | None = None
+    layer_types: list | None = None
+    # "vanilla", or "learnable": a learned logit per head joins the softmax's denominator
+    # (attention sinks, gpt-oss; megatron-core's softmax_type).
+    softmax_type: str = "vanilla"
     rotary_base: float = 10000.0  # HF's rope_theta
     # Llama 3.1's frequency scaling of the rotary embeddings (HF rope_scaling type "llama3");
     # factor 0 = off.

@@ -76,6 +76,9 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         add_bias=config.model_switch("add_bias_linear"),
         tie_output=not config.model_switch("untie_embeddings_and_output_weights"),
         fused_linear_cross_entropy=config.training.fused_linear_cross_entropy,
+        window_size=m.window_size,
+        layer_types=None if m.layer_types is None else tuple(m.layer_types),
+        softmax_type=m.softmax_type,
         **{name: getattr(m, name) for name in MOE_FIELDS},
     )
 

@@ -3,9 +3,11 @@ functions): its attention, of the kind the config names (`attention.ATTENTION_KI
 MLP, the routed experts on the layers `moe_layer_freq` names and the dense MLP elsewhere.
 
 The layer calls these and knows neither kind; the kinds know nothing of the layer.  Both
-take `layer_number` (the model's 0-based layer id), so a per-layer pattern (MoE layers;
-sliding-window layers when they come) is decided here.
+take `layer_number` (the model's 0-based layer id), so a per-layer pattern (MoE layers,
+sliding-window layers) is decided here.
 """
+
+import dataclasses
 
 from torch import nn
 
@@ -19,8 +21,19 @@ from megatrain.models.transformer_config import TransformerConfig
 def attention_for(
     cfg: TransformerConfig, place: dict, parallel: ParallelContext, layer_number: int
 ) -> nn.Module:
-    """Layer `layer_number`'s attention (its weights drawn from `place`'s generator first)."""
+    """Layer `layer_number`'s attention (its weights drawn from `place`'s generator first); a
+    full layer among sliding ones (`layer_types`) gets the config without its window."""
+    if cfg.window_size is not None and not is_sliding_layer(cfg, layer_number):
+        cfg = dataclasses.replace(cfg, window_size=None)
     return build_attention(cfg, place, parallel)
+
+
+def is_sliding_layer(cfg: TransformerConfig, layer_number: int) -> bool:
+    """Whether layer `layer_number` (0-based) attends through `cfg.window_size`: every layer,
+    or those `layer_types` names "sliding_attention"."""
+    if cfg.window_size is None:
+        return False
+    return cfg.layer_types is None or cfg.layer_types[layer_number] == "sliding_attention"
 
 
 def mlp_for(

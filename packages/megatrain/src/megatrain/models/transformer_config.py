@@ -61,6 +61,13 @@ class TransformerConfig(MoEConfig):
     # The output layer and the loss in one chunked op that never holds the [tokens, vocab]
     # logits (`tp.linear_vocab_parallel_cross_entropy`); GPT and Llama, when labels are given.
     fused_linear_cross_entropy: bool = False
+    # Sliding windows: a causal query sees itself and the window_size - 1 keys before it, on
+    # the layers `layer_types` names "sliding_attention" (None: all); `spec.attention_for`
+    # hands the full layers' attention this config with window_size None.
+    window_size: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # "learnable": attention sinks, a learned logit per head in the softmax's denominator.
+    softmax_type: str = "vanilla"
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

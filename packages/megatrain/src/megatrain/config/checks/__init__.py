@@ -2,6 +2,7 @@
 `validate` in a fixed order.
 """
 
+from megatrain.config.checks.attention import _check_attention
 from megatrain.config.checks.checkpoint import _check_checkpoint
 from megatrain.config.checks.data import _check_data, _check_masking
 from megatrain.config.checks.model import _check_dropout, _check_model
@@ -27,6 +28,7 @@ def validate(config: Config, world_size: int | None = None) -> int:
     """
     _check_sizes(config)
     _check_model(config)
+    _check_attention(config)
     _check_training(config)
     _check_data(config)
     _check_masking(config)

@@ -1,8 +1,10 @@
 """The attention core every kind shares: softmax(q k^T / sqrt(d)) v over [b, heads, s, d], through
 the kernel that fits the call — `scaled_dot_product_attention` (flash-eligible when causal on
-CUDA: `is_causal`, never an s x s mask), FlexAttention's block mask for packed documents on
-CUDA, the dense document mask on the CPU, megacore's context-parallel attention when the
-sequence is split over CP ranks — and its cached form for generation.
+CUDA: `is_causal`, never an s x s mask), FlexAttention's block mask for packed documents and
+sliding windows on CUDA, the dense mask on the CPU, megacore's context-parallel attention when
+the sequence is split over CP ranks — and its cached form for generation.  Attention sinks
+(a logit per head in the denominator) go through `megacore.attention_kernels`, on any kernel
+that returns the log-sum-exp (FlexAttention's on CUDA with windows or documents).
 
 An attention kind computes its queries, keys and values and hands them here; what it
 projects (and how it splits heads over TP) is its own.
@@ -12,23 +14,30 @@ import torch
 import torch.nn.functional as F
 
 from megacore import tensor_parallel as tp
+from megacore.attention_kernels import attention_with_sinks, with_sinks
 from megacore.context_parallel import context_parallel_attention
 from megatrain.models.attention.inputs import AttentionInputs
 from megatrain.models.attention.kv_cache import KVCache
 from megatrain.models.attention.masks import (
-    document_block_mask,
+    attention_block_mask,
+    causal_mask,
     document_mask,
-    flex_document_attention,
+    flex_attention,
 )
 
 
-def attend(q, k, v, mask=None, *, causal: bool, dropout_p: float, tp_size: int, context_parallel):
+def attend(
+    q, k, v, mask=None, *, causal: bool, dropout_p: float, tp_size: int, context_parallel,
+    window: int | None = None, sinks: torch.Tensor | None = None,
+):  # fmt: skip
     """Attention over q [b, heads, s, d] and k, v [b, groups, s, d] (grouped-query when fewer).
 
     `mask`: keys to attend [b, 1, 1, s] (bidirectional), or, causal, the batch's
     `AttentionInputs` (positions, documents).  `context_parallel`: the layer's
     `parallelize.ContextParallel` (None: this rank holds the whole sequence).  `tp_size`: with
-    dropout at tp > 1 each rank draws its heads' masks from the model-parallel stream."""
+    dropout at tp > 1 each rank draws its heads' masks from the model-parallel stream.
+    `window`: a causal sliding window (`masks`); `sinks`: this rank's heads' sink logits
+    [heads] (`megacore.attention_kernels`; no dropout with them)."""
     # The flash-eligible call (bf16/fp16 on CUDA) when causal: no attn_mask (is_causal
     # instead of a materialized s x s mask), 4-D [b, heads, s, d] inputs with head_dim
     # <= 256, and the last dimension of stride 1.  Flash takes the batch, head and
@@ -42,14 +51,23 @@ def attend(q, k, v, mask=None, *, causal: bool, dropout_p: float, tp_size: int, 
             positions = cp.positions(q.shape[2], q.device)
             return context_parallel_attention(
                 q, k, v, q_positions=positions, kv_positions=positions, segments=segments,
-                comm_type=cp.comm_type, group=cp.group,
+                comm_type=cp.comm_type, group=cp.group, window=window, sinks=sinks,
             )  # fmt: skip
-        if segments is not None:
+        if segments is not None or window is not None:
             if q.is_cuda and not p:  # FlexAttention skips the masked blocks
-                if inputs.block_mask is None:
-                    inputs.block_mask = document_block_mask(segments)
-                return flex_document_attention(q, k, v, segments, block=inputs.block_mask)
-            mask, causal = document_mask(segments), False  # SDPA with the s x s mask
+                block = inputs.block_masks.get(window)
+                if block is None:
+                    b, s = q.shape[0], q.shape[2]
+                    block = attention_block_mask(segments, window, b, s, q.device)
+                    inputs.block_masks[window] = block
+                if sinks is None:
+                    return flex_attention(q, k, v, block)
+                return with_sinks(*flex_attention(q, k, v, block, return_lse=True), sinks)[0]
+            mask, causal = _dense_mask(segments, window, q), False  # SDPA with the s x s mask
+    elif causal and window is not None:
+        mask, causal = causal_mask(q.shape[2], window, q.device), False
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, sinks, mask=mask, causal=causal)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     # No random numbers needed (so none need seeding, e.g. for evaluation); or one TP rank,
     # whose heads the default stream serves: no generator swap, which torch.compile cannot
@@ -66,15 +84,27 @@ def attend(q, k, v, mask=None, *, causal: bool, dropout_p: float, tp_size: int, 
         )
 
 
-def attend_cached(q, k, v, cache: KVCache, layer_id: int):
+def _dense_mask(segments, window, q):
+    if segments is not None:
+        return document_mask(segments, window)
+    return causal_mask(q.shape[2], window, q.device)
+
+
+def attend_cached(q, k, v, cache: KVCache, layer_id: int, window=None, sinks=None):
     """Causal attention of new queries over the cached keys and values and their own (appended
-    to `cache`, layer `layer_id`'s: the local key/value heads, groups, not heads)."""
-    offset = cache.offset
-    k, v = cache.append(layer_id, k, v)
-    s = q.shape[2]
+    to `cache`, layer `layer_id`'s: the local key/value heads, groups, not heads).  A sliding
+    layer (`window`) caches only the window_size - 1 positions its next query can see."""
+    offset, s = cache.offset, q.shape[2]
+    if window is None:
+        k, v = cache.append(layer_id, k, v)
+        first = 0
+    else:
+        k, v, first = cache.append_windowed(layer_id, k, v, window)
+    if offset == 0 and window is None:
+        mask, causal = None, True
+    else:  # query i sits at position offset + i and sees the keys up to there (in the window)
+        mask, causal = causal_mask(s, window, q.device, offset, offset + s)[..., first:], False
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, sinks, mask=mask, causal=causal)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    if offset == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-    # Query i sits at position offset + i and sees keys up to there.
-    mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(offset)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)

@@ -1,6 +1,6 @@
 """`AttentionInputs`: what a causal attention needs of a batch beyond its activations."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,7 @@ class AttentionInputs:
     position_ids: torch.Tensor | None = None  # [b, s] int64
     segments: torch.Tensor | None = None  # [b, s] int64
     seq_len: int = 0
-    # FlexAttention's block mask of `segments`, made by the first layer that needs it and
-    # shared by the others (the same documents in every layer).
-    block_mask: object = None
+    # FlexAttention's block masks of `segments` by sliding window (None: none), each made by
+    # the first layer that needs it and shared by the others (the same documents in every
+    # layer; sliding and full layers differ).
+    block_masks: dict = field(default_factory=dict)

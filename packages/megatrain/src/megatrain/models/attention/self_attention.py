@@ -23,6 +23,22 @@ def head_norm(cfg: TransformerConfig, head_dim: int, place: dict) -> nn.Module:
     return norm
 
 
+def attention_sinks(cfg: TransformerConfig, place: dict, parallel: ParallelContext) -> nn.Parameter:
+    """This rank's heads' sink logits [heads / tp] (gpt-oss's `sinks`), split over TP with the
+    heads; drawn whole (normal, init_method_std) after the layer's other weights, so every
+    layout holds one process's numbers and every other weight is drawn as without them."""
+    heads, rank = cfg.num_attention_heads, parallel.tp_rank
+    local = heads // parallel.tp_size
+    sinks = torch.empty(local, device=place["device"], dtype=place["params_dtype"])
+    if place["perform_initialization"]:
+        master = torch.empty(heads, dtype=torch.float32)
+        tp.init_method_normal(cfg.init_method_std)(master, generator=place["generator"])
+        sinks.copy_(master[rank * local : (rank + 1) * local])
+    sinks = nn.Parameter(sinks)
+    tp.set_tensor_model_parallel_attributes(sinks, True, 0, 1)
+    return sinks
+
+
 class ReplicatedKV(nn.Module):
     """Grouped-query attention's key/value projection when there are fewer groups than TP
     ranks (tp a multiple of the groups): the whole [2 groups d, h] weight (per group [k v],
@@ -129,6 +145,10 @@ class SelfAttention(nn.Module):
             init_method=tp.scaled_init_method_normal(std, cfg.num_layers),
             **place,
         )
+        self.window = cfg.window_size  # None on full layers (`spec.attention_for`)
+        self.sinks = None  # gpt-oss's attention sinks: a logit per head
+        if cfg.softmax_type == "learnable":
+            self.sinks = attention_sinks(cfg, place, parallel)
 
     def core(self, q, k, v, mask=None):
         """The attention core (`attention.core.attend`) with this layer's settings; what
@@ -139,6 +159,8 @@ class SelfAttention(nn.Module):
             dropout_p=self.cfg.attention_dropout if self.training else 0.0,
             tp_size=self.tp_size,
             context_parallel=self.context_parallel,
+            window=self.window,
+            sinks=self.sinks,
         )  # fmt: skip
 
     def forward(
@@ -171,7 +193,7 @@ class SelfAttention(nn.Module):
             cos, sin = rope_cos_sin(self.cfg, d, s, offset, inputs, q.device, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            out = attend_cached(q, k, v, cache, layer_id)
+            out = attend_cached(q, k, v, cache, layer_id, self.window, self.sinks)
         else:
             out = self.core_attention(q, k, v, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)

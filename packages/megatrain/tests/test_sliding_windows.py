@@ -1,0 +1,169 @@
+"""Sliding-window attention and attention sinks in training (model.window_size, layer_types,
+softmax_type = "learnable"): a Llama whose layers alternate sliding and full attention, with
+sinks, takes the one-process steps at every layout — tp 2 with sequence parallelism, cp 2 and 4
+by both comm types (the window shorter than a cp 2 chunk and longer than a cp 4 one), pp 2,
+dp 2 with the distributed optimizer, with and without packed documents — and a run stopped
+with a save at cp 2 goes on at tp 2.  Every rank runs under the NCCL-semantics checker.
+megacore's tests prove the attention itself (test_attention_kernels, test_context_parallel)."""
+
+import pytest
+
+from megacore.testing import run_distributed
+from megatrain.config import ConfigError, load_config, validate
+from megatrain.run.loop import train
+from megatrain.testing import QUIET_LOGGING, TINY_MODEL, assert_same_steps, write_counting_corpus
+
+VOCAB = 200
+STEPS = 3
+FP32_TOL = 2e-5
+WINDOWED = [
+    'model.kind="llama"',
+    "model.num_query_groups=2",
+    "model.init_method_std=0.25",  # sharp attention: a wrong mask changes the loss
+    "model.window_size=5",  # under a cp 2 chunk (32 / 4 = 8 tokens), over a cp 4 one (4)
+    'model.layer_types=["sliding_attention", "full_attention", "sliding_attention", '
+    '"full_attention"]',
+    'model.softmax_type="learnable"',
+]
+COMMON = [
+    *TINY_MODEL,
+    *QUIET_LOGGING,
+    *WINDOWED,
+    "training.seq_length=32",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=8",
+    f"training.train_iters={STEPS}",
+    f"training.eval_interval={STEPS}",
+    "training.eval_iters=1",
+    "optimizer.lr=0.003",
+    "optimizer.lr_warmup_iters=1",
+]
+PACKED = ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
+
+
+def cp(size, comm="p2p"):
+    return [f"parallel.context_parallel_size={size}", f"parallel.cp_comm_type={comm!r}"]
+
+
+TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+# name: (packed, overrides); 4 ranks each (dp fills the rest).
+LAYOUTS = {
+    "tp2-seqpar-dp2": (False, TP2_SP),
+    "cp2-p2p-dp2-packed": (True, cp(2)),
+    "cp2-allgather-tp2": (False, [*cp(2, "allgather"), "parallel.tensor_model_parallel_size=2"]),
+    "cp4-p2p": (False, cp(4)),
+    "cp4-allgather-packed": (True, cp(4, "allgather")),
+    "pp2-dp2-distopt-packed": (
+        True, ["parallel.pipeline_model_parallel_size=2", "parallel.use_distributed_optimizer=true"]
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return str(write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB))
+
+
+def _config(corpus, out, packed, overrides=()):
+    return load_config(
+        None,
+        [
+            f"data.corpus={corpus!r}",
+            f"training.output_dir={out!r}",
+            *COMMON,
+            *(PACKED if packed else []),
+            *overrides,
+        ],
+    )
+
+
+def _references(corpus, out):
+    runs = {packed: train(_config(corpus, f"{out}/{packed}", packed)) for packed in (False, True)}
+    # Controls: no sinks, no windows (each changes the steps, so the layouts' equality means
+    # they computed both).
+    runs["no sinks"] = train(
+        _config(corpus, f"{out}/no-sinks", False, ['model.softmax_type="vanilla"'])
+    )
+    runs["full"] = train(
+        _config(corpus, f"{out}/full", False, ["model.window_size=32", "model.layer_types=null"])
+    )
+    return runs
+
+
+def _layouts(corpus, out):
+    runs = {
+        name: train(_config(corpus, f"{out}/{name}", packed, o))
+        for name, (packed, o) in LAYOUTS.items()
+    }
+    ckpt = f"{out}/ckpt"
+    save = ["training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
+    runs["first"] = train(_config(corpus, f"{out}/first", False, [*cp(2), *save]))
+    runs["at-tp2"] = train(
+        _config(corpus, f"{out}/at-tp2", False, [*TP2_SP, f"checkpoint.load={ckpt!r}"])
+    )
+    return runs
+
+
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("window-one"))
+    return run_distributed(_references, 1, args=(corpus, out), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("window-layouts"))
+    return run_distributed(_layouts, 4, args=(corpus, out), timeout=500)[0]
+
+
+def test_every_layout_of_windows_and_sinks_equals_one_process(references, layouts):
+    for name, (packed, _) in LAYOUTS.items():
+        assert_same_steps(layouts[name], references[packed], name, FP32_TOL)
+    for control in ("no sinks", "full"):
+        assert abs(references[control]["loss"][-1] - references[False]["loss"][-1]) > 1e-3
+    assert references[True]["loss"] != references[False]["loss"]
+
+
+def test_a_cp2_checkpoint_with_sinks_goes_on_at_tp2(references, layouts):
+    first, run = layouts["first"], layouts["at-tp2"]
+    assert first["stopped_at"] == 2
+    steps = {k: first[k] + run[k] for k in ("loss", "grad_norm")}
+    steps["valid"] = run["valid"]
+    assert_same_steps(steps, references[False], "cp2 -> tp2", FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["model.window_size=0"], r"model.window_size must be > 0"),
+        (['model.kind="bert"', "model.window_size=4"], "sliding windows are causal attention"),
+        (
+            ['model.layer_types=["sliding_attention"]'],
+            r"model.layer_types must list one type a layer \(4 for model.num_layers\)",
+        ),
+        (['model.layer_types=["sliding", "full", "full", "full"]'], "entries must be one of"),
+        (["model.window_size=null"], "model.layer_types names sliding layers but"),
+        (['model.softmax_type="off"'], "model.softmax_type must be one of"),
+        (["model.attention_dropout=0.1"], "needs model.attention_dropout = 0"),
+        (
+            [
+                "model.multi_latent_attention=true",
+                "model.num_query_groups=null",
+                "model.window_size=null",
+                "model.layer_types=null",
+            ],
+            "only the multi-head attention kind carries sinks",
+        ),
+        (
+            [
+                "model.multi_latent_attention=true",
+                "model.num_query_groups=null",
+                'model.softmax_type="vanilla"',
+            ],
+            "only the multi-head attention kind takes sliding windows",
+        ),
+    ],
+)
+def test_bad_window_and_sink_configs_refused_naming_the_field(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(load_config(None, [*TINY_MODEL, *WINDOWED, "training.seq_length=32", *overrides]))
