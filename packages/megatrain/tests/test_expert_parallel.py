@@ -16,6 +16,9 @@ validation loss show the expert gradients' reduction and scale, the norm that co
 expert once (Megatron-LM PR #5916) and the aux loss over the sequence's TP ranks (#1652); the
 expert-bias counts are checked summed over the stage.
 Every rank runs under the NCCL-semantics checker.
+At tp 2 x etp 2 with the distributed optimizer a save hands DCP views of the run's own
+tensors only, strided gate and up pieces included, and resumes bitwise, saved synchronously
+or in the background.
 megacore's tests prove the dispatchers against one process (test_token_dispatcher)."""
 
 import contextlib
@@ -26,10 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
+from megatrain.checkpoint import save as saving
 from megatrain.checkpoint.convert import convert
+from megatrain.checkpoint.dcp import Pieces, module_of
 from megatrain.checkpoint.files import CheckpointError
 from megatrain.checkpoint.load import read_full_state
 from megatrain.config import ConfigError, load_config, validate
@@ -330,3 +336,103 @@ def test_bad_expert_layouts_refused_naming_the_field(overrides, pattern):
 def test_expert_sizes_without_experts_refused():
     with pytest.raises(ConfigError, match=r"set model\.num_moe_experts"):
         validate(load_config(None, [*COMMON, *ep(2)]), 4)
+
+
+def _spans(tensors) -> list[tuple[int, int]]:
+    """The memory of each tensor's storage, [first byte, last byte + 1)."""
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    return out
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a (possibly strided) view reads, [first, last + 1)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _saved_pieces(state: dict):
+    for name, value in state.items():
+        if isinstance(value, Pieces):
+            for t in value._pieces.values():
+                yield name, t
+        elif isinstance(value, DTensor):
+            yield name, value.to_local()
+        elif isinstance(value, torch.Tensor):
+            yield name, value
+
+
+def _what_a_save_holds(run, snap) -> dict:
+    """Of `snap`'s weights and optimizer pieces: how many are strided views, and the names
+    and bytes of those whose memory is none of the run's parameters, buffers or optimizer
+    tensors (a copy made for the save)."""
+    optimizer = run.optimizer
+    held = [t for c in run.chunks for t in (*c.parameters(), *module_of(c).buffers())]
+    held += [s.master for s in optimizer.shards]
+    held += [v for state in optimizer.optimizer.state.values() for v in state.values()]
+    spans = _spans(t for t in held if isinstance(t, torch.Tensor) and t.numel())
+    strided, copies, copied_bytes = 0, [], 0
+    for name, t in [*_saved_pieces(snap.model), *_saved_pieces(snap.optimizer)]:
+        strided += not t.is_contiguous()
+        lo, hi = _extent(t)
+        if not any(a <= lo and hi <= b for a, b in spans):
+            copies.append(name)
+            copied_bytes += t.nbytes
+    return {"strided": strided, "copies": copies, "copied_bytes": copied_bytes}
+
+
+# tp 2 x etp 2: each rank's weight1 holds its slice of the gate and of the up columns, apart
+# in the global [gate | up], so its pieces are strided views; under the distributed optimizer
+# (expert DP 2) each optimizer state's boxes are cut the same way.
+ETP2 = [
+    *TP2_SP,
+    "parallel.expert_tensor_parallel_size=2",
+    "parallel.use_distributed_optimizer=true",
+]
+
+
+def _saves_at_etp2(corpus, out):
+    seen = []
+    real = saving.snapshot
+
+    def snapshot(run):  # what both save paths (synchronous, background) start from
+        snap = real(run)
+        seen.append(_what_a_save_holds(run, snap))
+        return snap
+
+    saving.snapshot = snapshot
+    try:
+        results = {"whole": train(_config(corpus, f"{out}/whole", "softmax", ETP2))}
+        for how in ("sync", "async"):
+            ckpt = f"{out}/ckpt-{how}"
+            save = ["training.exit_interval=1", f"checkpoint.save={ckpt!r}",
+                    f"checkpoint.async_save={str(how == 'async').lower()}"]  # fmt: skip
+            first = train(_config(corpus, f"{out}/first-{how}", "softmax", [*ETP2, *save]))
+            load = [f"checkpoint.load={ckpt!r}"]
+            second = train(_config(corpus, f"{out}/second-{how}", "softmax", [*ETP2, *load]))
+            results[how] = (first, second)
+    finally:
+        saving.snapshot = real
+    return {**results, "seen": seen}
+
+
+def test_saved_expert_pieces_are_the_runs_memory_and_resume_bitwise(corpus, tmp_path):
+    """What a save hands torch.distributed.checkpoint at tp 2 x etp 2: every piece of the
+    weights and of the optimizer state is memory the run holds, not a copy (before, a copy of
+    each strided piece lived until the write ended: GBs of GPU memory at a real size), and the
+    checkpoint, written synchronously or in the background, resumes the run bit for bit."""
+    per_rank = run_distributed(_saves_at_etp2, 4, args=(corpus, str(tmp_path)), timeout=400)
+    for rank, results in enumerate(per_rank):
+        assert len(results["seen"]) == 2, rank  # one save each, synchronous and background
+        for seen in results["seen"]:
+            assert seen["strided"] > 0, (rank, seen)  # the case is there
+            assert seen["copies"] == [] and seen["copied_bytes"] == 0, (rank, seen)
+    whole = per_rank[0]["whole"]
+    for how in ("sync", "async"):
+        first, second = per_rank[0][how]
+        assert first["stopped_at"] == 1, how
+        assert first["loss"] + second["loss"] == whole["loss"], how  # bitwise
+        assert first["grad_norm"] + second["grad_norm"] == whole["grad_norm"], how
+        assert second["valid"] == whole["valid"], how

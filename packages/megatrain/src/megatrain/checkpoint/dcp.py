@@ -106,8 +106,8 @@ def tp_split(like: torch.nn.Parameter, mesh: DeviceMesh) -> int | None:
 
 def global_tensor(p: torch.Tensor, like: torch.nn.Parameter, mesh: DeviceMesh, writing=False):
     """A tensor shaped like parameter `like` as DCP should see it: its global shape (an
-    expert parameter: the pieces of it this rank holds, views of `p` to read into, or with
-    `writing` copies where a view is not contiguous)."""
+    expert parameter: the pieces of it this rank holds, views of `p`; with `writing`, as
+    `written_pieces` hands them to DCP)."""
     layout = getattr(like, "expert_layout", None)
     if layout is not None:
         pieces = placed(like, mesh, [0] * p.dim(), p)
@@ -181,9 +181,17 @@ def placed(
 
 
 def written_pieces(pieces: list) -> list:
-    """Pieces DCP can write: a non-contiguous view (an expert's gate or up columns) copied,
-    as torch.save would write its whole storage otherwise."""
-    return [(o, own_storage(t) if t.is_contiguous() else t.contiguous()) for o, t in pieces]
+    """Pieces as DCP writes them, each still a view of the run's tensor: a contiguous one as
+    `own_storage`, a strided one (an expert's gate or up columns at etp > 1) as it is.
+
+    Never copied here: a copy of each strided piece, made when the save's state is put
+    together, would live until the write ends, every expert weight's and each of its
+    optimizer states' at once (GBs of GPU memory at the first save, counted nowhere).  The
+    writer copies one piece at a time instead: DCP's file writer brings each tensor to the
+    host as it writes it (a strided GPU view through a temporary of that piece's size; a
+    strided CPU one cloned, as it clones any view of a larger storage), and a background
+    save copies each piece into its host buffer."""
+    return [(o, own_storage(t) if t.is_contiguous() else t) for o, t in pieces]
 
 
 def tp_place(like: torch.nn.Parameter, mesh: DeviceMesh) -> tuple[tuple[int, ...], list[int]]:

@@ -86,7 +86,7 @@ def _rng_state() -> dict:
 def _range_boxes(shard, flat: torch.Tensor, mesh: DeviceMesh) -> list:
     """A shard's flat tensor (its elements [start, end) of the TP-local parameter) as DCP
     chunks: (offsets in the global tensor, a box of `flat`, sharing its memory; an expert
-    weight's box split at its regions, a non-contiguous piece copied: `placed`)."""
+    weight's box split at its regions, `placed`, a strided piece a view too: `written_pieces`)."""
     boxes = flat_range_boxes(tuple(shard.param.shape), shard.start, shard.end)
     return [
         piece
