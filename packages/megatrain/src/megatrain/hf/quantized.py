@@ -139,29 +139,34 @@ class FP8Weight:
 
     def read(self, read_stored, start, size) -> torch.Tensor:
         """The box [start, start + size) dequantised, from the stored elements it holds and
-        the scales of their blocks (`read_stored(name, start, size)`: a stored box)."""
+        the scales of their blocks (`read_stored(name, start, size)`: a stored box).  Each
+        band of block rows goes into a float32 buffer of whole blocks, which is scaled in
+        place block by block: the same float32 product for every element as a scale
+        expanded to the weight's shape, without the expanded copy."""
         out = torch.empty(tuple(size), dtype=self.dtype)
         *lead0, r0, c0 = start
         *leads, nr, nc = size
         b0, b1 = self.block
         s1 = c0 // b1
-        cols = torch.arange(c0, c0 + nc) // b1 - s1
-        band = max(b0, CHUNK // max(nc, 1) // b0 * b0)  # whole block rows a pass
+        sc = -(-(c0 + nc) // b1) - s1  # the blocks the columns meet
+        band = max(b0, CHUNK // (sc * b1) // b0 * b0)  # whole block rows a pass
         slabs = itertools.product(*(range(a, a + n) for a, n in zip(lead0, leads, strict=True)))
         for lead in slabs:
             at = tuple(i - a for i, a in zip(lead, lead0, strict=True))
+            one = (1,) * len(lead)
             r = r0
             while r < r0 + nr:
                 n = min(r0 + nr, (r // b0) * b0 + band) - r
-                w = read_stored(self.weight, (*lead, r, c0), (*(1,) * len(lead), n, nc))
-                s0, s_end = r // b0, -(-(r + n) // b0)
-                s_cols = -(-(c0 + nc) // b1) - s1
-                s = read_stored(
-                    self.scale, (*lead, s0, s1), (*(1,) * len(lead), s_end - s0, s_cols)
-                )
-                w, s = w.reshape(n, nc), s.reshape(s_end - s0, s_cols).float()
-                rows = torch.arange(r, r + n) // b0 - s0
-                out[(*at, slice(r - r0, r - r0 + n))] = w.float() * s[rows][:, cols]
+                s0 = r // b0
+                sr = -(-(r + n) // b0) - s0
+                scale = read_stored(self.scale, (*lead, s0, s1), (*one, sr, sc))
+                blocks = torch.empty(sr, b0, sc, b1)  # its rows and columns past the box unread
+                inside = blocks.view(sr * b0, sc * b1)[
+                    r - s0 * b0 : r - s0 * b0 + n, c0 - s1 * b1 : c0 - s1 * b1 + nc
+                ]
+                inside.copy_(read_stored(self.weight, (*lead, r, c0), (*one, n, nc)).reshape(n, nc))
+                blocks.mul_(scale.reshape(sr, 1, sc, 1).float())
+                out[(*at, slice(r - r0, r - r0 + n))] = inside
                 r += n
         return out
 
@@ -183,18 +188,19 @@ class MXFP4Tensor:
         (e0, h0, r0), (ne, nh, nr) = start, size
         g0 = h0 // MX_BLOCK
         ng = -(-(h0 + nh) // MX_BLOCK) - g0
+        # A byte's two values, the low nibble first: one gather a byte.
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        pairs = torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1)  # [256, 2]
         out = torch.empty((ne, nh, nr), dtype=self.dtype)
+        lo = h0 - g0 * MX_BLOCK
         for i in range(ne):
             blocks = read_stored(self.blocks, (e0 + i, r0, g0, 0), (1, nr, ng, 16))[0]
             scales = read_stored(self.scales, (e0 + i, r0, g0), (1, nr, ng))[0]
-            values = torch.empty((nr, ng, 16, 2), dtype=torch.float32)
-            values[..., 0] = lut[(blocks & 0x0F).to(torch.int32)]
-            values[..., 1] = lut[(blocks >> 4).to(torch.int32)]
-            exponents = scales.to(torch.int32)[..., None] - 127
-            values = torch.ldexp(values.reshape(nr, ng, MX_BLOCK), exponents)
-            lo = h0 - g0 * MX_BLOCK
-            out[i] = values.reshape(nr, ng * MX_BLOCK)[:, lo : lo + nh].T
+            values = pairs[blocks.to(torch.int32)].view(nr, ng, MX_BLOCK)
+            # ldexp, not x * 2.0 ** e: 2 ** 128 (a scale byte of 255) is past float32's range
+            # while 0.5 * 2 ** 128 is not, and transformers' ldexp gives the finite value.
+            values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+            out[i] = values.view(nr, ng * MX_BLOCK)[:, lo : lo + nh].T
         return out
 
 
