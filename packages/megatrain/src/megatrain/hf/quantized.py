@@ -1,6 +1,8 @@
 """Quantized Hugging Face checkpoints read as they are published, each tensor dequantised as it
-is read: DeepSeek's block-scaled FP8 (DeepSeek-V3/R1, Kimi K2, Qwen3's FP8 files:
-`quantization_config.quant_method` "fp8") and OpenAI's MXFP4 (gpt-oss: "mxfp4").
+is read: DeepSeek's block-scaled FP8 (DeepSeek-V3/R1, Kimi K2: `quantization_config.quant_method`
+"fp8") and OpenAI's MXFP4 (gpt-oss: "mxfp4").  The format, not the architecture: a family the
+importers read (a Llama, a Mixtral, ...) stored so is read; DeepSeek-V3's and gpt-oss's own
+model_types are refused by the importers until their architectures are read.
 
 What the files hold, and what a reader sees instead (`logical_headers`, called by
 `decoder.read_headers`, so every importer and `run --load-hf` read through it):
@@ -10,8 +12,8 @@ What the files hold, and what a reader sees instead (`logical_headers`, called b
   `weight_block_size` [b0, b1]; the edge blocks may be partial (DeepSeek-V3's 576-row
   kv_a_proj_with_mqa holds 4.5 blocks of 128 rows).  The weight is fp8.float() * scale_inv of
   its block, the product in float32 (transformers' `_dequantize_fp8_weight` at float32, and
-  `Fp8Dequantize`, which refuses partial blocks; DeepSeek's own `weight_dequant`), rounded
-  once to the dequantised dtype.  The reader sees `<name>` at its own shape; the scale is gone.
+  its loader's `Fp8Dequantize`, which refuses partial blocks), rounded once to the
+  dequantised dtype.  The reader sees `<name>` at its own shape; the scale is gone.
 - **MXFP4**: an expert tensor `<name>` stored as `<name>_blocks` (uint8 [E, R, G, 16]: 32 e2m1
   values a block, two a byte, the low nibble first) and `<name>_scales` (uint8 [E, R, G]:
   each block's power of two, biased by 127).  Dequantised as transformers'
@@ -30,9 +32,9 @@ A box of a dequantised tensor (`HFFiles.read`: a tensor-parallel slice, one expe
 expert-parallel rank's experts) reads only the stored blocks it meets, whatever the box: an
 FP8 weight the box's elements and the scales of the blocks they fall in, an MXFP4 tensor the
 box's experts and rows and the 32-value blocks its columns fall in (never the whole stored
-tensor).  What a read holds beyond the box it returns is bounded (`CHUNK` values of float32
-temporaries: an FP8 box a band of block rows at a time, an MXFP4 box an expert at a time), so
-memory stays per tensor, never the whole model.
+tensor).  Beyond the box it returns a read holds the temporaries of one piece at a time: an
+FP8 box a band of block rows (about `CHUNK` float32 values), an MXFP4 box an expert (a few
+float32 copies of one expert's box), so memory stays per tensor, never the whole model.
 
 Refused before any tensor is read, naming config.json's field or the file and tensor: a
 quant_method other than these, an FP8 `fmt` other than e4m3, static activation scales, a
