@@ -88,12 +88,23 @@ def both_ways(root, name: str, hf, new_tokens: int = 12) -> dict:
     with torch.no_grad():
         back_logits = back(tokens).logits
     a, b = hf.state_dict(), back.state_dict()
+    unwindowed = 0.0
+    if getattr(hf.config, "sliding_window", None) is not None:
+        full = transformers.AutoConfig.for_model(**{**hf.config.to_dict(), "sliding_window": None,
+                                                    "layer_types": None})  # fmt: skip
+        plain = transformers.AutoModelForCausalLM.from_config(
+            full, attn_implementation="eager", experts_implementation="eager"
+        ).eval()
+        plain.load_state_dict(a)
+        with torch.no_grad():
+            unwindowed = (plain(tokens).logits - theirs).abs().max().item()
     section = loaded.meta["config"]["model"]
     return {
         "logits_max_diff": (ours - theirs).abs().max().item(),
         "logits_scale": theirs.abs().mean().item(),
         "export_equal": set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a),
         "export_logits_diff": (back_logits - theirs).abs().max().item(),
+        "unwindowed_logits_diff": unwindowed,
         "architecture": type(back).__name__,
         "config": json.loads((root / f"{name}-export" / "config.json").read_text()),
         "generated": (cached, uncached, theirs_ids),
@@ -102,7 +113,7 @@ def both_ways(root, name: str, hf, new_tokens: int = 12) -> dict:
         "model": {k: section[k] for k in
                   ("kv_channels", "qk_layernorm", "add_qkv_bias", "num_query_groups",
                    "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-                   "moe_router_norm_topk_prob")},
+                   "moe_router_norm_topk_prob", "window_size", "layer_types")},
     }  # fmt: skip
 
 
@@ -121,6 +132,13 @@ MODELS = {  # name -> (model_type, config overrides)
                                 "mlp_only_layers": [0], "norm_topk_prob": False}),
     "qwen3_moe": ("qwen3_moe", {**MOE, "num_experts": 4, "norm_topk_prob": True,
                                 "head_dim": 16}),
+    # Sliding windows of 3 keys (the logits' sequences are 24 long, generation 20): Mistral's
+    # on every layer, Qwen2's on the layers from max_window_layers on, Mixtral's on every layer.
+    "mistral_window": ("mistral", {"sliding_window": 3}),
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 3,
+                               "max_window_layers": 1}),
+    "mixtral_window": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                   "intermediate_size": 16, "sliding_window": 3}),
 }  # fmt: skip
 
 
@@ -165,6 +183,18 @@ def test_llama_families_both_ways_exact(families):
                       "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
                       "moe_router_norm_topk_prob": True}),
     }  # fmt: skip
+    windowed = {
+        "mistral_window": ("MistralForCausalLM", {"add_qkv_bias": False, "qk_layernorm": False,
+                           "kv_channels": None, "num_query_groups": 2, **dense,
+                           "window_size": 3, "layer_types": None}),
+        "qwen2_window": ("Qwen2ForCausalLM", {**expected["qwen2"][1], "window_size": 3,
+                         "layer_types": ["full_attention", "sliding_attention"]}),
+        "mixtral_window": ("MixtralForCausalLM", {**expected["mixtral"][1], "window_size": 3,
+                           "layer_types": None}),
+    }  # fmt: skip
+    for _, model in expected.values():
+        model |= {"window_size": None, "layer_types": None}
+    expected |= windowed
     assert set(families) == set(expected)
     for name, r in families.items():
         architecture, model = expected[name]
@@ -174,7 +204,7 @@ def test_llama_families_both_ways_exact(families):
         assert r["export_equal"], name
         assert r["export_logits_diff"] == 0.0, name
         assert r["architecture"] == architecture
-        assert r["config"]["tie_word_embeddings"] == (name == "qwen2")
+        assert r["config"]["tie_word_embeddings"] == (name in ("qwen2", "qwen2_window"))
         cached, uncached, theirs = r["generated"]
         assert cached == uncached == theirs and len(cached) == 12, (name, r["generated"])
         # kv_channels, q/k norms, qkv biases, experts, routers and shared experts counted
@@ -182,21 +212,32 @@ def test_llama_families_both_ways_exact(families):
     assert families["qwen3"]["config"]["head_dim"] == 16
     assert families["qwen2_moe"]["config"]["mlp_only_layers"] == [0]
     assert families["qwen2_moe"]["config"]["norm_topk_prob"] is False
+    # The windows written back, and they mattered: the same weights without them differ.
+    assert families["mistral_window"]["config"]["sliding_window"] == 3
+    qwen2 = families["qwen2_window"]["config"]
+    assert qwen2["use_sliding_window"] and qwen2["sliding_window"] == 3
+    assert qwen2["layer_types"] == ["full_attention", "sliding_attention"]
+    assert families["mixtral_window"]["config"]["sliding_window"] == 3
+    for name in windowed:
+        assert families[name]["unwindowed_logits_diff"] > 1e-2, name
 
 
 @pytest.mark.parametrize(
     ("model_type", "change", "message"),
     [
-        ("qwen2", {"use_sliding_window": True}, r"use_sliding_window is True: sliding-window"),
-        ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]},
-         r"layer_types has 'sliding_attention'"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 0},
+         r"sliding_window is 0: expected a positive number of keys"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
+                   "layer_types": ["full_attention"]}, r"layer_types must name each of the 2"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
+                   "layer_types": ["full_attention", "local"]}, r"layer_types has 'local'"),
         ("qwen3", {"attention_bias": True}, r"attention_bias is True: biases on the output"),
         ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn'"),
         ("mixtral", {"router_jitter_noise": 0.1}, r"router_jitter_noise is 0.1: router jitter"),
-        ("mixtral", {"sliding_window": 4096}, r"sliding_window is 4096: sliding-window"),
+        ("mixtral", {"sliding_window": -1}, r"sliding_window is -1: expected a positive"),
         ("qwen3_moe", {"moe_intermediate_size": 16, "q_lora_rank": 8}, r"q_lora_rank is 8: "),
-        ("qwen2_moe", {"moe_intermediate_size": 16, "use_sliding_window": True},
-         r"use_sliding_window is True"),
+        ("qwen2_moe", {"moe_intermediate_size": 16, "use_sliding_window": True,
+                       "sliding_window": "4"}, r"sliding_window is '4'"),
     ],
 )  # fmt: skip
 def test_unsupported_fields_are_refused_before_any_weight_is_read(

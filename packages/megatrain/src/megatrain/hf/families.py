@@ -44,6 +44,10 @@ QWEN3 = Family(
 )  # fmt: skip
 
 
+# Llama with a sliding window on every layer (`windows.window_fields` writes it).
+MISTRAL = Family("Mistral", "MistralForCausalLM", "MistralConfig", LLAMA.switches)
+
+
 def decoder_family(m: dict) -> Family:
     """The Hugging Face class a Llama-kind model of resolved [model] section `m` exports as:
     a mixture of experts' (`moe_family`), Qwen3 with q/k norms, Qwen2 with q, k, v
@@ -54,7 +58,7 @@ def decoder_family(m: dict) -> Family:
         return QWEN3
     if m["add_qkv_bias"]:
         return QWEN2
-    return LLAMA
+    return MISTRAL if m.get("window_size") else LLAMA
 
 
 def layer_is_moe(m: dict) -> list[bool]:

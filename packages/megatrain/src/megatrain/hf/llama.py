@@ -16,10 +16,10 @@ function; only the storage differs:
 Both use HF's rotary convention (the two halves of each head rotate together), so no
 weight is permuted.  Import reads config.json as JSON (transformers 4's `rope_theta` and
 `rope_scaling`, or 5's `rope_parameters`), the weights as safetensors, never unpickled, and
-refuses, before any weight is read, a config field this model cannot represent (a sliding
-window, a rope type other than default or llama3, biases, an odd head_dim), naming the
-field; a head_dim other than hidden_size / heads is our `model.kv_channels`.  Mistral
-without a sliding window is a Llama and is read as one.
+refuses, before any weight is read, a config field this model cannot represent (a rope type
+other than default or llama3, biases, an odd head_dim), naming the field; a head_dim other
+than hidden_size / heads is our `model.kv_channels`.  Mistral is a Llama with a sliding window
+on every layer (`hf.windows`: our model.window_size; exported as Mistral when one is set).
 
 The Llama-like families (`hf.qwen`: Qwen2's q, k, v biases, Qwen3's per-head q/k norms; and
 the mixtures of experts, `hf.moe`) share the reader (`decoder_fields`, `checked_headers`), the
@@ -49,6 +49,7 @@ from megatrain.hf.shards import (
     plan_shards,
 )
 from megatrain.hf.tensor_map import hf_shapes_of
+from megatrain.hf.windows import window_fields
 
 MODEL_TYPES = ("llama", "mistral")
 # The resolved [model] switches LlamaForCausalLM computes (its tie is read from the config).
@@ -63,8 +64,6 @@ def read_hf_config(hf_dir: Path) -> dict:
     refuse = refuser(config_file, c)
     if c.get("model_type") not in MODEL_TYPES:
         refuse("model_type", f"expected one of {MODEL_TYPES}")
-    if c.get("sliding_window") is not None:
-        refuse("sliding_window", "sliding-window attention is not supported; only full attention")
     for field in ("attention_bias", "mlp_bias"):
         if c.get(field):
             refuse(field, "biases in the Llama linears are not supported")
@@ -182,6 +181,7 @@ def export_llama(
     eos = int(tok_info["eod_id"])
     bos = (meta.get("imported_from") or {}).get("bos_token_id", eos)
     fields = llama_config_fields(m, vocab, bos, eos, dtype) | family.fields(m)
+    fields |= window_fields(family, m)
     fields["architectures"] = [family.architecture]
     config = getattr(transformers, family.config_class)(**fields)
     out = Path(out)

@@ -78,8 +78,6 @@ def read_moe_config(hf_dir: Path) -> dict:
     if c.get("router_jitter_noise"):
         refuse("router_jitter_noise", "router jitter is not supported; expected 0")
     if model_type == "mixtral":
-        if c.get("sliding_window") is not None:
-            refuse("sliding_window", "sliding-window attention is not supported")
         fields = decoder_fields(config_file, c, required=("intermediate_size",))
         experts, expert_ffn, shared_ffn = _experts(c, 8), fields["ffn"], None
         norm_topk, sparse_step, mlp_only = True, 1, []
