@@ -163,7 +163,7 @@ def test_llama_families_both_ways_exact(families):
         "num_moe_experts": None,
         "moe_layer_freq": 1,
         "moe_shared_expert_intermediate_size": None,
-        "moe_router_norm_topk_prob": False,
+        "moe_router_norm_topk_prob": None,  # unset: the score function's own
     }
     expected = {
         "qwen2": ("Qwen2ForCausalLM", {"add_qkv_bias": True, "qk_layernorm": False,

@@ -43,10 +43,27 @@ class MoEConfig:
     # Softmax over all experts before the top k (HF Mixtral/Qwen order) instead of over the
     # chosen k's logits (Megatron's default; the same weights as Mixtral's).
     moe_router_pre_softmax: bool = False
-    # With pre_softmax: the k weights divided by their sum (HF's norm_topk_prob; Qwen3-MoE
-    # true, Qwen2-MoE false).  Sigmoid scores are always normalized (k > 1).
-    moe_router_norm_topk_prob: bool = False
-    moe_router_topk_scaling_factor: float | None = None  # the weights times this
+    # The k weights divided by their sum (HF's norm_topk_prob): with pre_softmax, Qwen3-MoE
+    # true, Qwen2-MoE and DeepSeek-V2 false; with sigmoid, HF's DeepSeek-V3 switch.  Unset:
+    # the score function's own (Megatron's: sigmoid normalized when k > 1, softmax not).
+    moe_router_norm_topk_prob: bool | None = None
+    # The weights times this, after any normalization (HF's routed_scaling_factor).
+    moe_router_topk_scaling_factor: float | None = None
+    # DeepSeek's group-limited routing (Megatron-LM's names; HF's n_group and topk_group): the
+    # experts in moe_router_num_groups groups of consecutive ids, each token choosing among
+    # the experts of its moe_router_group_topk best groups only, a group ranked by the sum of
+    # its moe_router_group_score_topk best scores (unset: moe_router_topk //
+    # moe_router_group_topk, Megatron's; HF's DeepSeek-V3 sums 2, DeepSeek-V2's
+    # group_limited_greedy 1: the group's max).
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_group_score_topk: int | None = None
+    # Under expert parallelism, whole routing groups on each EP rank (moe_router_num_groups a
+    # multiple of parallel.expert_model_parallel_size), so a token's experts lie on at most
+    # moe_router_group_topk ranks, and the all-to-all sends each token once to each of those
+    # ranks (not once per chosen expert), which sums the token's expert outputs and sends one
+    # row back (DeepSeek-V3's node-limited dispatch).  The same numbers as without it.
+    moe_group_limited_dispatch: bool = False
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
@@ -111,7 +128,17 @@ class ModelConfig(MoEConfig):
     normalization: str | None = None  # layernorm | rmsnorm
     position_embedding_type: str | None = None  # learned_absolute | rope
     swiglu: bool | None = None  # SwiGLU MLP (gate and up projections of ffn_hidden_size)
-    add_bias_linear: bool | None = None  # biases in the attention and MLP linears
+    # Biases in the attention and MLP linears (with experts: the router's and each expert's
+    # two GEMMs' too, as Megatron-LM's; gpt-oss).
+    add_bias_linear: bool | None = None
+    # The gated MLP's activation (model.swiglu true: dense, shared and routed experts alike):
+    # quick-GeGLU, gate x sigmoid(1.702 gate), in place of SiLU (Megatron-LM's quick_geglu),
+    # glu_linear_offset added to the up half, and when set the gate clamped to at most
+    # activation_func_clamp_value and the up half to [-it, it] first (Megatron-LM's names;
+    # gpt-oss: quick_geglu, 1.0 and 7.0).
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     untie_embeddings_and_output_weights: bool | None = None
     # Grouped-query attention: heads share this many key/value heads (None: one per head;
     # 1: multi-query attention).  Split over TP: divisible by tensor_model_parallel_size.

@@ -98,9 +98,11 @@ def _qwen_moe_fields(m: dict) -> dict:
     return fields
 
 
-# What every HF mixture here routes as: softmax scores, no expert bias, no capacity (dropless).
+# What every HF mixture here routes as: softmax scores, no expert bias, no capacity (dropless),
+# no scaling, no groups.
 ROUTER = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-          "moe_expert_capacity_factor": None, "moe_router_topk_scaling_factor": None}  # fmt: skip
+          "moe_expert_capacity_factor": None, "moe_router_topk_scaling_factor": None,
+          "moe_router_num_groups": None}  # fmt: skip
 MIXTRAL = Family(
     "Mixtral", "MixtralForCausalLM", "MixtralConfig",
     ROUTER | {"qk_layernorm": False, "add_qkv_bias": False, "moe_layer_freq": 1,

@@ -54,7 +54,8 @@ from megatrain.hf.windows import window_fields
 MODEL_TYPES = ("llama", "mistral")
 # The resolved [model] switches LlamaForCausalLM computes (its tie is read from the config).
 LLAMA_SWITCHES = {"normalization": "rmsnorm", "position_embedding_type": "rope",
-                  "swiglu": True, "add_bias_linear": False}  # fmt: skip
+                  "swiglu": True, "add_bias_linear": False, "quick_geglu": False,
+                  "glu_linear_offset": 0.0, "activation_func_clamp_value": None}  # fmt: skip
 
 
 def read_hf_config(hf_dir: Path) -> dict:

@@ -16,7 +16,13 @@ The storage differs only in the MLPs:
 - the router is HF's `gate.weight` [E, h], ours `mlp.router.weight`;
 - Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj/up_proj/down_proj`) and its
   sigmoid gate (`mlp.shared_expert_gate.weight` [1, h]) are our `mlp.shared_expert.gate /
-  fc1 / fc2` and `mlp.shared_expert_gate.weight`.
+  fc1 / fc2` and `mlp.shared_expert_gate.weight`;
+- gpt-oss (no importer yet; the layer computes it: tests/test_moe_hf_parity.py) keeps
+  `mlp.experts.gate_up_proj` [E, h, 2f] with gate and up interleaved by column, and its
+  bias [E, 2f] so too: `gate_up_from_interleaved` / `gate_up_to_interleaved` turn them
+  into our `experts.weight1` / `bias1` [gate | up] and back; `down_proj` [E, f, h] and
+  `down_proj_bias` [E, h] are our `weight2` and `bias2`, `router.weight` / `router.bias`
+  ours of the same names.
 
 Routing: HF takes the softmax over all experts, then the top k, renormalized by Mixtral
 always and by Qwen when `norm_topk_prob`; ours is `moe_router_pre_softmax` with
@@ -31,6 +37,8 @@ a scaling factor).
 """
 
 from pathlib import Path
+
+import torch
 
 from megatrain.hf.decoder import (
     decoder_fields,
@@ -47,6 +55,24 @@ MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # (DeepSeek's latent attention and its grouped, scaled routing, should a config carry them).
 UNREPRESENTED = ("kv_lora_rank", "q_lora_rank", "n_routed_experts", "n_shared_experts",
                  "topk_method", "routed_scaling_factor")  # fmt: skip
+
+
+def gate_up_columns(f: int) -> torch.Tensor:
+    """The columns of HF gpt-oss's `experts.gate_up_proj` [E, h, 2f] (and of its
+    `gate_up_proj_bias` [E, 2f]) in our `experts.weight1` order: HF interleaves them (gate at
+    the even columns, up at the odd), ours are [gate | up] halves; ours = hf[..., columns]."""
+    return torch.cat((torch.arange(0, 2 * f, 2), torch.arange(1, 2 * f, 2)))
+
+
+def gate_up_from_interleaved(hf: torch.Tensor) -> torch.Tensor:
+    """HF gpt-oss's interleaved gate/up columns [..., 2f] as our [gate | up] halves."""
+    return hf[..., gate_up_columns(hf.shape[-1] // 2)]
+
+
+def gate_up_to_interleaved(ours: torch.Tensor) -> torch.Tensor:
+    """Our [gate | up] halves [..., 2f] as HF gpt-oss's interleaved columns (the inverse)."""
+    gate, up = ours.chunk(2, dim=-1)
+    return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
 def moe_layers(c: dict) -> list[bool]:

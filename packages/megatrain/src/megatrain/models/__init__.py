@@ -69,6 +69,9 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
             else None
         ),
         swiglu=config.model_switch("swiglu"),
+        quick_geglu=m.quick_geglu,
+        glu_linear_offset=m.glu_linear_offset,
+        activation_func_clamp_value=m.activation_func_clamp_value,
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
         qk_layernorm=m.qk_layernorm,

@@ -5,14 +5,16 @@ The MLP slot (`spec.build_mlp`): a module built as `Kind(cfg, place, parallel)` 
 `bias_dropout_add`.  `ParallelMLP` is it for dense layers, `moe.MoELayer` for MoE layers.
 
 ffn_hidden_size (4h) is column- then row-parallel; SwiGLU's gate and up are two
-column-parallel linears, so each is a contiguous split that checkpoints reshard.
+column-parallel linears, so each is a contiguous split that checkpoints reshard.  The gated
+activation is the experts' (`megacore.moe.glu`: SiLU or quick-GeGLU, with its offset and
+clamp).
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megacore import tensor_parallel as tp
+from megacore.moe import glu
 from megatrain.models.common import bias_gelu
 from megatrain.models.transformer_config import GELUS, TransformerConfig
 
@@ -22,6 +24,11 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, sp, std = cfg.hidden_size, cfg.sequence_parallel, cfg.init_method_std
         self.gelu = cfg.gelu
+        self.glu = {
+            "activation": "quick_geglu" if cfg.quick_geglu else "swiglu",
+            "glu_linear_offset": cfg.glu_linear_offset,
+            "clamp_value": cfg.activation_func_clamp_value,
+        }
         tp.divide_by_tp(cfg.ffn_hidden_size, "ffn_hidden_size")
 
         def column(bias_in_kernel: bool):
@@ -54,6 +61,6 @@ class ParallelMLP(nn.Module):
         if self.gate is not None:
             gate, _ = self.gate(x)
             up, _ = self.fc1(x)
-            return self.fc2(F.silu(gate) * up)
+            return self.fc2(glu(gate, up, **self.glu))
         hidden, bias = self.fc1(x)
         return self.fc2(bias_gelu(hidden, bias, GELUS[self.gelu]))

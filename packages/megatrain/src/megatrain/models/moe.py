@@ -2,24 +2,30 @@
 (`is_moe_layer`, chosen in `models.spec`), from megacore.moe's functions.
 
 `MoELayer` (parameter names are part of the checkpoint and HF contracts):
-- `router.weight` [E, h]: the router, replicated, no bias; its logits in fp32.
+- `router.weight` [E, h]: the router, replicated; its logits in fp32.  `router.bias` [E]
+  (`add_bias_linear`, Megatron-LM's and gpt-oss's router bias): added to the logits.
   `router.expert_bias` [E] (fp32 buffer, `moe_router_enable_expert_bias`): added to the
   scores to choose the experts, never to their weights; moved once per optimizer step by
-  `update_expert_biases`.
+  `update_expert_biases`.  Group-limited routing (`moe_router_num_groups`) is DeepSeek's.
 - `experts.weight1` [E_local, h, f_or_2f / etp] and `experts.weight2` [E_local, f / etp, h]:
   this rank's experts (ids `ep_rank x E_local + i`, E_local = E / ep), fc1 column-split and
-  fc2 row-split over expert tensor parallelism (SwiGLU: weight1 is [gate | up], each half
-  split apart, `megacore.moe.fc1_shard`).
+  fc2 row-split over expert tensor parallelism (gated: weight1 is [gate | up], each half
+  split apart, `megacore.moe.fc1_shard`).  With `add_bias_linear`, `experts.bias1`
+  [E_local, f_or_2f / etp] split as weight1's columns and `experts.bias2` [E_local, h / etp]:
+  fc2's bias, its h columns shared out over ETP (`megacore.moe.fc2_bias_share`), so the
+  partial sums hold it once and every element lives on one rank.
 - `shared_expert.*` (`moe_shared_expert_intermediate_size`): a dense MLP every token goes
   through, tensor-parallel as `ParallelMLP`; `shared_expert_gate.weight` [1, h]
-  (`moe_shared_expert_gate`, Qwen2-MoE): its output times sigmoid(gate(x)).
+  (`moe_shared_expert_gate`, Qwen2-MoE): its output (with its fc2 bias) times
+  sigmoid(gate(x)).
 - `dispatcher`: how tokens reach the experts (`megacore.moe.LocalDispatcher` on one
   process).
 
 Weights are drawn so that every layout holds the numbers of one process: the router, the
 shared expert and its gate from the layer's generator in that order, then one int64 from it
 that seeds a generator per expert (expert e: that seed + e), which draws the expert's full
-fc1 then fc2; each rank keeps its experts and its etp slice.
+fc1 then fc2; each rank keeps its experts and its etp slice.  Biases start at zero (as
+Megatron-LM's), drawing nothing.
 
 The auxiliary losses (`moe_aux_loss_coeff`, `moe_z_loss_coeff`) reach the router through
 `MoEAuxLossAutoScaler`: the forward's output and the LM loss are unchanged, and their
@@ -71,18 +77,23 @@ def is_moe_layer(cfg, layer_number: int) -> bool:
 
 def _activation(cfg) -> str:
     if cfg.swiglu:
-        return "swiglu"
+        return "quick_geglu" if cfg.quick_geglu else "swiglu"
     return "gelu_tanh" if cfg.gelu == "tanh" else "gelu"
 
 
 class TopKRouter(nn.Module):
-    """The router's weight and expert bias; `forward(tokens [T, h], batch)` -> (probs [T, k],
-    indices [T, k], with dropped choices -1), the auxiliary losses attached."""
+    """The router's weight, bias and expert bias; `forward(tokens [T, h], batch)` -> (probs
+    [T, k], indices [T, k], with dropped choices -1), the auxiliary losses attached."""
 
     def __init__(self, cfg, place: dict):
         super().__init__()
         self.cfg = cfg
         self.weight = _replicated_weight(cfg, cfg.num_moe_experts, place)
+        self.bias = None
+        if cfg.add_bias:  # replicated as the weight, its gradient partial under SP
+            zeros = torch.zeros(cfg.num_moe_experts, device=place["device"])
+            self.bias = nn.Parameter(zeros.to(place["params_dtype"]))
+            self.bias.sequence_parallel = cfg.sequence_parallel
         if cfg.moe_router_enable_expert_bias:  # fp32 whatever the model's dtype (Megatron's)
             zeros = torch.zeros(cfg.num_moe_experts, device=place["device"])
             self.register_buffer("expert_bias", zeros)
@@ -97,7 +108,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        logits = F.linear(tokens.float(), self.weight.float())
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(tokens.float(), self.weight.float(), bias)
         train = self.training and torch.is_grad_enabled()
         if train and cfg.moe_z_loss_coeff:
             z = moe.z_loss(logits, cfg.moe_z_loss_coeff, self.aux_loss_group)
@@ -110,6 +122,9 @@ class TopKRouter(nn.Module):
             norm_topk_prob=cfg.moe_router_norm_topk_prob,
             scaling_factor=cfg.moe_router_topk_scaling_factor,
             expert_bias=self.expert_bias,
+            num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk,
+            group_score_topk=cfg.moe_router_group_score_topk,
         )
         if cfg.moe_expert_capacity_factor is not None:
             indices = moe.drop_over_capacity(
@@ -147,6 +162,11 @@ class GroupedExperts(nn.Module):
         f_local = tp.divide(f, experts.etp_size, "moe_ffn_hidden_size", "etp size")
         self.first = experts.ep_rank * self.num_local  # the global id of local expert 0
         self.activation, self.grouped = _activation(cfg), cfg.moe_grouped_gemm
+        self.glu = {
+            "glu_linear_offset": cfg.glu_linear_offset,
+            "clamp_value": cfg.activation_func_clamp_value,
+        }
+        self.etp_rank, self.etp_size = experts.etp_rank, experts.etp_size
         swiglu = cfg.swiglu
         width = 2 * f if swiglu else f
         kw = {"device": place["device"], "dtype": place["params_dtype"]}
@@ -165,17 +185,30 @@ class GroupedExperts(nn.Module):
                     weight1[i].copy_(moe.fc1_shard(full1, rank, size, swiglu))
                     weight2[i].copy_(full2.chunk(size, dim=0)[rank])
         self.weight1, self.weight2 = nn.Parameter(weight1), nn.Parameter(weight2)
-        for w in (self.weight1, self.weight2):
+        self.bias1 = self.bias2 = None
+        if cfg.add_bias:
+            h_local = tp.divide(h, experts.etp_size, "hidden_size", "etp size")
+            self.bias1 = nn.Parameter(torch.zeros(self.num_local, width // experts.etp_size, **kw))
+            self.bias2 = nn.Parameter(torch.zeros(self.num_local, h_local, **kw))
+        for w in self.expert_parameters():
             # Megatron's mark of an expert parameter: reduced over the expert-data-parallel
             # group, not the dense data-parallel one, yet divided by the dense DP x CP size
             # (part of megacore.moe's gradient-scale rule).
             w.allreduce = False
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """weight1, weight2 and, with biases, bias1 and bias2."""
+        return [p for p in (self.weight1, self.weight2, self.bias1, self.bias2) if p is not None]
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         grouped = None if self.grouped else False
+        b2 = self.bias2
+        if b2 is not None:
+            b2 = moe.fc2_bias_share(b2, self.etp_rank, self.etp_size)
         return moe.grouped_mlp(
-            x, tokens_per_expert, self.weight1, self.weight2, self.activation, grouped
-        )
+            x, tokens_per_expert, self.weight1, self.weight2, self.activation, grouped,
+            b_fc1=self.bias1, b_fc2=b2, **self.glu,
+        )  # fmt: skip
 
 
 class MoELayer(nn.Module):
@@ -227,7 +260,9 @@ class MoELayer(nn.Module):
                 self.aux_losses.append(self.router.last_aux_loss)
                 self.router.last_aux_loss = None
         if self.shared_expert is not None:
-            shared, _ = self.shared_expert(x)
+            shared, bias = self.shared_expert(x)
+            if bias is not None:  # fc2's, which a dense layer adds in bias_dropout_add
+                shared = shared + bias
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             out = out + shared

@@ -47,7 +47,12 @@ class TransformerConfig(MoEConfig):
     rotary_base: float = 10000.0
     # Llama 3.1's scaling: (factor, low_freq_factor, high_freq_factor, original context); None: off
     rope_scaling: tuple[float, float, float, int] | None = None
-    swiglu: bool = False
+    swiglu: bool = False  # the gated MLP: [gate | up] of ffn_hidden_size each
+    # The gated MLP's activation and its shift and clamp (`megacore.moe.glu`; Megatron-LM's
+    # names): quick-GeGLU in place of SiLU, up + glu_linear_offset, the clamp (None: off).
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     num_query_groups: int | None = None  # None: one key/value head per head
     add_bias: bool = True
     # Each head's width; None: hidden_size / num_attention_heads (Megatron's kv_channels).

@@ -31,14 +31,19 @@ def apply_expert_parallel(chunk) -> None:
     for layer in moe_layers([chunk]):
         cfg = layer.cfg
         # Where this rank's experts lie in the whole [E, ...] weights (the checkpoint's).
-        experts, E = layer.experts, cfg.num_moe_experts
-        for w, dim, halves in ((experts.weight1, 2, 2 if cfg.swiglu else 1),
-                               (experts.weight2, 1, 1)):  # fmt: skip
-            w.expert_layout = expert_layout(w.shape, E, experts.first, etp_rank, etp, dim, halves)
+        # fc1's columns (weight1's last dimension, bias1's) in [gate | up] halves when gated;
+        # weight2's rows; bias2's h columns, shared out over ETP.
+        experts, E, halves = layer.experts, cfg.num_moe_experts, 2 if cfg.swiglu else 1
+        split = [(experts.weight1, 2, halves), (experts.weight2, 1, 1)]
+        if experts.bias1 is not None:
+            split += [(experts.bias1, 1, halves), (experts.bias2, 1, 1)]
+        for w, dim, parts in split:
+            w.expert_layout = expert_layout(w.shape, E, experts.first, etp_rank, etp, dim, parts)
         dropless = cfg.moe_expert_capacity_factor is None
         layer.dispatcher = build_token_dispatcher(
-            cfg.num_moe_experts, cfg.moe_token_dispatcher_type, dropless
-        )
+            cfg.num_moe_experts, cfg.moe_token_dispatcher_type, dropless,
+            per_rank=cfg.moe_group_limited_dispatch,
+        )  # fmt: skip
         if spread:
             # Part of megacore.moe's gradient-scale rule: the router's losses become TP x CP
             # shares (the train step's x cp undoes the DDP's 1/cp on their gradients).

@@ -44,6 +44,7 @@ def _check_model(config: Config) -> None:
         f"model.rope_low_freq_factor ({m.rope_low_freq_factor})",
     )
     _check_moe(config)
+    _check_gated_activation(config)
 
 
 def _check_moe(config: Config) -> None:
@@ -99,11 +100,7 @@ def _check_moe(config: Config) -> None:
         "model.moe_shared_expert_gate = true gates a shared expert: set "
         "model.moe_shared_expert_intermediate_size",
     )
-    _need(
-        not config.model_switch("add_bias_linear"),
-        f"{why} with model.add_bias_linear = true: the experts have no biases (as Megatron's "
-        "grouped GEMM); set model.add_bias_linear = false",
-    )
+    _check_router_groups(config)
     _need(
         not config.training.cuda_graphs,
         f"{why} with training.cuda_graphs = true: the tokens each expert gets change with "
@@ -114,6 +111,83 @@ def _check_moe(config: Config) -> None:
         f"{why} with training.compile = true: compiled MoE layers are not built (torch's "
         "compiled grouped GEMM takes bf16 only, and the experts' token counts change with "
         "every batch); turn one off",
+    )
+
+
+def _check_router_groups(config: Config) -> None:
+    """Group-limited routing: its sizes against the experts and the top k, and the dispatch
+    that relies on it (its expert-parallel side is the layout's check)."""
+    m = config.model
+    E, groups, group_topk = m.num_moe_experts, m.moe_router_num_groups, m.moe_router_group_topk
+    _need(
+        not m.moe_group_limited_dispatch or groups is not None,
+        "model.moe_group_limited_dispatch = true relies on group-limited routing: set "
+        "model.moe_router_num_groups and model.moe_router_group_topk",
+    )
+    if groups is None and group_topk is None:
+        _need(
+            m.moe_router_group_score_topk is None,
+            "model.moe_router_group_score_topk ranks the groups of group-limited routing: set "
+            "model.moe_router_num_groups and model.moe_router_group_topk, or leave it unset",
+        )
+        return
+    _need(
+        groups is not None and group_topk is not None,
+        "model.moe_router_num_groups and model.moe_router_group_topk go together (HF's n_group "
+        f"and topk_group), got {groups} and {group_topk}",
+    )
+    _need(groups >= 1, f"model.moe_router_num_groups must be >= 1, got {groups}")
+    _need(
+        E % groups == 0,
+        f"model.num_moe_experts ({E}) is not divisible by model.moe_router_num_groups "
+        f"({groups}): each group holds as many experts",
+    )
+    _need(
+        1 <= group_topk <= groups,
+        f"model.moe_router_group_topk ({group_topk}) must be 1 to model.moe_router_num_groups "
+        f"({groups})",
+    )
+    per_group = E // groups
+    _need(
+        m.moe_router_topk <= group_topk * per_group,
+        f"model.moe_router_topk ({m.moe_router_topk}) is above the experts of "
+        f"model.moe_router_group_topk ({group_topk}) groups of {per_group}",
+    )
+    summed = m.moe_router_group_score_topk
+    if summed is None:
+        _need(
+            m.moe_router_topk // group_topk >= 1,
+            f"model.moe_router_topk ({m.moe_router_topk}) // model.moe_router_group_topk "
+            f"({group_topk}) is 0, the scores that rank a group: set "
+            "model.moe_router_group_score_topk",
+        )
+    else:
+        _need(
+            1 <= summed <= per_group,
+            f"model.moe_router_group_score_topk ({summed}) must be 1 to a group's "
+            f"{per_group} experts",
+        )
+    _need(
+        not m.moe_group_limited_dispatch or m.moe_token_dispatcher_type == "alltoall",
+        "model.moe_group_limited_dispatch = true is the all-to-all's: set "
+        f"model.moe_token_dispatcher_type = 'alltoall', got {m.moe_token_dispatcher_type!r}",
+    )
+
+
+def _check_gated_activation(config: Config) -> None:
+    """quick_geglu, glu_linear_offset and activation_func_clamp_value shape a gated MLP."""
+    m = config.model
+    for name, unset in (("quick_geglu", False), ("glu_linear_offset", 0.0),
+                        ("activation_func_clamp_value", None)):  # fmt: skip
+        value = getattr(m, name)
+        _need(
+            value == unset or config.model_switch("swiglu"),
+            f"model.{name} = {value} shapes the gated MLP: set model.swiglu = true",
+        )
+    clamp = m.activation_func_clamp_value
+    _need(
+        clamp is None or (clamp > 0 and math.isfinite(clamp)),
+        f"model.activation_func_clamp_value must be a finite number > 0 (or unset), got {clamp}",
     )
 
 

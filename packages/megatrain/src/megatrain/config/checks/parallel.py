@@ -243,6 +243,19 @@ def _check_expert_parallel(config: Config, world_size: int | None) -> None:
         f"{name} ({f}, each expert's) is not divisible by the expert tensor-parallel size "
         f"({etp}, parallel.expert_tensor_parallel_size or else tensor_model_parallel_size)",
     )
+    groups = m.moe_router_num_groups
+    _need(
+        not m.moe_group_limited_dispatch or ep == 1 or groups % ep == 0,
+        f"model.moe_group_limited_dispatch = true needs whole routing groups on each "
+        f"expert-parallel rank: model.moe_router_num_groups ({groups}) must be a multiple of "
+        f"parallel.expert_model_parallel_size ({ep})",
+    )
+    _need(
+        etp == 1 or not config.model_switch("add_bias_linear") or m.hidden_size % etp == 0,
+        f"model.hidden_size ({m.hidden_size}) is not divisible by the expert "
+        f"tensor-parallel size ({etp}) with model.add_bias_linear = true: each rank holds "
+        "its share of the experts' fc2 bias, by h's columns",
+    )
     _need(
         tp == 1 or p.sequence_parallel,
         f"model.num_moe_experts with parallel.tensor_model_parallel_size = {tp} needs "
