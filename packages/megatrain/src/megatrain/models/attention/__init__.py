@@ -14,15 +14,22 @@ on it from outside: `context_parallel` (None, or the chunk's `ContextParallel`) 
 `core_attention` (the call of its attention core, `core`, which selective recompute wraps
 in a checkpoint); its `core(q, k, v, mask)` must therefore be the part worth recomputing.
 
+The kinds: "mha" (`self_attention`: multi-head and grouped-query) and "mla" (`multi_latent`:
+DeepSeek-V2/V3's multi-latent attention, `model.multi_latent_attention`, whose `core(q,
+latent, k_rope, mask)` takes the key/value latent and up-projects it inside, so selective
+recompute keeps the latent).
+
 Adding a kind: its module here, a line in `ATTENTION_KINDS`, and the config field that
-selects it (mapped to `attention_type` in `models.model_config`).  Multi-latent attention
-(DeepSeek-V2/V3) and attention with sinks and sliding windows (gpt-oss) are not built yet.
+selects it (mapped to `attention_type` in `models.model_config`).  Attention with sinks and
+sliding windows (gpt-oss) is not built yet.
 """
 
+from megatrain.models.attention.multi_latent import MultiLatentAttention
 from megatrain.models.attention.self_attention import SelfAttention
 
 ATTENTION_KINDS = {
     "mha": SelfAttention,  # multi-head, and grouped-query with num_query_groups < heads
+    "mla": MultiLatentAttention,  # DeepSeek-V2/V3's multi-latent attention
 }
 
 

@@ -71,6 +71,8 @@ from megatrain.plan.accounting.kinds import (
 )
 from megatrain.plan.accounting.parameters import (
     active_parameters,
+    attention_parameters,
+    attention_parameters_per_rank,
     bert_parameters,
     expert_ffn_size,
     expert_parameters_per_gpu,
@@ -108,6 +110,8 @@ __all__ = [
     "attention_core_flops",
     "attention_kernel",
     "attention_kernel_for",
+    "attention_parameters",
+    "attention_parameters_per_rank",
     "bert_forward_flops",
     "bert_hardware_flops_per_iteration",
     "bert_model_flops_per_iteration",

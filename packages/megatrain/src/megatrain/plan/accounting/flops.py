@@ -24,13 +24,32 @@ MASKED_LM_PROB = 0.15
 
 
 def attention_core_flops(
-    cfg: TransformerConfig, queries: int, keys: int, causal_skip: bool
+    cfg: TransformerConfig, queries: int, keys: int, causal_skip: bool, window: int | None = None
 ) -> float:
     """FLOPs of one layer's attention core for `queries` against `keys` (one sequence):
-    scores QK^T and scores x V, 2 x 2 queries keys (heads x head_dim).  `causal_skip`: a
-    kernel that skips the masked blocks of causal attention (flash) does half."""
-    full = 4 * queries * keys * _attention_width(cfg)
-    return full / 2 if causal_skip and cfg.causal else full
+    scores QK^T and scores x V, 2 x 2 queries keys (heads x head_dim); multi-latent
+    attention's 2 queries keys heads (d_n + d_r) and 2 queries keys heads d_v (Megatron-LM's
+    MLA terms, there halved for the causal mask).  `causal_skip`: a kernel that skips the
+    masked blocks of causal attention (flash) does half.  `window` (a sliding layer's,
+    `window_flops_layers`): each query sees at most `window` keys, so the band of
+    queries x min(window, keys) counts in the place of the square, and a kernel that skips
+    what no query sees computes it less its causal corner, 1 - min(window, keys) / (2 keys)
+    of it (half when the window spans the sequence)."""
+    if cfg.attention_type == "mla":
+        a = cfg.num_attention_heads
+        widths = a * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim) + a * cfg.v_head_dim
+    else:
+        widths = 2 * _attention_width(cfg)
+    seen = keys if window is None else min(window, keys)
+    full = 2 * queries * seen * widths
+    return full * (1 - seen / (2 * keys)) if causal_skip and cfg.causal else full
+
+
+def window_flops_layers(cfg: TransformerConfig) -> list:
+    """Each layer's sliding window (None: full attention), as `models.spec` builds them."""
+    from megatrain.models.spec import is_sliding_layer
+
+    return [cfg.window_size if is_sliding_layer(cfg, i) else None for i in range(cfg.num_layers)]
 
 
 def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float]:
@@ -50,7 +69,8 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
     """
     n, moe = cfg.num_layers, moe_layer_count(cfg)
     per_token = (n - moe) * _gemm_flops(cfg, False) + (moe * _gemm_flops(cfg, True) if moe else 0)
-    return batch * seq * per_token, n * batch * attention_core_flops(cfg, seq, seq, False)
+    core = sum(attention_core_flops(cfg, seq, seq, False, w) for w in window_flops_layers(cfg))
+    return batch * seq * per_token, batch * core
 
 
 def _gemm_flops(cfg: TransformerConfig, moe: bool) -> int:

@@ -75,6 +75,29 @@ def _mlp_gemms(h: int, f: int, swiglu: bool, prefix: str = "") -> list[Gemm]:
     return [*up, Gemm(prefix + "fc1", h, f, "column"), Gemm(prefix + "fc2", f, h, "row")]
 
 
+def _mla_gemms(cfg: TransformerConfig) -> list[Gemm]:
+    """Multi-latent attention's GEMMs (`models.attention.multi_latent`), Megatron-LM's MLA
+    FLOP terms: the queries' down-projection q_a [h, r_q] and up-projection q_b [r_q, heads
+    (d_n + d_r)] (or the direct q [h, heads (d_n + d_r)]), the key/value down-projection
+    with the rope key kv_a [h, r_kv + d_r], the up-projection kv_b [r_kv, heads (d_n +
+    d_v)], the projection [heads d_v, h].  The down-projections are whole on every TP rank
+    ("replicated": each rank runs them over its own tokens, which under sequence
+    parallelism are 1/tp of them; the time model counts all)."""
+    h, a = cfg.hidden_size, cfg.num_attention_heads
+    q_dim, r_q = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.q_lora_rank
+    if r_q:
+        queries = [Gemm("q_a", h, r_q, "replicated"), Gemm("q_b", r_q, a * q_dim, "column")]
+    else:
+        queries = [Gemm("q", h, a * q_dim, "column")]
+    r_kv, v = cfg.kv_lora_rank, cfg.v_head_dim
+    return [
+        *queries,
+        Gemm("kv_a", h, r_kv + cfg.qk_pos_emb_head_dim, "replicated"),
+        Gemm("kv_b", r_kv, a * (cfg.qk_head_dim + v), "column"),
+        Gemm("proj", a * v, h, "row"),
+    ]
+
+
 def layer_gemms(cfg: TransformerConfig, moe: bool = False) -> list[Gemm]:
     """The weight GEMMs of one TransformerLayer, as models/transformer.py and models/moe.py
     run them (one description of a layer for the FLOP count and `megatrain plan`'s time
@@ -83,15 +106,19 @@ def layer_gemms(cfg: TransformerConfig, moe: bool = False) -> list[Gemm]:
     place of the MLP the router [h, E], the routed experts' weight1 (h x f_e, 2 f_e with
     SwiGLU, gate and up in one) and weight2 (f_e x h), `moe_router_topk` copies of each
     token, and the shared expert (an MLP of `moe_shared_expert_intermediate_size`) with its
-    gate [h, 1].  The attention core (scores and context) is not a weight GEMM:
+    gate [h, 1].  Multi-latent attention's in place of qkv: `_mla_gemms`.  The attention
+    core (scores and context) is not a weight GEMM:
     `attention_core_flops`."""
     h, d, a = cfg.hidden_size, _head_dim(cfg), cfg.num_attention_heads
     width, groups = _attention_width(cfg), cfg.num_query_groups or a
-    if groups == a:
+    if cfg.attention_type == "mla":
+        attention = _mla_gemms(cfg)
+    elif groups == a:
         attention = [Gemm("qkv", h, 3 * width, "column")]
     else:
         attention = [Gemm("q", h, width, "column"), Gemm("kv", h, 2 * groups * d, "kv", 1, groups)]
-    attention.append(Gemm("proj", width, h, "row"))
+    if cfg.attention_type != "mla":
+        attention.append(Gemm("proj", width, h, "row"))
     if not moe:
         return attention + _mlp_gemms(h, cfg.ffn_hidden_size, cfg.swiglu)
     f_e, k = expert_ffn_size(cfg), cfg.moe_router_topk

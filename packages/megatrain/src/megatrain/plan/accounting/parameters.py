@@ -1,6 +1,8 @@
 """Parameters of a model, from its config alone.
 
-- **Parameters**: `layer_parameters`, `layer_parameters_per_rank`; the whole model by kind,
+- **Parameters**: `layer_parameters`, `layer_parameters_per_rank` (their attention's:
+  `attention_parameters`, `attention_parameters_per_rank`, multi-latent attention's
+  included); the whole model by kind,
   tied embeddings counted once (`gpt_parameters`, `bert_parameters`, `parameter_count`);
   what one GPU of a pipeline stage holds (`parameters_per_gpu`, of which experts:
   `expert_parameters_per_gpu`).  A mixture of experts (`num_moe_experts`) holds, on each of
@@ -66,46 +68,96 @@ def moe_mlp_parameters(cfg: TransformerConfig) -> dict[str, int]:
 
 
 def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
-    """(QKV's output width, MLP matrices of h x f, column-parallel biases, one norm's
-    parameters): heads x head_dim + 2 x groups x head_dim (3h without grouped-query attention
-    or kv_channels); 3 matrices with SwiGLU (gate, up, down), else 2; the QKV biases with
-    add_bias or add_qkv_bias; LayerNorm has a bias, RMSNorm not."""
+    """(QKV's output width, MLP matrices of h x f, the MLP's column-parallel biases, one
+    norm's parameters): heads x head_dim + 2 x groups x head_dim (3h without grouped-query
+    attention or kv_channels); 3 matrices with SwiGLU (gate, up, down), else 2; the MLP's
+    column biases with add_bias; LayerNorm has a bias, RMSNorm not."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv = _attention_width(cfg) + 2 * (cfg.num_query_groups or cfg.num_attention_heads) * (
         _head_dim(cfg)
     )
     mlp = 3 if cfg.swiglu else 2
-    column_biases = (qkv if cfg.add_bias or cfg.add_qkv_bias else 0) + (
-        (mlp - 1) * f if cfg.add_bias else 0
-    )
     norm = 2 * h if cfg.normalization == "layernorm" else h
-    return qkv, mlp, column_biases, norm
+    return qkv, mlp, (mlp - 1) * f if cfg.add_bias else 0, norm
+
+
+def _norm(cfg: TransformerConfig, size: int) -> int:
+    return (2 if cfg.normalization == "layernorm" else 1) * size
+
+
+def _attention_split(cfg: TransformerConfig, tp: int) -> tuple[int, int]:
+    """(parameters split over the TP ranks, whole, parameters every TP rank holds whole) of
+    one layer's attention at tensor parallelism tp, the projection's bias among the whole.
+
+    "mha": QKV (and its biases with add_bias or add_qkv_bias) and the projection split, the
+    qk_layernorm norms whole, and the key/value projection whole when there are fewer
+    key/value groups than TP ranks (`ReplicatedKV`).  "mla" (`multi_latent`): the query
+    up-projection q_b [heads (d_n + d_r), r_q] or the direct q [heads (d_n + d_r), h], the
+    key/value up-projection kv_b [heads (d_n + d_v), r_kv] and the projection [h, heads d_v]
+    split; the down-projections q_a [r_q, h] and kv_a [r_kv + d_r, h] (with their biases
+    under add_bias) and the latents' norms whole."""
+    h, a = cfg.hidden_size, cfg.num_attention_heads
+    proj_bias = h if cfg.add_bias else 0
+    if cfg.attention_type == "mla":
+        q_dim, r_q, r_kv = (
+            cfg.qk_head_dim + cfg.qk_pos_emb_head_dim,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+        )
+        down = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+        split = (r_q or h) * a * q_dim + r_kv * a * (cfg.qk_head_dim + cfg.v_head_dim)
+        split += a * cfg.v_head_dim * h
+        whole = (h + cfg.add_bias) * down + _norm(cfg, r_kv) + proj_bias
+        if r_q:
+            whole += (h + cfg.add_bias) * r_q + _norm(cfg, r_q)
+        return split, whole
+    qkv = _layer_shapes(cfg)[0]
+    split = h * qkv + _attention_width(cfg) * h + (qkv if cfg.add_bias or cfg.add_qkv_bias else 0)
+    whole = proj_bias + _qk_norms(cfg)
+    groups = cfg.num_query_groups or a
+    if groups < tp:  # the key/value projection (and its bias) whole on every rank
+        bias = 1 if cfg.add_bias or cfg.add_qkv_bias else 0
+        kv = 2 * groups * _head_dim(cfg) * (h + bias)
+        split, whole = split - kv, whole + kv
+    return split, whole
+
+
+def attention_parameters(cfg: TransformerConfig) -> int:
+    """Parameters of one layer's attention, whole (all TP ranks together): weights, biases
+    and its own norms (not the layer's input norm)."""
+    return sum(_attention_split(cfg, 1))
+
+
+def attention_parameters_per_rank(cfg: TransformerConfig, tp: int) -> int:
+    """One layer's attention parameters on one TP rank (`_attention_split`)."""
+    split, whole = _attention_split(cfg, tp)
+    return split // tp + whole
 
 
 def layer_parameters(cfg: TransformerConfig, moe: bool = False) -> int:
     """Parameters of one TransformerLayer (whole, all TP ranks together); `moe`: a MoE layer,
     its experts, router and shared expert in place of the dense MLP."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    qkv, mlp, column_biases, norm = _layer_shapes(cfg)
-    row_biases = 2 * h if cfg.add_bias else 0  # proj, fc2
-    attention = h * qkv + _attention_width(cfg) * h + _qk_norms(cfg)
+    _, mlp, mlp_biases, norm = _layer_shapes(cfg)
+    fc2_bias = h if cfg.add_bias else 0
     mlp_params = sum(moe_mlp_parameters(cfg).values()) if moe else mlp * h * f
-    return attention + mlp_params + column_biases + row_biases + 2 * norm
+    return attention_parameters(cfg) + mlp_params + mlp_biases + fc2_bias + 2 * norm
 
 
 def layer_parameters_per_rank(
     cfg: TransformerConfig, tp: int, moe: bool = False, ep: int = 1, etp: int | None = None
 ) -> int:
     """One layer's parameters on one TP rank: the split matrices and column biases / tp, the
-    row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1), and
-    the key/value projection whole when there are fewer key/value groups than TP ranks.  A MoE
-    layer (`moe`) holds E / ep experts, each / etp (None: tp), the router and the shared
-    expert's gate whole, the shared expert / tp."""
+    row-parallel biases and the norms whole (as `layer_parameters` counts them, at tp 1), the
+    attention's whole parts (`_attention_split`).  A MoE layer (`moe`) holds E / ep experts,
+    each / etp (None: tp), the router and the shared expert's gate whole, the shared expert
+    / tp."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    qkv, mlp, column_biases, norm = _layer_shapes(cfg)
-    split = h * qkv + _attention_width(cfg) * h + column_biases
-    # proj and fc2 biases, two norms, the queries' and keys' norms
-    replicated = (2 * h if cfg.add_bias else 0) + 2 * norm + _qk_norms(cfg)
+    _, mlp, mlp_biases, norm = _layer_shapes(cfg)
+    split, replicated = _attention_split(cfg, tp)
+    split += mlp_biases
+    # fc2's bias, the two norms
+    replicated += (h if cfg.add_bias else 0) + 2 * norm
     experts = 0
     if moe:
         parts = moe_mlp_parameters(cfg)
@@ -115,11 +167,6 @@ def layer_parameters_per_rank(
         experts = parts["experts"] // (ep * (tp if etp is None else etp))
     else:
         split += mlp * h * f
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    if groups < tp:  # the key/value projection (and its bias) whole on every rank
-        bias = 1 if cfg.add_bias or cfg.add_qkv_bias else 0
-        kv = 2 * groups * _head_dim(cfg) * (h + bias)
-        split, replicated = split - kv, replicated + kv
     return split // tp + replicated + experts
 
 
