@@ -167,3 +167,26 @@ def test_a_cp2_checkpoint_with_sinks_goes_on_at_tp2(references, layouts):
 def test_bad_window_and_sink_configs_refused_naming_the_field(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         validate(load_config(None, [*TINY_MODEL, *WINDOWED, "training.seq_length=32", *overrides]))
+
+
+def test_sliding_layers_count_their_band_of_scores():
+    """FLOPs: a sliding layer's attention core counts queries x min(window, keys) scores (the
+    band), a kernel skipping what no query sees that band less its causal corner; full layers
+    the square; a window spanning the sequence counts as full attention."""
+    from megatrain.models import TransformerConfig
+    from megatrain.plan.accounting.flops import attention_core_flops, transformer_forward_flops
+
+    types = ("sliding_attention", "full_attention") * 2
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128,
+                max_position_embeddings=64)  # fmt: skip
+    plain = TransformerConfig(**base)
+    windowed = TransformerConfig(**base, window_size=8, layer_types=types)
+    s, width = 64, 2 * 32  # q.k and p.v over every head's width
+    square, band = 2 * s * s * width, 2 * s * 8 * width
+    assert transformer_forward_flops(plain, 1, s)[1] == 4 * square
+    assert transformer_forward_flops(windowed, 1, s)[1] == 2 * square + 2 * band
+    assert transformer_forward_flops(windowed, 1, s)[0] == transformer_forward_flops(plain, 1, s)[0]
+    assert attention_core_flops(windowed, s, s, True, 8) == band * (1 - 8 / (2 * s))
+    assert attention_core_flops(windowed, s, s, True, None) == square / 2
+    spanning = TransformerConfig(**base, window_size=s)
+    assert transformer_forward_flops(spanning, 1, s) == transformer_forward_flops(plain, 1, s)
