@@ -340,13 +340,21 @@ def test_bad_llama_layouts_are_refused_naming_fields(corpus, tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"sliding_window": 4096}, r"sliding_window is 4096: sliding-window attention"),
+        ({"sliding_window": 0}, r"sliding_window is 0: expected a positive number of keys"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn'"),
         (
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
             r"rope type llama3 without a number for low_freq_factor",
         ),
-        ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window is True"),
+        (
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 2,
+                "layer_types": ["sliding_attention"],
+            },
+            r"layer_types must name each of the",
+        ),
         ({"attention_bias": True}, r"attention_bias is True"),
         ({"head_dim": 7}, r"head_dim is 7: expected an even"),
         ({"tie_word_embeddings": False, "drop": "lm_head"}, r"missing \['lm_head.weight'\]"),

@@ -19,6 +19,7 @@ CAUSAL_KINDS = ("gpt", "llama")
 BLOCK_ORDERS = ("pre_ln", "post_ln")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+ROPE_TYPES = ("rope", "yarn")
 # megacore.moe's choices, named here so reading a config needs no torch (a test holds them
 # equal).
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -169,6 +170,32 @@ class ModelConfig(MoEConfig):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # Which rotary scaling (Megatron-LM's rope_type): "rope" (none, or Llama 3.1's with
+    # rope_scaling_factor) or "yarn" (YaRN, HF rope_type "yarn": DeepSeek-V2/V3, gpt-oss),
+    # with Megatron-LM's names for its fields: the context's stretch (HF's factor), the
+    # pretraining context, the correction range's rotations, the magnitude scales (0 =
+    # unset: HF's attention factor from the factor alone, no softmax mscale) and whether the
+    # correction range is rounded outwards (HF's truncate; gpt-oss false).
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    correction_range_round_to_int: bool = True
+    # DeepSeek-V2/V3's multi-latent attention (models.attention.multi_latent; Megatron-LM's
+    # names): queries through a q_lora_rank latent (unset: projected directly), keys and
+    # values from one kv_lora_rank latent with a shared qk_pos_emb_head_dim rope key, heads
+    # of qk_head_dim (no-rope part) + qk_pos_emb_head_dim for queries and keys, v_head_dim
+    # for values.  Needs rotary positions; not with num_query_groups, kv_channels,
+    # qk_layernorm or add_qkv_bias, whose jobs its own sizes do.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
 
 @dataclass
@@ -400,6 +427,7 @@ _SECTION_TYPES = {
 }
 CHOICES = {
     ("model", "recompute"): RECOMPUTE_CHOICES,
+    ("model", "rope_type"): ROPE_TYPES,
     ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("training", "precision"): ("fp32", "bf16", "fp16", "fp8"),
     ("parallel", "cp_comm_type"): ("p2p", "allgather"),

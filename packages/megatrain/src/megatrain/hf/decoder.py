@@ -27,6 +27,7 @@ from megatrain.hf.tensor_map import (
     streamed,
     whole,
 )
+from megatrain.hf.windows import configure_windows, sliding_window_fields
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -157,29 +158,14 @@ def decoder_fields(
         "qkv_bias": qkv_bias,
         "qk_norm": qk_norm,
         "quantization": read_quantization(config_file, c),
+        **sliding_window_fields(config_file, c),
     }
-
-
-def refuse_sliding_window(config_file: Path, c: dict) -> None:
-    """Qwen's sliding window, on when `use_sliding_window` (its `sliding_window` size is
-    written either way) or when `layer_types` names a sliding layer."""
-    if c.get("use_sliding_window"):
-        raise HFFormatError(
-            f"{config_file}: use_sliding_window is {c['use_sliding_window']!r}: sliding-window "
-            "attention is not supported; only full attention"
-        )
-    sliding = [t for t in c.get("layer_types") or () if t != "full_attention"]
-    if sliding:
-        raise HFFormatError(
-            f"{config_file}: layer_types has {sliding[0]!r}: only full_attention is supported"
-        )
 
 
 def read_qwen_config(hf_dir: Path, required: tuple = ("intermediate_size",)) -> dict:
     """config.json of a Qwen2 or Qwen3 (or their MoE: `required` then names their sizes) as
     `decoder_fields` reads it, with Qwen's switches."""
     config_file, c = load_hf_config(hf_dir)
-    refuse_sliding_window(config_file, c)
     qwen3 = c.get("model_type", "").startswith("qwen3")
     if qwen3 and c.get("attention_bias"):
         raise HFFormatError(
@@ -397,6 +383,7 @@ def decoder_config(hf_dir: Path, c: dict, configure=None) -> Config:
         m.rope_scaling_factor, m.rope_low_freq_factor = factor, low
         m.rope_high_freq_factor, m.rope_original_max_position_embeddings = high, original
     m.untie_embeddings_and_output_weights = not c["tied"]
+    configure_windows(m, c)
     if configure is not None:
         configure(m, c)
     checked_padding(config, hf_dir)

@@ -16,7 +16,7 @@ from megacore import tensor_parallel as tp
 from megatrain.config import MOE_FIELDS, Config
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
-from megatrain.models.transformer_config import TransformerConfig
+from megatrain.models.transformer_config import TransformerConfig, YarnScaling
 
 # A Llama is GPTModel with the Llama switches of TransformerConfig set (`model_config`).
 _BUILDERS = {"gpt": build_gpt_chunks, "bert": build_bert_chunks, "llama": build_gpt_chunks}
@@ -58,16 +58,7 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
             "rope" if config.model_switch("position_embedding_type") == "rope" else "learned"
         ),
         rotary_base=m.rotary_base,
-        rope_scaling=(
-            (
-                m.rope_scaling_factor,
-                m.rope_low_freq_factor,
-                m.rope_high_freq_factor,
-                m.rope_original_max_position_embeddings,
-            )
-            if m.rope_scaling_factor
-            else None
-        ),
+        rope_scaling=_rope_scaling(m),
         swiglu=config.model_switch("swiglu"),
         quick_geglu=m.quick_geglu,
         glu_linear_offset=m.glu_linear_offset,
@@ -75,6 +66,12 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
         qk_layernorm=m.qk_layernorm,
+        attention_type="mla" if m.multi_latent_attention else "mha",
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
         add_qkv_bias=m.add_qkv_bias,
         add_bias=config.model_switch("add_bias_linear"),
         tie_output=not config.model_switch("untie_embeddings_and_output_weights"),
@@ -84,6 +81,29 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         softmax_type=m.softmax_type,
         **{name: getattr(m, name) for name in MOE_FIELDS},
     )
+
+
+def _rope_scaling(m) -> tuple | YarnScaling | None:
+    """The [model] section's rotary scaling as TransformerConfig takes it: YaRN's fields
+    (rope_type "yarn"), Llama 3.1's (rope_scaling_factor), or None."""
+    if m.rope_type == "yarn":
+        return YarnScaling(
+            factor=m.rotary_scaling_factor,
+            original_max_position_embeddings=m.original_max_position_embeddings,
+            beta_fast=m.beta_fast,
+            beta_slow=m.beta_slow,
+            mscale=m.mscale,
+            mscale_all_dim=m.mscale_all_dim,
+            truncate=m.correction_range_round_to_int,
+        )
+    if m.rope_scaling_factor:
+        return (
+            m.rope_scaling_factor,
+            m.rope_low_freq_factor,
+            m.rope_high_freq_factor,
+            m.rope_original_max_position_embeddings,
+        )
+    return None
 
 
 __all__ = [

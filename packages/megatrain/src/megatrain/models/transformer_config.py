@@ -12,6 +12,26 @@ from megatrain.config import BLOCK_ORDERS, RECOMPUTE_CHOICES, MoEConfig
 GELUS = {"tanh": "tanh", "erf": "none"}  # our name -> F.gelu's `approximate`
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's rotary scaling (HF rope_type "yarn", `attention.rope`): frequencies interpolated
+    by `factor` below the wavelengths the correction range (`beta_fast`, `beta_slow`
+    rotations within the original context) marks, kept above it, ramped between; the range
+    rounded outwards unless `truncate` is False (gpt-oss).  cos and sin are multiplied by the
+    attention factor: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+    set (DeepSeek), else mscale(factor); with `mscale_all_dim` multi-latent attention
+    multiplies its softmax scale by mscale(factor, mscale_all_dim)^2, as HF's DeepSeek does.
+    0 for mscale or mscale_all_dim: unset."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
 @dataclass
 class TransformerConfig(MoEConfig):
     """The model as built; the mixture-of-experts fields (`MoEConfig`, keyword-only) are the
@@ -45,8 +65,9 @@ class TransformerConfig(MoEConfig):
     normalization: str = "layernorm"  # layernorm | rmsnorm
     position_embedding: str = "learned"  # learned | rope
     rotary_base: float = 10000.0
-    # Llama 3.1's scaling: (factor, low_freq_factor, high_freq_factor, original context); None: off
-    rope_scaling: tuple[float, float, float, int] | None = None
+    # Llama 3.1's scaling: (factor, low_freq_factor, high_freq_factor, original context), or
+    # YaRN's (`YarnScaling`); None: off
+    rope_scaling: tuple[float, float, float, int] | YarnScaling | None = None
     swiglu: bool = False  # the gated MLP: [gate | up] of ffn_hidden_size each
     # The gated MLP's activation and its shift and clamp (`megacore.moe.glu`; Megatron-LM's
     # names): quick-GeGLU in place of SiLU, up + glu_linear_offset, the clamp (None: off).
@@ -61,6 +82,15 @@ class TransformerConfig(MoEConfig):
     attention_type: str = "mha"
     # The model's normalization over each head of the queries and keys before RoPE (Qwen3).
     qk_layernorm: bool = False
+    # Multi-latent attention's sizes (attention_type "mla", DeepSeek-V2/V3; Megatron-LM's
+    # names): the queries' low-rank width (None: queries projected directly from the hidden
+    # state), the joint key/value latent's, each head's no-rope query/key width, the rope
+    # part's (one rope key a token, shared by every head) and each head's value width.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     add_qkv_bias: bool = False  # biases on q, k, v even without add_bias (Qwen2)
     tie_output: bool = True
     # The output layer and the loss in one chunked op that never holds the [tokens, vocab]

@@ -1,4 +1,5 @@
-"""[model]: the kinds and choices, RoPE scaling, the mixture of experts, dropout."""
+"""[model]: the kinds and choices, RoPE scaling, multi-latent attention, the mixture of experts,
+dropout."""
 
 import math
 
@@ -10,6 +11,7 @@ from megatrain.config.sections import (
     MODEL_KINDS,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
+    ROPE_TYPES,
     Config,
 )
 
@@ -43,8 +45,88 @@ def _check_model(config: Config) -> None:
         f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be above "
         f"model.rope_low_freq_factor ({m.rope_low_freq_factor})",
     )
+    _check_yarn(config)
+    _check_multi_latent_attention(config)
     _check_moe(config)
     _check_gated_activation(config)
+
+
+def _check_yarn(config: Config) -> None:
+    m = config.model
+    _need(
+        m.rope_type in ROPE_TYPES,
+        f"model.rope_type must be one of {ROPE_TYPES}, got {m.rope_type!r}",
+    )
+    if m.rope_type != "yarn":
+        return
+    _need(
+        not m.rope_scaling_factor,
+        f"model.rope_type = 'yarn' with model.rope_scaling_factor = {m.rope_scaling_factor} "
+        "(Llama 3.1's scaling): YaRN's factor is model.rotary_scaling_factor; set "
+        "model.rope_scaling_factor = 0",
+    )
+    _need(
+        m.rotary_scaling_factor >= 1,
+        f"model.rotary_scaling_factor must be >= 1 with model.rope_type = 'yarn', got "
+        f"{m.rotary_scaling_factor}",
+    )
+    _need(
+        m.original_max_position_embeddings > 0,
+        "model.original_max_position_embeddings (YaRN's pretraining context) must be > 0, got "
+        f"{m.original_max_position_embeddings}",
+    )
+    _need(
+        m.beta_fast > m.beta_slow > 0,
+        f"model.beta_fast ({m.beta_fast}) must be above model.beta_slow ({m.beta_slow}), "
+        "both > 0 (YaRN's correction range, in rotations)",
+    )
+    for name in ("mscale", "mscale_all_dim"):
+        _need(
+            getattr(m, name) >= 0, f"model.{name} must be >= 0 (0: unset), got {getattr(m, name)}"
+        )
+
+
+def _check_multi_latent_attention(config: Config) -> None:
+    m = config.model
+    if not m.multi_latent_attention:
+        return
+    why = "model.multi_latent_attention = true"
+    _need(
+        m.kind in CAUSAL_KINDS,
+        f"{why}: multi-latent attention is built for the causal kinds "
+        f"{' and '.join(CAUSAL_KINDS)}, not model.kind = {m.kind!r}",
+    )
+    _need(
+        config.model_switch("position_embedding_type") == "rope",
+        f"{why} needs rotary positions (its decoupled rope key): set "
+        "model.position_embedding_type = 'rope'",
+    )
+    _need(
+        m.qk_pos_emb_head_dim > 0 and m.qk_pos_emb_head_dim % 2 == 0,
+        f"model.qk_pos_emb_head_dim must be even and > 0 (rotated in pairs), got "
+        f"{m.qk_pos_emb_head_dim}",
+    )
+    for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+        _need(getattr(m, name) > 0, f"model.{name} must be > 0, got {getattr(m, name)}")
+    _need(
+        m.q_lora_rank is None or m.q_lora_rank > 0,
+        "model.q_lora_rank must be > 0, or unset (queries projected directly), got "
+        f"{m.q_lora_rank}",
+    )
+    for name, unset in (("num_query_groups", None), ("kv_channels", None),
+                        ("qk_layernorm", False), ("add_qkv_bias", False)):  # fmt: skip
+        _need(
+            getattr(m, name) == unset,
+            f"{why} with model.{name} = {getattr(m, name)!r}: multi-latent attention's heads "
+            "are sized by model.qk_head_dim, qk_pos_emb_head_dim and v_head_dim, its latents "
+            f"normalized always; unset model.{name}",
+        )
+    cp = config.parallel.context_parallel_size
+    _need(
+        cp == 1,
+        f"{why} with parallel.context_parallel_size = {cp}: context parallelism for "
+        "multi-latent attention is not built yet; set parallel.context_parallel_size = 1",
+    )
 
 
 def _check_moe(config: Config) -> None:

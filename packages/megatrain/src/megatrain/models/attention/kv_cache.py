@@ -33,3 +33,20 @@ class KVCache:
         keys[:, :, self.offset : end] = k
         values[:, :, self.offset : end] = v
         return keys[:, :, :end], values[:, :, :end]
+
+    def append_windowed(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, window: int):
+        """A sliding layer's append: keep only the window - 1 latest positions (all its next
+        query can see) after this call; returns the keys and values the new queries see (the
+        kept ones, then k, v) and the position of the first.  Memory: window - 1 + s positions,
+        whatever the generated length."""
+        end = self.offset + k.shape[2]
+        if end > self.max_length:
+            raise ValueError(f"KVCache: {end} positions exceed max_length={self.max_length}")
+        kept = self.layers.get(layer_id)
+        if kept is not None:
+            k, v = torch.cat([kept[0], k], 2), torch.cat([kept[1], v], 2)
+        first = end - k.shape[2]
+        keep = min(window - 1, k.shape[2])
+        start = k.shape[2] - keep  # copied, so the call's whole k, v are freed after it
+        self.layers[layer_id] = (k[:, :, start:].clone(), v[:, :, start:].clone())
+        return k, v, first
