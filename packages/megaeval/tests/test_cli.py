@@ -278,3 +278,17 @@ def test_finetune_settings_are_checked_against_the_checkpoint_naming_flags():
     for task, settings, dp, message in refused:
         with pytest.raises(ValueError, match=message):
             plan(task, meta, settings, dp)
+
+
+@pytest.mark.parametrize("command", ["wikitext103", "lambada"])
+def test_a_checkpoint_of_a_newer_megatrain_is_refused_in_one_line(tmp_path, command):
+    from megatrain.testing import write_newer_checkpoint
+
+    data = tmp_path / "data"
+    (write_wikitext if command == "wikitext103" else write_lambada)(data)
+    ckpt = write_newer_checkpoint(tmp_path / "ckpt", "parallel.new_parallelism", "9.0.0")
+    args = [command, "--ckpt", str(ckpt), "--data", str(data)]
+    result = CliRunner().invoke(main, args, prog_name="megaeval")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    (line,) = result.output.strip().splitlines()
+    assert "parallel.new_parallelism" in line and "megatrain 9.0.0" in line, line

@@ -11,13 +11,13 @@ from click.testing import CliRunner
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
-from megatrain.checkpoint.files import find_checkpoint, read_meta
+from megatrain.checkpoint.files import CheckpointError, find_checkpoint, read_meta
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.inference.generate import Sampling, filter_logits, generate
 from megatrain.inference.load import check_layout, load_model
 from megatrain.run.loop import train
-from megatrain.testing import grammar_texts, write_text_corpus
+from megatrain.testing import grammar_texts, write_newer_checkpoint, write_text_corpus
 
 PROMPT = "the cat sat on"
 
@@ -203,3 +203,17 @@ def test_top_k_and_top_p_filters():
         Sampling(top_p=0)
     with pytest.raises(ValueError, match="--temperature"):
         Sampling(temperature=0)
+
+
+def test_a_checkpoint_of_a_newer_megatrain_is_refused_in_one_line(tmp_path):
+    # Its run config holds a field this megatrain lacks: one line naming the field and the
+    # version that wrote it, where building the config ended in a TypeError traceback.
+    for version, by in (("9.0.0", "megatrain 9.0.0"), (None, "did not record its version")):
+        ckpt = write_newer_checkpoint(tmp_path / f"ckpt-{version}", "model.sink_size", version)
+        result = CliRunner().invoke(main, ["generate", "--ckpt", str(ckpt), "--prompt", "the"])
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        (line,) = result.output.strip().splitlines()
+        assert "model.sink_size" in line and by in line and "meta.json" in line, line
+        # The loader refuses it the same way (megaeval and the other readers go through it).
+        with pytest.raises(CheckpointError, match=r"holds model\.sink_size, which this"):
+            load_model(ckpt, torch.device("cpu"))

@@ -100,6 +100,39 @@ def write_counting_corpus(root: Path, vocab_size: int, seed: int = 0) -> Path:
     return write_corpus(root, splits, vocab_size=vocab_size)
 
 
+def write_newer_checkpoint(ckpt: Path, field: str, version: str | None) -> Path:
+    """A checkpoint as a megatrain of `version` (None: one that recorded none) whose run
+    config has `field` ("section.name", a field this megatrain lacks) writes it: `latest`,
+    meta.json and a tokenizer of its vocabulary, no tensors (a reader refuses it first)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from megatrain.checkpoint.files import FORMAT_VERSION
+    from megatrain.config import Config
+
+    directory = Path(ckpt) / "iter_0000001"
+    directory.mkdir(parents=True)
+    vocab = {"<eod>": 0, "<unk>": 1, "the": 2, "cat": 3}
+    Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    config = Config().to_dict()
+    section, name = field.split(".")
+    config.setdefault(section, {})[name] = 1
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "iteration": 1,
+        "vocab_size": len(vocab),
+        "padded_vocab_size": 128,
+        "tokenizer": {"eod_id": 0, "sha256": sha256_file(directory / "tokenizer.json")},
+        "config": config,
+        "files": {"tokenizer.json": (directory / "tokenizer.json").stat().st_size},
+    }
+    if version is not None:
+        meta["megatrain_version"] = version
+    atomic_write_json(directory / "meta.json", meta)
+    (Path(ckpt) / "latest").write_text(directory.name + "\n")
+    return Path(ckpt)
+
+
 def write_text_corpus(root: Path, texts: list[str], vocab_size: int = 300, valid_every: int = 5):
     """A corpus of real text with a real byte-level BPE tokenizer.json (EOD = "<|endoftext|>")
     trained on it, for tests that encode and decode: (root, tokenizer)."""

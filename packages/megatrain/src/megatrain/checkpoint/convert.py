@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from megacommon.progress import progress_bar
+from megatrain import __version__
 from megatrain.checkpoint.dcp import STATE_BUFFERS, shard_write_items
 from megatrain.checkpoint.files import (
     FORMAT_VERSION,
@@ -145,7 +146,12 @@ def write_checkpoint(
             _save_dir(optimizer, tmp / "optimizer")
     if tokenizer_bytes is not None:
         (tmp / "tokenizer.json").write_bytes(tokenizer_bytes)
-    meta = {**meta, "format_version": FORMAT_VERSION, "files": file_sizes(tmp)}
+    meta = {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "megatrain_version": __version__,
+        "files": file_sizes(tmp),
+    }
     publish(tmp, final, meta)
     return final
 

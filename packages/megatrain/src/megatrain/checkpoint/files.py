@@ -91,4 +91,24 @@ def read_meta(directory: Path) -> dict:
             f"{meta_file}: format_version {meta.get('format_version')}, "
             f"this megatrain reads {FORMAT_VERSION}"
         )
+    check_config_known(meta, meta_file)
     return meta
+
+
+def check_config_known(meta: dict, meta_file: Path) -> None:
+    """Refuse a run config holding a field this megatrain lacks (written by a newer one, or
+    by an older one with a field since removed), naming the field and the version that wrote
+    it (meta.json's "megatrain_version"), before any reader builds a model from it."""
+    if not isinstance(meta.get("config"), dict):
+        return
+    from megatrain import __version__
+    from megatrain.config.load import unknown_field
+
+    field = unknown_field(meta["config"])
+    if field is not None:
+        writer = meta.get("megatrain_version")
+        by = f"megatrain {writer}" if writer else "a megatrain that did not record its version"
+        raise CheckpointError(
+            f"{meta_file}: the run config holds {field}, which this megatrain ({__version__}) "
+            f"does not have: the checkpoint was written by {by}; read it with that megatrain"
+        )

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from megacommon.files import atomic_write_json
 from megacore import tensor_parallel as tp
+from megatrain import __version__
 from megatrain.checkpoint.dcp import (
     Pieces,
     flat_range_boxes,
@@ -184,6 +185,7 @@ def snapshot(run) -> Snapshot:
         tokenizer = Path(source) / "tokenizer.json"
         meta = {
             "format_version": FORMAT_VERSION,
+            "megatrain_version": __version__,  # named when another megatrain cannot read it
             "iteration": run.iteration,
             "model": {k: getattr(run.model_config, k) for k in MODEL_FIELDS},
             "padded_vocab_size": run.model_config.vocab_size,

@@ -91,6 +91,21 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return config
 
 
+def unknown_field(data: dict) -> str | None:
+    """The first [section] or section.field of `data` ({section: {field: value}}, as
+    `Config.to_dict` writes it) that this megatrain's Config does not have, or None."""
+    for section, values in data.items():
+        if section == "name":
+            continue
+        if section not in _SECTION_TYPES:
+            return f"[{section}]"
+        fields = {f.name for f in dataclasses.fields(_SECTION_TYPES[section])}
+        for key in values if isinstance(values, dict) else ():
+            if key not in fields:
+                return f"{section}.{key}"
+    return None
+
+
 def apply_sections(config: Config, data: dict, source: str) -> None:
     """Set the fields of `data` ({section: {field: value}}, a config file's or a checkpoint's
     meta.json "config") on `config`, each checked as a config file's; errors name `source`."""
