@@ -170,19 +170,21 @@ def random_mxfp4(E, R, G, seed, exponents=(118, 136)):
 
 @pytest.fixture(scope="module")
 def mxfp4_files(tmp_path_factory):
-    """gpt-oss-shaped experts (E 3, h 96, f 64): layer 0's gate_up_proj [E, 2f, h/32, 16] and
-    down_proj [E, h, f/32, 16] with scales over the whole byte range in layer 0's down_proj;
-    layer 1's experts and every self_attn named in modules_to_not_convert."""
+    """gpt-oss-shaped experts (E 3, h 96, f 64): layer 0's gate_up_proj [E, 2f, h/32, 16]
+    (scales near 127, one byte of 255 in expert 2) and down_proj [E, h, f/32, 16] (scales
+    over 0..254: the subnormal 2 ** -127 too); layer 1's experts and every self_attn named in
+    modules_to_not_convert."""
     root = tmp_path_factory.mktemp("mxfp4")
     E, h, f = 3, 96, 64
     tensors, packed = {}, {}
     layout = {"model.layers.0.mlp.experts.gate_up_proj": (2 * f, h // 32, (118, 136)),
-              "model.layers.0.mlp.experts.down_proj": (h, f // 32, (0, 256)),
+              "model.layers.0.mlp.experts.down_proj": (h, f // 32, (0, 255)),
               "model.layers.1.mlp.experts.gate_up_proj": (2 * f, h // 32, (118, 136))}  # fmt: skip
     for i, (name, (rows, groups, exponents)) in enumerate(layout.items()):
         blocks, scales = random_mxfp4(E, rows, groups, i, exponents)
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
         packed[name] = (blocks, scales)
+    packed["model.layers.0.mlp.experts.gate_up_proj"][1][2, 5, 1] = 255
     tensors["model.layers.0.mlp.experts.gate_up_proj_bias"] = torch.randn(E, 2 * f).bfloat16()
     tensors["model.layers.0.mlp.router.weight"] = torch.randn(E, h).bfloat16()
     # A tensor that looks packed but sits in a module kept as stored.

@@ -198,10 +198,12 @@ class MXFP4Tensor:
         for i in range(ne):
             blocks = read_stored(self.blocks, (e0 + i, r0, g0, 0), (1, nr, ng, 16))[0]
             scales = read_stored(self.scales, (e0 + i, r0, g0), (1, nr, ng))[0]
-            values = pairs[blocks.to(torch.int32)].view(nr, ng, MX_BLOCK)
-            # ldexp, not x * 2.0 ** e: 2 ** 128 (a scale byte of 255) is past float32's range
-            # while 0.5 * 2 ** 128 is not, and transformers' ldexp gives the finite value.
-            values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+            values = pairs.index_select(0, blocks.reshape(-1).to(torch.int32)).view(nr, ng, -1)
+            exponents = scales.to(torch.int32)[..., None] - 127
+            if exponents.max() < 128:  # x * 2.0 ** e, exact: one power of two a block
+                values.mul_(torch.ldexp(torch.ones(exponents.shape), exponents))
+            else:  # a byte of 255: 2 ** 128 is past float32's range, ldexp(0.5, 128) is not
+                values = torch.ldexp(values, exponents)
             out[i] = values.view(nr, ng * MX_BLOCK)[:, lo : lo + nh].T
         return out
 
