@@ -11,8 +11,8 @@
   keys and values (the saved tensors' shapes, seen by saved_tensors_hooks).
 - Real gloo groups: the module at tp 2, with and without sequence parallelism and the query
   latent, equals one process (output, input gradient, every parameter's gradient gathered);
-  a tiny Llama with MLA trains the one-process steps at tp 2 + sp (also with packed
-  documents) and pp 2 (ZB-H1, selective recompute).
+  a tiny Llama with MLA trains the one-process steps at tp 2 + sp (with gradient
+  accumulation fusion; also with packed documents) and pp 2 (ZB-H1, selective recompute).
 - Refusals naming the field; the accounting of DeepSeek-V2-Lite against HF's module shapes.
 """
 
@@ -296,7 +296,7 @@ def _gathered(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 def _run_module(cfg, x, grad):
     module = _mla(cfg)
-    sp, rank, world = cfg.sequence_parallel, ps.get_tensor_model_parallel_rank(), 0
+    sp, rank = cfg.sequence_parallel, ps.get_tensor_model_parallel_rank()
     world = ps.get_tensor_model_parallel_world_size()
     local = x.chunk(world)[rank] if sp else x
     local = local.clone().requires_grad_()
@@ -375,8 +375,14 @@ MLA_LLAMA = [
 ]
 PACKED = ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
 TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+# The down-projections' gradients straight into main_grad, then summed over TP from there.
+LEVERS = [
+    "training.gradient_accumulation_fusion=true",
+    "training.fused_linear_cross_entropy=true",
+    "training.one_sync_per_iteration=true",
+]
 LAYOUTS = {
-    "tp2-sp": TP2_SP,
+    "tp2-sp-levers": [*TP2_SP, *LEVERS],
     "tp2-sp-packed": [*TP2_SP, *PACKED],
     "pp2-zb-h1-selective": [
         "parallel.pipeline_model_parallel_size=2",
