@@ -3,7 +3,9 @@ softmax_type = "learnable"): a Llama whose layers alternate sliding and full att
 sinks, takes the one-process steps at every layout — tp 2 with sequence parallelism, cp 2 and 4
 by both comm types (the window shorter than a cp 2 chunk and longer than a cp 4 one), pp 2,
 dp 2 with the distributed optimizer, with and without packed documents — and a run stopped
-with a save at cp 2 goes on at tp 2.  Every rank runs under the NCCL-semantics checker.
+with a save at cp 2 goes on at tp 2; with gpt-oss's MLP (biased router, biased clamped
+experts) on the same attention, at ep 2 alone, with cp 2 (packed) and with tp 2 + sp.  Every
+rank runs under the NCCL-semantics checker.
 megacore's tests prove the attention itself (test_attention_kernels, test_context_parallel)."""
 
 import pytest
@@ -39,6 +41,20 @@ COMMON = [
     "optimizer.lr_warmup_iters=1",
 ]
 PACKED = ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
+# gpt-oss's MLP on the same attention: 4 experts, 2 a token (top 2 of the biased router's
+# logits, a softmax over them), biases on every linear, the clamped (up + 1) gate sigmoid(1.702
+# gate) experts (Megatron-LM's quick_geglu, glu_linear_offset, activation_func_clamp_value).
+GPT_OSS_MLP = [
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.ffn_hidden_size=32",
+    "model.add_bias_linear=true",
+    "model.quick_geglu=true",
+    "model.glu_linear_offset=1.0",
+    "model.activation_func_clamp_value=7.0",
+    "model.moe_aux_loss_coeff=0.01",
+]
+EP2 = ["parallel.expert_model_parallel_size=2"]
 
 
 def cp(size, comm="p2p"):
@@ -57,6 +73,12 @@ LAYOUTS = {
         True, ["parallel.pipeline_model_parallel_size=2", "parallel.use_distributed_optimizer=true"]
     ),
 }  # fmt: skip
+# The gpt-oss-like model (its own reference): experts over 2 EP ranks, with cp 2, with tp 2.
+MOE_LAYOUTS = {
+    "moe-ep2-dp2": [*GPT_OSS_MLP, *EP2],
+    "moe-ep2-cp2-p2p-packed": [*GPT_OSS_MLP, *EP2, *cp(2), *PACKED],
+    "moe-ep2-tp2-seqpar": [*GPT_OSS_MLP, *EP2, *TP2_SP],
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +109,8 @@ def _references(corpus, out):
     runs["full"] = train(
         _config(corpus, f"{out}/full", False, ["model.window_size=32", "model.layer_types=null"])
     )
+    runs["moe"] = train(_config(corpus, f"{out}/moe", False, GPT_OSS_MLP))
+    runs["moe-packed"] = train(_config(corpus, f"{out}/moe-packed", True, GPT_OSS_MLP))
     return runs
 
 
@@ -94,6 +118,9 @@ def _layouts(corpus, out):
     runs = {
         name: train(_config(corpus, f"{out}/{name}", packed, o))
         for name, (packed, o) in LAYOUTS.items()
+    }
+    runs |= {
+        name: train(_config(corpus, f"{out}/{name}", False, o)) for name, o in MOE_LAYOUTS.items()
     }
     ckpt = f"{out}/ckpt"
     save = ["training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
@@ -119,6 +146,10 @@ def layouts(corpus, tmp_path_factory):
 def test_every_layout_of_windows_and_sinks_equals_one_process(references, layouts):
     for name, (packed, _) in LAYOUTS.items():
         assert_same_steps(layouts[name], references[packed], name, FP32_TOL)
+    for name in MOE_LAYOUTS:
+        reference = references["moe-packed" if "packed" in name else "moe"]
+        assert_same_steps(layouts[name], reference, name, FP32_TOL)
+    assert abs(references["moe"]["loss"][-1] - references[False]["loss"][-1]) > 1e-3
     for control in ("no sinks", "full"):
         assert abs(references[control]["loss"][-1] - references[False]["loss"][-1]) > 1e-3
     assert references[True]["loss"] != references[False]["loss"]
