@@ -516,6 +516,39 @@ def test_accounting_counts_deepseek_v2_lite_as_hf_builds_it():
     assert acc.parameters_per_gpu(cfg) == total
 
 
+def _v3_ours(layers: int) -> TransformerConfig:
+    """DeepSeek-V3's published shape (HF DeepseekV3Config's defaults) at `layers` layers, the
+    first 3 dense."""
+    return TransformerConfig(
+        num_layers=layers, hidden_size=7168, num_attention_heads=128, vocab_size=129280,
+        max_position_embeddings=163840, ffn_hidden_size=18432, normalization="rmsnorm",
+        position_embedding="rope", swiglu=True, add_bias=False, tie_output=False,
+        attention_type="mla", q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, num_moe_experts=256, moe_router_topk=8,
+        moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=[0] * 3 + [1] * (layers - 3),
+    )  # fmt: skip
+
+
+def test_accounting_counts_deepseek_v3_as_hf_builds_it():
+    """The query latent's path at DeepSeek-V3's size: HF's model (4 layers, on the meta
+    device: 3 dense and one MoE) counted alike, and the 61 layers' 671B total (HF's full
+    model, counted once by hand: 671,026,404,352) with 37B activated (less the word
+    embedding, as DeepSeek counts: 36.6B)."""
+    import transformers
+
+    from megatrain.plan import accounting as acc
+
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(num_hidden_layers=4)
+        )
+    assert acc.gpt_parameters(_v3_ours(4)) == sum(p.numel() for p in model.parameters())
+    cfg = _v3_ours(61)
+    assert acc.gpt_parameters(cfg) == 671_026_404_352
+    assert round((acc.active_parameters(cfg) - 129280 * 7168) / 1e9) == 37
+
+
 def test_mla_flops_are_megatrons_formula():
     """Megatron-LM's `num_floating_point_operations` MLA terms (per layer and token, forward
     x 2 for the multiply-add), less its norms' r terms (not matmuls here, as for every other
