@@ -81,6 +81,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_fsdp.py --out bench-results/fsdp.json
 	$(BIN)/python benchmarks/bench_async_checkpoint.py --out bench-results/async_checkpoint.json
 	$(BIN)/python benchmarks/bench_hf_convert.py --out bench-results/hf_convert.json
+	$(BIN)/python benchmarks/bench_moe_dispatch.py --seeds 1 --out bench-results/moe_dispatch.json
 
 # One GPU, the paper's 1.2B in bf16; not part of `bench`, which runs on any CPU.
 BENCH_GPU_ARGS ?=

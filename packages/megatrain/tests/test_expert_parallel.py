@@ -11,7 +11,13 @@ and interleaved (vpp 2), ep 4 with capacity, cp 2 x ep 2 (the aux and z losses' 
 context parallelism), and bf16 at ep 2; a run saved at ep 4 goes on at ep 4 (bitwise),
 tp 2 x ep 2 and ep 1, and, with the expert bias switched on, from zero biases with a warning;
 the sigmoid run at pp 2 x ep 2 (ZB-H1, distributed optimizer), saved in the background after
-a step, resumes bitwise, its expert biases with it.  Equal losses, gradient norms and
+a step, resumes bitwise, its expert biases with it.  DeepSeek-V3's routing (8 experts in 4
+groups, 2 chosen, top-2 group score, scaled, a shared expert, a first dense layer, the
+sequence-wise aux loss) at ep 2 with each token sent once per rank
+(model.moe_group_limited_dispatch), and gpt-oss's MLP (router and expert biases, the clamped
+(up + 1) quick-GeGLU; biases in attention too) at ep 2 and at tp 2 x ep 2 x etp 2 (fc1's
+bias split with its columns, fc2's shared out by h's), whose saved weights after the steps are
+one process's too.  Equal losses, gradient norms and
 validation loss show the expert gradients' reduction and scale, the norm that counts each
 expert once (Megatron-LM PR #5916) and the aux loss over the sequence's TP ranks (#1652); the
 expert-bias counts are checked summed over the stage.
@@ -86,6 +92,16 @@ ROUTING = {
 }
 # Two layers a chunk for the interleaved pipeline (pp 2 x vpp 2).
 ROUTING["sigmoid-bias-4-layers"] = [*ROUTING["sigmoid-bias"], "model.num_layers=4"]
+ROUTING["deepseek"] = [
+    *ROUTING["sigmoid-bias"], "model.num_moe_experts=8", "model.moe_router_num_groups=4",
+    "model.moe_router_group_topk=2", "model.moe_router_group_score_topk=2",
+    "model.moe_router_topk_scaling_factor=2.5", "model.moe_shared_expert_intermediate_size=16",
+    "model.moe_layer_freq=[0, 1]", "model.moe_router_load_balancing_type='seq_aux_loss'",
+]  # fmt: skip
+ROUTING["gpt-oss"] = [
+    "model.add_bias_linear=true", "model.quick_geglu=true", "model.glu_linear_offset=1.0",
+    "model.activation_func_clamp_value=0.3",  # small: the clamps act at this init
+]  # fmt: skip
 
 
 def ep(size):
@@ -112,7 +128,13 @@ LAYOUTS = {
     "ep4-capacity": ("capacity", ep(4)),
     "cp2-ep2": ("softmax", [*ep(2), "parallel.context_parallel_size=2"]),
     "tp2-sp-cp2-ep2-seq-aux": ("seq-aux", [*TP2_SP, "parallel.context_parallel_size=2", *ep(2)]),
+    "ep2-deepseek-group-limited-dispatch": (
+        "deepseek", [*ep(2), "model.moe_group_limited_dispatch=true"]),
+    "ep2-gpt-oss": ("gpt-oss", ep(2)),
+    "tp2-sp-ep2-etp2-gpt-oss": ("gpt-oss", [*TP2_SP, *ep(2)]),
 }  # fmt: skip
+# The runs that save their end, and whose saved tensors the test compares with one process's.
+SAVED = ("gpt-oss", "tp2-sp-ep2-etp2-gpt-oss")
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +165,24 @@ def _trained(config) -> dict | None:
     return run
 
 
+def _saving(name, out) -> list[str]:
+    return [f"checkpoint.save='{out}/{name}/end'"] if name in SAVED else []
+
+
+def _saved(name, out) -> dict | None:
+    """Every tensor a `SAVED` run wrote at its end, on rank 0."""
+    if name not in SAVED or dist.get_rank() != 0:
+        return None
+    return read_full_state(f"{out}/{name}/end", progress=False)[1]
+
+
 def _references(corpus, out):
-    return {routing: _trained(_config(corpus, f"{out}/{routing}", routing)) for routing in ROUTING}
+    runs = {
+        routing: _trained(_config(corpus, f"{out}/{routing}", routing, _saving(routing, out)))
+        for routing in ROUTING
+    }
+    runs["gpt-oss"]["saved"] = _saved("gpt-oss", out)
+    return runs
 
 
 # The layout whose run also saves at its end: the expert biases the resumed run must reach.
@@ -182,7 +220,10 @@ def _layouts(corpus, out):
     runs = {}
     for name, (routing, o) in LAYOUTS.items():
         end = [f"checkpoint.save='{out}/{name}/ckpt'"] if name == BIAS_LAYOUT else []
+        end += _saving(name, out)
         runs[name] = _trained(_config(corpus, f"{out}/{name}", routing, [*o, *end]))
+        if runs[name] is not None and name in SAVED:
+            runs[name]["saved"] = _saved(name, out)
     runs.update(_bias_resumed(corpus, out))
     bf16 = [*ep(2), 'training.precision="bf16"']
     runs["ep2-bf16"] = train(_config(corpus, f"{out}/bf16", "softmax", bf16))
@@ -250,6 +291,15 @@ def test_every_expert_parallel_layout_equals_one_process(references, layouts):
     # The routings train differently: each reference is its own.
     losses = {tuple(r["loss"]) for r in references.values()}
     assert len(losses) == len(ROUTING)
+    # gpt-oss's at tp 2 x ep 2 x etp 2 ends with one process's weights, the router's bias and
+    # each expert's biases (bias1 by columns, bias2 by h's columns over etp) among them.
+    whole, split = references["gpt-oss"]["saved"], layouts["tp2-sp-ep2-etp2-gpt-oss"]["saved"]
+    biases = [n for n in whole if n.endswith(("experts.bias1", "experts.bias2", "router.bias"))]
+    assert len(biases) == 6 and whole.keys() == split.keys()
+    for name in biases:  # the steps moved them off their zero start
+        assert whole[name].abs().min() > 0, name
+    for name, tensor in whole.items():
+        torch.testing.assert_close(split[name], tensor, rtol=0, atol=FP32_TOL, msg=name)
     # bf16 at ep 2 follows fp32's steps, and is active (not fp32's numbers).
     bf16, fp32 = layouts["ep2-bf16"], references["softmax"]
     for a, b in zip(bf16["loss"], fp32["loss"], strict=True):

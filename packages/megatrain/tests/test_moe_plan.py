@@ -32,17 +32,21 @@ def _tiny_moe() -> TransformerConfig:
     )  # fmt: skip
 
 
-def test_counts_equal_the_model(gloo_world_of_one):
-    cfg = _tiny_moe()
+@pytest.mark.parametrize("bias", [False, True])
+def test_counts_equal_the_model(gloo_world_of_one, bias):
+    # add_bias: the attention's, the dense MLP's, the router's, each expert's fc1 and fc2
+    # biases and the shared expert's (gpt-oss's kinds of bias).
+    cfg = replace(_tiny_moe(), add_bias=bias)
     chunks = build_model_chunks("llama", cfg)
     total = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     assert accounting.gpt_parameters(cfg) == total
     assert accounting.parameters_per_gpu(cfg) == total
     # Active: the model less the 2 experts of the 4 a token does not use (each expert's fc1
-    # [h, 2 f_e] and fc2 [f_e, h]), by hand from the built weights.
+    # [h, 2 f_e] and fc2 [f_e, h], and their biases [2 f_e] and [h]), by hand from the built
+    # weights.
     (layer,) = moe_layers(chunks)
-    one_expert = layer.experts.weight1[0].numel() + layer.experts.weight2[0].numel()
-    assert one_expert == 3 * 16 * 12
+    one_expert = sum(p[0].numel() for p in layer.experts.expert_parameters())
+    assert one_expert == 3 * 16 * 12 + (2 * 12 + 16 if bias else 0)
     assert accounting.active_parameters(cfg) == total - 2 * one_expert
     # At ep 2 a GPU holds 2 of the 4 experts, the rest whole.
     assert accounting.parameters_per_gpu(cfg, ep=2) == total - 2 * one_expert

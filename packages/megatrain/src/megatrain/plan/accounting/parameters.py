@@ -55,16 +55,23 @@ def _moe_count(freq: int | tuple, first: int, end: int) -> int:
 
 def moe_mlp_parameters(cfg: TransformerConfig) -> dict[str, int]:
     """One MoE layer's MLP (in place of the dense one), whole: the routed experts (E x 2 or 3
-    matrices of h x f_e; no biases, refused with MoE), the router [E, h] (no bias; the expert
-    bias is a buffer) and the shared expert (its matrices, and its gate [1, h])."""
+    matrices of h x f_e, with add_bias each expert's fc1 and fc2 biases), the router [E, h]
+    (and its bias [E] with add_bias; the expert bias is a buffer) and the shared expert (its
+    matrices, biases, and its gate [1, h])."""
     h, E = cfg.hidden_size, cfg.num_moe_experts
     mlp = 3 if cfg.swiglu else 2
-    shared = mlp * h * (cfg.moe_shared_expert_intermediate_size or 0)
+    f_shared = cfg.moe_shared_expert_intermediate_size or 0
+    shared = mlp * h * f_shared + (_mlp_biases(cfg, f_shared) if f_shared else 0)
     return {
-        "experts": E * mlp * h * expert_ffn_size(cfg),
-        "router": E * h,
+        "experts": E * (mlp * h * expert_ffn_size(cfg) + _mlp_biases(cfg, expert_ffn_size(cfg))),
+        "router": E * h + (E if cfg.add_bias else 0),
         "shared_expert": shared + (h if cfg.moe_shared_expert_gate else 0),
     }
+
+
+def _mlp_biases(cfg: TransformerConfig, f: int) -> int:
+    """An MLP of width f's biases with add_bias: fc1's (gate's and up's when gated), fc2's."""
+    return ((2 if cfg.swiglu else 1) * f + cfg.hidden_size) if cfg.add_bias else 0
 
 
 def _layer_shapes(cfg: TransformerConfig) -> tuple[int, int, int, int]:
@@ -140,8 +147,11 @@ def layer_parameters(cfg: TransformerConfig, moe: bool = False) -> int:
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     _, mlp, mlp_biases, norm = _layer_shapes(cfg)
     fc2_bias = h if cfg.add_bias else 0
-    mlp_params = sum(moe_mlp_parameters(cfg).values()) if moe else mlp * h * f
-    return attention_parameters(cfg) + mlp_params + mlp_biases + fc2_bias + 2 * norm
+    if moe:  # the MoE's biases are its parts'
+        mlp_params = sum(moe_mlp_parameters(cfg).values())
+    else:
+        mlp_params = mlp * h * f + mlp_biases + fc2_bias
+    return attention_parameters(cfg) + mlp_params + 2 * norm
 
 
 def layer_parameters_per_rank(
@@ -155,18 +165,21 @@ def layer_parameters_per_rank(
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     _, mlp, mlp_biases, norm = _layer_shapes(cfg)
     split, replicated = _attention_split(cfg, tp)
-    split += mlp_biases
-    # fc2's bias, the two norms
-    replicated += (h if cfg.add_bias else 0) + 2 * norm
+    replicated += 2 * norm
+    fc2_bias = h if cfg.add_bias else 0
     experts = 0
     if moe:
         parts = moe_mlp_parameters(cfg)
-        gate = h if cfg.moe_shared_expert_gate else 0
-        split += parts["shared_expert"] - gate
-        replicated += parts["router"] + gate
+        # The shared expert's gate and fc2 bias whole on each rank, the rest split.
+        whole = h if cfg.moe_shared_expert_gate else 0
+        whole += fc2_bias if cfg.moe_shared_expert_intermediate_size else 0
+        split += parts["shared_expert"] - whole
+        replicated += parts["router"] + whole
+        # Each expert's matrices and biases split over etp (fc2's bias by h's columns).
         experts = parts["experts"] // (ep * (tp if etp is None else etp))
     else:
-        split += mlp * h * f
+        split += mlp * h * f + mlp_biases
+        replicated += fc2_bias
     return split // tp + replicated + experts
 
 
@@ -194,7 +207,7 @@ def active_parameters(cfg: TransformerConfig) -> int:
     layer's k of its E experts (the router and shared expert whole; the model's count for a
     dense model).  Mixtral 8x7B: 12.9 B of 46.7 B."""
     unused = cfg.num_moe_experts - cfg.moe_router_topk if cfg.num_moe_experts else 0
-    per_expert = (3 if cfg.swiglu else 2) * cfg.hidden_size * expert_ffn_size(cfg)
+    per_expert = moe_mlp_parameters(cfg)["experts"] // cfg.num_moe_experts if unused else 0
     return gpt_parameters(cfg) - moe_layer_count(cfg) * unused * per_expert
 
 
