@@ -284,6 +284,32 @@ def test_selective_recompute_keeps_the_latent_not_the_keys_and_values(gloo_world
     assert (S, B, 8) in recomputed and (B, 1, S, rope) in recomputed, recomputed
 
 
+def test_activation_count_is_what_selective_recompute_keeps(gloo_world_of_one, tmp_path):
+    """accounting.mla_activations under selective recompute, against what autograd keeps of
+    the module's forward (distinct storages; not the parameters, the rotary tables, the
+    module's input, which the layer's count holds, or the norms' statistics)."""
+    from megatrain.plan.accounting import mla_activations
+
+    config = load_config(None, [*MLA_LLAMA, f"training.output_dir={str(tmp_path)!r}"])
+    module = _mla(_cfg(12, YARN))
+    module.core_attention = lambda *a: tp.checkpoint(module.core, False, *a)
+    x = torch.randn(S, B, H, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    skip.add(x.untyped_storage().data_ptr())
+    kept = {}
+
+    def pack(t):
+        if t.requires_grad and t.shape[-1] != 1 and t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    split, unsplit = mla_activations(config, "selective")
+    assert sum(kept.values()) == (split + unsplit) * S * B * H / 2  # 16-bit bytes: 2 an element
+    assert mla_activations(config, "none")[0] > split
+
+
 def _gathered(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient whole: TP shards gathered along their split dimension."""
     if not getattr(p, "tensor_model_parallel", False):

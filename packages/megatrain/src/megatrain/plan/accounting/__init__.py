@@ -31,6 +31,7 @@ Every name is imported from here: `megatrain.plan.accounting` re-exports them al
 from megatrain.plan.accounting.activations import (
     activations_per_layer,
     expert_layout,
+    mla_activations,
     moe_dispatch_bytes,
     moe_mlp_activations,
     weight_grad_inputs_per_layer,
@@ -132,6 +133,7 @@ __all__ = [
     "layer_gemms",
     "layer_parameters",
     "layer_parameters_per_rank",
+    "mla_activations",
     "moe_dispatch_bytes",
     "moe_layer_count",
     "moe_mlp_activations",

@@ -57,6 +57,31 @@ def moe_dispatch_bytes(config: Config) -> float:
     return 2 * 2 * tokens * etp * m.moe_router_topk * m.hidden_size
 
 
+def mla_activations(config: Config, recompute: str) -> tuple[float, float]:
+    """Multi-latent attention's tensors kept for the backward (`models.attention.
+    multi_latent`), in `activations_per_layer`'s units (bytes / (s b h) at 16 bits), in place
+    of multi-head attention's 4 + 4 g/a: (those split over TP with the heads, those whole on
+    each rank), a heads of d_q = qk_head_dim + qk_pos_emb_head_dim, values of d_v.
+
+    Split: the queries (a d_q, the core's input) and the projection's input (a d_v); without
+    recompute the keys (a d_q) and the values, as the CUDA kernels take them: padded to d_q
+    (the CPU's math kernel keeps kv_b's whole output, a (d_n + d_v), of which they are a
+    view).  Selective recompute keeps neither (the core up-projects them again).  Whole: each
+    latent (r_q, r_kv) as its down-projection gives it (kv_a's with the rope key, r_kv + d_r)
+    and its norm's output (the up-projection's input), and RMSNorm's normalized input (for
+    its weight's gradient; LayerNorm keeps statistics only); under selective recompute the
+    rotated rope key d_r too (the core's input).  Norm statistics are left out, as for the
+    layers' norms."""
+    m = config.model
+    h, a = m.hidden_size, m.num_attention_heads
+    d_q, d_v, d_r = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, m.qk_pos_emb_head_dim
+    kept = 3 if config.model_switch("normalization") == "rmsnorm" else 2  # per latent
+    latents = kept * (m.q_lora_rank or 0) + kept * m.kv_lora_rank + d_r
+    if recompute == "selective":
+        return 2 * a * (d_q + d_v) / h, 2 * (latents + d_r) / h
+    return 2 * a * (3 * d_q + d_v) / h, 2 * latents / h
+
+
 def activations_per_layer(
     config: Config, recompute: str, moe: bool = False, attention: str = "unfused"
 ) -> float:
@@ -86,7 +111,8 @@ def activations_per_layer(
     In general 4 + 4 g/a + 4 f/h for g key/value groups, and
     4 + 4 g/a + 8 f/h with SwiGLU, which keeps four f-wide tensors (gate, up, SiLU(gate),
     their product).  A MoE layer (`moe`) has `moe_mlp_activations` in place of the MLP's
-    4 or 8 f/h (TP-split: MoE at tp > 1 runs with sequence parallelism).
+    4 or 8 f/h (TP-split: MoE at tp > 1 runs with sequence parallelism).  Multi-latent
+    attention has `mla_activations` in place of 4 + 4 g/a, and its latents among the 10.
 
     Context parallelism (cp > 1): every per-token tensor above is the rank's s / cp tokens,
     so the per-token bytes are exactly 1/cp of cp 1's; in place of the 5 a s / h term,
@@ -109,9 +135,12 @@ def activations_per_layer(
     groups = max(m.num_query_groups or a, tp)
     f_tensors = 8 if config.model_switch("swiglu") else 4
     mlp = moe_mlp_activations(config) if moe else f_tensors * config.ffn_hidden_size / h
-    split = 4 + 4 * groups / a + mlp
+    attention_split, attention_unsplit = 4 + 4 * groups / a, 0.0
+    if m.multi_latent_attention:
+        attention_split, attention_unsplit = mla_activations(config, recompute)
+    split = attention_split + mlp
     # the norms' and the linears' inputs, and the two hidden dropout masks where there is dropout
-    unsplit = 8 + (2 if m.hidden_dropout else 0)
+    unsplit = 8 + (2 if m.hidden_dropout else 0) + attention_unsplit
     dense = (unsplit + split) / tp if sp else unsplit + split / tp
     per_token = s * b * h * dense
     if recompute == "selective":
