@@ -13,7 +13,9 @@
   latent, equals one process (output, input gradient, every parameter's gradient gathered);
   a tiny Llama with MLA trains the one-process steps at tp 2 + sp (with gradient
   accumulation fusion; also with packed documents) and pp 2 (ZB-H1, selective recompute).
-- Refusals naming the field; the accounting of DeepSeek-V2-Lite against HF's module shapes.
+- Refusals naming the field.  Accounting: DeepSeek-V2-Lite's and DeepSeek-V3's parameters
+  against HF's models (15.7B, 671B), MLA's FLOPs as Megatron-LM's formula, the activations
+  selective recompute keeps against what autograd keeps.
 """
 
 import math

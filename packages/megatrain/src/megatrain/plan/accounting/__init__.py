@@ -21,7 +21,8 @@ Which module counts what (each imports only modules above it in this list):
 - attention.py: which kernel the attention core runs as, and what the attention keeps and
   holds under context parallelism;
 - activations.py: the bytes one layer keeps per microbatch under each recompute mode (a MoE
-  layer's MLP and token dispatch, ZB-H1's weight-gradient inputs).
+  layer's MLP and token dispatch, multi-latent attention's tensors, ZB-H1's weight-gradient
+  inputs).
 
 `kind` is a run config's `model.kind`: "gpt", "bert" or "llama" (`KINDS`).
 
