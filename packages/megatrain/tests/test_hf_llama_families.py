@@ -90,8 +90,12 @@ def both_ways(root, name: str, hf, new_tokens: int = 12) -> dict:
     a, b = hf.state_dict(), back.state_dict()
     unwindowed = 0.0
     if getattr(hf.config, "sliding_window", None) is not None:
-        full = transformers.AutoConfig.for_model(**{**hf.config.to_dict(), "sliding_window": None,
-                                                    "layer_types": None})  # fmt: skip
+        fields = hf.config.to_dict()
+        if fields["model_type"] == "gpt_oss":  # its layers slide unless named full
+            fields["layer_types"] = ["full_attention"] * fields["num_hidden_layers"]
+        else:
+            fields |= {"sliding_window": None, "layer_types": None}
+        full = transformers.AutoConfig.for_model(**fields)
         plain = transformers.AutoModelForCausalLM.from_config(
             full, attn_implementation="eager", experts_implementation="eager"
         ).eval()

@@ -69,10 +69,11 @@ GPT2_TYPES = ("gpt2",)
 def _llama_family_importers() -> dict:
     """model_type -> the importer of the Llama-like decoders (Llama and Mistral, Qwen2/3, and
     the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE)."""
-    from megatrain.hf import llama, moe, qwen
+    from megatrain.hf import gpt_oss, llama, moe, qwen
 
     return (
-        {t: llama.import_llama for t in llama.MODEL_TYPES}
+        {t: gpt_oss.import_gpt_oss for t in gpt_oss.MODEL_TYPES}
+        | {t: llama.import_llama for t in llama.MODEL_TYPES}
         | {t: qwen.import_qwen for t in qwen.MODEL_TYPES}
         | {t: moe.import_moe for t in moe.MODEL_TYPES}
     )

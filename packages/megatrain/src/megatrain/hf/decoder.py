@@ -24,6 +24,7 @@ from megatrain.hf.tensor_map import (
     experts_map,
     fused_experts_map,
     hf_shapes_of,
+    interleaved_experts_map,
     streamed,
     whole,
 )
@@ -67,6 +68,29 @@ def load_hf_config(hf_dir: Path) -> tuple[Path, dict]:
     return config_file, read_json(config_file)
 
 
+def _yarn_fields(config_file: Path, rope: dict) -> dict:
+    """YaRN's rope parameters (HF's names) as our [model] fields take them, refusing what we
+    do not compute (an explicit attention_factor)."""
+    absent = [f for f in ("factor", "original_max_position_embeddings")
+              if not isinstance(rope.get(f), int | float)]  # fmt: skip
+    if absent:
+        raise HFFormatError(f"{config_file}: rope type yarn without a number for {absent[0]}")
+    if rope.get("attention_factor") is not None:
+        raise HFFormatError(
+            f"{config_file}: rope attention_factor is {rope['attention_factor']!r}: an explicit "
+            "YaRN attention factor is not supported (it follows from factor and mscale)"
+        )
+    return {
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32.0),
+        "beta_slow": float(rope.get("beta_slow") or 1.0),
+        "mscale": float(rope.get("mscale") or 0.0),
+        "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+        "correction_range_round_to_int": bool(rope.get("truncate", True)),
+    }
+
+
 def refuser(config_file: Path, c: dict):
     """refuse(field, why): an HFFormatError naming config.json, the field and its value."""
 
@@ -83,6 +107,7 @@ def decoder_fields(
     head_dim: int | None = None,
     qkv_bias: bool = False,
     qk_norm: bool = False,
+    rope_types: tuple = ROPE_TYPES,
 ) -> dict:
     """What the Llama-like decoders (Llama, Mistral, Qwen2/3 and their MoE) share in config.json,
     refusing by field what our transformer cannot compute: {layers, hidden, heads, groups,
@@ -116,12 +141,13 @@ def decoder_fields(
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in rope_types:
         field = "rope_parameters" if "rope_parameters" in c else "rope_scaling"
         raise HFFormatError(
-            f"{config_file}: {field} has rope type {rope_type!r}; supported: {ROPE_TYPES}"
+            f"{config_file}: {field} has rope type {rope_type!r}; supported: {rope_types}"
         )
     scaling = None
+    yarn = _yarn_fields(config_file, rope) if rope_type == "yarn" else None
     if rope_type == "llama3":
         fields = ("factor", "low_freq_factor", "high_freq_factor")
         fields += ("original_max_position_embeddings",)
@@ -151,6 +177,7 @@ def decoder_fields(
         "std": float(c.get("initializer_range", 0.02)),
         "theta": theta,
         "scaling": scaling,
+        "yarn": yarn,
         "tied": bool(c.get("tie_word_embeddings", False)),
         "dropout": float(c.get("attention_dropout", 0.0)),
         "eos": eos[0] if isinstance(eos, list) else eos,
@@ -198,6 +225,10 @@ def mlp_map(c: dict, i: int) -> dict[str, Target]:
             for ours, theirs in DENSE_MLP.items()
         }
     f, E = c["expert_ffn"], c["experts"]
+    if c["model_type"] == "gpt_oss":  # the router's bias, the experts' interleaved gate/up
+        out = {"mlp.router.weight": whole(f"{layer}mlp.router.weight", (E, h)),
+               "mlp.router.bias": whole(f"{layer}mlp.router.bias", (E,))}  # fmt: skip
+        return out | interleaved_experts_map("mlp.", f"{layer}mlp.experts.", E, h, f)
     prefix, router, (gate, up, down) = expert_names(c["model_type"])
     if c.get("fused"):
         out = {"mlp.router.weight": whole(f"{layer}mlp.{router}", (E, h))}
@@ -231,6 +262,10 @@ def decoder_map(c: dict, padded_vocab: int) -> dict[str, Target]:
             out |= attention_map(ours, layer, c, kind)
         out[ours + "attention.proj.weight"] = whole(layer + "self_attn.o_proj.weight",
                                                      (h, c["heads"] * d))  # fmt: skip
+        if c.get("o_bias"):  # gpt-oss's
+            out[ours + "attention.proj.bias"] = whole(layer + "self_attn.o_proj.bias", (h,))
+        if c.get("sinks"):
+            out[ours + "attention.sinks"] = whole(layer + "self_attn.sinks", (c["heads"],))
         if c["qk_norm"]:
             out |= {ours + k: whole(layer + t, (d,)) for k, t in QK_NORMS.items()}
         out |= {ours + k: t for k, t in mlp_map(c, i).items()}
@@ -378,6 +413,10 @@ def decoder_config(hf_dir: Path, c: dict, configure=None) -> Config:
     m.hidden_dropout, m.attention_dropout = 0.0, c["dropout"]  # Llama has no residual dropout
     m.init_method_std, m.layernorm_epsilon = c["std"], c["eps"]
     m.rotary_base = c["theta"]
+    if c.get("yarn"):
+        m.rope_type = "yarn"
+        for name, value in c["yarn"].items():
+            setattr(m, name, value)
     if c["scaling"] is not None:
         factor, low, high, original = c["scaling"]
         m.rope_scaling_factor, m.rope_low_freq_factor = factor, low

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from megatrain.checkpoint.files import CheckpointError
 
+ANY = object()  # a switch value any setting of which the family holds (in its own field)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -52,6 +54,8 @@ def decoder_family(m: dict) -> Family:
     """The Hugging Face class a Llama-kind model of resolved [model] section `m` exports as:
     a mixture of experts' (`moe_family`), Qwen3 with q/k norms, Qwen2 with q, k, v
     biases, else Llama.  A switch the chosen class lacks is refused by the exporter."""
+    if m.get("softmax_type") == "learnable":
+        return GPT_OSS
     if m.get("num_moe_experts"):
         return moe_family(m)
     if m["qk_layernorm"]:
@@ -137,3 +141,20 @@ def moe_family(m: dict) -> Family:
             "(Qwen3) or a shared expert (Qwen2)"
         )
     return MIXTRAL
+
+
+def _gpt_oss_fields(m: dict) -> dict:
+    from megatrain.hf.gpt_oss import gpt_oss_fields
+
+    return gpt_oss_fields(m)
+
+
+# gpt-oss: sinks, windows by layer, biases everywhere, clamped quick-GeGLU experts.
+GPT_OSS = Family(
+    "gpt-oss", "GptOssForCausalLM", "GptOssConfig",
+    ROUTER | {"qk_layernorm": False, "add_qkv_bias": False, "add_bias_linear": True,
+              "softmax_type": "learnable", "quick_geglu": True, "glu_linear_offset": 1.0,
+              "activation_func_clamp_value": ANY, "moe_router_pre_softmax": False,
+              "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None},
+    _gpt_oss_fields,
+)  # fmt: skip

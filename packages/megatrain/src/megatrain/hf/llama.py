@@ -40,7 +40,7 @@ from megatrain.hf.decoder import (
     load_hf_config,
     refuser,
 )
-from megatrain.hf.families import decoder_family, layer_is_moe
+from megatrain.hf.families import ANY, decoder_family, layer_is_moe
 from megatrain.hf.shards import (
     DEFAULT_MAX_SHARD_SIZE,
     ShardWriter,
@@ -86,6 +86,17 @@ def llama_config_fields(m: dict, vocab: int, bos: int, eos: int, dtype: str) -> 
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": m["rotary_base"]}
+    if m.get("rope_type") == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": m["rotary_base"],
+            "factor": m["rotary_scaling_factor"],
+            "original_max_position_embeddings": m["original_max_position_embeddings"],
+            "beta_fast": m["beta_fast"],
+            "beta_slow": m["beta_slow"],
+            "truncate": m["correction_range_round_to_int"],
+        }
+        rope |= {k: m[k] for k in ("mscale", "mscale_all_dim") if m[k]}
     if m["rope_scaling_factor"]:
         rope = {
             "rope_type": "llama3",
@@ -139,6 +150,8 @@ def map_fields(m: dict, vocab: int, model_type: str) -> dict:
         "qkv_bias": m["add_qkv_bias"],
         "qk_norm": m["qk_layernorm"],
     }
+    if model_type == "gpt_oss":  # biases on q, k, v and the output projection; sinks
+        c |= {"qkv_bias": True, "o_bias": True, "sinks": True}
     if m.get("num_moe_experts"):
         c |= {
             "moe_layers": layer_is_moe(m),
@@ -174,7 +187,8 @@ def export_llama(
     meta_file = tokenizer_file.parent / "meta.json"
     m = run_model_config(meta)
     family = decoder_family(m)
-    refuse_switches(meta_file, m, family.name, LLAMA_SWITCHES | family.switches)
+    required = LLAMA_SWITCHES | family.switches
+    refuse_switches(meta_file, m, family.name, {k: v for k, v in required.items() if v is not ANY})
     vocab = int(meta["vocab_size"])
     tok_info = meta.get("tokenizer") or {}
     if "eod_id" not in tok_info:

@@ -179,14 +179,22 @@ def export_streamed(
             rel = [a - b for a, b in zip(start, s.at, strict=True)][len(start) - n :]
             if s.transpose:
                 box, rel = box.transpose(-1, -2), [*rel[:-2], rel[-1], rel[-2]]
+            columns = slice(None)
+            if s.step > 1:  # every step-th column of the HF tensor's span
+                rel[-1] *= s.step
+                columns = slice(None, None, s.step)
             if s.hf not in pending:
                 pending[s.hf] = [
                     torch.empty(shapes[s.hf], dtype=writer.dtype),
                     math.prod(shapes[s.hf]),
                 ]
             entry = pending[s.hf]
-            at = zip(s.start, rel, box.shape, strict=True)
-            entry[0][tuple(slice(a + r, a + r + m) for a, r, m in at)].copy_(box)
+            at = list(zip(s.start, rel, box.shape, strict=True))
+            index = [slice(a + r, a + r + m) for a, r, m in at]
+            if s.step > 1:
+                a, r, m = at[-1]
+                index[-1] = slice(a + r, a + r + (m - 1) * s.step + 1)
+            entry[0][tuple(index)][..., columns].copy_(box)
             entry[1] -= box.numel()
             if entry[1] == 0:
                 writer.put(s.hf, entry[0])

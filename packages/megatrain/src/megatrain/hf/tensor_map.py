@@ -23,17 +23,23 @@ import torch
 @dataclass(frozen=True)
 class Source:
     """Our box [at, at + size) is HF tensor `hf`'s box from `start` (its own dimensions: ours
-    without the leading ones it lacks, the last two swapped when `transpose`)."""
+    without the leading ones it lacks, the last two swapped when `transpose`).  `step`: our
+    box's last dimension is every step-th of HF's from start (gpt-oss interleaves its experts'
+    gate and up columns: ours are two boxes of step 2); not with `transpose`."""
 
     at: tuple[int, ...]
     size: tuple[int, ...]
     hf: str
     start: tuple[int, ...]
     transpose: bool = False
+    step: int = 1
 
     def hf_size(self) -> tuple[int, ...]:
+        """The extent of HF's box (a strided one's spans its last column)."""
         size = self.size[len(self.size) - len(self.start) :]
-        return (*size[:-2], size[-1], size[-2]) if self.transpose else size
+        if self.transpose:
+            return (*size[:-2], size[-1], size[-2])
+        return (*size[:-1], (size[-1] - 1) * self.step + 1)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,27 @@ def experts_map(prefix: str, names: tuple[str, str, str], E: int, h: int, f: int
     return {
         f"{prefix}experts.weight1": Target((E, h, 2 * f), tuple(w1)),
         f"{prefix}experts.weight2": Target((E, f, h), tuple(w2)),
+    }
+
+
+def interleaved_experts_map(prefix: str, hf: str, E: int, h: int, f: int) -> dict:
+    """gpt-oss's experts: `gate_up_proj` [E, h, 2f] and its bias [E, 2f] with gate and up
+    interleaved by column (gate at even, up at odd), our `weight1` / `bias1` [gate | up] two
+    boxes of step 2 each; `down_proj` [E, f, h] and its bias [E, h] our `weight2` / `bias2`."""
+
+    def gate_up(name: str, shape: tuple) -> Target:
+        lead = (0,) * (len(shape) - 1)
+        half = (*shape[:-1], f)
+        return Target((*shape[:-1], 2 * f), (
+            Source((*lead, 0), half, name, (*lead, 0), step=2),
+            Source((*lead, f), half, name, (*lead, 1), step=2),
+        ))  # fmt: skip
+
+    return {
+        f"{prefix}experts.weight1": gate_up(f"{hf}gate_up_proj", (E, h, 2 * f)),
+        f"{prefix}experts.bias1": gate_up(f"{hf}gate_up_proj_bias", (E, 2 * f)),
+        f"{prefix}experts.weight2": whole(f"{hf}down_proj", (E, f, h)),
+        f"{prefix}experts.bias2": whole(f"{hf}down_proj_bias", (E, h)),
     }
 
 
@@ -211,8 +238,10 @@ def streamed(
 ) -> dict:
     """Our tensors as `checkpoint.convert.Streamed` ones, each piece read from `files` only
     when the checkpoint writer reaches it: a stacked expert tensor (3-D) an expert at a time,
-    any other whole.  Each in `dtype`, else its HF tensor's (`dtypes`: HF name -> dtype)."""
+    any other whole.  Each in `dtype`, else its HF tensor's (`dtypes`: HF name -> dtype); an
+    expert bias (`checkpoint.dcp.STATE_BUFFERS`) in fp32 always."""
     from megatrain.checkpoint.convert import Streamed
+    from megatrain.checkpoint.dcp import STATE_BUFFERS
 
     def piece(target: Target, lo: tuple, size: tuple, kind: torch.dtype):
         def make() -> torch.Tensor:
@@ -225,6 +254,8 @@ def streamed(
     out = {}
     for name, t in targets.items():
         kind = dtype or dtypes[t.sources[0].hf]
+        if name.endswith(STATE_BUFFERS):  # expert biases stay fp32, as a run keeps them
+            kind = torch.float32
         if len(t.shape) == 3:
             chunks = [piece(t, (e, 0, 0), (1, *t.shape[1:]), kind) for e in range(t.shape[0])]
         else:
@@ -247,9 +278,13 @@ def read_box(target: Target, files: HFFiles, lo, size, out: torch.Tensor) -> Non
         box = extent[len(extent) - n :]
         if s.transpose:
             rel[-2:], box[-2:] = rel[-2:][::-1], box[-2:][::-1]
+        if s.step > 1:  # the span of the strided columns, read once, then every step-th
+            rel[-1], box[-1] = rel[-1] * s.step, (box[-1] - 1) * s.step + 1
         piece = files.read(s.hf, [a + r for a, r in zip(s.start, rel, strict=True)], box)
         if s.transpose:
             piece = piece.transpose(-1, -2)
+        if s.step > 1:
+            piece = piece[..., :: s.step]
         view = out[
             tuple(slice(a - b, a - b + m) for a, b, m in zip(start, lo, extent, strict=True))
         ]
@@ -266,6 +301,7 @@ __all__ = [
     "hf_shapes_of",
     "hf_sources",
     "interleaved",
+    "interleaved_experts_map",
     "overlap",
     "read_box",
     "streamed",

@@ -72,6 +72,9 @@ def window_fields(family, m: dict) -> dict:
     spelling (families.Family); refuses what the family cannot hold, naming the field."""
     window, types = m.get("window_size"), m.get("layer_types")
     model_type = family.config_class.removesuffix("Config").lower()
+    if model_type == "gptoss":  # a window and a type for every layer (null: none slide)
+        names = types or ["sliding_attention" if window else "full_attention"] * m["num_layers"]
+        return {"sliding_window": window, "layer_types": list(names)}
     if m.get("softmax_type", "vanilla") != "vanilla":
         raise CheckpointError(
             f"model.softmax_type is {m['softmax_type']!r} (attention sinks): {family.name} has "

@@ -121,6 +121,8 @@ def _attention_split(cfg: TransformerConfig, tp: int) -> tuple[int, int]:
     qkv = _layer_shapes(cfg)[0]
     split = h * qkv + _attention_width(cfg) * h + (qkv if cfg.add_bias or cfg.add_qkv_bias else 0)
     whole = proj_bias + _qk_norms(cfg)
+    if cfg.softmax_type == "learnable":  # the sinks, one a head, split with the heads
+        split += a
     groups = cfg.num_query_groups or a
     if groups < tp:  # the key/value projection (and its bias) whole on every rank
         bias = 1 if cfg.add_bias or cfg.add_qkv_bias else 0
