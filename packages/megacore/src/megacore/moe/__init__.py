@@ -11,7 +11,7 @@ tp > 1 needs sequence parallelism); megatrain's DDP reduces over DP x CP, N = dp
 Each (dp, cp) place backpropagates (1/M) (L + cp x its aux shares), M microbatches:
 
 - L, its LM loss, one for its TP ranks: a CP rank's is scaled so that the CP ranks' mean
-  is the microbatch's (megatrain's run.step `_masked_loss`).
+  is the microbatch's (megatrain's run.step `gpt_loss`).
 - an aux share: each TP x CP rank's router losses over `aux_loss_group` = TP x CP, the
   ranks holding the microbatch's other tokens (token counts summed over it, the z loss
   divided by its size), so the shares add up over TP x CP to the microbatch's loss once,

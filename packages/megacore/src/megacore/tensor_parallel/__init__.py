@@ -18,6 +18,7 @@ from megacore.tensor_parallel.layers import (
     init_method_normal,
     scaled_init_method_normal,
     sync_sequence_parallel_grads,
+    vocab_parallel_embedding,
 )
 from megacore.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -92,6 +93,7 @@ __all__ = [
     "sync_sequence_parallel_grads",
     "unshard",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
     "vocab_range",
     "vocab_size_with_padding",
 ]

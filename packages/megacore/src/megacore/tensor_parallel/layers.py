@@ -365,18 +365,29 @@ class VocabParallelEmbedding(nn.Module):
         )  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.num_embeddings_per_partition == self.num_embeddings:
-            return F.embedding(input_ids, self.weight)
-        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
-        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out)
+        return vocab_parallel_embedding(input_ids, self.weight, self.vocab_start_index)
 
     def extra_repr(self) -> str:
         return (
             f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
             f"range=[{self.vocab_start_index}, {self.vocab_end_index})"
         )
+
+
+def vocab_parallel_embedding(
+    input_ids: torch.Tensor, weight: torch.Tensor, vocab_start_index: int
+) -> torch.Tensor:
+    """`VocabParallelEmbedding`'s lookup in `weight`, this rank's rows of the vocabulary from
+    `vocab_start_index`: a module's own, or a copy of the word embeddings kept elsewhere (a
+    last pipeline stage's, which multi-token prediction embeds with)."""
+    world, _ = _tp_size_and_rank()
+    if world == 1:
+        return F.embedding(input_ids, weight)
+    end = vocab_start_index + weight.size(0)
+    outside = (input_ids < vocab_start_index) | (input_ids >= end)
+    local_ids = (input_ids - vocab_start_index).masked_fill(outside, 0)
+    out = F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tensor_model_parallel_region(out)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,12 @@ class ModelConfig(MoEConfig):
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # DeepSeek-V3's multi-token prediction (models.mtp; Megatron-LM's names): depth k of
+    # mtp_num_layers predicts the token k + 1 places past the next through one transformer
+    # layer of its own; the depths' mean loss times mtp_loss_scaling_factor joins the LM loss
+    # (GPT and Llama kinds).  None: no MTP.
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
 
 @dataclass

@@ -79,6 +79,8 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         window_size=m.window_size,
         layer_types=None if m.layer_types is None else tuple(m.layer_types),
         softmax_type=m.softmax_type,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         **{name: getattr(m, name) for name in MOE_FIELDS},
     )
 

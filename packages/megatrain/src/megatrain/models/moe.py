@@ -66,13 +66,15 @@ class ExpertPlace:
 
 def is_moe_layer(cfg, layer_number: int) -> bool:
     """Whether layer `layer_number` (0-based) is a MoE layer: `moe_layer_freq` N makes every
-    Nth one (layer i when i % N == 0), a list of 0/1 names each layer (Megatron's)."""
+    Nth one (layer i when i % N == 0), a list of 0/1 names each layer (Megatron's); a layer
+    past the list (multi-token prediction's) is of the last layer's kind (Megatron-LM's MTP
+    takes the decoder's last layer spec)."""
     if not cfg.num_moe_experts:
         return False
     freq = cfg.moe_layer_freq
     if isinstance(freq, int):
         return layer_number % freq == 0
-    return bool(freq[layer_number])
+    return bool(freq[min(layer_number, len(freq) - 1)])
 
 
 def _activation(cfg) -> str:

@@ -30,10 +30,13 @@ def attention_for(
 
 def is_sliding_layer(cfg: TransformerConfig, layer_number: int) -> bool:
     """Whether layer `layer_number` (0-based) attends through `cfg.window_size`: every layer,
-    or those `layer_types` names "sliding_attention"."""
+    or those `layer_types` names "sliding_attention" (a layer past the list, multi-token
+    prediction's, as the last layer)."""
     if cfg.window_size is None:
         return False
-    return cfg.layer_types is None or cfg.layer_types[layer_number] == "sliding_attention"
+    if cfg.layer_types is None:
+        return True
+    return cfg.layer_types[min(layer_number, len(cfg.layer_types) - 1)] == "sliding_attention"
 
 
 def mlp_for(

@@ -109,10 +109,10 @@ class LanguageModel(nn.Module):
     word embeddings for the tied output layer (`tied_output_weight()`), with logits' padding
     rows masked (`mask_padding`).  The models add their heads and their `forward`.
 
-    Built directly on `device` in `dtype`; a last stage's copy of the tied word
-    embeddings is zero until `layout.build_chunks` syncs it.  `initialize=False` skips drawing
-    the weights (their values are whatever the memory held), for a model a checkpoint
-    is about to overwrite."""
+    Built directly on `device` in `dtype`; a last stage's copy of the word embeddings (for
+    a tied output layer, or multi-token prediction) is zero until `layout.build_chunks`
+    syncs it.  `initialize=False` skips drawing the weights (their values are whatever the
+    memory held), for a model a checkpoint is about to overwrite."""
 
     def __init__(
         self,
@@ -136,6 +136,8 @@ class LanguageModel(nn.Module):
         self.checkpointed_layer = None
         self.context_parallel = None  # parallelize.apply_context_parallel sets it
         self.pre_process, self.post_process = pre_process, post_process
+        # How the chunk is built, for the parts a model adds to it (GPT's MTP depths).
+        self.built_with = (seed, device, dtype, initialize)
         self.input_tensor = None
         if pre_process:
             self.embedding = tp.VocabParallelEmbedding(
@@ -187,14 +189,16 @@ class LanguageModel(nn.Module):
                 )
                 if initialize:
                     self._init_vocab_rows(self.output_layer.weight, seed - 3)
-            elif not pre_process:  # a copy on the last stage, kept equal by pipeline_parallel
+            # A copy of the word embeddings on the last stage, kept equal by pipeline_parallel:
+            # the tied output layer's weight, and what multi-token prediction embeds with.
+            if not pre_process and (cfg.tie_output or cfg.mtp_num_layers):
                 rows = tp.divide_by_tp(cfg.vocab_size, "vocab_size")
                 self.output_weight = nn.Parameter(
                     torch.zeros(rows, cfg.hidden_size, device=device, dtype=dtype)
                 )
                 tp.set_tensor_model_parallel_attributes(self.output_weight, True, 0)
                 self.output_weight.shared_embedding = True
-        if pre_process and not post_process and cfg.tie_output:
+        if pre_process and not post_process and (cfg.tie_output or cfg.mtp_num_layers):
             self.embedding.weight.shared_embedding = True
 
     def _replicated_embedding(self, rows: int, seed: int, device, dtype, initialize: bool):
@@ -259,6 +263,19 @@ class LanguageModel(nn.Module):
             x = x + self.tokentype_embedding(token_types)
         if cfg.block_order == "post_ln":
             x = self.embedding_layernorm(x)
+        return self._as_hidden(x)
+
+    def embed_words(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> their word embeddings alone as [s, b, h] hidden states (this
+        rank's part of s under sequence parallelism), on any stage that holds the word
+        embeddings or their copy (multi-token prediction's)."""
+        weight = self.word_embeddings_weight()
+        start = self.parallel.tp_rank * weight.size(0)
+        return self._as_hidden(tp.vocab_parallel_embedding(tokens, weight, start))
+
+    def _as_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, h] embeddings -> [s, b, h], scattered under sequence parallelism, dropped out."""
+        cfg = self.config
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if cfg.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x)
@@ -286,18 +303,35 @@ class LanguageModel(nn.Module):
     ) -> torch.Tensor:
         """The chunk's layers, then the final LayerNorm on a last pre_ln stage."""
         for i, layer in self.layers.items():
-            call = self.in_rank_stream(layer)
-            if self.checkpointed_layer is not None and self.training:
-                x = self.checkpointed_layer(call, x, mask)
-            elif cache is None:
-                # No layer id when there is no cache to key: under training.compile one
-                # compiled graph then serves every layer (an id would recompile per layer).
-                x = call(x, mask)
-            else:
-                x = layer(x, mask, cache, int(i))
+            x = self.run_layer(layer, x, mask, cache, int(i))
         if self.post_process and self.config.block_order == "pre_ln":
             x = self.final_layernorm(x)
         return x
+
+    def run_layer(
+        self,
+        layer: TransformerLayer,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer_id: int = 0,
+    ) -> torch.Tensor:
+        """One layer of the chunk (its own, or multi-token prediction's) as the chunk runs its
+        layers: under full recompute, in the TP ranks' own random stream."""
+        call = self.in_rank_stream(layer)
+        if self.checkpointed_layer is not None and self.training:
+            return self.checkpointed_layer(call, x, mask)
+        if cache is None:
+            # No layer id when there is no cache to key: under training.compile one compiled
+            # graph then serves every layer (an id would recompile per layer).
+            return call(x, mask)
+        return layer(x, mask, cache, layer_id)
+
+    def transformer_layers(self) -> list[TransformerLayer]:
+        """Every transformer layer of the chunk, its own then multi-token prediction's: what
+        recompute, context parallelism, compile, float8 and FSDP apply to."""
+        mtp = getattr(self, "mtp", None)
+        return [*self.layers.values(), *(mtp.transformer_layers() if mtp is not None else [])]
 
     def in_rank_stream(self, layer):
         """`layer`, or `layer` called inside the TP ranks' own random stream when every draw
@@ -316,6 +350,11 @@ class LanguageModel(nn.Module):
         when the output layer has its own weight (`tie_output` False)."""
         if not self.config.tie_output:
             return None
+        return self.word_embeddings_weight()
+
+    def word_embeddings_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the word embeddings: the first stage's own, or the
+        last stage's copy (`output_weight`)."""
         return self.embedding.weight if self.output_weight is None else self.output_weight
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,10 @@ class TransformerConfig(MoEConfig):
     layer_types: tuple[str, ...] | None = None
     # "learnable": attention sinks, a learned logit per head in the softmax's denominator.
     softmax_type: str = "vanilla"
+    # Multi-token prediction's depths on the last stage (`models.mtp`; None: none) and the
+    # weight of their mean loss.
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -21,7 +21,7 @@ def apply_compile(chunk):
     seed gives the same masks with compile on or off (inductor's own in-kernel random
     numbers would be a little faster and draw other masks).
     """
-    for layer in chunk.layers.values():
+    for layer in chunk.transformer_layers():
         layer.compile(options={"fallback_random": True})
     return chunk
 
@@ -45,7 +45,7 @@ def apply_float8(chunk, recipe: "tp.Float8Recipe"):
     (and the tied embeddings they share a weight with) stay bf16, where float8's few
     mantissa bits would cost the most.  A linear whose dimensions are not multiples of 16
     keeps bf16 (`Float8Recipe.applies_to`)."""
-    for layer in chunk.layers.values():
+    for layer in chunk.transformer_layers():
         for module in layer.modules():
             if isinstance(module, tp.ColumnParallelLinear | tp.RowParallelLinear):
                 module.float8 = recipe

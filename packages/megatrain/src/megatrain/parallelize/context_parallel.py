@@ -46,7 +46,7 @@ def apply_context_parallel(chunk, comm_type: str, cp: ContextParallel | None = N
     if cp.size == 1:
         return chunk
     chunk.context_parallel = cp
-    for layer in chunk.layers.values():
+    for layer in chunk.transformer_layers():
         layer.attention.context_parallel = cp
     return chunk
 

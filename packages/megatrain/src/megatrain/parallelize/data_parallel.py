@@ -69,7 +69,7 @@ def apply_fsdp(
             p.data = p.data.float()
     units = [
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        for layer in chunk.layers.values()
+        for layer in chunk.transformer_layers()
     ]
     # Each layer's all-gather is issued before the layer ahead of it computes: the next one's
     # in the forward, the previous one's in the backward (FSDP's own streams overlap them

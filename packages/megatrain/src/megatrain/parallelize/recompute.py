@@ -20,7 +20,7 @@ def apply_recompute(chunk, mode: str, distribute_saved_activations: bool = False
     every mode computes the same numbers."""
     if mode not in RECOMPUTE_CHOICES:
         raise ValueError(f"model.recompute must be one of {RECOMPUTE_CHOICES}, not {mode!r}")
-    for layer in chunk.layers.values():
+    for layer in chunk.transformer_layers():
         attention = layer.attention
         attention.core_attention = (
             partial(tp.checkpoint, attention.core, False) if mode == "selective" else attention.core

@@ -108,6 +108,13 @@ def format_line(record: dict) -> str:
     for key, pattern in fmt.items():
         if record.get(key) is not None:
             parts.append(pattern.format(record[key]))
+        if key in ("loss", "valid_loss"):  # multi-token prediction's depths after the LM loss
+            prefix, label = key.replace("loss", "mtp_loss/depth"), key.replace("_", " ")[:-4]
+            parts += [
+                f"{label}MTP{name.removeprefix(prefix)} {value:.4f}"
+                for name, value in record.items()
+                if name.startswith(prefix) and value is not None
+            ]
     if record.get("moe_load"):  # the least balanced MoE layer (each layer's in log.jsonl)
         parts.append(f"expert load max/mean {max(record['moe_load'].values()):.2f}")
     if record.get("moe_dropped"):

@@ -11,6 +11,7 @@ from megacore import parallel_state as ps
 from megacore import pipeline_parallel as pipe
 from megatrain.config import Config
 from megatrain.models import moe
+from megatrain.models.mtp import mtp_targets
 from megatrain.parallelize import (
     aux_loss_over_layout,
     split_batch_for_context_parallel,
@@ -32,16 +33,27 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return out
 
 
-def _forward_step(data_iterator, model):
+def microbatches(run: Run, source) -> list[dict]:
+    """The next `run.num_microbatches` microbatches of `source` on the run's device, each with
+    multi-token prediction's shifted tokens, targets and mask when the model has MTP
+    (`mtp.mtp_targets`, made from the whole sequence before any context-parallel split)."""
+    depth = run.model_config.mtp_num_layers
+    out = [to_device(next(source), run.device) for _ in range(run.num_microbatches)]
+    return [mtp_targets(b, depth) for b in out] if depth else out
+
+
+def _forward_step(data_iterator, model, mtp_loss_scale: float = 0.0):
     batch = next(data_iterator)
     if "labels" in batch:  # GPT; packed documents: their positions, documents, loss mask
         cp = ps.get_context_parallel_world_size()
         if cp > 1:  # this rank's two chunks of each sequence, with their global positions
             batch = split_batch_for_context_parallel(batch, ps.get_context_parallel_rank(), cp)
         documents = {k: batch[k] for k in ("position_ids", "segments") if k in batch}
-        output = model(batch["tokens"], batch["labels"], **documents)
-        if "loss_mask" in batch:
-            return output, partial(_masked_loss, batch["loss_mask"], cp)
+        mtp = {k: batch[k] for k in ("mtp_tokens", "mtp_labels") if k in batch}
+        output = model(batch["tokens"], batch["labels"], **documents, **mtp)
+        if "loss_mask" in batch or mtp:
+            masks = (batch.get("loss_mask"), batch.get("mtp_mask"))
+            return output, partial(gpt_loss, *masks, mtp_loss_scale, cp)
     else:  # BERT
         output = model(
             batch["tokens"],
@@ -61,18 +73,44 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _masked_loss(loss_mask: torch.Tensor, cp: int, output: torch.Tensor):
-    """The mean loss over the tokens `loss_mask` keeps (data.eod_mask_loss).  Under context
-    parallelism each rank holds part of the microbatch: its sum over the microbatch's count
-    of kept tokens, times cp, so that the gradients' mean over the CP ranks (the
-    data-parallel reduction includes them) and the logged mean are the microbatch's mean
-    (the L of megacore.moe's gradient-scale rule)."""
-    mask = loss_mask.float()
-    count = mask.sum()
+def gpt_loss(
+    loss_mask: torch.Tensor | None,
+    mtp_mask: torch.Tensor | None,
+    mtp_loss_scale: float,
+    cp: int,
+    output: torch.Tensor | dict,
+):
+    """A GPT microbatch's loss from the model's loss per token: the mean over the tokens
+    `loss_mask` keeps (data.eod_mask_loss; None: all), plus with multi-token prediction
+    (`output` {"lm", "mtp"}) mtp_loss_scale / D times the sum of each depth's mean over the
+    targets its column of `mtp_mask` keeps.  Every mean is over the microbatch's count of
+    kept targets, never a rank's: under context parallelism each rank holds part of the
+    microbatch and takes its sum over the microbatch's count (all-reduced over CP, one
+    all-reduce for every count), times cp, so that the gradients' mean over the CP ranks (the
+    data-parallel reduction includes them) and the logged mean are the microbatch's mean (the
+    L of megacore.moe's gradient-scale rule); the microbatches' and the DP ranks' means are
+    then averaged as the main loss's, which is what one process computes.  Logged: "loss"
+    (the LM loss alone) and "mtp_loss/depth<k>"."""
+    lm, mtp = (output["lm"], output["mtp"]) if isinstance(output, dict) else (output, None)
+    values, masks = [], []
+    if loss_mask is not None:
+        values.append(lm.float())
+        masks.append(loss_mask.float())
+    if mtp is not None:
+        values += list(mtp.float().unbind(-1))
+        masks += list(mtp_mask.float().unbind(-1))
+    counts = torch.stack([m.sum() for m in masks])
     if cp > 1:
-        dist.all_reduce(count, group=ps.get_context_parallel_group())
-    loss = (output.float() * mask).sum() * cp / count.clamp(min=1)
-    return loss, {"loss": loss.detach()}
+        dist.all_reduce(counts, group=ps.get_context_parallel_group())
+    means = [
+        (v * m).sum() * cp / c.clamp(min=1) for v, m, c in zip(values, masks, counts, strict=True)
+    ]
+    loss = means.pop(0) if loss_mask is not None else lm.float().mean()
+    stats = {"loss": loss.detach()}
+    if mtp is not None:
+        stats.update({f"mtp_loss/depth{k + 1}": m.detach() for k, m in enumerate(means)})
+        loss = loss + mtp_loss_scale / len(means) * torch.stack(means).sum()
+    return loss, stats
 
 
 def forward_backward(
@@ -90,8 +128,9 @@ def forward_backward(
     task brings its own)."""
     t = run.config.training
     interleaved = len(run.chunks) > 1
+    mtp_scale = run.model_config.mtp_loss_scaling_factor
     infos = pipe.get_forward_backward_func(run.config.parallel.pipeline_schedule)(
-        forward_step_func=forward_step or _forward_step,
+        forward_step_func=forward_step or partial(_forward_step, mtp_loss_scale=mtp_scale),
         data_iterator=[iter(microbatches) for _ in run.chunks]
         if interleaved
         else iter(microbatches),
@@ -108,7 +147,7 @@ def forward_backward(
     )
     # The last stage holds the losses: average over DP (and CP: each CP rank's loss is its
     # part's, scaled so that their mean is the microbatch's), then share over the pipeline.
-    names = names or STATISTICS[run.kind]
+    names = names or statistic_names(run)
     total = torch.zeros(len(names), device=run.device)
     if infos:
         total += torch.stack([torch.stack([i[n].float() for n in names]) for i in infos]).mean(0)
@@ -127,6 +166,13 @@ STATISTICS = {
 }
 
 
+def statistic_names(run: Run) -> tuple[str, ...]:
+    """What the run's last stage reports per microbatch: its kind's `STATISTICS`, and each
+    multi-token prediction depth's loss ("mtp_loss/depth<k>"; "loss" is then the LM loss)."""
+    depth = run.model_config.mtp_num_layers or 0
+    return STATISTICS[run.kind] + tuple(f"mtp_loss/depth{k}" for k in range(1, depth + 1))
+
+
 def evaluate(run: Run, statistics: bool = False) -> float | dict:
     """Mean loss over `eval_iters` global batches of the valid split, always from its start
     (with `statistics`, every statistic of `forward_backward`, averaged)."""
@@ -137,7 +183,7 @@ def evaluate(run: Run, statistics: bool = False) -> float | dict:
     results = []
     with torch.no_grad():
         for _ in range(t.eval_iters):
-            micro = [to_device(next(batches), run.device) for _ in range(run.num_microbatches)]
+            micro = microbatches(run, batches)
             results.append(forward_backward(run, micro, forward_only=True))
     for c in run.chunks:
         c.train()
@@ -167,7 +213,7 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
     lr = lr_for(run.config, run.iteration)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    micro = [to_device(next(run.train_data), run.device) for _ in range(run.num_microbatches)]
+    micro = microbatches(run, run.train_data)
     # MoE: the auxiliary losses' gradients scaled as the main loss's (1 / microbatches, x the
     # fp16 loss scale), each layer's load counted from zero.  Times cp: a CP rank's aux and z
     # losses are its share of its sequences' (the shares add up over the CP ranks), while the
@@ -185,7 +231,7 @@ def train_step(run: Run, stop_flag: torch.Tensor | None = None) -> dict:
         if aux is not None:
             parts.append(aux.to(totals.device, totals.dtype).view(1))
         values = torch.cat(parts).tolist()  # the iteration's one host sync
-        names = STATISTICS[run.kind]
+        names = statistic_names(run)
         stats = dict(zip(names, values[: len(names)], strict=True))
         ok, grad_norm, _ = run.optimizer.settle_step(*values[len(names) : len(names) + 2])
         if stop_flag is not None:

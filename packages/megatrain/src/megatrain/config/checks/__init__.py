@@ -6,6 +6,7 @@ from megatrain.config.checks.attention import _check_attention
 from megatrain.config.checks.checkpoint import _check_checkpoint
 from megatrain.config.checks.data import _check_data, _check_masking
 from megatrain.config.checks.model import _check_dropout, _check_model
+from megatrain.config.checks.mtp import _check_mtp
 from megatrain.config.checks.optimizer import _check_optimizer
 from megatrain.config.checks.parallel import (
     _check_expert_parallel,
@@ -29,6 +30,7 @@ def validate(config: Config, world_size: int | None = None) -> int:
     _check_sizes(config)
     _check_model(config)
     _check_attention(config)
+    _check_mtp(config)
     _check_training(config)
     _check_data(config)
     _check_masking(config)

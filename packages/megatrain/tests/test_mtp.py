@@ -1,0 +1,229 @@
+"""Multi-token prediction (DeepSeek-V3's MTP, `models.mtp`).
+
+- `mtp_targets`: each depth's shifted tokens, targets and mask against a loop over positions
+  (the end of the sequence, packed documents, EOD-masked targets).
+- The model's per-depth losses equal the formula written out from its weights (embedding
+  first in the concatenation, the depth before's normed states, each depth's own norm, the
+  shared output layer); the other order gives other losses.
+- The normalisation is the microbatch's count of kept targets at every layout (4 gloo ranks,
+  cp 2 x dp 2, packed documents with EOD masking, uneven counts over the CP and the DP
+  ranks): every parameter's gradient equals one process's, and the logged losses; a rank's
+  own count in its place (Megatron-LM's MTP under CP) gives other gradients.
+- Real gloo groups, the training loop against one process (losses, each depth's loss, grad
+  norms, validation loss and each depth's validation loss): tp 2 + sp, pp 2 (1F1B; ZB-H1
+  with full recompute), cp 2 (p2p) with packed documents, dp 2 with the distributed
+  optimizer and packed documents, FSDP.
+- Refusals before any worker starts, naming the field.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacore import parallel_state as ps
+from megacore.testing import run_distributed
+from megatrain.models.gpt import GPTModel
+from megatrain.models.layout import ParallelContext
+from megatrain.models.mtp import mtp_targets
+from megatrain.models.transformer_config import TransformerConfig
+
+VOCAB, STEPS, FP32_TOL = 200, 3, 2e-5
+
+
+# --- the shifted targets ------------------------------------------------------------------
+
+
+def _packed_batch(seed: int, b: int = 2, s: int = 12) -> dict:
+    """Random tokens with EODs (id 0) in them: documents, positions and the EOD loss mask as
+    `data.document_arrays` makes them."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (b, s + 1), generator=g)
+    tokens[tokens % 5 == 0] = 0  # EODs, unevenly placed
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    is_eod = inputs == 0
+    segments = torch.zeros_like(inputs)
+    segments[:, 1:] = is_eod[:, :-1].cumsum(1)
+    starts = torch.cat([torch.zeros(b, 1, dtype=torch.bool), is_eod[:, :-1]], 1)
+    index = torch.arange(s).expand(b, s)
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 1).values
+    return {
+        "tokens": inputs.contiguous(),
+        "labels": labels.contiguous(),
+        "position_ids": index - first,
+        "segments": segments,
+        "loss_mask": (~is_eod).float(),
+    }
+
+
+def test_mtp_targets_shift_within_the_sequence_and_the_document():
+    batch = _packed_batch(0)
+    depth = 3
+    out = mtp_targets(batch, depth)
+    b, s = batch["tokens"].shape
+    assert out["mtp_tokens"].shape == out["mtp_labels"].shape == out["mtp_mask"].shape
+    assert out["mtp_mask"].shape == (b, s, depth)
+    seen = {"document": 0, "end": 0, "eod": 0}
+    for r in range(b):
+        for i in range(s):
+            for k in range(1, depth + 1):
+                j = i + k
+                if j >= s:
+                    seen["end"] += 1
+                    assert out["mtp_mask"][r, i, k - 1] == 0
+                    continue
+                assert out["mtp_tokens"][r, i, k - 1] == batch["tokens"][r, j]
+                assert out["mtp_labels"][r, i, k - 1] == batch["labels"][r, j]
+                other = batch["segments"][r, j] != batch["segments"][r, i]
+                eod = batch["loss_mask"][r, j] == 0
+                seen["document"] += int(bool(other))
+                seen["eod"] += int(bool(eod) and not other)
+                assert out["mtp_mask"][r, i, k - 1] == float(not (other or eod)), (r, i, k)
+    assert all(seen.values()), seen  # every reason to mask a target occurred
+    plain = mtp_targets({"tokens": batch["tokens"], "labels": batch["labels"]}, depth)
+    assert plain["mtp_mask"][:, : s - depth].eq(1).all()  # no documents: the end alone
+
+
+# --- the formula ----------------------------------------------------------------------------
+
+
+def _cfg(**kw) -> TransformerConfig:
+    base = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization="rmsnorm", position_embedding="rope", swiglu=True, add_bias=False,
+        tie_output=False, ffn_hidden_size=48, init_method_std=0.1, mtp_num_layers=2,
+    )  # fmt: skip
+    return TransformerConfig(**{**base, **kw})
+
+
+def _written_out(model: GPTModel, batch: dict, embedding_first: bool = True) -> torch.Tensor:
+    """Each depth's loss per token from the model's weights, the formula written out."""
+    h = model.run_layers(model.embed(batch["tokens"]))  # after the final norm: h^0
+    losses = []
+    for k, depth in enumerate(model.mtp.layers.values()):
+        e = F.embedding(batch["mtp_tokens"][..., k], model.embedding.weight).transpose(0, 1)
+        parts = [depth.enorm(e), depth.hnorm(h)]
+        joined = torch.cat(parts if embedding_first else parts[::-1], -1)
+        h = depth.final_layernorm(depth.layer(F.linear(joined, depth.eh_proj.weight)))
+        logits = F.linear(h, model.output_layer.weight)  # the shared output layer
+        target = batch["mtp_labels"][..., k].t()
+        losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none"))
+        losses[-1] = losses[-1].view_as(target).t()
+    return torch.stack(losses, -1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mtp_losses_are_the_formula(gloo_world_of_one, tied):
+    cfg = _cfg(tie_output=tied, **({"normalization": "layernorm"} if tied else {}))
+    model = GPTModel(cfg, seed=7, parallel=ParallelContext())
+    if tied:
+        model.output_layer.weight = model.embedding.weight  # the written-out form reads it
+    batch = mtp_targets(_packed_batch(3, s=10), 2)
+    args = {k: batch[k] for k in ("mtp_tokens", "mtp_labels")}
+    out = model(batch["tokens"], batch["labels"], **args)
+    assert set(out) == {"lm", "mtp"} and out["mtp"].shape == (2, 10, 2)
+    with torch.no_grad():
+        expected = _written_out(model, batch)
+        swapped = _written_out(model, batch, embedding_first=False)
+    torch.testing.assert_close(out["mtp"], expected, rtol=1e-5, atol=1e-5)
+    assert (swapped - expected).abs().max() > 1e-2  # the order is seen
+    lm = model(batch["tokens"], batch["labels"])  # without the depths' inputs: the LM loss
+    torch.testing.assert_close(lm, out["lm"])
+    # Every MTP parameter learns from the depths' losses (and only theirs).
+    out["mtp"].sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.mtp.parameters())
+
+
+def test_mtp_layer_takes_the_kind_of_its_position(gloo_world_of_one):
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    # Every other layer MoE: position num_layers = 2 is one; a 0/1 list: the last layer's kind.
+    every_other = GPTModel(_cfg(moe_layer_freq=2, **moe), parallel=ParallelContext())
+    dense_last = GPTModel(_cfg(moe_layer_freq=[1, 0], **moe), parallel=ParallelContext())
+    kinds = [
+        [type(d.layer.mlp).__name__ for d in m.mtp.layers.values()]
+        for m in (every_other, dense_last)
+    ]
+    assert kinds == [["MoELayer", "ParallelMLP"], ["ParallelMLP", "ParallelMLP"]]
+
+
+# --- the normalisation at cp 2 x dp 2 ---------------------------------------------------------
+
+SCALE = 0.3
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _documents_and_depths(batch: dict) -> dict:
+    keys = ("position_ids", "segments", "mtp_tokens", "mtp_labels")
+    return {k: batch[k] for k in keys}
+
+
+def _normalisation_rank(seq: int):
+    from megatrain.parallelize import apply_context_parallel, split_batch_for_context_parallel
+    from megatrain.run.step import _forward_step, gpt_loss
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=2)
+    dp, cp = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    micro = [mtp_targets(_packed_batch(10 + i, s=seq), 2) for i in range(2)]
+    cfg = _cfg()
+    names = ("loss", "mtp_loss/depth1", "mtp_loss/depth2")
+
+    def built():
+        return GPTModel(cfg, seed=5, parallel=ParallelContext())
+
+    def mean_over_layout(grads: dict) -> dict:  # the DDP's mean over dp x cp
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+            g /= 4
+        return grads
+
+    # One process: both microbatches, each its own mean, the gradients accumulated / 2.
+    one, logged_one = built(), []
+    for batch in micro:
+        out = one(batch["tokens"], batch["labels"], **_documents_and_depths(batch))
+        loss, stats = gpt_loss(batch["loss_mask"], batch["mtp_mask"], SCALE, 1, out)
+        (loss / 2).backward()
+        logged_one.append(torch.stack([stats[n] for n in names]))
+    # This rank: its DP rank's microbatch, its CP part, as the train step runs it.
+    model = apply_context_parallel(built(), "p2p")
+    output, loss_func = _forward_step(iter([micro[dp]]), model, mtp_loss_scale=SCALE)
+    loss, stats = loss_func(output)
+    loss.backward()
+    logged = torch.stack([stats[n] for n in names])
+    dist.all_reduce(logged, group=group)
+    # Megatron-LM's MTP under CP: the LM loss as ours, each depth over the rank's own count.
+    local = apply_context_parallel(built(), "p2p")
+    part = split_batch_for_context_parallel(micro[dp], cp, 2)
+    out = local(part["tokens"], part["labels"], **_documents_and_depths(part))
+    lm, _ = gpt_loss(part["loss_mask"], None, 0.0, 2, out["lm"])
+    masks = part["mtp_mask"].unbind(-1)
+    own = [(out["mtp"][..., k] * m).sum() / m.sum() for k, m in enumerate(masks)]
+    (lm + SCALE / 2 * sum(own)).backward()
+    counts = torch.stack([m.sum() for m in masks])
+    all_counts = [torch.zeros_like(counts) for _ in range(4)]
+    dist.all_gather(all_counts, counts, group=group)
+    return {
+        "reference": _grads(one),
+        "grads": mean_over_layout(_grads(model)),
+        "local": mean_over_layout(_grads(local)),
+        "logged": logged / 4,
+        "reference_logged": sum(logged_one) / 2,
+        "counts": torch.stack(all_counts),
+    }
+
+
+def test_mtp_loss_is_normalised_by_the_microbatch_count_at_cp2_dp2():
+    results = run_distributed(_normalisation_rank, 4, args=(16,), timeout=300)
+    for rank, r in enumerate(results):
+        assert len(set(map(tuple, r["counts"].tolist()))) > 1, r["counts"]  # uneven counts
+        assert r["grads"].keys() == r["reference"].keys()
+        assert any(n.startswith("mtp.") for n in r["grads"])
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(g, r["reference"][name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(r["logged"], r["reference_logged"], rtol=1e-5, atol=1e-6)
+        worst = max((r["local"][n] - r["reference"][n]).abs().max() for n in r["reference"])
+        assert worst > 1e-4, (rank, worst)  # a rank's own count gives other gradients
