@@ -25,6 +25,14 @@ those the experts are chosen by (with the expert bias under sigmoid, as HF's).
 Then `scaling_factor` multiplies the weights (Megatron's moe_router_topk_scaling_factor,
 HF's routed_scaling_factor, after any normalization as both do).
 
+Capacity (`drop_over_capacity`): ceil(T x k / E x factor) choices an expert takes at most
+of a microbatch's T tokens, the rest dropped by the policy.  Where the tokens of the
+microbatch are spread over ranks (sequence parallelism over TP, chunks over CP),
+`drop_over_capacity_in_layout` decides over all of them as one process does (T the
+microbatch's s x b, the same choices kept), from an all-gather of the choices alone, so
+every layout drops what one process drops (megatron-core decides per rank instead, from
+its s / (tp x cp) tokens).
+
 The auxiliary losses return this rank's share of a loss over a `group` of ranks that each
 hold part of the tokens (megatron-core passes the tensor x context parallel group): the
 token counts per expert are summed over the group, so the shares add up over the group to
@@ -35,9 +43,15 @@ rank, so their gradient scale carries x cp against the data-parallel mean (see
 """
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
+
+from megacore import parallel_state as ps
+from megacore.collectives import all_gather_flat
+from megacore.context_parallel import cp_chunk_indices
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
@@ -133,7 +147,9 @@ def drop_over_capacity(
 
     "probs": each expert keeps the choices of highest weight; "position": those of the
     earliest tokens.  Sort-based, no loop: the choices sorted by expert (then by the
-    policy's key), each one's rank within its expert compared with the capacity."""
+    policy's key), each one's rank within its expert compared with the capacity.  `probs`
+    is read under "probs" only.  Over `indices`' T tokens alone: a rank holding part of a
+    microbatch decides with `drop_over_capacity_in_layout`."""
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     T, k = indices.shape
@@ -150,6 +166,100 @@ def drop_over_capacity(
     keep = torch.empty_like(flat, dtype=torch.bool)
     keep[order] = rank_in_expert < capacity
     return torch.where(keep, flat, DROPPED).view(T, k)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where the ranks of `group` hold a microbatch's tokens: each CP rank c of `cp` its
+    chunks c and 2cp-1-c of every sequence (`cp_chunk_indices`), split over `tp` TP ranks
+    (sequence parallelism: TP rank t the t-th contiguous 1/tp of them; `tp` 1 without), every
+    rank [s_local, b] of them.  `group` is parallel_state's TP x CP group (the CP group when
+    tp is 1), whose ranks go TP innermost: group rank g = c x tp + t; `rank` is this one's."""
+
+    group: object
+    rank: int
+    tp: int
+    cp: int
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp
+
+    def token_order(self, s_local: int, batch: int, device) -> torch.Tensor:
+        """LongTensor [size x s_local x batch]: for each row of the group's tokens gathered
+        in group-rank order (each rank's [s_local, b] flattened), its index among one
+        process's s x b tokens of the microbatch (position x b + sequence)."""
+        return _token_order(s_local, batch, self.tp, self.cp, torch.device(device))
+
+
+def token_layout(sequence_parallel: bool) -> TokenLayout | None:
+    """The layout of parallel_state's groups: the sequence split over TP under
+    `sequence_parallel` (without it, as in forward passes at tp > 1, the TP ranks hold the
+    same tokens), over CP always; None when this rank holds all its microbatch's tokens."""
+    tp = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    cp = ps.get_context_parallel_world_size()
+    if tp * cp == 1:
+        return None
+    if tp == 1:
+        return TokenLayout(ps.get_context_parallel_group(), ps.get_context_parallel_rank(), 1, cp)
+    group, rank = (
+        ps.get_tensor_and_context_parallel_group(),
+        ps.get_tensor_and_context_parallel_rank(),
+    )
+    return TokenLayout(group, rank, tp, cp)
+
+
+@lru_cache(maxsize=16)
+def _token_order(s_local: int, batch: int, tp: int, cp: int, device) -> torch.Tensor:
+    ranks = []
+    for c in range(cp):
+        positions = cp_chunk_indices(s_local * tp * cp, c, cp).view(tp, s_local)
+        ranks += [positions[t] for t in range(tp)]
+    positions = torch.stack(ranks)  # [tp x cp, s_local], in group-rank order
+    order = positions[:, :, None] * batch + torch.arange(batch)
+    return order.reshape(-1).to(device)
+
+
+@torch.no_grad()
+def drop_over_capacity_in_layout(
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    num_experts: int,
+    capacity_factor: float,
+    drop_policy: str,
+    layout: TokenLayout,
+    batch: int,
+) -> torch.Tensor:
+    """`drop_over_capacity` as one process decides it, on a rank that holds `layout.rank`'s
+    part of a microbatch ([s_local x batch, k], its rows [s_local, b] flattened): the
+    capacity from the whole microbatch's s x b tokens, and each expert keeping the choices
+    one process keeps (under "position" the earliest in the global sequence order, under
+    "probs" the highest weights, ties to the earlier token in that order).
+
+    Megatron-core decides per rank, from its s / (tp x cp) tokens: its capacity and its
+    choices then depend on the layout.  Here the decision needs every choice of the group:
+    one all-gather over `layout.group` of int32 per choice, the expert id ("position": 4
+    bytes a choice, 4k a token) or the expert id and the fp32 weight's bits ("probs": 8
+    bytes a choice, 8k a token), against the experts' [s_local x b, h] rows of 2h bytes or
+    more a token, sent k times.  Every rank then runs the one-process decision over the
+    group's s x b x k choices and keeps its own rows' (no host sync; no gradient)."""
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    T = indices.shape[0]
+    if T % batch:
+        raise ValueError(f"drop_over_capacity_in_layout: {T} tokens are not [s, {batch}]")
+    mine = indices.to(torch.int32)[..., None]
+    if drop_policy == "probs":  # the weight travels as its bits, in the same collective
+        mine = torch.cat([mine, probs.detach().float().view(torch.int32)[..., None]], -1)
+    gathered = mine.new_empty((layout.size * T, *mine.shape[1:]))
+    all_gather_flat(gathered, mine.contiguous(), group=layout.group)
+    order = layout.token_order(T // batch, batch, indices.device)
+    whole = torch.empty_like(gathered)
+    whole[order] = gathered  # one process's token order
+    whole_probs = whole[..., 1].view(torch.float32) if drop_policy == "probs" else None
+    kept = drop_over_capacity(whole_probs, whole[..., 0], num_experts, capacity_factor, drop_policy)
+    kept = kept[order[layout.rank * T : (layout.rank + 1) * T]]
+    return torch.where(kept == DROPPED, DROPPED, indices)
 
 
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:

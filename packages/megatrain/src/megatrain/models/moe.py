@@ -85,7 +85,8 @@ def _activation(cfg) -> str:
 
 class TopKRouter(nn.Module):
     """The router's weight, bias and expert bias; `forward(tokens [T, h], batch)` -> (probs
-    [T, k], indices [T, k], with dropped choices -1), the auxiliary losses attached."""
+    [T, k], indices [T, k], with dropped choices -1), the auxiliary losses attached.  With a
+    capacity, the drops are one process's at every layout (`token_layout`)."""
 
     def __init__(self, cfg, place: dict):
         super().__init__()
@@ -106,6 +107,10 @@ class TopKRouter(nn.Module):
         # Part of megacore.moe's gradient-scale rule: the losses are this rank's shares over it,
         # their gradient scaled by MoEAuxLossAutoScaler (the main loss's scale x cp).
         self.aux_loss_group = None
+        # Where the microbatch's other tokens are (`megacore.moe.TokenLayout`, set by
+        # parallelize.expert_parallel when sequence or context parallelism spreads them):
+        # capacity drops are decided over all of them, as one process decides them.
+        self.token_layout = None
         self.last_aux_loss = None  # this microbatch's aux (or seq aux) loss / coeff, detached
 
     def forward(self, tokens: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,10 +134,15 @@ class TopKRouter(nn.Module):
             group_score_topk=cfg.moe_router_group_score_topk,
         )
         if cfg.moe_expert_capacity_factor is not None:
-            indices = moe.drop_over_capacity(
-                probs, indices, cfg.num_moe_experts, cfg.moe_expert_capacity_factor,
-                cfg.moe_token_drop_policy,
-            )  # fmt: skip
+            capacity = (cfg.num_moe_experts, cfg.moe_expert_capacity_factor)
+            if self.token_layout is None:
+                indices = moe.drop_over_capacity(
+                    probs, indices, *capacity, cfg.moe_token_drop_policy
+                )
+            else:
+                indices = moe.drop_over_capacity_in_layout(
+                    probs, indices, *capacity, cfg.moe_token_drop_policy, self.token_layout, batch
+                )
         kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
         if train and coeff and kind != "none":
             scores, routing_map = moe.routing_scores_for_aux_loss(

@@ -9,7 +9,7 @@ tokens of whole sequences (`aux_loss_group`, TP x CP under sequence/context para
 import torch
 import torch.distributed as dist
 
-from megacore import parallel_state
+from megacore import moe, parallel_state
 from megacore.moe.token_dispatcher import build_token_dispatcher
 from megatrain.checkpoint.dcp import expert_layout
 from megatrain.models.moe import moe_layers
@@ -22,10 +22,13 @@ def apply_expert_parallel(chunk) -> None:
     where the tokens of one sequence are spread over TP (sequence parallelism) or CP ranks,
     that group for the router's load-balancing and z losses, whose token counts and
     averages must cover the whole sequence to be one process's numbers (Megatron-LM #1652,
-    #3672).  Nothing changes without process groups (one process)."""
+    #3672), and where those tokens lie (`token_layout`), over which capacity drops are
+    decided as one process decides them.  Nothing changes without process groups (one
+    process)."""
     if not parallel_state.model_parallel_is_initialized():
         return
     spread = parallel_state.get_tensor_and_context_parallel_world_size() > 1
+    layout = moe.token_layout(chunk.config.sequence_parallel)
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     etp = parallel_state.get_expert_tensor_parallel_world_size()
     for layer in moe_layers([chunk]):
@@ -48,6 +51,8 @@ def apply_expert_parallel(chunk) -> None:
             # Part of megacore.moe's gradient-scale rule: the router's losses become TP x CP
             # shares (the train step's x cp undoes the DDP's 1/cp on their gradients).
             layer.router.aux_loss_group = parallel_state.get_tensor_and_context_parallel_group()
+        if cfg.moe_expert_capacity_factor is not None:
+            layer.router.token_layout = layout
 
 
 def aux_loss_over_layout(chunks, cfg, device) -> torch.Tensor | None:
