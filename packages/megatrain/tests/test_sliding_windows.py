@@ -221,3 +221,50 @@ def test_sliding_layers_count_their_band_of_scores():
     assert attention_core_flops(windowed, s, s, True, None) == square / 2
     spanning = TransformerConfig(**base, window_size=s)
     assert transformer_forward_flops(spanning, 1, s) == transformer_forward_flops(plain, 1, s)
+
+
+def test_the_blocked_window_path_equals_the_masked_one():
+    """The CPU's sliding-window path for long sequences (`core.windowed_attention`: blocks of
+    queries, each against only the keys its window reaches) equals attention with the full
+    s x s window mask in float64 — output and q, k, v and sink gradients — with grouped K/V,
+    packed documents and sinks, at lengths that leave a partial last block; `attend` takes it
+    when the sequence exceeds two blocks."""
+    import torch
+
+    from megacore.attention_kernels import attention_with_sinks
+    from megatrain.models.attention.core import attend, windowed_attention
+    from megatrain.models.attention.inputs import AttentionInputs
+    from megatrain.models.attention.masks import causal_mask, document_mask
+
+    g = torch.Generator().manual_seed(0)
+    for s, window, documents, with_sinks in (
+        (300, 7, False, False), (300, 70, True, True), (257, 64, True, False), (200, 5, False, True)
+    ):  # fmt: skip
+        q = torch.randn(2, 4, s, 16, generator=g, dtype=torch.float64, requires_grad=True)
+        k, v = (
+            torch.randn(2, 2, s, 16, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in "kv"
+        )
+        sinks = None
+        if with_sinks:
+            sinks = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+        segments = (torch.arange(s) // 90).repeat(2, 1) if documents else None
+        mask = document_mask(segments, window) if documents else causal_mask(s, window, "cpu")
+        if with_sinks:
+            reference = attention_with_sinks(q, k, v, sinks, mask=mask)
+        else:
+            reference = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True
+            )
+        inputs = AttentionInputs(segments=segments, seq_len=s)
+        through_attend = attend(q, k, v, inputs, causal=True, dropout_p=0.0, tp_size=1,
+                                context_parallel=None, window=window, sinks=sinks)  # fmt: skip
+        blocked = windowed_attention(q, k, v, window, segments, sinks)
+        assert torch.equal(through_attend, blocked)
+        leaves = [q, k, v] + ([sinks] if with_sinks else [])
+        upstream = torch.randn(blocked.shape, generator=g, dtype=torch.float64)
+        ours = torch.autograd.grad(blocked, leaves, upstream)
+        theirs = torch.autograd.grad(reference, leaves, upstream)
+        assert (blocked - reference).abs().max() < 1e-12
+        for a, b in zip(ours, theirs, strict=True):
+            assert (a - b).abs().max() < 1e-12

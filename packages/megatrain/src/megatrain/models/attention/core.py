@@ -63,8 +63,12 @@ def attend(
                 if sinks is None:
                     return flex_attention(q, k, v, block)
                 return with_sinks(*flex_attention(q, k, v, block, return_lse=True), sinks)[0]
+            if window is not None and not p and q.shape[2] > 2 * _window_block(window):
+                return windowed_attention(q, k, v, window, segments, sinks)
             mask, causal = _dense_mask(segments, window, q), False  # SDPA with the s x s mask
     elif causal and window is not None:
+        if not p and q.shape[2] > 2 * _window_block(window):
+            return windowed_attention(q, k, v, window, None, sinks)
         mask, causal = causal_mask(q.shape[2], window, q.device), False
     if sinks is not None:
         return attention_with_sinks(q, k, v, sinks, mask=mask, causal=causal)
@@ -82,6 +86,36 @@ def attend(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa
         )
+
+
+def _window_block(window: int) -> int:
+    # Queries a call: a block of B queries sees at most B + window - 1 keys, so the work is
+    # s (B + w) scores; B = w keeps it within twice the band, and at least 64 keeps the calls
+    # few enough for the kernels to run at speed.
+    return max(window, 64)
+
+
+def windowed_attention(q, k, v, window: int, segments=None, sinks=None):
+    """Causal sliding-window attention (with documents, with sinks) in blocks of queries, each
+    one kernel call against only the keys its window reaches: work and memory grow with
+    s x window, not s^2 (the CPU's path; CUDA's is FlexAttention's block mask).  Exact: each
+    query sees all its keys in its block's call, so no merge is needed."""
+    s, block = q.shape[2], _window_block(window)
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    outs = []
+    for start in range(0, s, block):
+        end = min(start + block, s)
+        first = max(0, start - window + 1)
+        mask = causal_mask(end - start, window, q.device, start, end)[..., first:]
+        if segments is not None:
+            same = segments[:, None, start:end, None] == segments[:, None, None, first:end]
+            mask = mask & same
+        qb, kb, vb = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
+        if sinks is not None:
+            outs.append(attention_with_sinks(qb, kb, vb, sinks, mask=mask))
+        else:
+            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, **gqa))
+    return torch.cat(outs, dim=2)
 
 
 def _dense_mask(segments, window, q):
