@@ -9,13 +9,16 @@ On 2 gloo ranks: `--steps` steps without a save (the step time); a synchronous s
 steps beside its writer, and the wait for its end (where the next save or the end of the run
 waits).  The stall is the time training is blocked: the synchronous save's whole write, or
 the background save's host copy and that wait; the steps beside the writer are timed against
-the steps just before (on two cores the writer threads compete with the training for them).
-The first background save allocates the host buffers, the second ("async") reuses them as a
-run's later saves do.  `gil_probe`: a pure-Python loop's rate while 512 MB are written as
-the writer does, in the same process and in another one, against its rate alone (the median
-of three).  The checkpoint goes to --dir (a disk, not a tmpfs: the write has to take its
-time); DCP fsyncs every file.  The NCCL-rules
-checker is off (right for tests, not timing).
+the steps just before (on two cores the writer processes compete with the training for
+them).  The writer processes are started and joined before anything is timed (a run starts
+them with the saver, before its first save).  The first background save allocates the host
+buffer, the second ("async") reuses it as a run's later saves do; a third times a
+pure-Python loop in each training process beside its writer's write against the loop alone
+(`loop_rate_beside_write`, the lower rank's).  `gil_probe`: a pure-Python loop's rate while
+512 MB are written as DCP writes them, in a thread of the same process (the writer before
+issue 61) and in another process, against its rate alone (the median of three).  The
+checkpoint goes to --dir (a disk, not a tmpfs: the write has to take its time); DCP fsyncs
+every file.  The NCCL-rules checker is off (right for tests, not timing).
 """
 
 import argparse
@@ -92,6 +95,7 @@ def _measure(overrides: list[str], ckpt: str, steps: int) -> dict:
         # Twice: the first save allocates the host buffers, the second (reported as "async")
         # reuses them, as every later save of a run does.
         saver = AsyncSaver(f"{ckpt}/async", 1, 600)
+        saver.ready()  # its writer process started and joined its peers: not a save's stall
         for key in ("async_first", "async"):
             before_ms = _slowest(_steps(run, steps)) / steps * 1e3
             dist.barrier()
@@ -99,7 +103,7 @@ def _measure(overrides: list[str], ckpt: str, steps: int) -> dict:
             saver.save(run)
             copy_s = time.perf_counter() - start
             beside_s = _steps(run, steps)
-            written_before_wait = not saver.thread.is_alive()
+            written_before_wait = saver.over()
             wait_start = time.perf_counter()
             saver.wait()
             wait_s = time.perf_counter() - wait_start
@@ -111,6 +115,17 @@ def _measure(overrides: list[str], ckpt: str, steps: int) -> dict:
                 f"{key}_step_ms_beside_write": _slowest(beside_s) / steps * 1e3,
                 f"{key}_written_during_the_steps": written_before_wait,
             })  # fmt: skip
+        # A pure-Python loop in the training process beside the writer process's write, against
+        # the loop alone for as long: what the write takes from the training's interpreter.
+        dist.barrier()
+        saver.save(run)
+        start = time.perf_counter()
+        beside = _loop_rate(saver.over)
+        write_s = time.perf_counter() - start
+        saver.wait()
+        alone_start = time.perf_counter()
+        alone = _loop_rate(lambda: time.perf_counter() - alone_start > write_s)
+        result["loop_rate_beside_write"] = -_slowest(-beside / alone)  # the rank that lost most
         result["host_copy_bytes"] = saver.host.nbytes()
         saver.close()
         files = [f for f in Path(f"{ckpt}/sync").glob("iter_*/**/*") if f.is_file()]
@@ -118,6 +133,15 @@ def _measure(overrides: list[str], ckpt: str, steps: int) -> dict:
         return result
     finally:
         ps.destroy_model_parallel()
+
+
+def _loop_rate(done) -> float:
+    """Iterations per second of a pure-Python loop (it needs the GIL all the time) until
+    `done()`, asked every 4096 iterations."""
+    n, start = 0, time.perf_counter()
+    while n % 4096 or not done():
+        n += 1
+    return n / (time.perf_counter() - start)
 
 
 def _python_rate(seconds: float, until=None) -> float:

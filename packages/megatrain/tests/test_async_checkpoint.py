@@ -9,7 +9,6 @@ import contextlib
 import io
 import os
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,8 +81,11 @@ def _ends_with_error(corpus, out, spec):
 
 def _stopped_mid_write(corpus, out, timeout):
     """SIGTERM on rank 1 after iteration 2's step, while rank 0's writer of iteration 2 pauses
-    1 s: (rank 0's output, the history, `latest` right after the run)."""
+    1 s: (rank 0's output, the history, `latest` right after the run).  Iteration 2's step
+    starts once iteration 1 is published: the deadline is for the write of 2, not for a
+    writer process that a loaded machine is slow to start."""
     import signal
+    import time
 
     import torch.distributed as dist
 
@@ -92,6 +94,10 @@ def _stopped_mid_write(corpus, out, timeout):
     real_step = loop.train_step
 
     def step(run, **kwargs):
+        if run.iteration == 1:
+            published = time.monotonic() + 120
+            while _latest(f"{out}/ckpt") != 1 and time.monotonic() < published:
+                time.sleep(0.05)
         result = real_step(run, **kwargs)
         if run.iteration == 2 and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -145,12 +151,12 @@ def _views_misplaced(host) -> list[str]:
 def _host_copy(corpus, out):
     """(the bytes both ranks of a bf16 dp 2 run hold in host memory for a background save,
     without the generators' states; what megatrain.plan.memory counts for two ranks; whether
-    the writer set its device; what is wrong with the views of the buffer)."""
+    (the GPUs the writer process sees, whether it is a process of its own, whether it still
+    runs after `close`); what is wrong with the views of the buffer)."""
     import torch
     import torch.distributed as dist
 
     from megacore import parallel_state as ps
-    from megatrain.checkpoint import background
     from megatrain.plan.memory import memory_breakdown
     from megatrain.run.distributed import init_distributed
     from megatrain.run.setup import build_run
@@ -159,33 +165,28 @@ def _host_copy(corpus, out):
                      'training.precision="bf16"', *_background(f"{out}/ckpt"))  # fmt: skip
     device, _ = init_distributed()
     run = build_run(config, device)
-    real_use_device, devices = background.use_device, []
-
-    def use_device(device):  # the writer's device, and where it was set
-        devices.append((threading.current_thread().name, device))
-        real_use_device(device)
-
-    background.use_device = use_device
     try:
         saver = _saved_once(run, f"{out}/ckpt")
         both = torch.tensor([saver.host.nbytes()], dtype=torch.float64)
         dist.all_reduce(both)  # the ranks' optimizer shards may differ by a few elements
         counted = memory_breakdown(config, vocab_size=VOCAB, data_parallel_size=2)
         dtypes = {v.dtype for v in saver.host.views.values()}
+        writer = (saver.writer_gpus, saver.process.pid != os.getpid(), saver.process.is_alive())
         return (
             both.item(),
             2 * counted["host_checkpoint_copy"],
-            devices == [("megatrain-checkpoint", run.device)],
+            writer,
             _views_misplaced(saver.host) + ([] if len(dtypes) > 1 else [f"one dtype {dtypes}"]),
         )
     finally:
-        background.use_device = real_use_device
         ps.destroy_model_parallel()
 
 
 def _after_the_faults(corpus, out):
     """Resumed from each killed run's directory, an uninterrupted run, then the runs that fail
     or stop during a background write."""
+    import torch.distributed as dist
+
     results = {}
     for point in KILLS:
         ckpt = Path(out) / point / "ckpt"
@@ -198,11 +199,14 @@ def _after_the_faults(corpus, out):
     results["read-only"] = _ends_with_error(corpus, f"{out}/read-only", "writing:0:erofs:4")
     results["waited"] = _stopped_mid_write(corpus, f"{out}/waited", 60)
     results["abandoned"] = _stopped_mid_write(corpus, f"{out}/abandoned", 0.3)
-    # The abandoned writer ends at its next agreement without publishing anything.
-    for thread in threading.enumerate():
-        if thread.name == "megatrain-checkpoint":
-            thread.join(30)
+    # The abandoned write's writer was stopped with its run, having published nothing.
     results["abandoned_after"] = _latest(f"{out}/abandoned/ckpt")
+    # A writer process that dies alone (rank 1's, after its weights of iteration 4): every
+    # rank's error, gathered.
+    error, latest = _ends_with_error(corpus, f"{out}/writer-died", "writing:1:writerkill:4")
+    errors = [None, None]
+    dist.all_gather_object(errors, error)
+    results["writer-died"] = errors, latest
     return results
 
 
@@ -300,22 +304,29 @@ def test_the_host_copy_is_one_buffer_of_views(faults):
     assert results["host_copy"][3] == []
 
 
-def test_the_writer_thread_takes_the_rank_s_device(faults, monkeypatch):
-    """Issue 61, item 2: a new thread starts on CUDA's default device 0, where DCP's file
-    writer would synchronise (and make a context on GPU 0 for every rank).  The writer thread
-    sets the rank's device first (seen on CPU: called in the thread with `run.device`), and
-    `use_device` sets a CUDA device (torch's call patched: this machine may have no GPU)."""
-    import torch
-
-    from megatrain.checkpoint import background
-
+def test_the_writer_is_a_process_that_sees_no_gpu(faults):
+    """Issue 61, items 2 and 8: the writer was a thread of the training process (sharing its
+    interpreter lock) that started on CUDA's default device 0, where DCP's file writer
+    synchronises (a context on GPU 0 for every rank).  Now it is a process of its own that
+    sees no GPU (it reads host memory only), stopped when its saver closes."""
     _, results = faults
-    assert results["host_copy"][2], "the writer thread did not set the rank's device"
-    calls = []
-    monkeypatch.setattr(background.torch.cuda, "set_device", calls.append)
-    background.use_device(torch.device("cuda", 3))
-    background.use_device(torch.device("cpu"))
-    assert calls == [torch.device("cuda", 3)]
+    assert results["host_copy"][2] == (0, True, False)
+
+
+def test_a_writer_process_that_dies_ends_the_run_on_every_rank(faults):
+    """Rank 1's writer process SIGKILLed alone, after writing its weights of iteration 4: rank
+    1 says in one line that its writer died, rank 0 that its writer lost a peer; both end
+    with the `CheckpointError` (no hang), and `latest` still names iteration 2."""
+    out, results = faults
+    errors, latest = results["writer-died"]
+    assert latest == 2
+    standing = f"{out / 'writer-died' / 'ckpt' / 'latest'} names iter_0000002 (iteration 2)"
+    for error in errors:
+        assert error is not None and "\n" not in error
+        assert error.endswith(f"{standing}, checked whole"), error
+    assert re.match(r"the background writer process of rank 1 \(pid \d+\) died \(killed by "
+                    r"SIGKILL\) while saving iteration 4; ", errors[1]), errors[1]  # fmt: skip
+    assert errors[0].startswith("saving iteration 4 in the background failed: "), errors[0]
 
 
 def _gpu_contexts_after_a_save(corpus, out):

@@ -1,70 +1,50 @@
-"""Checkpoints written in the background (`checkpoint.async_save = true`).
+"""Checkpoints written in the background (`checkpoint.async_save = true`): the training side.
 
 At a save step each rank copies its share of the state (`save.snapshot`: the weights, the
 optimizer's shards as they are, the generators, the data position; nothing gathered) into
-one host buffer of its own (`HostCopy`: exactly its bytes, pinned on CUDA, kept from one save
-to the next), and training goes
-on while a thread of the same process writes that copy through the path a synchronous save
-takes: `.tmp-iter_N/`, every file checked, `publish` (meta.json, the rename, `latest`).
+one host buffer of its own (`HostCopy`: exactly its bytes, shared memory, pinned on CUDA,
+kept from one save to the next), hands the copy to its writer process and goes on
+training; the writer (writer.py) writes it through the path a synchronous save takes:
+`.tmp-iter_N/`, every file checked, `publish` (meta.json, the rename, `latest`).
 
-A thread, not a process: a thread writes the host copy as it is, where a process
-(Megatron-LM's persistent worker, DCP's PROCESS type) needs it handed over in shared memory.
-The write is mostly file I/O, which leaves the GIL, and training steps spend their time in
-torch operations, which leave it too; benchmarks/bench_async_checkpoint.py measures the steps
-beside a write and the writer's share of the GIL (docs/checkpoints.md has the numbers).
+A process, not a thread: a thread of the training process shares its interpreter lock, and
+the write holds it part of the time (DCP's planning and serialisation are Python), which a
+pure-Python loop beside a write measures (benchmarks/bench_async_checkpoint.py); on a GPU
+the training loop's kernel launches are Python too.  The process is started once (spawn)
+when the saver is made and shares the host buffer, so a save hands over the buffer's
+offsets, not its bytes (as Megatron-LM's persistent worker and DCP's process-based
+checkpointer do).
 
-The writers agree among themselves over a gloo group of their own (`AsyncSaver.group`, made
-once on the main thread): the training collectives run on other groups at the same time, and
-one group's collectives must never interleave between two threads.  Each phase ends in an
+The writers agree among themselves over a gloo group of their own, made in the writer
+processes from the job's TCPStore under a key prefix rank 0 draws: each phase ends in an
 all-gather of every rank's outcome (an empty tmp directory; every rank's files written; rank
 0's `publish`), so every rank learns the same outcome at the same phase, and `latest` moves
-only after every rank's files are complete.  The main thread collects the outcome at the next
-save (which first waits for the previous one), at a stop and at the end of training, points
-every rank reaches at the same iteration: a failed write raises the same `CheckpointError`
-on every rank there.  `AsyncSaver` is that side of it, one state machine (idle, writing,
-abandoned, closed) whose transitions the training loop calls.
+only after every rank's files are complete.  The training process collects the outcome at
+the next save (which first waits for the previous one), at a stop and at the end of training,
+points every rank reaches at the same iteration: a failed write raises the same
+`CheckpointError` on every rank there (a writer that died: its rank says so, the others
+that their writers lost a peer).  `AsyncSaver` is that side of it, one state machine (idle,
+writing, abandoned, closed) whose transitions the training loop calls.
 """
 
-import errno
+import contextlib
+import ctypes
+import multiprocessing as mp
 import os
 import signal
-import threading
 import time
+import uuid
 import weakref
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from megatrain.checkpoint import save as saving
-from megatrain.checkpoint.dcp import Pieces, own_storage
+from megatrain.checkpoint.dcp import Pieces
 from megatrain.checkpoint.files import CheckpointError, find_checkpoint, iteration_dir, read_meta
-
-# A test's fault in the background save of one iteration: "<point>:<rank>:<action>:<iteration>",
-# point one of copying (the main thread's copy), writing (between the weights and the
-# optimizer state), publishing (between the rename of the directory and `latest`); action kill
-# (SIGKILL), enospc / erofs (the OSError a full disk or a read-only directory raises), or
-# sleep<seconds>.
-FAULT_ENV = "MEGATRAIN_TEST_SAVE_FAULT"
-
-
-def fault(point: str, iteration: int, path: Path) -> None:
-    spec = os.environ.get(FAULT_ENV, "").split(":")
-    if len(spec) != 4 or spec[0] != point:
-        return
-    _, rank, action, at = spec
-    if int(rank) != dist.get_rank() or int(at) != iteration:
-        return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action in ("enospc", "erofs"):
-        code = errno.ENOSPC if action == "enospc" else errno.EROFS
-        raise OSError(code, os.strerror(code), str(path))
-    elif action.startswith("sleep"):
-        time.sleep(float(action[5:]))
+from megatrain.checkpoint.writer import FAULT_ENV, Writer, carried, fault, serve, view
 
 
 def _local_tensors(name: str, state: dict):
@@ -97,13 +77,28 @@ def _unpin(address: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of host memory in shared memory (/dev/shm on Linux), which the writer process
+    maps too: reserved whole at once, so a full /dev/shm is an error here, not a SIGBUS at
+    the copy."""
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)  # as DCP's stager allocates
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"checkpoint.async_save: the host copy of this rank's state needs {nbytes} bytes "
+            f"of shared memory for the background writer process: {e} (a container's "
+            "/dev/shm is small unless --shm-size raises it); or set checkpoint.async_save = false"
+        ) from e
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
 class HostCopy:
     """Host copies of a rank's weights and optimizer state: one flat buffer of exactly their
-    bytes (what the plan counts as `host_checkpoint_copy`), allocated once and kept for the
-    next save (the previous write is over by then) while every tensor's key, shape and dtype
-    stay the same.  Each tensor is a view of it at an offset that is a multiple of its element
-    size, with no padding: the tensors of larger elements come first.  Pinned on CUDA (`pin`).
-    The generators' states (a few KB, fresh tensors already) are copied as they are."""
+    bytes (what the plan counts as `host_checkpoint_copy`) in shared memory, allocated once
+    and kept for the next save (the previous write is over by then) while every tensor's
+    key, shape and dtype stay the same.  Each tensor is a view of it at an offset that is a
+    multiple of its element size, with no padding: the tensors of larger elements come first.
+    Pinned on CUDA (`pin`).  The generators' states (a few KB) are copied apart."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None  # uint8, every view's memory
@@ -126,15 +121,14 @@ class HostCopy:
         self.release()
         order = sorted(tensors, key=lambda kt: -kt[1].element_size())  # stable: larger first
         total = sum(t.nbytes for _, t in order)
-        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.buffer = shared_buffer(total)
         if any(t.device.type == "cuda" for _, t in order):
             pin(self.buffer)
             self.unpin = weakref.finalize(self, _unpin, self.buffer.data_ptr())
             self.unpin.atexit = False  # not after CUDA's own teardown (as DCP's stager)
         offset = 0
         for key, t in order:
-            view = self.buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            self.views[key] = own_storage(view)  # DCP writes its bytes, not the whole buffer's
+            self.views[key] = view(self.buffer, offset, t.dtype, t.shape)
             offset += t.nbytes
 
     def release(self) -> None:
@@ -157,7 +151,7 @@ class HostCopy:
         out = {}
         for key, value in state.items():
             if self.copied == 1:
-                fault("copying", self.iteration, path)
+                fault("copying", self.iteration, path, dist.get_rank())
             if isinstance(value, Pieces):
                 pieces = [
                     (list(o), self.tensor((name, key, tuple(o)), t))
@@ -197,17 +191,38 @@ class HostCopy:
         return staged
 
 
-def use_device(device: torch.device) -> None:
-    """The writer thread's CUDA device: the rank's.  A new thread starts on CUDA's default
-    device 0, and DCP's file writer synchronises the current stream, so each rank's first
-    background save would make a context on GPU 0 and wait on GPU 0's stream (torch's own
-    pin-memory thread sets its device the same way)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 # The states of an `AsyncSaver` (its `state`).
 IDLE, WRITING, ABANDONED, CLOSED = "idle", "writing", "abandoned", "closed"
+
+
+def writers_store() -> tuple[str, int, str]:
+    """Where the writer processes meet: the job's own TCPStore (every rank reached it), under
+    a key prefix of their own that rank 0 draws (every rank calls it: a broadcast)."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        raise CheckpointError(
+            "checkpoint.async_save: the background writers meet in the job's TCPStore (torchrun, "
+            f"megatrain run, env://); this job's process group was made with a "
+            f"{type(store).__name__}"
+        )
+    prefix = [f"megatrain/checkpoint-writers/{uuid.uuid4().hex}/" if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(prefix, src=0)
+    return store.host, store.port, prefix[0]
+
+
+def _stop(process, conn) -> None:
+    """Ask the writer process to stop, then wait for it; also when its saver is collected or
+    at exit, where a write still in flight (a run ended by an error) is cut short: a kill
+    leaves nothing half published (`save.publish`), as the end of a process left its thread."""
+    with contextlib.suppress(OSError):  # gone already
+        conn.send(("stop",))
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
 
 
 class AsyncSaver:
@@ -217,18 +232,17 @@ class AsyncSaver:
     States (`state`):
 
     - idle: no write in flight: none yet, or the last one collected (published, or raised);
-    - writing: a writer thread started on the host copy of iteration `iteration`, its
-      outcome not collected yet (the thread may be over already);
+    - writing: the writer process was handed the host copy of iteration `iteration`, its
+      outcome not collected yet (the writer may be done already);
     - abandoned: every rank gave the write up at a deadline: its writer stops at its next
-      agreement, writes nothing more and publishes nothing; its thread and its group are
-      kept (`pending` stays true: the writer may be in an agreement on the group still);
-    - closed: the writers' group destroyed.
+      agreement, writes nothing more and publishes nothing (`pending` stays true);
+    - closed: the writer process stopped.
 
     Transitions:
 
     - `save(run)`, start: idle -> writing, finishing the write in flight first (`wait`);
-    - `wait()`, finish: writing or abandoned -> idle, joining the writer; a failed write
-      raises its `CheckpointError`, the same on every rank;
+    - `wait()`, finish: writing or abandoned -> idle, reading the writer's outcome; a failed
+      write raises its `CheckpointError`, the same on every rank;
     - `written_by(deadline, device)`, the deadline check: the writer waited for until
       `deadline`, then whether every rank's is over (an all-reduce on the default group, so
       every rank gets the same answer); no state changes;
@@ -238,59 +252,121 @@ class AsyncSaver:
     - `checkpoint(run, last, bound, info)`: collect the write in flight, start this
       iteration's, and collect that one too when it is the run's `last` save, all within
       `bound` seconds (a stop by a signal; None: no deadline);
-    - `close()`: idle -> closed; a pending write (an abandoned one) keeps its group and its
-      state.
+    - `close()`: -> closed: a write in flight collected first, an abandoned one's writer
+      killed (it would only stop at its next agreement), the writer process stopped.
 
-    Made by every rank at the same point (its gloo group is a collective to create)."""
+    Made by every rank at the same point (the writers' store prefix is a broadcast); the
+    writer process starts then, and joins its peers while training goes on."""
 
     def __init__(self, ckpt: str | Path, keep: int, collective_timeout: float):
         self.ckpt, self.keep = Path(ckpt), keep
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout))
         self.host = HostCopy()
         self.state = IDLE
-        self.thread: threading.Thread | None = None
         self.iteration: int | None = None  # of the write in flight or last collected
-        self.error: str | None = None
-        self.copy_s = 0.0  # the last save's stall: the host copy
+        self.reply: tuple | None = None  # the writer's (iteration, error) for the write in flight
+        self.writer_gpus: int | None = None  # the GPUs the writer sees (its "ready" message)
+        self.gone: str | None = None  # how the writer process died, once it has
+        self.copy_s = 0.0  # the last save's stall: the host copy and its hand-over
+        self.sent = None  # the buffer the writer holds
+        store = writers_store()
+        ctx = mp.get_context("spawn")
+        self.abandon_flag = ctx.RawValue(ctypes.c_byte, 0)  # read by the writer at agreements
+        self.conn, child = ctx.Pipe()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        writer = Writer(self.ckpt, keep, rank, world, self.abandon_flag, os.getpid())
+        self.process = ctx.Process(
+            target=serve, args=(child, writer, store, collective_timeout),
+            name=f"megatrain-checkpoint-writer-{rank}", daemon=True,
+        )  # fmt: skip
+        self.process.start()
+        child.close()  # so a writer that dies shows as the end of the pipe
+        self._stop = weakref.finalize(self, _stop, self.process, self.conn)
 
     @property
     def pending(self) -> bool:
         return self.state in (WRITING, ABANDONED)
 
-    @property
-    def abandoned(self) -> bool:
-        """Read by the writer at each agreement."""
-        return self.state == ABANDONED
-
     def save(self, run) -> None:
-        """Wait for the previous write, copy this rank's state, start writing it."""
+        """Wait for the previous write, copy this rank's state, hand it to the writer (whose
+        first save waits for it to have joined its peers)."""
         self.wait()
         started = time.perf_counter()
+        self.ready()
         tmp = saving.tmp_dir(self.ckpt, run.iteration)
         staged = self.host.snapshot(saving.snapshot(run), tmp)
+        buffer = self.host.buffer
+        job = ("write", carried(staged, buffer), os.environ.get(FAULT_ENV))
+        self.iteration, self.reply, self.state = run.iteration, None, WRITING
+        self.abandon_flag.value = 0
+        try:
+            if self.sent is not buffer:  # the first save, or a new layout
+                self.conn.send(("buffer", buffer))
+                self.sent = buffer
+            self.conn.send(job)
+        except OSError:  # the writer is gone: said at `wait`
+            self.gone = self.gone or self._died()
         self.copy_s = time.perf_counter() - started
-        self.iteration, self.error, self.state = run.iteration, None, WRITING
-        self.thread = threading.Thread(
-            target=self._write, args=(staged, run.device), name="megatrain-checkpoint", daemon=True
+
+    def ready(self) -> None:
+        """Block until the writer process has joined its peers (or is gone)."""
+        while self.writer_gpus is None and self.gone is None:
+            self._read(None)
+
+    def _read(self, timeout: float | None) -> bool:
+        """Take the writer's next message, waiting up to `timeout` seconds (None: until it
+        comes): False when none came; True also once the writer is gone (`gone` says how)."""
+        if self.gone is None and self.conn.poll(timeout):
+            try:
+                message = self.conn.recv()
+            except EOFError:
+                self.gone = self._died()
+            else:
+                if message[0] == "ready":  # once, first
+                    self.writer_gpus = message[2]
+                else:
+                    self.reply = message
+            return True
+        return self.gone is not None
+
+    def over(self, timeout: float | None = 0.0) -> bool:
+        """Whether the writer is done with the write in flight, waiting for it up to `timeout`
+        seconds (None: until it is); its outcome is then in `reply`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.reply is None:
+            if self.gone is not None:
+                n = self.iteration
+                self.reply = (n, f"{self.gone} while saving iteration {n}")
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._read(left):
+                return False
+        return True
+
+    def _died(self) -> str:
+        self.process.join(5)
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit {code}"
+        return (
+            f"the background writer process of rank {dist.get_rank()} (pid {self.process.pid}) "
+            f"died ({how})"
         )
-        self.thread.start()
 
     def wait(self) -> None:
         """Block until the write in flight is over (at once when none is).  A failed write
         raises its `CheckpointError`, the same on every rank."""
-        if self.thread is None:
+        if not self.pending:
             return
-        self.thread.join()
-        self.thread, self.state = None, IDLE
-        if self.error is not None:
-            raise CheckpointError(f"{self.error}; {self.standing()}")
+        self.over(None)
+        error = self.reply[1]
+        self.state = IDLE
+        if error is not None:
+            raise CheckpointError(f"{error}; {self.standing()}")
 
     def written_by(self, deadline: float, device) -> bool:
         """Wait for the writer until `deadline` (time.monotonic); whether every rank's is over.
-        Every rank gives up, or none (training is over: the default group is idle; the
-        writers' group may still be busy)."""
-        self.thread.join(max(0.0, deadline - time.monotonic()))
-        done = torch.tensor([float(not self.thread.is_alive())], device=device)
+        Every rank gives up, or none (training is over: the default group is idle)."""
+        over = self.over(max(0.0, deadline - time.monotonic()))
+        done = torch.tensor([float(over)], device=device)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         return bool(done.item())
 
@@ -338,60 +414,21 @@ class AsyncSaver:
             f"{read_meta(directory)['iteration']}), checked whole"
         )
 
-    def _agree(self, error: str | None) -> str | None:
-        """Every rank's outcome of a phase, shared: the first rank's error, else whether any
-        rank's main thread abandoned the write (`abandon`), else None."""
-        outcomes = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(outcomes, (error, self.abandoned), group=self.group)
-        errors = [e for e, _ in outcomes if e is not None]
-        if errors:
-            return errors[0]
-        return "abandoned" if any(a for _, a in outcomes) else None
-
-    def _phase(self, fn, *args) -> str | None:
-        try:
-            fn(*args)
-        except (OSError, dcp.api.CheckpointException) as e:
-            return str(saving.save_failed(self.iteration, self.ckpt, e, " (in the background)"))
-        except Exception as e:  # said on every rank, raised at `wait`
-            return f"saving iteration {self.iteration} in the background failed: {e!r}"
-        return None
-
-    def _write(self, staged: saving.Snapshot, device: torch.device) -> None:
-        """The writer thread: each phase ends in an agreement, and the next one starts only
-        when every rank's went well and no rank abandoned the write."""
-        use_device(device)
-        n = staged.iteration
-        tmp, final = saving.tmp_dir(self.ckpt, n), iteration_dir(self.ckpt, n)
-        rank0 = dist.get_rank() == 0
-        world = dist.get_world_size()
-        publishing = lambda: fault("publishing", n, final)  # noqa: E731
-        phases = [
-            (saving.prepare, tmp) if rank0 else None,
-            (saving.write_model, staged, tmp, self.group, lambda: fault("writing", n, tmp)),
-            (saving.write_optimizer, staged, tmp, self.group),
-            (saving.complete, staged, self.ckpt, world, self.keep, publishing) if rank0 else None,
-        ]
-        error = None
-        try:
-            for phase in phases:
-                error = self._agree(self._phase(*phase) if phase else None)
-                if error is not None:
-                    break
-        except Exception as e:  # a peer gone in an agreement
-            error = f"saving iteration {n} in the background failed: {e}"
-        self.error = error
-
     def abandon(self) -> None:
         """Have the writer stop at its next agreement (every rank must call it): nothing more
         is written and nothing published."""
         if self.state == WRITING:
             self.state = ABANDONED
+            self.abandon_flag.value = 1
 
     def close(self) -> None:
-        """Destroy the writers' group, unless a write is pending: an abandoned write keeps
-        its group."""
-        if self.pending:
+        """Stop the writer process: a write in flight is collected first; an abandoned one's
+        writer is killed (SIGKILL: nothing published is left half done, see `save.publish`)."""
+        if self.state == CLOSED:
             return
-        dist.destroy_process_group(self.group)
+        if self.state == WRITING:
+            self.wait()
+        if self.state == ABANDONED:
+            self.process.kill()
+        self._stop()
         self.state = CLOSED
