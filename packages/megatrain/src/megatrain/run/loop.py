@@ -39,7 +39,7 @@ from megatrain.run.distributed import init_distributed
 from megatrain.run.expert_load import ExpertLoad
 from megatrain.run.metrics import RunLog, device_peak_tflops
 from megatrain.run.setup import Run, build_run
-from megatrain.run.step import evaluate, statistic_names, train_step
+from megatrain.run.step import STATISTICS, evaluate, train_step
 
 
 class StopSignal:
@@ -105,11 +105,14 @@ def train(config: Config, stop: StopSignal | None = None) -> dict | None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     stop = stop or StopSignal()
-    run = None
+    run = saver = None
     try:
         run = build_run(config, device)
         resume(run)
-        return _loop(run, stop)
+        c = run.config.checkpoint
+        if c.save and c.async_save:
+            saver = AsyncSaver(c.save, c.keep, run.config.parallel.collective_timeout)
+        return _loop(run, stop, saver)
     except RuntimeError as e:
         message = failures.explain(e, timeout, run.iteration if run else None)
         if message is None:
@@ -119,7 +122,10 @@ def train(config: Config, stop: StopSignal | None = None) -> dict | None:
         stop.restore()
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        if created:
+        # A background write still pending (abandoned at its deadline, or cut short by an
+        # error) may have its writer in an agreement on the writers' group, which destroying
+        # every group (each shut down) would pull from under it: the process's exit ends both.
+        if created and not (saver is not None and saver.pending):
             dist.destroy_process_group()
 
 
@@ -169,7 +175,7 @@ def _save(run: Run, log: RunLog, saver: AsyncSaver | None, last: bool, bound: fl
     saver.checkpoint(run, last, bound, log.info)
 
 
-def _loop(run: Run, stop: StopSignal) -> dict | None:
+def _loop(run: Run, stop: StopSignal, saver: AsyncSaver | None) -> dict | None:
     config, t, lg = run.config, run.config.training, run.config.logging
     c = config.checkpoint
     rank0 = dist.get_rank() == 0
@@ -196,14 +202,11 @@ def _loop(run: Run, stop: StopSignal) -> dict | None:
     guard = NonFiniteLossGuard(t.max_nonfinite_losses)
     interval, interval_start = [], time.perf_counter()
     loop_start, first_iteration = interval_start, run.iteration
-    names = statistic_names(run)
+    names = STATISTICS[run.kind]
     cfg = run.model_config
     loads = None  # MoE: the experts' load over each log interval
     if cfg.num_moe_experts:
         loads = ExpertLoad(run.chunks, cfg.num_layers, cfg.num_moe_experts, run.device)
-    saver = None
-    if c.save and c.async_save:
-        saver = AsyncSaver(c.save, c.keep, config.parallel.collective_timeout)
     while run.iteration < t.train_iters:
         # One read per iteration: the stop agreement goes with the step's own values (a signal
         # during this iteration's logging or evaluation then stops the next one).
