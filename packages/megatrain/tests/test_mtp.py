@@ -16,6 +16,11 @@
 - Refusals before any worker starts, naming the field.
 """
 
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,10 +28,12 @@ import torch.nn.functional as F
 
 from megacore import parallel_state as ps
 from megacore.testing import run_distributed
+from megatrain.config import ConfigError, load_config, validate
 from megatrain.models.gpt import GPTModel
 from megatrain.models.layout import ParallelContext
 from megatrain.models.mtp import mtp_targets
 from megatrain.models.transformer_config import TransformerConfig
+from megatrain.testing import TINY_MODEL, short_run
 
 VOCAB, STEPS, FP32_TOL = 200, 3, 2e-5
 
@@ -227,3 +234,193 @@ def test_mtp_loss_is_normalised_by_the_microbatch_count_at_cp2_dp2():
         torch.testing.assert_close(r["logged"], r["reference_logged"], rtol=1e-5, atol=1e-6)
         worst = max((r["local"][n] - r["reference"][n]).abs().max() for n in r["reference"])
         assert worst > 1e-4, (rank, worst)  # a rank's own count gives other gradients
+
+
+# --- training at the layouts against one process ----------------------------------------------
+
+MTP_LLAMA = [
+    *TINY_MODEL,
+    'model.kind="llama"',
+    "model.num_layers=2",
+    "model.ffn_hidden_size=48",
+    "model.mtp_num_layers=2",
+    "model.mtp_loss_scaling_factor=0.5",
+    "model.init_method_std=0.25",  # sharp attention: wrong positions would show in the loss
+    *short_run(STEPS),
+]
+PACKED = [
+    "data.reset_position_ids=true",
+    "data.reset_attention_mask=true",
+    "data.eod_mask_loss=true",
+]
+LAYOUTS = {
+    "tp2-sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "pp2-1f1b": ["parallel.pipeline_model_parallel_size=2", 'parallel.pipeline_schedule="1f1b"'],
+    "pp2-zb-h1-full-recompute": [
+        "parallel.pipeline_model_parallel_size=2",
+        'parallel.pipeline_schedule="zb-h1"',
+        'model.recompute="full"',
+    ],
+    "cp2-p2p-packed": ["parallel.context_parallel_size=2", 'parallel.cp_comm_type="p2p"', *PACKED],
+    "dp2-distopt-packed": ["parallel.use_distributed_optimizer=true", *PACKED],
+    "dp2-fsdp": ['parallel.data_parallel_sharding="full"'],
+}
+DEPTHS = ("mtp_loss/depth1", "mtp_loss/depth2")
+
+
+def _train_config(corpus, out, overrides=()):
+    return load_config(
+        None, [f"data.corpus={corpus!r}", f"training.output_dir={out!r}", *MTP_LLAMA, *overrides]
+    )
+
+
+def _train(corpus, out, runs: dict):
+    from megatrain.run.loop import train
+
+    results = {}
+    for name, overrides in runs.items():
+        history = train(_train_config(corpus, f"{out}/{name}", overrides))
+        if history is not None:  # rank 0: the validation's per-depth losses from its log
+            lines = Path(f"{out}/{name}/log.jsonl").read_text().splitlines()
+            log = [json.loads(line) for line in lines]
+            valid = [r for r in log if "valid_loss" in r][-1]
+            history["valid_mtp"] = [valid[f"valid_{d}"] for d in DEPTHS]
+        results[name] = history
+    return results
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from megatrain.testing import write_counting_corpus
+
+    return str(write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB))
+
+
+def _same_mtp(run: dict, reference: dict, name: str) -> None:
+    for depth in DEPTHS:
+        for a, b in zip(run[depth], reference[depth], strict=True):
+            assert abs(a - b) < FP32_TOL, (name, depth, run[depth], reference[depth])
+    for a, b in zip(run["valid_mtp"], reference["valid_mtp"], strict=True):
+        assert abs(a - b) < FP32_TOL, (name, run["valid_mtp"], reference["valid_mtp"])
+
+
+def test_mtp_layouts_take_the_one_process_steps(corpus, tmp_path):
+    from megatrain.testing import assert_same_steps
+
+    references = {"reference": [], "packed": PACKED}
+    one = run_distributed(_train, 1, args=(corpus, str(tmp_path / "one"), references))[0]
+    two = run_distributed(_train, 2, args=(corpus, str(tmp_path / "two"), LAYOUTS), timeout=900)
+    reference = one["reference"]
+    assert all(len(reference[d]) == STEPS for d in DEPTHS)
+    assert all(math.isfinite(x) for d in ("loss", *DEPTHS) for x in reference[d])
+    assert one["packed"]["mtp_loss/depth2"] != reference["mtp_loss/depth2"]
+    for name in LAYOUTS:
+        expected = one["packed"] if "packed" in name else reference
+        assert_same_steps(two[0][name], expected, name, FP32_TOL)
+        _same_mtp(two[0][name], expected, name)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["model.mtp_num_layers=16"], "model.mtp_num_layers = 16 with training.seq_length = 16"),
+        (["model.mtp_num_layers=0"], "model.mtp_num_layers must be > 0, got 0"),
+        (['model.kind="bert"'], "model.mtp_num_layers with model.kind = 'bert'"),
+        (["model.mtp_loss_scaling_factor=-0.1"], "model.mtp_loss_scaling_factor must be >= 0"),
+        (["training.fused_linear_cross_entropy=true"],
+         "model.mtp_num_layers with training.fused_linear_cross_entropy = true"),
+    ],
+)  # fmt: skip
+def test_bad_mtp_configs_are_refused_before_workers_start(corpus, monkeypatch, overrides, named):
+    from click.testing import CliRunner
+
+    from megatrain.cli import main
+    from megatrain.run import launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("workers were started for a config that cannot run")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+    config = load_config(None, [*MTP_LLAMA, *overrides])
+    with pytest.raises(ConfigError, match=r"model\.mtp"):
+        validate(config, world_size=1)
+    tiny = Path(__file__).resolve().parents[3] / "pipelines" / "models" / "gpt2-tiny.toml"
+    args = ["run", "--config", str(tiny), f"data.corpus={corpus!r}", *MTP_LLAMA, *overrides]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert named in result.output, result.output
+
+
+# --- accounting ---------------------------------------------------------------------------------
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_mtp_parameters_are_the_built_models(gloo_world_of_one):
+    from megatrain.plan import accounting as acc
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    for cfg in (_cfg(), _cfg(moe_layer_freq=2, **moe), _cfg(tie_output=True)):
+        whole = GPTModel(cfg, parallel=ParallelContext())
+        assert acc.gpt_parameters(cfg) == _numel(whole) == acc.parameters_per_gpu(cfg)
+        assert acc.mtp_parameters(cfg) == _numel(whole.mtp)
+        plain = replace(cfg, mtp_num_layers=None)
+        assert acc.active_parameters(cfg) == acc.active_parameters(plain)  # MTP left out
+        # pp 2: the depths, and (untied) the word embeddings' copy, on the last stage.
+        for stage in (0, 1):
+            place = ParallelContext(pp_rank=stage, pp_size=2)
+            chunk = GPTModel(cfg, [stage], stage == 0, stage == 1, parallel=place)
+            assert acc.parameters_per_gpu(cfg, pp=2, stage=stage) == _numel(chunk), (cfg, stage)
+            experts = sum(p.numel() for n, p in chunk.named_parameters() if "experts." in n)
+            assert acc.expert_parameters_per_gpu(cfg, pp=2, stage=stage) == experts
+
+
+def test_deepseek_v3_mtp_layer_counts_as_hf_builds_it():
+    """DeepSeek-V3's MTP layer (model.layers.61) is HF's decoder layer 61 (MoE) with eh_proj
+    and three norms; the files' 685B (671B + "14B") also hold its copies of the word
+    embeddings and the output layer, which MTP shares here: 684.5B with them."""
+    import transformers
+    from test_multi_latent_attention import _v3_ours
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from megatrain.plan import accounting as acc
+
+    with torch.device("meta"):
+        layer = DeepseekV3DecoderLayer(transformers.DeepseekV3Config(), 61)
+    h, vocab = 7168, 129280
+    cfg = replace(_v3_ours(61), mtp_num_layers=1)
+    assert acc.mtp_parameters(cfg) == _numel(layer) + 2 * h * h + 3 * h
+    assert acc.gpt_parameters(cfg) == 671_026_404_352 + acc.mtp_parameters(cfg)
+    files = acc.gpt_parameters(cfg) + 2 * vocab * h
+    assert 684.4e9 < files < 684.5e9
+    assert round((acc.active_parameters(cfg) - vocab * h) / 1e9) == 37
+
+
+def test_mtp_flops_count_each_depth_as_a_layer_and_a_head():
+    from megatrain.plan import accounting as acc
+
+    b, s = 2, 64
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=2)
+    for extra in ({}, moe):
+        cfg = _cfg(**extra)
+        plain = replace(cfg, mtp_num_layers=None)
+        # Positions 2 and 3: a layer of each kind when every other layer is MoE.
+        layers = replace(plain, num_layers=4)
+        h, v = cfg.hidden_size, cfg.vocab_size
+        heads = 2 * (2 * b * s * h * v + 2 * b * s * 2 * h * h)
+        per_layer = [x - y for x, y in zip(
+            acc.transformer_forward_flops(layers, b, s), acc.transformer_forward_flops(plain, b, s),
+            strict=True)]  # fmt: skip
+        delta = acc.gpt_model_flops_per_iteration(cfg, b, s)
+        delta -= acc.gpt_model_flops_per_iteration(plain, b, s)
+        assert delta == 3 * (sum(per_layer) + heads)
+        # Full recompute runs the depths' layers again, not their heads.
+        full = replace(cfg, recompute="full")
+        again = acc.gpt_hardware_flops_per_iteration(full, b, s)
+        again -= acc.gpt_model_flops_per_iteration(full, b, s)
+        assert again == sum(acc.transformer_forward_flops(layers, b, s))

@@ -28,6 +28,22 @@ TINY_MODEL = [
 QUIET_LOGGING = ["logging.log_interval=1", "logging.tensorboard=false", "logging.peak_tflops=1.0"]
 
 
+def short_run(steps: int) -> list[str]:
+    """The layout tests' run (overrides): `steps` iterations of 4 microbatches of 2 x 16
+    tokens, validated once at the end, quiet logging."""
+    return [
+        *QUIET_LOGGING,
+        "training.seq_length=16",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=8",
+        f"training.train_iters={steps}",
+        f"training.eval_interval={steps}",
+        "training.eval_iters=1",
+        "optimizer.lr=0.003",
+        "optimizer.lr_warmup_iters=1",
+    ]
+
+
 def write_corpus(
     root: Path,
     splits: dict[str, list[list[list[int]]]],

@@ -7,7 +7,7 @@ nothing here builds a model or imports the training loop.
 Which module counts what (each imports only modules above it in this list):
 
 - parameters.py: parameters of a layer, of the whole model, of one GPU of a pipeline stage,
-  a mixture of experts' (all and active);
+  a mixture of experts' (all and active), multi-token prediction's depths;
 - gemms.py: the weight GEMMs of a layer (`layer_gemms`, each a `Gemm`), which the FLOP count
   sums and the time model times, and which of them run in float8 (`float8_gemm`);
 - recompute.py: the recompute policies published runs ran that megatrain does not offer
@@ -83,6 +83,7 @@ from megatrain.plan.accounting.parameters import (
     layer_parameters_per_rank,
     moe_layer_count,
     moe_mlp_parameters,
+    mtp_parameters,
     parameters_per_gpu,
 )
 from megatrain.plan.accounting.recompute import OP_SELECTIVE_RERUN as OP_SELECTIVE_RERUN
@@ -139,6 +140,7 @@ __all__ = [
     "moe_layer_count",
     "moe_mlp_activations",
     "moe_mlp_parameters",
+    "mtp_parameters",
     "parameter_count",
     "parameters_per_gpu",
     "recomputed_flops",

@@ -6,16 +6,20 @@
   heads (`gpt_forward_flops`, `bert_forward_flops`); an iteration's model FLOPs, the
   numerator of MFU (`*_model_flops_per_iteration`), and hardware FLOPs, the numerator of HFU,
   which add what recomputation runs again (`recomputed_flops`,
-  `*_hardware_flops_per_iteration`); both by kind (`flops_per_iteration`).
+  `*_hardware_flops_per_iteration`); both by kind (`flops_per_iteration`).  Multi-token
+  prediction's depths count as layers of their positions' kinds, and each its eh_proj and
+  its logits with the heads (Megatron-LM's `num_floating_point_operations` counts them).
 """
 
 from megatrain.config import RECOMPUTE_CHOICES
+from megatrain.models.moe import is_moe_layer
 from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting.gemms import layer_gemms
 from megatrain.plan.accounting.parameters import (
     _attention_width,
     expert_ffn_size,
     moe_layer_count,
+    mtp_layer_numbers,
 )
 from megatrain.plan.accounting.recompute import OP_SELECTIVE_RERUN, RECOMPUTE_IMPLEMENTATIONS
 
@@ -46,10 +50,12 @@ def attention_core_flops(
 
 
 def window_flops_layers(cfg: TransformerConfig) -> list:
-    """Each layer's sliding window (None: full attention), as `models.spec` builds them."""
+    """Each layer's sliding window (None: full attention), as `models.spec` builds them, multi-
+    token prediction's layers after the model's."""
     from megatrain.models.spec import is_sliding_layer
 
-    return [cfg.window_size if is_sliding_layer(cfg, i) else None for i in range(cfg.num_layers)]
+    layers = [*range(cfg.num_layers), *mtp_layer_numbers(cfg)]
+    return [cfg.window_size if is_sliding_layer(cfg, i) else None for i in layers]
 
 
 def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float]:
@@ -65,9 +71,12 @@ def transformer_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> t
     counts it, though a causal kernel skips the masked half: `megatrain plan` times that
     half, MFU counts it all).  Embeddings, norms, GeLU, softmax and dropout are not
     matmuls and are left out.  The dense matmuls are `layer_gemms`' summed, the list the
-    time model times (test_flops holds them to these closed forms).
+    time model times (test_flops holds them to these closed forms).  Multi-token
+    prediction's layers count among them, each of its position's kind.
     """
-    n, moe = cfg.num_layers, moe_layer_count(cfg)
+    mtp = mtp_layer_numbers(cfg)
+    n = cfg.num_layers + len(mtp)
+    moe = moe_layer_count(cfg) + sum(is_moe_layer(cfg, i) for i in mtp)
     per_token = (n - moe) * _gemm_flops(cfg, False) + (moe * _gemm_flops(cfg, True) if moe else 0)
     core = sum(attention_core_flops(cfg, seq, seq, False, w) for w in window_flops_layers(cfg))
     return batch * seq * per_token, batch * core
@@ -99,15 +108,19 @@ def recomputed_flops(cfg: TransformerConfig, batch: int, seq: int, recompute: st
     if recompute == "op_selective":
         gemms = {g.name: g.flops_per_token for g in layer_gemms(cfg)}
         per_token = sum(share * gemms[name] for name, share in OP_SELECTIVE_RERUN.items())
-        return per_token * batch * seq * cfg.num_layers
+        return per_token * batch * seq * (cfg.num_layers + len(mtp_layer_numbers(cfg)))
     return {"none": 0.0, "selective": core, "full": dense + core}[recompute]
 
 
 def gpt_forward_flops(cfg: TransformerConfig, batch: int, seq: int) -> tuple[float, float, float]:
     """FLOPs of one forward pass of the whole GPT, in three parts the recompute modes redo
-    differently: (the layers' dense matmuls, the layers' attention cores, the logits 2BshV)."""
+    differently: (the layers' dense matmuls, the layers' attention cores, the heads: the
+    logits 2BshV, and with D multi-token prediction depths D (2BshV + 2Bs(2h)h), each depth's
+    logits and its eh_proj, which sit outside the checkpointed layers)."""
     dense, core = transformer_forward_flops(cfg, batch, seq)
-    return dense, core, 2 * batch * seq * cfg.hidden_size * cfg.vocab_size
+    h, depths = cfg.hidden_size, len(mtp_layer_numbers(cfg))
+    logits = 2 * batch * seq * h * cfg.vocab_size
+    return dense, core, logits + depths * (logits + 2 * batch * seq * 2 * h * h)
 
 
 def gpt_model_flops_per_iteration(

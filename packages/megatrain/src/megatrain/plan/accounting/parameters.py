@@ -8,7 +8,8 @@
   `expert_parameters_per_gpu`).  A mixture of experts (`num_moe_experts`) holds, on each of
   its MoE layers (`moe_layer_count`), E experts of 2 or 3 (SwiGLU) matrices of h x f_e in
   place of the dense MLP, the router [E, h] and the shared expert (`moe_mlp_parameters`); a
-  token uses k of the experts (`active_parameters`).
+  token uses k of the experts (`active_parameters`).  Multi-token prediction's depths
+  (`mtp_parameters`) are counted in the model and on its last stage.
 """
 
 import functools
@@ -191,11 +192,32 @@ def _positions(cfg: TransformerConfig) -> int:
 
 def gpt_parameters(cfg: TransformerConfig) -> int:
     """Parameters of the whole GPT or Llama (tied embeddings counted once; an untied output
-    layer counted beside them), from the config alone."""
+    layer counted beside them; multi-token prediction's depths, `mtp_parameters`), from the
+    config alone."""
     h = cfg.hidden_size
     words = cfg.vocab_size * h * (1 if cfg.tie_output else 2)
     final_norm = _layer_shapes(cfg)[3]
-    return _layers_parameters(cfg) + words + _positions(cfg) * h + final_norm
+    main = _layers_parameters(cfg) + words + _positions(cfg) * h + final_norm
+    return main + mtp_parameters(cfg)
+
+
+def mtp_layer_numbers(cfg: TransformerConfig) -> range:
+    """The positions of multi-token prediction's layers (`models.mtp`): num_layers onwards."""
+    return range(cfg.num_layers, cfg.num_layers + (cfg.mtp_num_layers or 0))
+
+
+def mtp_parameters(cfg: TransformerConfig, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
+    """Multi-token prediction's parameters on one TP rank of the last stage (tp 1: whole): per
+    depth its three norms (enorm, hnorm, its final norm) whole, eh_proj [h, 2h] split over TP
+    and one layer of its position's kind (`layer_parameters_per_rank`).  The word embeddings
+    and the output layer it uses are the model's: DeepSeek's files hold a copy of each per
+    depth beside them (`embed_tokens`, `shared_head.head`), which this does not count."""
+    h, norm = cfg.hidden_size, _layer_shapes(cfg)[3]
+    own = 3 * norm + 2 * h * h // tp
+    return sum(
+        own + layer_parameters_per_rank(cfg, tp, is_moe_layer(cfg, i), ep, etp)
+        for i in mtp_layer_numbers(cfg)
+    )
 
 
 def _layers_parameters(cfg: TransformerConfig) -> int:
@@ -207,10 +229,13 @@ def _layers_parameters(cfg: TransformerConfig) -> int:
 def active_parameters(cfg: TransformerConfig) -> int:
     """Parameters one token of a GPT or Llama goes through: `gpt_parameters` with each MoE
     layer's k of its E experts (the router and shared expert whole; the model's count for a
-    dense model).  Mixtral 8x7B: 12.9 B of 46.7 B."""
+    dense model), multi-token prediction's depths left out (a training objective's, not the
+    model's way to the next token; DeepSeek-V3's 37B leaves them out).  Mixtral 8x7B: 12.9 B
+    of 46.7 B."""
     unused = cfg.num_moe_experts - cfg.moe_router_topk if cfg.num_moe_experts else 0
     per_expert = moe_mlp_parameters(cfg)["experts"] // cfg.num_moe_experts if unused else 0
-    return gpt_parameters(cfg) - moe_layer_count(cfg) * unused * per_expert
+    main = gpt_parameters(cfg) - mtp_parameters(cfg)
+    return main - moe_layer_count(cfg) * unused * per_expert
 
 
 def bert_parameters(cfg: TransformerConfig) -> int:
@@ -237,7 +262,10 @@ def expert_parameters_per_gpu(
     rather than the dense one.  0 for a dense model."""
     if not cfg.num_moe_experts:
         return 0
-    return _stage_layers(cfg, pp, stage)[1] * moe_mlp_parameters(cfg)["experts"] // (ep * etp)
+    moe = _stage_layers(cfg, pp, stage)[1]
+    if stage == pp - 1:  # multi-token prediction's MoE layers
+        moe += sum(is_moe_layer(cfg, i) for i in mtp_layer_numbers(cfg))
+    return moe * moe_mlp_parameters(cfg)["experts"] // (ep * etp)
 
 
 def parameters_per_gpu(
@@ -249,7 +277,9 @@ def parameters_per_gpu(
     etp: int | None = None,
 ) -> int:
     """Parameters one GPU of pipeline stage `stage` holds (a last stage's copy of the tied
-    embeddings included).  At tp = pp = 1 (and ep 1) this is the model's `parameter_count`.
+    embeddings included; with multi-token prediction its depths, and the copy of the word
+    embeddings they embed with when the output layer is untied and pp > 1).  At tp = pp = 1
+    (and ep 1) this is the model's `parameter_count`.
     A bidirectional config is BERT: token types, and its heads on the last stage.  MoE layers
     hold E / ep experts, each / etp (None: tp)."""
     h = cfg.hidden_size
@@ -267,6 +297,10 @@ def parameters_per_gpu(
             count += _layer_shapes(cfg)[3]  # final norm
         if pp > 1 or not cfg.tie_output:
             count += words  # the output layer: a copy of the word embeddings, or its own
+        if cfg.mtp_num_layers:
+            count += mtp_parameters(cfg, tp, ep, etp)
+            if pp > 1 and not cfg.tie_output:
+                count += words  # the copy of the word embeddings MTP embeds with
         if not cfg.causal:  # BERT's LM head (dense, LayerNorm, vocab-split bias), pooler, SOP
             count += (h * h + h) + 2 * h + cfg.vocab_size // tp + (h * h + h) + (2 * h + 2)
     return count
