@@ -268,3 +268,32 @@ def test_the_blocked_window_path_equals_the_masked_one():
         assert (blocked - reference).abs().max() < 1e-12
         for a, b in zip(ours, theirs, strict=True):
             assert (a - b).abs().max() < 1e-12
+
+
+def test_the_planner_times_a_sliding_layer_by_its_band():
+    """`megatrain plan`'s attention core time (the fused kernels') of a model alternating
+    sliding and full layers is the mean of the two layers' FLOPs at the kernel's rate: below
+    the full model's by the band's share, equal to it when the window spans the sequence."""
+    from megatrain.models import model_config
+    from megatrain.plan import hardware
+    from megatrain.plan.attention_time import attention_core_seconds, layer_mean_core_flops
+    from megatrain.plan.costs import Costs
+    from megatrain.plan.layout import Layout
+
+    def seconds(overrides):
+        config = load_config(None, [*TINY_MODEL, *WINDOWED, "training.seq_length=4096",
+                                    "model.max_position_embeddings=4096",
+                                    'training.precision="bf16"', *overrides])  # fmt: skip
+        cfg = model_config(config, 50257)
+        gpu = hardware.load_gpus()["h100-80gb"]
+        layout = Layout(tp=1, pp=1, dp=1, micro_batch=1)
+        costs = Costs(gpu, hardware.gpu_profile(gpu), "bf16")
+        return sum(f + b for f, b in attention_core_seconds(config, cfg, layout, costs)), cfg
+
+    windowed, cfg = seconds([])
+    full, full_cfg = seconds(["model.window_size=4096"])
+    ratio = layer_mean_core_flops(cfg, 4096, 4096, True) / layer_mean_core_flops(
+        full_cfg, 4096, 4096, True
+    )
+    assert 0.4 < ratio < 0.6  # half the layers slide over 5 of 4096 keys
+    assert windowed < full

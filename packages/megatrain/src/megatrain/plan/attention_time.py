@@ -9,6 +9,7 @@ from megatrain.plan.accounting import (
     attention_core_flops,
     attention_kernel_for,
 )
+from megatrain.plan.accounting.flops import window_flops_layers
 from megatrain.plan.costs import Costs
 from megatrain.plan.layout import Layout
 
@@ -34,6 +35,15 @@ RING_MASK_BYTES = 2
 # dropout, the softmax's alone.
 FUSED_SOFTMAX_BYTES = {"forward": 4, "backward": 6}
 FUSED_SOFTMAX_DROPOUT_BYTES = {"forward": 5, "backward": 5}
+
+
+def layer_mean_core_flops(cfg: TransformerConfig, queries: int, keys: int, skip: bool) -> float:
+    """One layer's attention core FLOPs averaged over the layers, each at its own window
+    (`accounting.window_flops_layers`: a sliding layer computes its band, a full one the
+    square): the per-layer time the fused kernels are timed by, so that layers x it is the
+    model's attention time with gpt-oss's alternation."""
+    windows = window_flops_layers(cfg)
+    return sum(attention_core_flops(cfg, queries, keys, skip, w) for w in windows) / len(windows)
 
 
 def attention_core_seconds(
@@ -80,7 +90,7 @@ def attention_core_seconds(
     masks = b if config.data.reset_attention_mask else 1  # one causal mask, or per sequence
     if kernel in ("flash", "masked"):
         causal_skip = kernel == "flash"
-        flops = b * attention_core_flops(cfg, local, s, causal_skip=causal_skip) / tp
+        flops = b * layer_mean_core_flops(cfg, local, s, causal_skip) / tp
         groups = b * max(cfg.num_query_groups or a, tp) / tp  # key/value heads on the rank
         nbytes = costs.element * head * (2 * heads * local + 2 * groups * s)
         if kernel == "masked":  # the additive mask, read for every sequence and head
@@ -120,8 +130,8 @@ def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
     kernel, for which no rate is published: its two products per head timed as GEMMs of the
     visible keys (at the fp32 peak in fp32), the scores never in memory."""
     cp = layout.cp
-    flops = layout.micro_batch * attention_core_flops(cfg, local, s, causal_skip=True) / layout.tp
-    visible = flops / (layout.micro_batch * attention_core_flops(cfg, local, s, False) / layout.tp)
+    flops = layout.micro_batch * layer_mean_core_flops(cfg, local, s, True) / layout.tp
+    visible = flops / (layout.micro_batch * layer_mean_core_flops(cfg, local, s, False) / layout.tp)
     groups = layout.micro_batch * max(cfg.num_query_groups or cfg.num_attention_heads, layout.tp)
     groups /= layout.tp  # key/value heads on the rank
     block = s // cp  # a call's keys
