@@ -83,6 +83,15 @@ LLAMA = ['model.kind="llama"', "model.num_query_groups=2", "model.ffn_hidden_siz
 # routing: the top 2 logits, a softmax over them), dropless, no load-balancing loss.
 MIXTRAL = [*LLAMA, "model.num_moe_experts=8", "model.moe_router_topk=2",
            'model.moe_router_load_balancing_type="none"', "model.moe_aux_loss_coeff=0"]  # fmt: skip
+# --model gpt-oss: that mixture as gpt-oss builds it: sinks, sliding windows of 128 on every
+# other layer, biases on every linear (the router's and the experts' too), the clamped
+# (up + 1) gate sigmoid(1.702 gate) experts; HF's GptOssForCausalLM of the same shape beside
+# it (eager attention: gpt-oss has no SDPA path in transformers, whose sinks need the scores).
+GPT_OSS = [*MIXTRAL, "model.add_bias_linear=true", 'model.softmax_type="learnable"',
+           "model.quick_geglu=true", "model.glu_linear_offset=1.0",
+           "model.activation_func_clamp_value=7.0", "model.window_size=128",
+           "model.layer_types=" + str(["sliding_attention", "full_attention"] * (LAYERS // 2))
+           .replace("'", '"')]  # fmt: skip
 
 
 # -- a synthetic corpus, written by megatrain.testing.write_corpus in megadata's format ----------
@@ -165,12 +174,15 @@ def hf_llama_config(config, vocab_size: int):
     m = dataclasses.asdict(config.model) | {n: config.model_switch(n) for n in MODEL_SWITCHES}
     m["ffn_hidden_size"] = config.ffn_hidden_size
     fields = llama_config_fields(m, vocab_size, EOD, EOD, "float32")
-    if m["num_moe_experts"]:  # Mixtral, as `megatrain export-hf` writes it
-        from megatrain.hf.moe import moe_family
+    if m["num_moe_experts"]:  # Mixtral or gpt-oss, as `megatrain export-hf` writes it
+        from megatrain.hf.families import decoder_family
+        from megatrain.hf.windows import window_fields
 
-        family = moe_family(m)
-        fields = fields | family.fields(m) | {"architectures": [family.architecture]}
-        return getattr(transformers, family.config_class)(**fields, attn_implementation="sdpa")
+        family = decoder_family(m)
+        fields = fields | family.fields(m) | window_fields(family, m)
+        fields["architectures"] = [family.architecture]
+        attention = "eager" if family.architecture == "GptOssForCausalLM" else "sdpa"
+        return getattr(transformers, family.config_class)(**fields, attn_implementation=attention)
     return transformers.LlamaConfig(**fields, attn_implementation="sdpa")
 
 
@@ -429,7 +441,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--model",
-        choices=("gpt", "llama", "mixtral"),
+        choices=("gpt", "llama", "mixtral", "gpt-oss"),
         default="gpt",
         help="GPT-2 beside GPT2LMHeadModel, a Llama beside LlamaForCausalLM, or a mixture of "
         "experts beside MixtralForCausalLM",
@@ -476,7 +488,7 @@ def main() -> None:
             f'training.output_dir="{work / "run"}"',
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",
-            *{"llama": LLAMA, "mixtral": MIXTRAL}.get(args.model, []),
+            *{"llama": LLAMA, "mixtral": MIXTRAL, "gpt-oss": GPT_OSS}.get(args.model, []),
             *args.set,
         ],
     )
@@ -534,7 +546,7 @@ def main() -> None:
         if ours_digests != hf_digests:
             raise RuntimeError("the two models were trained on different batches")
         dispatch = None
-        if args.model == "mixtral":
+        if args.model in ("mixtral", "gpt-oss"):
             dispatch = moe_dispatch_cost(run, statistics.median(times["megatrain"]))
         profiles = None
         if args.profile:
@@ -607,7 +619,7 @@ def main() -> None:
                 f"of {args.block} steps: HF, ours, ours, HF, HF, ...",
                 "ours": "megatrain.run.step.train_step(build_run(config)), 1-process gloo group",
                 "ours_overrides": args.set,
-                "hf": f"{type(hf.model).__name__} (sdpa"
+                "hf": f"{type(hf.model).__name__} ({hf.attn_implementation}"
                 + (f", experts {hf.experts_implementation}" if hf.experts_implementation else "")
                 + ") + AdamW (decay on 2-D params) + "
                 "clip_grad_norm_ 1.0, same lr schedule; loss = F.cross_entropy(logits, our "
@@ -644,8 +656,9 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
+    name = {"gpt": "GPT-2", "llama": "Llama", "mixtral": "Mixtral"}.get(args.model, args.model)
     print(
-        f"\n{ {'gpt': 'GPT-2', 'llama': 'Llama', 'mixtral': 'Mixtral'}[args.model] } "
+        f"\n{name} "
         f"{LAYERS}x{HIDDEN}, {HEADS} heads, "
         f"seq {SEQ}, vocab {VOCAB}, batch {BATCH}, fp32, "
         f"{torch.get_num_threads()} threads on {cpu_model()}; peak (measured fp32 matmul) "
