@@ -27,10 +27,12 @@ from megatrain.testing import random_documents, write_corpus
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "pipelines" / "models" / "gpt2-tiny.toml"
 VOCAB = 200
-# The launcher's exit after the save: the workers' plot and exit, the agent's next look
-# (0.5 s) and its own exit: about 2 s, and the 30 s of torch's shutdown timeout before.
-# Slack for a busy 2-core machine.
-EXIT_AFTER_SAVE_S = 8.0
+# The launcher's exit after the workers' last line ("megatrain: done"): their return and
+# exit, the agent's next look (0.5 s) and its own exit: 1-3 s (3.0 s at a load average of 20
+# on 2 cores), where torch's agent left to itself waited its 30 s shutdown timeout.  Timed
+# from that line, not from the save: the loss plot between them is the run's work (8.9 s at
+# that load, which took the exit 11.9 s after the save), not the launcher's.
+EXIT_AFTER_DONE_S = 8.0
 # Variables that would make a process join a job, or name the run, instead of launching.
 JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "MEGATRAIN_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS")  # fmt: skip
@@ -147,7 +149,8 @@ def test_ctrl_c_to_the_group_saves_stops_and_a_second_kills(corpus, tmp_path, pr
     run = procs(_run(corpus, out, *LONG, "--nproc-per-node", "2", "--save", str(ckpt)))
     run.wait_for(r"^iteration 2/")
     os.killpg(run.popen.pid, signal.SIGINT)
-    saved, _ = run.wait_for(r"^megatrain: saved ")
+    run.wait_for(r"^megatrain: saved ")
+    done, _ = run.wait_for(r"^megatrain: done")
     returncode, ended = run.finish()
     line = _one_launcher_line(run)
     assert returncode == 130, run.output[-4000:]
@@ -155,7 +158,7 @@ def test_ctrl_c_to_the_group_saves_stops_and_a_second_kills(corpus, tmp_path, pr
     assert line == (
         f"megatrain run: stopped by SIGINT at iteration {stopped}; checkpoint saved in {ckpt}"
     )
-    assert ended - saved < EXIT_AFTER_SAVE_S, f"exited {ended - saved:.1f} s after the save"
+    assert ended - done < EXIT_AFTER_DONE_S, f"exited {ended - done:.1f} s after the workers"
     assert _latest_iteration(ckpt) == stopped >= 2
 
     # Resume, saving every iteration, and press Ctrl-C twice: killed, wherever the save was.
@@ -186,7 +189,8 @@ def test_sigterm_to_the_launcher_alone_reaches_the_workers(corpus, tmp_path, pro
                      "--save", str(ckpt)))  # fmt: skip
     run.wait_for(r"^iteration 2/")
     os.kill(run.popen.pid, signal.SIGTERM)
-    saved, _ = run.wait_for(r"^megatrain: saved ")
+    run.wait_for(r"^megatrain: saved ")
+    done, _ = run.wait_for(r"^megatrain: done")
     returncode, ended = run.finish()
     line = _one_launcher_line(run)
     assert returncode == 143, run.output[-4000:]
@@ -194,7 +198,7 @@ def test_sigterm_to_the_launcher_alone_reaches_the_workers(corpus, tmp_path, pro
     assert line == (
         f"megatrain run: stopped by SIGTERM at iteration {iteration}; checkpoint saved in {ckpt}"
     )
-    assert ended - saved < EXIT_AFTER_SAVE_S, f"exited {ended - saved:.1f} s after the save"
+    assert ended - done < EXIT_AFTER_DONE_S, f"exited {ended - done:.1f} s after the workers"
 
 
 def test_worker_under_torchrun_exits_143_after_saving(corpus, tmp_path, procs):
@@ -353,8 +357,16 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(corpus, tmp_path
     stopped = time.monotonic()
     returncode, ended = run.finish(120)
     assert returncode == 1, run.output[-4000:]
-    assert 4 <= ended - stopped < 4 + EXIT_AFTER_SAVE_S + 5, f"ended after {ended - stopped:.1f} s"
-    assert "megatrain: worker local rank 0 (pid" in run.output  # and no torch traceback
+    # Two parts, each timed from the line that ends the one before and held apart from what
+    # it would take otherwise.  Rank 0 gives up after the 4 s collective timeout (not before:
+    # the job outlives it), not the 600 s default, and exits as a failed worker does (9.3 s
+    # after the timeout at a load average of 20 on 2 cores: hence 30 s of slack).  Then the
+    # hung rank is killed after launch.SHUTDOWN_TIMEOUT, not torch's agent's 30 s.
+    failed, _ = run.wait_for(r"^megatrain: worker local rank 0 \(pid")  # no torch traceback
+    assert ended - stopped >= 4, f"ended after {ended - stopped:.1f} s"
+    assert failed - stopped < 4 + 30, f"rank 0 failed {failed - stopped:.1f} s after the stop"
+    limit = launch.SHUTDOWN_TIMEOUT + EXIT_AFTER_DONE_S
+    assert ended - failed < limit, f"ended {ended - failed:.1f} s after rank 0 failed"
     line = _one_launcher_line(run)
     # Where rank 0 waits depends on where the stop caught rank 1: a data-parallel bucket or
     # the gradient norm (megacore), or the loss's average (megatrain's step).
