@@ -253,17 +253,35 @@ PACKED = [
     "data.reset_attention_mask=true",
     "data.eod_mask_loss=true",
 ]
+MOE = [
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=16",
+    'model.moe_router_load_balancing_type="aux_loss"',
+    "model.moe_aux_loss_coeff=0.01",
+]
+GPT = ['model.kind="gpt"', "model.num_layers=4"]  # tied: the last stage's copy serves both
+REFERENCES = {"reference": [], "packed": PACKED, "moe": MOE, "gpt": GPT}
+PP2 = ["parallel.pipeline_model_parallel_size=2"]
+# name: (the one-process run it equals, its overrides)
 LAYOUTS = {
-    "tp2-sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
-    "pp2-1f1b": ["parallel.pipeline_model_parallel_size=2", 'parallel.pipeline_schedule="1f1b"'],
-    "pp2-zb-h1-full-recompute": [
-        "parallel.pipeline_model_parallel_size=2",
-        'parallel.pipeline_schedule="zb-h1"',
-        'model.recompute="full"',
-    ],
-    "cp2-p2p-packed": ["parallel.context_parallel_size=2", 'parallel.cp_comm_type="p2p"', *PACKED],
-    "dp2-distopt-packed": ["parallel.use_distributed_optimizer=true", *PACKED],
-    "dp2-fsdp": ['parallel.data_parallel_sharding="full"'],
+    "tp2-sp": (
+        "reference",
+        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    ),
+    "pp2-1f1b": ("reference", [*PP2, 'parallel.pipeline_schedule="1f1b"']),
+    "pp2-zb-h1-full-recompute": (
+        "reference",
+        [*PP2, 'parallel.pipeline_schedule="zb-h1"', 'model.recompute="full"'],
+    ),
+    "cp2-p2p-packed": (
+        "packed",
+        ["parallel.context_parallel_size=2", 'parallel.cp_comm_type="p2p"', *PACKED],
+    ),
+    "dp2-distopt-packed": ("packed", ["parallel.use_distributed_optimizer=true", *PACKED]),
+    "dp2-fsdp": ("reference", ['parallel.data_parallel_sharding="full"']),
+    "ep2": ("moe", [*MOE, "parallel.expert_model_parallel_size=2"]),
+    "gpt-pp2-interleaved": ("gpt", [*GPT, *PP2, "parallel.virtual_pipeline_model_parallel_size=2"]),
 }
 DEPTHS = ("mtp_loss/depth1", "mtp_loss/depth2")
 
@@ -280,13 +298,24 @@ def _train(corpus, out, runs: dict):
     results = {}
     for name, overrides in runs.items():
         history = train(_train_config(corpus, f"{out}/{name}", overrides))
-        if history is not None:  # rank 0: the validation's per-depth losses from its log
+        if history is not None:  # rank 0: the aux and validation's per-depth losses, its log
             lines = Path(f"{out}/{name}/log.jsonl").read_text().splitlines()
             log = [json.loads(line) for line in lines]
-            valid = [r for r in log if "valid_loss" in r][-1]
-            history["valid_mtp"] = [valid[f"valid_{d}"] for d in DEPTHS]
+            valid = [r for r in log if "valid_loss" in r][-1:]  # none: stopped before it
+            history["valid_mtp"] = [v[f"valid_{d}"] for v in valid for d in DEPTHS]
+            history["aux"] = [r["moe_aux_loss"] for r in log if "moe_aux_loss" in r]
         results[name] = history
     return results
+
+
+def _layouts(corpus, out):
+    runs = {name: overrides for name, (_, overrides) in LAYOUTS.items()}
+    # A checkpoint of pp 2 (the last stage's copy of the untied word embeddings, for MTP,
+    # not saved) goes on at tp 2 + sp.
+    ckpt = f"{out}/ckpt"
+    runs["first"] = [*PP2, "training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
+    runs["at-tp2"] = [*LAYOUTS["tp2-sp"][1], f"checkpoint.load={ckpt!r}"]
+    return _train(corpus, out, runs)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +323,18 @@ def corpus(tmp_path_factory):
     from megatrain.testing import write_counting_corpus
 
     return str(write_counting_corpus(tmp_path_factory.mktemp("corpus"), VOCAB))
+
+
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mtp-one"))
+    return run_distributed(_train, 1, args=(corpus, out, REFERENCES), timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mtp-layouts"))
+    return run_distributed(_layouts, 2, args=(corpus, out), timeout=1500)[0]
 
 
 def _same_mtp(run: dict, reference: dict, name: str) -> None:
@@ -304,20 +345,31 @@ def _same_mtp(run: dict, reference: dict, name: str) -> None:
         assert abs(a - b) < FP32_TOL, (name, run["valid_mtp"], reference["valid_mtp"])
 
 
-def test_mtp_layouts_take_the_one_process_steps(corpus, tmp_path):
+def test_mtp_layouts_take_the_one_process_steps(references, layouts):
     from megatrain.testing import assert_same_steps
 
-    references = {"reference": [], "packed": PACKED}
-    one = run_distributed(_train, 1, args=(corpus, str(tmp_path / "one"), references))[0]
-    two = run_distributed(_train, 2, args=(corpus, str(tmp_path / "two"), LAYOUTS), timeout=900)
-    reference = one["reference"]
+    reference = references["reference"]
     assert all(len(reference[d]) == STEPS for d in DEPTHS)
     assert all(math.isfinite(x) for d in ("loss", *DEPTHS) for x in reference[d])
-    assert one["packed"]["mtp_loss/depth2"] != reference["mtp_loss/depth2"]
-    for name in LAYOUTS:
-        expected = one["packed"] if "packed" in name else reference
-        assert_same_steps(two[0][name], expected, name, FP32_TOL)
-        _same_mtp(two[0][name], expected, name)
+    for control in ("packed", "moe", "gpt"):  # each changes what the depths compute
+        assert references[control]["mtp_loss/depth2"] != reference["mtp_loss/depth2"], control
+    assert len(references["moe"]["aux"]) == STEPS
+    for name, (expected, _) in LAYOUTS.items():
+        assert_same_steps(layouts[name], references[expected], name, FP32_TOL)
+        _same_mtp(layouts[name], references[expected], name)
+        for a, b in zip(layouts[name]["aux"], references[expected]["aux"], strict=True):
+            assert abs(a - b) < FP32_TOL, (name, layouts[name]["aux"])
+
+
+def test_a_pp2_checkpoint_with_mtp_goes_on_at_tp2(references, layouts):
+    from megatrain.testing import assert_same_steps
+
+    first, run = layouts["first"], layouts["at-tp2"]
+    assert first["stopped_at"] == 2 and len(run["loss"]) == 1
+    steps = {k: first[k] + run[k] for k in ("loss", "grad_norm", *DEPTHS)}
+    steps |= {"valid": run["valid"], "valid_mtp": run["valid_mtp"]}
+    assert_same_steps(steps, references["reference"], "pp2 -> tp2", FP32_TOL)
+    _same_mtp(steps, references["reference"], "pp2 -> tp2")
 
 
 # --- refusals ---------------------------------------------------------------------------------
@@ -424,3 +476,91 @@ def test_mtp_flops_count_each_depth_as_a_layer_and_a_head():
         again = acc.gpt_hardware_flops_per_iteration(full, b, s)
         again -= acc.gpt_model_flops_per_iteration(full, b, s)
         assert again == sum(acc.transformer_forward_flops(layers, b, s))
+
+
+# --- speculative generation -------------------------------------------------------------------
+
+
+def _wrong(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "oracle", "every-third-wrong", "wrong"])
+def test_speculative_mtp_generates_plain_greedy_tokens(gloo_world_of_one, monkeypatch, drafts):
+    from megatrain.inference import speculative
+    from megatrain.inference.generate import Sampling, generate
+
+    model = GPTModel(
+        _cfg(mtp_num_layers=3, init_method_std=0.3), seed=3, parallel=ParallelContext()
+    )
+    model.eval()
+    sampling = Sampling(max_new_tokens=24, greedy=True, stop_at_eod=False)
+    prompts = [[5, 17, 3], [101, 7, 7, 9, 42, 8]]
+    plain = {tuple(p): generate(model, p, sampling) for p in prompts}
+    if drafts != "mtp":  # drafts of a known quality: the rounds accept all, some or none
+
+        def drafted(model, states, tokens, count):
+            prompt = next(p for p in prompts if tokens[: len(p)] == p)
+            whole = [*prompt, *plain[tuple(prompt)]]
+            right = whole[len(tokens) : len(tokens) + count]
+            if drafts == "wrong":
+                return [_wrong(t) for t in right]
+            if drafts == "every-third-wrong":
+                return [_wrong(t) if (len(tokens) + i) % 3 == 0 else t for i, t in enumerate(right)]
+            return right
+
+        monkeypatch.setattr(speculative, "_draft", drafted)
+    for prompt in prompts:
+        new, stats = speculative.generate_speculative(model, prompt, sampling)
+        assert new == plain[tuple(prompt)], (drafts, prompt)
+        assert stats["drafted"] > 0
+        if drafts == "oracle":
+            assert stats["accepted"] == stats["drafted"]
+        if drafts == "wrong":
+            assert stats["accepted"] == 0
+        if drafts == "every-third-wrong":
+            assert 0 < stats["accepted"] < stats["drafted"]
+
+
+def _train_with_mtp(corpus: str, out: str) -> dict:
+    from megatrain.run.loop import train
+
+    overrides = [
+        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+        "model.max_position_embeddings=64", "model.make_vocab_size_divisible_by=64",
+        "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+        "model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=1.0",
+        "training.seq_length=32", "training.micro_batch_size=4", "training.global_batch_size=8",
+        "training.train_iters=60", "training.eval_interval=60", "training.eval_iters=1",
+        "optimizer.lr=0.01", "optimizer.lr_warmup_iters=4", "logging.log_interval=20",
+        "logging.tensorboard=false", "logging.peak_tflops=1.0", f"data.corpus={corpus!r}",
+        f"training.output_dir={out + '/run'!r}", f"checkpoint.save={out + '/ckpt'!r}",
+    ]  # fmt: skip
+    return train(load_config(None, overrides))
+
+
+def test_generate_speculative_mtp_command(tmp_path):
+    """A GPT trained with two depths on the tiny grammar: `generate --speculative mtp` gives
+    plain greedy's text at tp 1 and tp 2 and says how many drafts the model accepted."""
+    from click.testing import CliRunner
+
+    from megatrain.cli import main
+    from megatrain.testing import grammar_texts, write_text_corpus
+
+    corpus, _ = write_text_corpus(tmp_path / "corpus", grammar_texts(120))
+    history = run_distributed(_train_with_mtp, 1, args=(str(corpus), str(tmp_path)), timeout=600)
+    assert history[0]["mtp_loss/depth2"][-1] < history[0]["mtp_loss/depth2"][0] - 1.0
+    runner = CliRunner()
+    base = ["generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "the cat sat on"]
+    base += ["--greedy", "--max-new-tokens", "24", "--keep-going"]
+    plain = runner.invoke(main, base)
+    assert plain.exit_code == 0, plain.output
+    for tp in ("1", "2"):
+        result = runner.invoke(main, [*base, "--speculative", "mtp", "--tp", tp])
+        assert result.exit_code == 0, result.output
+        text, stats = result.output.rsplit("--- speculative mtp: ", 1)
+        assert text == plain.output, (tp, result.output)
+        accepted, drafted = (int(x) for x in stats.split(" drafts")[0].split(" of "))
+        assert drafted > 0 and accepted > 0, stats  # the trained depths draft what it says
+    sampled = runner.invoke(main, [*base[:-4], "--speculative", "mtp"])
+    assert sampled.exit_code == 2 and "give --greedy" in sampled.output

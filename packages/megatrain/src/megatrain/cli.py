@@ -214,12 +214,19 @@ def run_command(
 )
 @click.option("--no-kv-cache", is_flag=True, help="Recompute the whole sequence each step.")
 @click.option("--keep-going", is_flag=True, help="Do not stop at the end-of-document token.")
+@click.option(
+    "--speculative",
+    type=click.Choice(["mtp"]),
+    help="Greedy tokens drafted by the model's multi-token prediction depths and verified by "
+    "the model (the same tokens); prints the drafts' acceptance rate.",
+)
 def generate_command(
     ckpt, prompts, max_new_tokens, greedy, temperature, top_k, top_p, seed, tp, no_kv_cache,
-    keep_going,
+    keep_going, speculative,
 ):  # fmt: skip
     """Continue each --prompt with the model of --ckpt: greedy, or sampled with temperature,
-    top-k and top-p, using a KV cache."""
+    top-k and top-p, using a KV cache; with --speculative mtp, greedy drafted by the model's
+    multi-token prediction depths."""
     from megatrain.checkpoint.files import CheckpointError, read_meta
     from megatrain.inference.generate import Sampling, generation_worker
     from megatrain.inference.load import check_layout, load_tokenizer, require_kind
@@ -240,9 +247,10 @@ def generate_command(
         require_kind(meta, CAUSAL_KINDS, "generation", directory)
         load_tokenizer(directory, meta)
         check_layout(meta, tp, 1, directory)
+        complete = _speculative(speculative, greedy, no_kv_cache, meta, directory)
     except (CheckpointError, ValueError) as e:
         raise CommandError(str(e)) from None
-    args = (str(ckpt), tp, list(prompts), dataclasses.asdict(sampling), not no_kv_cache)
+    args = (str(ckpt), tp, list(prompts), dataclasses.asdict(sampling), not no_kv_cache, complete)
     try:
         results = launch.run_workers(generation_worker, args, tp)[0]
     except (launch.LaunchError, ValueError) as e:  # ValueError: one worker, in this process
@@ -250,6 +258,30 @@ def generate_command(
     for r in results:
         click.echo(f"--- prompt: {r['prompt']}")
         click.echo(r["prompt"] + r["text"])
+        if "drafted" in r:
+            rate = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+            click.echo(
+                f"--- speculative mtp: {r['accepted']} of {r['drafted']} drafts accepted "
+                f"({rate:.1%}), {len(r['tokens'])} tokens"
+            )
+
+
+def _speculative(kind, greedy: bool, no_kv_cache: bool, meta: dict, directory):
+    """`generate --speculative`'s draft-and-verify function (None: plain generation), refused
+    before any worker starts where it cannot run."""
+    if kind is None:
+        return None
+    from megatrain.inference.speculative import check_speculative, generate_speculative
+
+    if not greedy or no_kv_cache:
+        raise ValueError(
+            "--speculative mtp is greedy draft-and-verify through the KV cache: give --greedy "
+            "and not --no-kv-cache"
+        )
+    model = (meta.get("config") or {}).get("model") or {}
+    where = f"the checkpoint {directory}"
+    check_speculative(model.get("mtp_num_layers"), model.get("window_size"), where)
+    return generate_speculative
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")

@@ -116,9 +116,11 @@ def generate(
 
 
 def generation_worker(
-    ckpt: str, tp_size: int, prompts: list[str], sampling: dict, use_cache: bool
+    ckpt: str, tp_size: int, prompts: list[str], sampling: dict, use_cache: bool, complete=None
 ) -> list[dict] | None:
-    """One rank of `megatrain generate`: the completions on rank 0, None elsewhere."""
+    """One rank of `megatrain generate`: the completions on rank 0, None elsewhere.
+    `complete(model, ids, sampling, eod_id) -> (new tokens, statistics)` in the place of
+    `generate` (`speculative.generate_speculative`), its statistics in each result."""
     from megatrain.inference.load import load_model
     from megatrain.run.distributed import init_distributed
 
@@ -128,6 +130,11 @@ def generation_worker(
     results = []
     for text in prompts:
         ids = loaded.tokenizer.encode(text).ids
-        new = generate(loaded.chunks[0], ids, Sampling(**sampling), loaded.eod_id, use_cache)
-        results.append({"prompt": text, "tokens": new, "text": loaded.tokenizer.decode(new)})
+        model, how = loaded.chunks[0], Sampling(**sampling)
+        if complete is None:
+            new, stats = generate(model, ids, how, loaded.eod_id, use_cache), {}
+        else:
+            new, stats = complete(model, ids, how, loaded.eod_id)
+        text_out = loaded.tokenizer.decode(new)
+        results.append({"prompt": text, "tokens": new, "text": text_out, **stats})
     return results if dist.get_rank() == 0 else None
