@@ -196,10 +196,11 @@ def test_an_unknown_model_type_is_refused_naming_the_kinds_read(tmp_path):
     assert {"gpt2", "bert", "megatron-bert", "llama", "mistral"} <= set(kinds)
     assert message.endswith("megatrain import-hf reads " + ", ".join(kinds)), message
     assert not (tmp_path / "ckpt").exists()
-    # DeepSeek-V3's latent attention is named as what is not supported.
-    deepseek = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536}
+    # DeepSeek-V3.2 (its sparse attention's indexer is not read): the latent attention fields
+    # it carries are named as what is not supported.
+    deepseek = {"model_type": "deepseek_v32", "kv_lora_rank": 512, "q_lora_rank": 1536}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(deepseek))
-    with pytest.raises(HFFormatError, match=r"'deepseek_v3' \(with kv_lora_rank, q_lora_rank: "):
+    with pytest.raises(HFFormatError, match=r"'deepseek_v32' \(with kv_lora_rank, q_lora_rank: "):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 

@@ -247,13 +247,19 @@ def test_llama_families_both_ways_exact(families):
 def test_unsupported_fields_are_refused_before_any_weight_is_read(
     tmp_path, model_type, change, message, monkeypatch
 ):
+    config = {"model_type": model_type, "vocab_size": VOCAB, "hidden_size": 32,
+              "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "eos_token_id": 2, **change}  # fmt: skip
+    assert_refused_before_reading(tmp_path, config, message, monkeypatch)
+
+
+def assert_refused_before_reading(tmp_path, config: dict, message: str, monkeypatch) -> None:
+    """import-hf of a directory holding `config` (as config.json) and a tokenizer is refused
+    with `message` before any weight is opened, and writes no checkpoint."""
     from megatrain.hf import HFFormatError, import_hf
 
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    config = {"model_type": model_type, "vocab_size": VOCAB, "hidden_size": 32,
-              "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "eos_token_id": 2, **change}  # fmt: skip
     (hf_dir / "config.json").write_text(json.dumps(config))
     _tokenizer(hf_dir)
     monkeypatch.setattr("safetensors.safe_open", None)  # the weights are never opened

@@ -40,6 +40,10 @@ TARGETS = {
     "llama3-70b": GPU_MEMORY["h100-80gb"],
     "mixtral-8x7b": GPU_MEMORY["h100-80gb"],
     "qwen3-30b-a3b": GPU_MEMORY["h100-80gb"],
+    "deepseek-tiny": 8 * GIB,
+    "deepseek-v2-lite": GPU_MEMORY["h100-80gb"],
+    "moonlight-16b-a3b": GPU_MEMORY["h100-80gb"],
+    "deepseek-v3": GPU_MEMORY["h100-80gb"],
 }
 
 

@@ -1,8 +1,9 @@
 """Hugging Face conversions both ways (`megatrain export-hf`, `megatrain import-hf`): GPT-2
 (`gpt2`), BERT (`bert`), Llama and Mistral (`llama`), Qwen2 and Qwen3 (`qwen`), Mixtral,
-Qwen2-MoE and Qwen3-MoE (`moe`): the three decoder families over their shared base (`decoder`,
-the classes an export writes in `families`), every kind over what all share (`common`).  The
-two functions here pick the model kind; transformers is needed by export only."""
+Qwen2-MoE and Qwen3-MoE (`moe`), gpt-oss (`gpt_oss`), DeepSeek-V2 and V3 (`deepseek`): the
+decoder families over their shared base (`decoder`, the classes an export writes in
+`families`), every kind over what all share (`common`).  The two functions here pick the model
+kind; transformers is needed by export only."""
 
 import json
 from pathlib import Path
@@ -69,13 +70,14 @@ GPT2_TYPES = ("gpt2",)
 def _llama_family_importers() -> dict:
     """model_type -> the importer of the Llama-like decoders (Llama and Mistral, Qwen2/3, and
     the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE)."""
-    from megatrain.hf import gpt_oss, llama, moe, qwen
+    from megatrain.hf import deepseek, gpt_oss, llama, moe, qwen
 
     return (
         {t: gpt_oss.import_gpt_oss for t in gpt_oss.MODEL_TYPES}
         | {t: llama.import_llama for t in llama.MODEL_TYPES}
         | {t: qwen.import_qwen for t in qwen.MODEL_TYPES}
         | {t: moe.import_moe for t in moe.MODEL_TYPES}
+        | {t: deepseek.import_deepseek for t in deepseek.MODEL_TYPES}
     )
 
 
@@ -97,7 +99,8 @@ def import_hf(
     only) under `out_ckpt`; returns the iteration directory.  config.json's model_type picks
     the reader: a BERT ("bert" or "megatron-bert") `bert.import_bert`, a Llama or Mistral
     `llama.import_llama`, a Qwen2 or Qwen3 `qwen.import_qwen`, a Mixtral, Qwen2-MoE or
-    Qwen3-MoE `moe.import_moe`, a GPT-2 `gpt2.import_gpt2`;
+    Qwen3-MoE `moe.import_moe`, a DeepSeek-V2 or V3 `deepseek.import_deepseek`, a GPT-2
+    `gpt2.import_gpt2`;
     any other model_type is refused naming the ones read.  The weights keep the files' dtype
     unless `dtype` ("float32", "bfloat16", "float16") says another; the Llama family is
     streamed, a tensor (or an expert) at a time."""

@@ -237,16 +237,41 @@ def mlp_map(c: dict, i: int) -> dict[str, Target]:
         out = {"mlp.router.weight": whole(layer + prefix + router, (E, h))}
         names = tuple(f"{layer}{prefix}experts.{{e}}.{n}.weight" for n in (gate, up, down))
         out |= experts_map("mlp.", names, E, h, f)
-    if c.get("shared_ffn"):
-        s = c["shared_ffn"]
+    if c.get("shared_ffn"):  # Qwen2-MoE's gated shared_expert, DeepSeek's shared_experts
+        s, name = c["shared_ffn"], c.get("shared_name", "shared_expert")
         shapes = {"gate": (s, h), "fc1": (s, h), "fc2": (h, s)}
         out |= {f"mlp.shared_expert.{ours}.weight":
-                whole(f"{layer}mlp.shared_expert.{theirs}.weight", shapes[ours])
+                whole(f"{layer}mlp.{name}.{theirs}.weight", shapes[ours])
                 for ours, theirs in SHARED.items()}  # fmt: skip
-        out["mlp.shared_expert_gate.weight"] = whole(
-            f"{layer}mlp.shared_expert_gate.weight", (1, h)
-        )
+        if c.get("shared_gate", True):
+            out["mlp.shared_expert_gate.weight"] = whole(
+                f"{layer}mlp.shared_expert_gate.weight", (1, h)
+            )
+    if c.get("expert_bias"):  # DeepSeek-V3's correction bias: our fp32 buffer
+        out["mlp.router.expert_bias"] = whole(f"{layer}mlp.gate.e_score_correction_bias", (E,))
     return out
+
+
+# DeepSeek's multi-latent attention: ours (under layers.N.attention.) -> HF's (under
+# model.layers.N.self_attn.), each as it is.
+MLA_NAMES = {"q_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b": "q_b_proj", "q": "q_proj",
+             "kv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b": "kv_b_proj",
+             "proj": "o_proj"}  # fmt: skip
+
+
+def mla_map(ours: str, layer: str, c: dict) -> dict[str, Target]:
+    """One layer's multi-latent attention (`c["mla"]`'s sizes), our module's order."""
+    a, h, heads = c["mla"], c["hidden"], c["heads"]
+    r, qk = a["q_lora_rank"], a["nope"] + a["rope"]
+    if r:
+        shapes = {"q_a": (r, h), "q_a_norm": (r,), "q_b": (heads * qk, r)}
+    else:
+        shapes = {"q": (heads * qk, h)}
+    shapes |= {"kv_a": (a["kv_lora_rank"] + a["rope"], h), "kv_a_norm": (a["kv_lora_rank"],),
+               "kv_b": (heads * (a["nope"] + a["v"]), a["kv_lora_rank"]),
+               "proj": (h, heads * a["v"])}  # fmt: skip
+    return {f"{ours}attention.{k}.weight": whole(f"{layer}self_attn.{MLA_NAMES[k]}.weight", s)
+            for k, s in shapes.items()}  # fmt: skip
 
 
 def decoder_map(c: dict, padded_vocab: int) -> dict[str, Target]:
@@ -258,6 +283,9 @@ def decoder_map(c: dict, padded_vocab: int) -> dict[str, Target]:
     for i in range(c["layers"]):
         layer, ours = f"model.layers.{i}.", f"layers.{i}."
         out |= {ours + k: whole(layer + t, (h,)) for k, t in NORMS.items()}
+        if c.get("mla"):
+            out |= mla_map(ours, layer, c) | {ours + k: t for k, t in mlp_map(c, i).items()}
+            continue
         for kind in ("weight", "bias") if c["qkv_bias"] else ("weight",):
             out |= attention_map(ours, layer, c, kind)
         out[ours + "attention.proj.weight"] = whole(layer + "self_attn.o_proj.weight",
@@ -355,7 +383,10 @@ def read_headers(hf_dir: Path, c: dict) -> Headers:
     shapes, dtypes, where, quantized = logical_headers(
         hf_dir, c.get("quantization"), shapes, dtypes, where
     )
-    kept = [n for n in shapes if not n.endswith(skipped)]
+    # c["skipped_prefixes"]: tensors no module of ours holds (DeepSeek's MTP layers), named
+    # by the family's reader.
+    prefixes = tuple(c.get("skipped_prefixes", ()))
+    kept = [n for n in shapes if not n.endswith(skipped) and not n.startswith(prefixes)]
     return Headers(
         {n: shapes[n] for n in kept},
         where,

@@ -1,7 +1,8 @@
 """The Hugging Face classes a Llama-kind checkpoint exports as (`Family`: Llama, Qwen2, Qwen3,
-Mixtral, Qwen2-MoE, Qwen3-MoE), each with its config fields and MLP writer, and the choice among
-them from the resolved [model] switches (`decoder_family`, `moe_family`).  `llama.export_llama`
-writes the one chosen; the families' importers are `hf.llama`, `hf.qwen` and `hf.moe`.
+Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V2/V3), each with its config fields and MLP
+writer, and the choice among them from the resolved [model] switches (`decoder_family`,
+`moe_family`, `deepseek_family`).  `llama.export_llama` writes the one chosen; the families'
+importers are `hf.llama`, `hf.qwen`, `hf.moe`, `hf.gpt_oss` and `hf.deepseek`.
 """
 
 from collections.abc import Callable
@@ -56,6 +57,8 @@ def decoder_family(m: dict) -> Family:
     biases, else Llama.  A switch the chosen class lacks is refused by the exporter."""
     if m.get("softmax_type") == "learnable":
         return GPT_OSS
+    if m.get("multi_latent_attention"):
+        return deepseek_family(m)
     if m.get("num_moe_experts"):
         return moe_family(m)
     if m["qk_layernorm"]:
@@ -158,3 +161,32 @@ GPT_OSS = Family(
               "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None},
     _gpt_oss_fields,
 )  # fmt: skip
+
+
+def _deepseek_fields(m: dict) -> dict:
+    from megatrain.hf.deepseek import deepseek_fields
+
+    return deepseek_fields(m)
+
+
+# What every DeepSeek layer is beside its latent attention: no q/k norms or qkv biases, and a
+# router of no capacity and no shared-expert gate; the rest (sigmoid or softmax scores, the
+# expert bias, groups, the MoE layers) `deepseek.deepseek_fields` checks and writes.
+DEEPSEEK_SWITCHES = {"qk_layernorm": False, "add_qkv_bias": False, "moe_shared_expert_gate": False,
+                     "moe_expert_capacity_factor": None}  # fmt: skip
+DEEPSEEK_V3 = Family(
+    "DeepSeek-V3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+    DEEPSEEK_SWITCHES, _deepseek_fields,
+)  # fmt: skip
+DEEPSEEK_V2 = Family(
+    "DeepSeek-V2", "DeepseekV2ForCausalLM", "DeepseekV2Config",
+    DEEPSEEK_SWITCHES | {"moe_router_score_function": "softmax",
+                         "moe_router_enable_expert_bias": False}, _deepseek_fields,
+)  # fmt: skip
+
+
+def deepseek_family(m: dict) -> Family:
+    """A multi-latent attention model's class: DeepSeek-V2 for softmax routing, else V3."""
+    from megatrain.hf.deepseek import export_version
+
+    return DEEPSEEK_V2 if export_version(m) == "deepseek_v2" else DEEPSEEK_V3

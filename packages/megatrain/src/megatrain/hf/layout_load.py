@@ -46,7 +46,7 @@ class HFTensors:
 def decoder_fields_of(hf_dir: Path) -> tuple[dict, object]:
     """(config.json's fields as `decoder.decoder_map` reads them, the family's [model]
     configure) of a Llama, Mistral, Qwen2/3, Mixtral or Qwen-MoE; another model is refused."""
-    from megatrain.hf import _model_type, gpt_oss, llama, moe, qwen
+    from megatrain.hf import _model_type, deepseek, gpt_oss, llama, moe, qwen
 
     model_type = _model_type(hf_dir)
     if model_type in llama.MODEL_TYPES:
@@ -57,7 +57,10 @@ def decoder_fields_of(hf_dir: Path) -> tuple[dict, object]:
         return moe.read_moe_files(hf_dir), moe.configure_moe
     if model_type in gpt_oss.MODEL_TYPES:
         return gpt_oss.read_gpt_oss_config(hf_dir), gpt_oss.configure_gpt_oss
-    families = (*llama.MODEL_TYPES, *qwen.MODEL_TYPES, *moe.MODEL_TYPES, *gpt_oss.MODEL_TYPES)
+    if model_type in deepseek.MODEL_TYPES:
+        return deepseek.read_deepseek_files(hf_dir), deepseek.configure_deepseek
+    families = (*llama.MODEL_TYPES, *qwen.MODEL_TYPES, *moe.MODEL_TYPES, *gpt_oss.MODEL_TYPES,
+                *deepseek.MODEL_TYPES)  # fmt: skip
     raise HFFormatError(
         f"{hf_dir / 'config.json'}: model_type is {model_type!r}; --load-hf reads "
         f"{', '.join(families)} (a GPT-2 or BERT: `megatrain import-hf` it, then --load that)"

@@ -152,6 +152,10 @@ def map_fields(m: dict, vocab: int, model_type: str) -> dict:
     }
     if model_type == "gpt_oss":  # biases on q, k, v and the output projection; sinks
         c |= {"qkv_bias": True, "o_bias": True, "sinks": True}
+    if m.get("multi_latent_attention"):  # DeepSeek's latent sizes, shared experts, bias
+        from megatrain.hf.deepseek import map_fields as deepseek_map_fields
+
+        c |= deepseek_map_fields(m)
     if m.get("num_moe_experts"):
         c |= {
             "moe_layers": layer_is_moe(m),

@@ -129,8 +129,12 @@ def _layouts_of(
     try:
         validate(apply_layout(config, base, global_batch), gpus)
     except ConfigError as e:
-        yield base, e, None
-        return
+        # A mixture of experts at tp > 1 needs sequence parallelism: the split is refused
+        # only if it is refused with it too.
+        with_sp = replace(base, sequence_parallel=True)
+        if tp == 1 or not _accepted(apply_layout(config, with_sp, global_batch), gpus):
+            yield base, e, None
+            return
     per_replica = global_batch // dp
     for mb in _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH)):
         vpps = [1]
@@ -152,6 +156,14 @@ def _layouts_of(
                             yield layout, e, None
                             continue
                         yield layout, None, config_at
+
+
+def _accepted(config: Config, gpus: int) -> bool:
+    try:
+        validate(config, gpus)
+    except ConfigError:
+        return False
+    return True
 
 
 def _shardings(replicas: int, microbatches: int) -> list[tuple[str, bool | None]]:

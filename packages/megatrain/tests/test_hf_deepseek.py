@@ -1,0 +1,385 @@
+"""DeepSeek-V3 and DeepSeek-V2 through Hugging Face both ways (`hf.deepseek`), exact.
+
+Random tiny transformers models, every parameter and the correction bias perturbed (HF starts
+the router at zero... its bias at zero: ties that would prove nothing), with all of the family
+in play: multi-latent attention with and without the query latent, YaRN with mscale !=
+mscale_all_dim (the tables' attention factor and the softmax's mscale^2 both not 1), a dense
+first layer (first_k_dense_replace), shared experts, V3's sigmoid group-limited routing (4
+groups, the best 2, ranked by their top-2 sums) with its bias, normalization and scaling, V2's
+softmax group_limited_greedy and greedy.  Each imported and run by `inference.load_model`:
+fp32 logits within 1e-4 of HF's eager path, greedy generation with the latent cache equal to
+HF's and the uncached; the export reloads in transformers with every tensor bit-equal and the
+same logits; counted parameters = built = HF's.  The routing mattered: the same weights without
+the correction bias (V3) or the groups differ.
+
+A tiny V3 stored in DeepSeek's FP8 format (linears float8_e4m3fn with a weight_scale_inv per
+block of 16 x 20, the edges partial; router, norms, embeddings bf16, the bias fp32), its
+multi-token prediction layer model.layers.3.* beside the rest, imports equal to the import of
+its dequantised file, the MTP tensors skipped with a line naming them.  Refusals name the field;
+the published DeepSeek-V3 and V2-Lite configs count 671B / 37B and 15.7B / 2.4B.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_hf_llama_families import VOCAB, assert_refused_before_reading, both_ways, random_hf
+
+from megacore import parallel_state as ps
+from megatrain.testing import world_of_one
+
+transformers = pytest.importorskip("transformers")
+
+# A pretraining context of 4 under the 24 tokens compared: YaRN's interpolation is used.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+        "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.707, "mscale_all_dim": 1.0}  # fmt: skip
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_dim=6,
+           qk_rope_head_dim=4, v_head_dim=5)  # fmt: skip
+EXPERTS = dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=2,
+               first_k_dense_replace=1, num_hidden_layers=3)  # fmt: skip
+MODELS = {  # name -> (model_type, config overrides)
+    "v3": ("deepseek_v3", {**MLA, **EXPERTS, "q_lora_rank": 12, "num_experts_per_tok": 2,
+                           "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                           "norm_topk_prob": True, "rope_parameters": YARN}),
+    "v2": ("deepseek_v2", {**MLA, **EXPERTS, "q_lora_rank": 12, "num_experts_per_tok": 3,
+                           "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                           "routed_scaling_factor": 1.5, "rope_parameters": YARN}),
+    # V2-Lite's shape: no query latent, plain greedy top k, no rotary scaling.
+    "v2_lite": ("deepseek_v2", {**MLA, **EXPERTS, "q_lora_rank": None,
+                                "num_experts_per_tok": 2, "topk_method": "greedy"}),
+}  # fmt: skip
+EXPECTED = {  # name -> (class, our [model] fields)
+    "v3": ("DeepseekV3ForCausalLM", {
+        "q_lora_rank": 12, "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True, "moe_router_num_groups": 4,
+        "moe_router_group_topk": 2, "moe_router_group_score_topk": 2,
+        "moe_router_norm_topk_prob": True, "moe_router_topk_scaling_factor": 2.5,
+        "moe_router_pre_softmax": False, "rope_type": "yarn"}),
+    "v2": ("DeepseekV2ForCausalLM", {
+        "q_lora_rank": 12, "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False, "moe_router_num_groups": 4,
+        "moe_router_group_topk": 2, "moe_router_group_score_topk": 1,
+        "moe_router_norm_topk_prob": False, "moe_router_topk_scaling_factor": 1.5,
+        "moe_router_pre_softmax": True, "rope_type": "yarn"}),
+    "v2_lite": ("DeepseekV2ForCausalLM", {
+        "q_lora_rank": None, "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False, "moe_router_num_groups": None,
+        "moe_router_group_topk": None, "moe_router_group_score_topk": None,
+        "moe_router_norm_topk_prob": False, "moe_router_topk_scaling_factor": 1.0,
+        "moe_router_pre_softmax": True, "rope_type": "rope"}),
+}  # fmt: skip
+SHARED = {"multi_latent_attention": True, "kv_lora_rank": 8, "qk_head_dim": 6,
+          "qk_pos_emb_head_dim": 4, "v_head_dim": 5, "num_moe_experts": 8,
+          "moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 32,
+          "moe_layer_freq": [0, 1, 1], "num_query_groups": None, "kv_channels": None}  # fmt: skip
+
+
+def random_deepseek(root, model_type: str, **overrides):
+    """A random DeepSeek saved with a tokenizer (`random_hf`), the correction bias perturbed
+    too (HF starts it at zero): every weight and buffer of the files drawn."""
+    model = random_hf(root, model_type, initializer_range=0.2, **overrides)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(root)
+    return model
+
+
+def _unrouted_logits_diff(hf) -> float:
+    """How far HF's logits move on `both_ways`' tokens when the same weights route without
+    the correction bias (zeroed) and the groups (one): 0 where the model has neither."""
+    unrouted = {
+        f: 1 for f in ("n_group", "topk_group") if getattr(hf.config, f, 1) not in (None, 1)
+    }
+    state = hf.state_dict()
+    biased = any(k.endswith("e_score_correction_bias") for k in state)
+    if not (unrouted or biased):
+        return 0.0
+    config = transformers.AutoConfig.for_model(**{**hf.config.to_dict(), **unrouted})
+    plain = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    plain.load_state_dict(
+        {k: torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v
+         for k, v in state.items()}
+    )  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (plain(tokens).logits - hf(tokens).logits).abs().max().item()
+
+
+def _both_ways(root, name: str, hf) -> dict:
+    """`both_ways` (import, logits, generation, export, reload), with the whole [model] section
+    imported, HF's parameter count and what the routing's bias and groups did."""
+    from megatrain.checkpoint.files import find_checkpoint, read_meta
+
+    r = both_ways(root, name, hf)
+    r["model"] = read_meta(find_checkpoint(root / f"{name}-ckpt"))["config"]["model"]
+    r["hf_parameters"] = sum(p.numel() for p in hf.parameters())
+    r["unrouted_logits_diff"] = _unrouted_logits_diff(hf)
+    return r
+
+
+@pytest.fixture(scope="module")
+def deepseeks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared CPU
+    try:
+        with world_of_one(root / "rendezvous"):
+            ps.initialize_model_parallel(1, 1)
+            return {name: _both_ways(root, name, random_deepseek(root / name, t, **o))
+                    for name, (t, o) in MODELS.items()}  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_deepseek_both_ways_exact(deepseeks):
+    assert set(deepseeks) == set(EXPECTED)
+    for name, r in deepseeks.items():
+        architecture, fields = EXPECTED[name]
+        model = r["model"]
+        assert {k: model[k] for k in fields} == fields, name
+        assert {k: model[k] for k in SHARED} == SHARED, name
+        assert r["logits_scale"] > 1e-2, r  # not a zero model
+        assert r["logits_max_diff"] < 1e-4, (name, r["logits_max_diff"])
+        assert r["export_equal"], name
+        assert r["export_logits_diff"] == 0.0, name
+        assert r["architecture"] == architecture
+        cached, uncached, theirs = r["generated"]
+        assert cached == uncached == theirs and len(cached) == 12, (name, r["generated"])
+        # Ours pad the embedding and the output layer's 96 rows to 128.
+        padding = 2 * (128 - VOCAB) * 32
+        assert r["counted"] == r["built"] == r["hf_parameters"] + padding, name
+    # The routing's pieces were in play: without the bias and the groups HF's logits move.
+    assert deepseeks["v3"]["unrouted_logits_diff"] > 1e-2
+    assert deepseeks["v2"]["unrouted_logits_diff"] > 1e-2
+    v3, v2 = deepseeks["v3"]["config"], deepseeks["v2"]["config"]
+    assert v3["n_group"] == 4 and v3["topk_group"] == 2 and v3["routed_scaling_factor"] == 2.5
+    assert v3["num_nextn_predict_layers"] == 0 and v3["rope_parameters"]["mscale"] == 0.707
+    assert v2["topk_method"] == "group_limited_greedy"
+    assert deepseeks["v2_lite"]["config"]["topk_method"] == "greedy"
+    assert deepseeks["v2_lite"]["config"]["q_lora_rank"] is None
+
+
+# --- DeepSeek's FP8 files, with their MTP layer ---------------------------------------------
+
+BLOCK = [16, 20]  # partial in both dimensions of every tiny matrix (hidden 32, ...)
+
+
+def _fp8_pair(root) -> dict:
+    """The V3 stored as DeepSeek publishes it (its 2-D layer linears float8 with scales, the
+    router, norms, embeddings and output layer bf16, the correction bias fp32, an MTP layer
+    model.layers.3.* with its own tensors) in `root / "fp8"`, and its weights dequantised by
+    transformers in `root / "plain"` (the MTP layer left out)."""
+    from test_hf_quantized import FP8, fp8_quantized, write_files
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    random_deepseek(root / "hf", *MODELS["v3"][:1], **MODELS["v3"][1])
+    config = json.loads((root / "hf" / "config.json").read_text())
+    state = load_file(root / "hf" / "model.safetensors")
+    # The MTP layer DeepSeek's files hold after the last: a decoder layer's tensors (layer 2's
+    # shapes) and its own embedding, norms, projection and head.
+    h = config["hidden_size"]
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone()
+           for k, v in state.items() if k.startswith("model.layers.2.")}  # fmt: skip
+    mtp |= {f"model.layers.3.{n}": torch.randn(s) for n, s in (
+        ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+        ("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (VOCAB, h)),
+        ("embed_tokens.weight", (VOCAB, h)))}  # fmt: skip
+    fp8, plain = {}, {}
+    for key, t in {**state, **mtp}.items():
+        if key.startswith("model.layers.") and t.dim() == 2 and "gate.weight" not in key:
+            w, s = fp8_quantized(t, BLOCK)
+            fp8[key], fp8[f"{key}_scale_inv"] = w, s
+            if key in state:
+                plain[key] = _dequantize_fp8_weight(w, s, BLOCK, torch.float32).bfloat16()
+        else:
+            kept = t.float() if "correction_bias" in key else t.bfloat16()
+            fp8[key] = kept
+            if key in state:
+                plain[key] = kept
+    config |= {"dtype": "bfloat16", "num_nextn_predict_layers": 1}
+    for name, tensors, quantization in (("fp8", fp8, FP8), ("plain", plain, None)):
+        write_files(root / name, tensors, quantization, split=[k for k in tensors if "scale" in k])
+        block = {"quantization_config": {**FP8, "weight_block_size": BLOCK}} if quantization else {}
+        (root / name / "config.json").write_text(json.dumps({**config, **block}))
+        shutil.copy(root / "hf" / "tokenizer.json", root / name)
+    return fp8
+
+
+def test_deepseek_fp8_files_with_their_mtp_layer_import_as_dequantised(tmp_path, capsys):
+    from megatrain.checkpoint.load import read_full_state
+    from megatrain.hf import import_hf
+
+    fp8 = _fp8_pair(tmp_path)
+    assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) >= 20
+    assert fp8["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 2)
+    for source in ("fp8", "plain"):
+        import_hf(tmp_path / source, tmp_path / f"{source}-ckpt")
+    said = capsys.readouterr().out
+    mtp = [k for k in fp8 if k.startswith("model.layers.3.") and not k.endswith("_scale_inv")]
+    assert len(mtp) == 38 + 6  # layer 2's tensors, and its own six
+    assert (f"skipping the {len(mtp)} tensors of the multi-token prediction layer "
+            "(model.layers.3.*, num_nextn_predict_layers 1)") in said  # fmt: skip
+    meta, ours = read_full_state(tmp_path / "fp8-ckpt", progress=False)
+    _, reference = read_full_state(tmp_path / "plain-ckpt", progress=False)
+    assert meta["imported_from"]["dequantized_from"] == "fp8"
+    assert ours.keys() == reference.keys() and "layers.2.mlp.router.expert_bias" in ours
+    for name, t in reference.items():
+        assert torch.equal(ours[name], t), name
+    assert ours["layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert ours["layers.1.attention.kv_a.weight"].dtype == torch.bfloat16
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_type", "change", "message"),
+    [
+        ("deepseek_v3", {"rope_interleave": False}, r"rope_interleave is False"),
+        ("deepseek_v3", {"attention_bias": True}, r"attention_bias is True"),
+        ("deepseek_v3", {"num_key_value_heads": 2}, r"num_key_value_heads is 2"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, r"scoring_func is 'softmax'"),
+        ("deepseek_v3", {"topk_method": "greedy"}, r"topk_method is 'greedy'"),
+        ("deepseek_v3", {"moe_layer_freq": 2}, r"moe_layer_freq is 2"),
+        ("deepseek_v3", {"n_group": 3}, r"n_group is 3: n_routed_experts \(8\) is not divisible"),
+        ("deepseek_v3", {"topk_group": 5}, r"topk_group is 5: above n_group \(4\)"),
+        ("deepseek_v3", {"qk_rope_head_dim": 5}, r"qk_rope_head_dim is 5: expected an even"),
+        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 8, "attention_factor": 2.0}},
+         r"attention_factor is 2.0"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, r"topk_method is 'noaux_tc'"),
+        ("deepseek_v2", {"norm_topk_prob": True}, r"norm_topk_prob is True"),
+        ("deepseek_v2", {"mlp_bias": True}, r"mlp_bias is True"),
+        ("deepseek_v2", {"topk_method": "group_limited_greedy"}, r"n_group is None"),
+    ],
+)  # fmt: skip
+def test_what_we_do_not_compute_is_refused_naming_the_field(
+    tmp_path, model_type, change, message, monkeypatch
+):
+    config = {"model_type": model_type, "vocab_size": VOCAB, "hidden_size": 32,
+              "intermediate_size": 48, "eos_token_id": 2, **MLA, **EXPERTS,
+              "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, **change}  # fmt: skip
+    if model_type == "deepseek_v2" and "topk_method" in change:
+        config = {k: v for k, v in config.items() if k not in ("n_group", "topk_group")}
+    assert_refused_before_reading(tmp_path, config, message, monkeypatch)
+
+
+def test_an_export_deepseek_cannot_hold_is_refused_naming_the_field(tmp_path):
+    from megatrain.checkpoint.files import CheckpointError
+    from megatrain.hf.families import deepseek_family
+
+    base = {"num_layers": 3, "num_moe_experts": 8, "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 16, "ffn_hidden_size": 48,
+            "moe_shared_expert_intermediate_size": 32, "moe_layer_freq": [0, 1, 1],
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_pre_softmax": False, "moe_router_norm_topk_prob": None,
+            "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+            "moe_router_group_topk": None, "moe_router_group_score_topk": None,
+            "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none",
+            "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 8,
+            "qk_head_dim": 6, "qk_pos_emb_head_dim": 4, "v_head_dim": 5,
+            "multi_latent_attention": True}  # fmt: skip
+    fields = deepseek_family(base).fields(base)
+    assert fields["norm_topk_prob"] is True and fields["first_k_dense_replace"] == 1
+    assert fields["n_shared_experts"] == 2 and fields["n_group"] == 1
+    for change, named in [
+        ({"moe_layer_freq": [1, 0, 1]}, "model.moe_layer_freq"),
+        ({"moe_shared_expert_intermediate_size": 24}, "model.moe_shared_expert_intermediate"),
+        ({"moe_router_enable_expert_bias": False}, "model.moe_router_enable_expert_bias"),
+        ({"moe_router_num_groups": 4, "moe_router_group_topk": 2,
+          "moe_router_group_score_topk": 1}, "model.moe_router_group_score_topk"),
+        ({"moe_router_score_function": "softmax", "moe_router_pre_softmax": False},
+         "model.moe_router_pre_softmax"),
+        ({"moe_router_score_function": "softmax", "moe_router_pre_softmax": True,
+          "moe_router_norm_topk_prob": True}, "model.moe_router_norm_topk_prob"),
+    ]:  # fmt: skip
+        m = {**base, **change}
+        with pytest.raises(CheckpointError, match=named):
+            deepseek_family(m).fields(m)
+
+
+# --- the published models, counted ----------------------------------------------------------
+
+# DeepSeek-V3's config.json as published (deepseek-ai/DeepSeek-V3), the fields it holds.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-06,
+    "use_cache": True, "bos_token_id": 0, "eos_token_id": 1, "pretraining_tp": 1,
+    "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+}  # fmt: skip
+# DeepSeek-V2-Lite's (deepseek-ai/DeepSeek-V2-Lite).
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64, "ep_size": 1,
+    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+    "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+    "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-06,
+    "use_cache": True, "bos_token_id": 100000, "eos_token_id": 100001, "pretraining_tp": 1,
+    "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def _counted(tmp_path, published: dict):
+    """(run config, total, active parameters) of a published config.json as import-hf
+    resolves it."""
+    from megatrain.hf.decoder import decoder_config
+    from megatrain.hf.deepseek import configure_deepseek, read_deepseek_config
+    from megatrain.models import model_config
+    from megatrain.plan import accounting as acc
+
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    config = decoder_config(tmp_path, read_deepseek_config(tmp_path), configure_deepseek)
+    cfg = model_config(config, published["vocab_size"])
+    return config, acc.gpt_parameters(cfg), acc.active_parameters(cfg)
+
+
+def test_published_deepseek_configs_count_their_published_sizes(tmp_path):
+    """DeepSeek-V3: 671B total, 37B activated a token (the paper's and the model card's; the
+    MTP layer's 14B beyond, which we skip and do not count, makes the files' 685B).
+    DeepSeek-V2-Lite: 15.7B total, 2.4B activated.  DeepSeek's activated counts leave out the
+    word embedding (a lookup), ours hold it."""
+    config, total, active = _counted(tmp_path, DEEPSEEK_V3)
+    m = config.model
+    assert (m.rope_type, m.rotary_scaling_factor, m.mscale_all_dim) == ("yarn", 40.0, 1.0)
+    assert (m.moe_router_num_groups, m.moe_router_group_topk) == (8, 4)
+    assert m.moe_layer_freq == [0, 0, 0] + [1] * 58
+    assert m.moe_router_load_balancing_type == "seq_aux_loss" and m.moe_aux_loss_coeff == 0.001
+    assert round(total / 1e9) == 671  # 671.03B
+    # 37.55B with the word embedding's 0.93B, which DeepSeek leaves out (a lookup): 36.6B.
+    assert round((active - DEEPSEEK_V3["vocab_size"] * DEEPSEEK_V3["hidden_size"]) / 1e9) == 37
+    (tmp_path / "lite").mkdir()
+    config, total, active = _counted(tmp_path / "lite", DEEPSEEK_V2_LITE)
+    assert config.model.moe_router_num_groups is None and config.model.q_lora_rank is None
+    assert round(total / 1e9, 1) == 15.7
+    embedding = DEEPSEEK_V2_LITE["vocab_size"] * DEEPSEEK_V2_LITE["hidden_size"]
+    assert 2.4e9 <= active - embedding < 2.5e9  # 2.45B, which DeepSeek's card truncates
