@@ -16,7 +16,8 @@ buffer, the second ("async") reuses it as a run's later saves do; a third times 
 pure-Python loop in each training process beside its writer's write against the loop alone
 (`loop_rate_beside_write`, the lower rank's).  `gil_probe`: a pure-Python loop's rate while
 512 MB are written as DCP writes them, in a thread of the same process (the writer before
-issue 61) and in another process, against its rate alone (the median of three).  The
+issue 61) and in another process, against its rate alone (the median of three), the loop
+on one core and the write on another.  The
 checkpoint goes to --dir (a disk, not a tmpfs: the write has to take its time); DCP fsyncs
 every file.  The NCCL-rules checker is off (right for tests, not timing).
 """
@@ -152,21 +153,27 @@ def _python_rate(seconds: float, until=None) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _rate_to(conn, seconds: float) -> None:
+def _rate_to(conn, seconds: float, cpus: set) -> None:
+    os.sched_setaffinity(0, cpus)
     conn.send(_python_rate(seconds))
 
 
 def gil_probe(mb: int, directory: str) -> dict:
     """A pure-Python loop (it needs the GIL all the time) beside a write of `mb` MB of host
     tensors as the writer does it (DCP, every file fsynced), against the loop alone: the loop
-    in the writing process (the writer a thread: the GIL and the cores shared) and in another
-    process (the cores shared only).  Equal ratios: the write leaves the GIL to the loop."""
+    in the writing process (the writer a thread: the GIL shared) and in another process (as
+    the writer process is).  The loop runs on one core and the write on another (affinity,
+    with two cores or more), so other jobs' load weighs on both sides alike and what differs
+    is the interpreter lock.  Equal ratios: the write leaves the GIL to the loop."""
     import multiprocessing as mp
     import threading
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
+    every = sorted(os.sched_getaffinity(0))
+    loop_cpu, write_cpu = {every[0]}, {every[-1]}  # one core each (the same one on one core)
+    on = lambda cpus: os.sched_setaffinity(0, cpus)  # noqa: E731  (Linux: this thread only)
     state = {f"t{i}": torch.randn(mb * 2**20 // 4 // 16) for i in range(16)}
     rows = []
     with warnings.catch_warnings():
@@ -174,19 +181,24 @@ def gil_probe(mb: int, directory: str) -> dict:
         for trial in range(3):
             path = f"{directory}/{trial}"
             write = lambda name: dcp.save(state, checkpoint_id=f"{path}/{name}", no_dist=True)  # noqa: E731, B023
+            on(loop_cpu)
             alone = _python_rate(1.0)
-            thread = threading.Thread(target=write, args=("thread",))
+            thread = threading.Thread(target=lambda w=write: (on(write_cpu), w("thread")))
             start = time.perf_counter()
             thread.start()
             same = _python_rate(0, until=thread.is_alive)
             write_s = time.perf_counter() - start
             ours, theirs = mp.get_context("fork").Pipe()
-            child = mp.get_context("fork").Process(target=_rate_to, args=(theirs, write_s))
+            child = mp.get_context("fork").Process(
+                target=_rate_to, args=(theirs, write_s, loop_cpu)
+            )
             child.start()
+            on(write_cpu)
             write("process")
             other = ours.recv()
             child.join()
             rows.append((write_s, same / alone, other / alone))
+    on(set(every))
     write_s, same, other = (sorted(column)[1] for column in zip(*rows, strict=True))
     return {
         "mb": mb,

@@ -330,8 +330,8 @@ def test_a_writer_process_that_dies_ends_the_run_on_every_rank(faults):
 
 
 def _gpu_contexts_after_a_save(corpus, out):
-    """(rank, whether this process holds a CUDA context on each GPU) after a background save
-    of a rank on its own GPU."""
+    """(rank, whether this process holds a CUDA context on each GPU, the GPUs its writer
+    process sees) after a background save of a rank on its own GPU."""
     import ctypes
 
     import torch
@@ -343,7 +343,7 @@ def _gpu_contexts_after_a_save(corpus, out):
     device = torch.device("cuda", dist.get_rank())
     run = build_run(_config(corpus, out, *_background(f"{out}/ckpt")), device)
     try:
-        _saved_once(run, f"{out}/ckpt")
+        saver = _saved_once(run, f"{out}/ckpt")
         libcuda = ctypes.CDLL("libcuda.so.1")
         active = []
         for index in range(torch.cuda.device_count()):
@@ -352,7 +352,7 @@ def _gpu_contexts_after_a_save(corpus, out):
             assert libcuda.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags),
                                                       ctypes.byref(on)) == 0  # fmt: skip
             active.append(bool(on.value))
-        return dist.get_rank(), active
+        return dist.get_rank(), active, saver.writer_gpus
     finally:
         ps.destroy_model_parallel()
 
@@ -363,12 +363,15 @@ def _gpu_contexts_after_a_save(corpus, out):
 )
 def test_cuda_a_background_save_holds_nothing_on_another_rank_s_gpu(corpus, tmp_path):
     """2 NCCL ranks on GPUs 0 and 1, each saving in the background: after the save, rank 1's
-    process holds a CUDA context on its GPU and none on GPU 0 (the writer used to make one)."""
+    process holds a CUDA context on its GPU and none on GPU 0 (the writer thread used to make
+    one), and the writer processes see no GPU."""
     ranks = run_distributed(_gpu_contexts_after_a_save, 2, args=(corpus, str(tmp_path)),
                             backend="nccl", nccl_rules=False, timeout=240)  # fmt: skip
-    for rank, active in ranks:
-        print(f"rank {rank}: CUDA contexts on GPUs {[i for i, a in enumerate(active) if a]}")
+    for rank, active, writer_gpus in ranks:
+        print(f"rank {rank}: CUDA contexts on GPUs {[i for i, a in enumerate(active) if a]}; "
+              f"its writer sees {writer_gpus} GPUs")  # fmt: skip
         assert active[rank] and (rank == 0 or not active[0]), (rank, active)
+        assert writer_gpus == 0
 
 
 # Where SIGTERM reaches rank 1 alone (a preempted node's), in iteration 3: before its step
