@@ -4,7 +4,8 @@ sinks, takes the one-process steps at every layout — tp 2 with sequence parall
 by both comm types (the window shorter than a cp 2 chunk and longer than a cp 4 one), pp 2,
 dp 2 with the distributed optimizer, with and without packed documents — and a run stopped
 with a save at cp 2 goes on at tp 2; with gpt-oss's MLP (biased router, biased clamped
-experts) on the same attention, at ep 2 alone, with cp 2 (packed) and with tp 2 + sp.  Every
+experts) on the same attention, at ep 2 alone, with cp 2 (packed) and with tp 2 + sp, and
+fully sharded (FSDP2) at dp 4.  Every
 rank runs under the NCCL-semantics checker.
 megacore's tests prove the attention itself (test_attention_kernels, test_context_parallel)."""
 
@@ -73,8 +74,10 @@ LAYOUTS = {
         True, ["parallel.pipeline_model_parallel_size=2", "parallel.use_distributed_optimizer=true"]
     ),
 }  # fmt: skip
-# The gpt-oss-like model (its own reference): experts over 2 EP ranks, with cp 2, with tp 2.
+# The gpt-oss-like model (its own reference): experts over 2 EP ranks, with cp 2, with tp 2;
+# fully sharded (FSDP2) over 4 ranks.
 MOE_LAYOUTS = {
+    "moe-fsdp-dp4": [*GPT_OSS_MLP, 'parallel.data_parallel_sharding="full"'],
     "moe-ep2-dp2": [*GPT_OSS_MLP, *EP2],
     "moe-ep2-cp2-p2p-packed": [*GPT_OSS_MLP, *EP2, *cp(2), *PACKED],
     "moe-ep2-tp2-seqpar": [*GPT_OSS_MLP, *EP2, *TP2_SP],
