@@ -91,6 +91,23 @@ def test_a_row_read_back_as_written(tmp_path):
     assert config.training.global_batch_size == 8 and config.training.precision == "bf16"
 
 
+def test_model_fields_reach_the_config_and_the_estimate(tmp_path):
+    """[run.model.fields] sets megatrain [model] fields beyond the row's shape: experts are
+    counted in the estimate's memory, a window in its model FLOPs."""
+    path = tmp_path / "runs.toml"
+    path.write_text(ROW)
+    (plain,) = load_runs(path)
+    fields = "[run.model.fields]\nnum_moe_experts = 4\nmoe_router_topk = 2\nwindow_size = 32"
+    path.write_text(ROW.replace("vocab = 1024", f"vocab = 1024\n{fields}"))
+    (run,) = load_runs(path)
+    model = run.config().model
+    assert (model.num_moe_experts, model.moe_router_topk, model.window_size) == (4, 2, 32)
+    assert plain.config().model.num_moe_experts is None
+    (_, a), (_, b) = predict(plain), predict(run)
+    assert b.memory["weights"] > a.memory["weights"]
+    assert b.mfu != a.mfu
+
+
 def test_the_fit_rows_are_the_built_in_profiles_fit():
     """The 2019 rows are what gpus.toml's [profile] was fitted to: the planner at their layouts
     within 5% (a row typed wrong, or the V100 path moved, shows here)."""
@@ -230,6 +247,23 @@ def test_every_run_that_ran_fits_the_plans_memory():
         ("tp = 2", "tp = 2\ntp_size = 2", "unknown field layout.tp_size"),
         # a model megatrain's own checks refuse: hidden 256 over 6 heads
         ("heads = 8", "heads = 6", "not a valid layout for its model"),
+        # [model] fields beyond the shape: known ones, of their types, not the shape again
+        (
+            "vocab = 1024",
+            "vocab = 1024\n[run.model.fields]\nnum_heads = 4",
+            "run 'tiny': model.fields: unknown field model.num_heads",
+        ),
+        (
+            "vocab = 1024",
+            'vocab = 1024\n[run.model.fields]\nwindow_size = "wide"',
+            "model.fields: model.window_size: expected int or NoneType, got 'wide'",
+        ),
+        (
+            "vocab = 1024",
+            "vocab = 1024\n[run.model.fields]\nnum_layers = 2",
+            "model.fields.num_layers is the row's own shape or layout",
+        ),
+        ("vocab = 1024", "vocab = 1024\nfields = 2", "model.fields = 2 is not a table"),
     ],
 )
 def test_a_malformed_row_is_refused_naming_the_field(tmp_path, old, new, message):

@@ -21,6 +21,7 @@ from megatrain.config import (
     TrainingConfig,
     validate,
 )
+from megatrain.config.load import apply_sections
 from megatrain.plan.accounting import ATTENTION_IMPLEMENTATIONS, RECOMPUTE_IMPLEMENTATIONS
 from megatrain.plan.cost_model import Estimate, estimate
 from megatrain.plan.costs import Costs
@@ -41,8 +42,16 @@ SHARDING = ("none", "optimizer", "full")
 # (field, type, required) per section; ints are sizes (> 0).
 _TOP = {"name": str, "use": str, "source": str, "where": str}
 _MODEL = {"kind": str, "layers": int, "hidden": int, "heads": int, "ffn": int, "vocab": int}
-# dropout: the hidden and attention dropout probability (absent: 0, none)
-_MODEL_OPTIONAL = {"query_groups": int, "dropout": float}
+# dropout: the hidden and attention dropout probability (absent: 0, none); fields: megatrain
+# [model] fields beyond the shape, by their names (a mixture of experts, windows, sinks, biases:
+# gpt-oss), checked as a config file's
+_MODEL_OPTIONAL = {"query_groups": int, "dropout": float, "fields": dict}
+# the [model] fields the row's own shape sets (model.fields may not set them again)
+_SHAPE_FIELDS = (
+    "kind", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+    "ffn_hidden_size", "max_position_embeddings", "vocab_size", "hidden_dropout",
+    "attention_dropout", "recompute",
+)  # fmt: skip
 _LAYOUT = {
     "gpu": str, "gpus": int, "tp": int, "pp": int, "dp": int, "micro_batch": int,
     "global_batch": int, "seq_length": int, "precision": str, "recompute": str, "sharding": str,
@@ -71,7 +80,7 @@ _MAY_BE_ZERO = {"dropout"}  # numbers that may be 0 (the rest must be positive)
 _PUBLISHED = {"metric": str, "value": float, "definition": str}
 _PUBLISHED_OPTIONAL = {"assumed": list}
 _TYPE_NAMES = {str: "a string", int: "a whole number", float: "a number", bool: "true or false",
-               list: "a list"}  # fmt: skip
+               list: "a list", dict: "a table"}  # fmt: skip
 
 
 class PublishedError(ValueError):
@@ -84,7 +93,8 @@ class PublishedRun:
     use: str  # "fit" or "check"
     source: str
     where: str
-    model: dict  # kind, layers, hidden, heads, ffn, vocab, query_groups, dropout (optional)
+    # kind, layers, hidden, heads, ffn, vocab; query_groups, dropout, fields (optional)
+    model: dict
     gpu: str  # a key of the GPU table
     gpus: int
     layout: Layout
@@ -104,7 +114,7 @@ class PublishedRun:
     def config(self) -> Config:
         """The run as a megatrain config (its layout applied by `estimate`)."""
         m = self.model
-        return Config(
+        config = Config(
             model=ModelConfig(
                 kind=m["kind"],
                 num_layers=m["layers"],
@@ -129,6 +139,8 @@ class PublishedRun:
                 **self.training,
             ),
         )
+        apply_sections(config, {"model": m.get("fields", {})}, f"run {self.name!r}")
+        return config
 
 
 def _fields(row: dict, section: str, where: str, required: dict, optional: dict) -> dict:
@@ -180,6 +192,16 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         if not isinstance(row.get(section), dict):
             raise PublishedError(f"{where}: [run.{section}] is missing")
     model = _fields(row["model"], "model.", where, _MODEL, _MODEL_OPTIONAL)
+    shape = [name for name in model.get("fields", {}) if name in _SHAPE_FIELDS]
+    if shape:
+        raise PublishedError(
+            f"{where}: model.fields.{shape[0]} is the row's own shape or layout (model.layers, "
+            "hidden, heads, query_groups, ffn, vocab, dropout; layout.seq_length, recompute)"
+        )
+    try:  # each field known and of its type, as a config file's
+        apply_sections(Config(), {"model": model.get("fields", {})}, f"{where}: model.fields")
+    except ConfigError as e:
+        raise PublishedError(str(e)) from e
     lay = _fields(row["layout"], "layout.", where, _LAYOUT, _LAYOUT_OPTIONAL)
     pub = _fields(row["published"], "published.", where, _PUBLISHED, _PUBLISHED_OPTIONAL)
     _choice(top["use"], USES, where, "use")
