@@ -210,30 +210,36 @@ def test_run_joins_torchrun(corpus, tmp_path):
     _check_outputs(_run(command, out), out, ranks=2)
 
 
-def _layout_takes_the_one_process_steps(corpus, tmp_path, name, layout, said_ranks, extra=()):
-    """`megatrain run` of a shipped config alone and at `layout` (overrides) take the same
-    steps: losses, gradient norms and validation losses from log.jsonl."""
+def _shipped_steps(corpus, out, name, overrides, extra=()):
+    """`megatrain run` of the shipped config `name` for 3 steps with `overrides`: (what it
+    said, each step's loss, gradient norm and validation loss from log.jsonl)."""
     config = ROOT / "pipelines" / "models" / f"{name}.toml"
-    steps, said = {}, {}
-    for run, overrides in (("one", []), ("layout", layout)):
-        out = tmp_path / run
-        command = [sys.executable, "-m", "megatrain.cli", "run", "--config", str(config),
-                   f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
-                   "training.train_iters=3", "training.eval_interval=3", "training.eval_iters=1",
-                   "logging.log_interval=1", "logging.tensorboard=false",
-                   "training.seq_length=32", "optimizer.lr_warmup_iters=1", *extra,
-                   *overrides]  # fmt: skip
-        said[run] = _run(command, out)
-        records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-        steps[run] = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in records]
-    assert said_ranks in said["layout"]
-    assert len(steps["one"]) == 3 and steps["one"][-1][2] is not None
-    for (loss, norm, valid), (ref_loss, ref_norm, ref_valid) in zip(
-        steps["layout"], steps["one"], strict=True
-    ):
+    command = [sys.executable, "-m", "megatrain.cli", "run", "--config", str(config),
+               f"data.corpus={str(corpus)!r}", f"training.output_dir={str(out)!r}",
+               "training.train_iters=3", "training.eval_interval=3", "training.eval_iters=1",
+               "logging.log_interval=1", "logging.tensorboard=false",
+               "training.seq_length=32", "optimizer.lr_warmup_iters=1", *extra,
+               *overrides]  # fmt: skip
+    said = _run(command, out)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return said, [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in records]
+
+
+def _same_steps(steps, reference):
+    assert len(reference) == 3 and reference[-1][2] is not None
+    for (loss, norm, valid), (ref_loss, ref_norm, ref_valid) in zip(steps, reference, strict=True):
         assert abs(loss - ref_loss) < 2e-5 and abs(norm - ref_norm) < 2e-5 * ref_norm, steps
         assert (valid is None) == (ref_valid is None)
         assert valid is None or abs(valid - ref_valid) < 2e-5
+
+
+def _layout_takes_the_one_process_steps(corpus, tmp_path, name, layout, said_ranks, extra=()):
+    """`megatrain run` of a shipped config alone and at `layout` (overrides) take the same
+    steps: losses, gradient norms and validation losses from log.jsonl."""
+    _, reference = _shipped_steps(corpus, tmp_path / "one", name, [], extra)
+    said, steps = _shipped_steps(corpus, tmp_path / "layout", name, layout, extra)
+    assert said_ranks in said
+    _same_steps(steps, reference)
 
 
 def test_llama_tiny_at_cp2_takes_the_one_process_steps(corpus, tmp_path):
@@ -254,3 +260,47 @@ def test_mixtral_tiny_at_ep2_takes_the_one_process_steps(corpus, tmp_path):
         ["training.micro_batch_size=2", "training.global_batch_size=4",
          "model.moe_grouped_gemm=false"],
     )  # fmt: skip
+
+
+# gpt-oss-tiny's layouts (2 ranks each) and how `megatrain run` names each.
+GPT_OSS_LAYOUTS = {
+    "tp2-sp": (
+        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+        "2 ranks = tp 2 x pp 1 x dp 1",
+    ),
+    "cp2-p2p": (
+        ["parallel.context_parallel_size=2", "parallel.cp_comm_type='p2p'"],
+        "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
+    ),
+    "cp2-allgather": (
+        ["parallel.context_parallel_size=2", "parallel.cp_comm_type='allgather'"],
+        "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
+    ),
+    "ep2": (
+        ["parallel.expert_model_parallel_size=2"],
+        "2 ranks = tp 1 x pp 1 x dp 2 (experts: etp 1 x ep 2 x edp 1)",
+    ),
+    "pp2": (["parallel.pipeline_model_parallel_size=2"], "2 ranks = tp 1 x pp 2 x dp 1"),
+}
+
+
+# Six `megatrain run`s, each starting its workers: over the suite's 600 s on a loaded CPU.
+@pytest.mark.timeout(1800)
+def test_gpt_oss_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_path):
+    """`megatrain run` of the shipped gpt-oss-tiny (sinks, layers alternating a window of 16
+    keys, shorter than the 32-token sequence, with full attention, biased clamped experts,
+    YaRN) at tp 2 + sp, cp 2 over the p2p ring and over the all-gather, ep 2 and pp 2 takes
+    the one-process steps (run once, first); mixtral-tiny's smaller batch and no grouped
+    GEMM, to keep it quick on a CPU."""
+    from megatrain.config import load_config
+
+    model = load_config(ROOT / "pipelines" / "models" / "gpt-oss-tiny.toml").model
+    assert model.window_size < 32 and model.softmax_type == "learnable"
+    assert "full_attention" in model.layer_types and "sliding_attention" in model.layer_types
+    extra = ["training.micro_batch_size=2", "training.global_batch_size=4",
+             "model.moe_grouped_gemm=false"]  # fmt: skip
+    _, reference = _shipped_steps(corpus, tmp_path / "one", "gpt-oss-tiny", [], extra)
+    for name, (layout, said_ranks) in GPT_OSS_LAYOUTS.items():
+        said, steps = _shipped_steps(corpus, tmp_path / name, "gpt-oss-tiny", layout, extra)
+        assert said_ranks in said, (name, said[:300])
+        _same_steps(steps, reference)
