@@ -10,10 +10,16 @@
   ranks): every parameter's gradient equals one process's, and the logged losses; a rank's
   own count in its place (Megatron-LM's MTP under CP) gives other gradients.
 - Real gloo groups, the training loop against one process (losses, each depth's loss, grad
-  norms, validation loss and each depth's validation loss): tp 2 + sp, pp 2 (1F1B; ZB-H1
-  with full recompute), cp 2 (p2p) with packed documents, dp 2 with the distributed
-  optimizer and packed documents, FSDP.
+  norms, validation loss and each depth's validation loss, the MoE aux loss): tp 2 + sp, pp 2
+  (1F1B; ZB-H1 with full recompute), cp 2 (p2p) with packed documents, cp 2 (all-gather)
+  with selective recompute, dp 2 with the distributed optimizer and packed documents, FSDP,
+  ep 2 with MoE depths, GPT-2 (tied embeddings) at pp 2 interleaved; a pp 2 checkpoint goes
+  on at tp 2 + sp.
 - Refusals before any worker starts, naming the field.
+- Accounting: the parameters against the built model (whole, per pp stage), DeepSeek-V3's
+  MTP layer against HF's, the FLOPs of the depths.
+- `generate --speculative mtp`: plain greedy's tokens whatever the drafts, and at tp 1 and 2
+  through the command, with the drafts' acceptance.
 """
 
 import json
@@ -280,6 +286,14 @@ LAYOUTS = {
     ),
     "dp2-distopt-packed": ("packed", ["parallel.use_distributed_optimizer=true", *PACKED]),
     "dp2-fsdp": ("reference", ['parallel.data_parallel_sharding="full"']),
+    "cp2-allgather-selective": (
+        "reference",
+        [
+            "parallel.context_parallel_size=2",
+            'parallel.cp_comm_type="allgather"',
+            'model.recompute="selective"',
+        ],
+    ),
     "ep2": ("moe", [*MOE, "parallel.expert_model_parallel_size=2"]),
     "gpt-pp2-interleaved": ("gpt", [*GPT, *PP2, "parallel.virtual_pipeline_model_parallel_size=2"]),
 }

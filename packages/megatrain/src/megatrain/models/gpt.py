@@ -52,6 +52,11 @@ class GPTModel(LanguageModel):
                 params_dtype=dtype,
                 device=device,
             )
+        if cfg.mtp_num_layers and cfg.fused_linear_cross_entropy:
+            raise ValueError(
+                "GPTModel: multi-token prediction needs the loss per token, which "
+                "fused_linear_cross_entropy does not give"
+            )
         self.mtp = None
         if self.post_process and cfg.mtp_num_layers:
             self.mtp = MultiTokenPrediction(
