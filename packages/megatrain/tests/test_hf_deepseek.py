@@ -168,42 +168,150 @@ def test_deepseek_both_ways_exact(deepseeks):
 
 # --- DeepSeek's FP8 files, with their MTP layer ---------------------------------------------
 
+
+def _with_mtp_layer(root) -> dict:
+    """Add to the files of `random_deepseek`'s V3 in `root` the multi-token prediction layer
+    DeepSeek's files hold after the last, model.layers.3.*: a decoder layer (layer 2's tensors,
+    perturbed), enorm, hnorm, eh_proj, shared_head.norm, and its copies of the model's word
+    embedding and output layer (embed_tokens, shared_head.head); num_nextn_predict_layers 1.
+    Returns the layer's tensors."""
+    from safetensors.torch import save_file
+
+    state = load_file(root / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+
+    def noise(shape, mean=0.0):
+        return mean + 0.2 * torch.randn(shape, generator=g)
+
+    h = state["model.norm.weight"].shape[0]
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v + noise(v.shape)
+           for k, v in state.items() if k.startswith("model.layers.2.")}  # fmt: skip
+    mtp |= {
+        "model.layers.3.enorm.weight": noise(h, 1.0),
+        "model.layers.3.hnorm.weight": noise(h, 1.0),
+        "model.layers.3.eh_proj.weight": noise((h, 2 * h)),
+        "model.layers.3.shared_head.norm.weight": noise(h, 1.0),
+        "model.layers.3.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+        "model.layers.3.shared_head.head.weight": state["lm_head.weight"].clone(),
+    }
+    save_file({**state, **mtp}, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return mtp
+
+
+def _rms(x, weight, eps=1e-6):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _deepseek_mtp_losses(hf, mtp: dict, seq: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's MTP depth 1 written out with transformers' modules on tokens `seq`
+    [b, s + 1]: at position i (of s - 1) eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]), h the
+    model's output after its final norm, through a DeepseekV3DecoderLayer holding the layer's
+    tensors (causal, positions 0..s-2), shared_head.norm, the output layer; the cross entropy
+    against t_{i+2}: [b, s - 1]."""
+    import torch.nn.functional as F
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    config, prefix = hf.config, "model.layers.3."
+    own = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+    state = {k[len(prefix) :]: v for k, v in mtp.items() if not k[len(prefix) :].startswith(own)}
+    experts = range(config.n_routed_experts)
+    name = "mlp.experts.{}.{}_proj.weight".format
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([state.pop(name(e, "gate")), state.pop(name(e, "up"))]) for e in experts]
+    )
+    state["mlp.experts.down_proj"] = torch.stack([state.pop(name(e, "down")) for e in experts])
+    layer = DeepseekV3DecoderLayer(config, 3).eval()
+    layer.load_state_dict(state)  # strict: every tensor of the layer, and nothing else
+    tokens = seq[:, :-1]
+    n = tokens.shape[1] - 1
+    with torch.no_grad():
+        hidden = hf.model(tokens).last_hidden_state[:, :n]
+        embedded = hf.model.embed_tokens(tokens[:, 1:])
+        x = F.linear(torch.cat([_rms(embedded, mtp[prefix + "enorm.weight"]),
+                                _rms(hidden, mtp[prefix + "hnorm.weight"])], dim=-1),
+                     mtp[prefix + "eh_proj.weight"])  # fmt: skip
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = layer(x, attention_mask=mask, position_ids=positions,
+                  position_embeddings=hf.model.rotary_emb(x, positions))  # fmt: skip
+        logits = hf.lm_head(_rms(x, mtp[prefix + "shared_head.norm.weight"]))
+        return F.cross_entropy(logits.transpose(1, 2), seq[:, 2:], reduction="none")
+
+
+def test_deepseek_v3_mtp_layer_is_deepseeks_both_ways(tmp_path, capsys):
+    """A V3 whose files hold its MTP layer imports it as model.mtp_num_layers 1: our depth's
+    loss per token equals DeepSeek's MTP written out with transformers' modules (1e-5), the
+    main loss HF's; the layer's copies of the embedding and output layer are not read; the
+    export writes every tensor of the layer back bit-equal (the copies from ours) and says
+    num_nextn_predict_layers 1."""
+    import torch.nn.functional as F
+    from safetensors import safe_open
+
+    from megatrain.hf import export_hf, import_hf
+    from megatrain.inference.load import load_model
+    from megatrain.models.mtp import mtp_targets
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf = random_deepseek(tmp_path / "hf", MODELS["v3"][0], **MODELS["v3"][1]).eval()
+        mtp = _with_mtp_layer(tmp_path / "hf")
+        assert len(mtp) == 38 + 6  # layer 2's tensors, and its own six
+        seq = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(3))
+        theirs = _deepseek_mtp_losses(hf, mtp, seq)
+        with world_of_one(tmp_path / "rendezvous"):
+            ps.initialize_model_parallel(1, 1)
+            import_hf(tmp_path / "hf", tmp_path / "ckpt")
+            said = capsys.readouterr().out
+            model = load_model(tmp_path / "ckpt", torch.device("cpu")).chunks[0]
+            batch = mtp_targets({"tokens": seq[:, :-1], "labels": seq[:, 1:]}, 1)
+            with torch.no_grad():
+                ours = model(batch["tokens"], batch["labels"], mtp_tokens=batch["mtp_tokens"],
+                             mtp_labels=batch["mtp_labels"])  # fmt: skip
+                main = F.cross_entropy(hf(seq[:, :-1]).logits.transpose(1, 2), seq[:, 1:],
+                                       reduction="none")  # fmt: skip
+            export_hf(tmp_path / "ckpt", tmp_path / "export", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert "reading the 1 multi-token prediction layer model.layers.3.* as " in said
+    assert model.mtp is not None and batch["mtp_mask"][:, :23].all()
+    torch.testing.assert_close(ours["mtp"][:, :23, 0], theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours["lm"], main, rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), framework="pt") as f:
+        written = {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.3.")}  # noqa: SIM118
+    assert written.keys() == mtp.keys()
+    assert all(torch.equal(written[k], mtp[k]) for k in mtp)
+
+
 BLOCK = [16, 20]  # partial in both dimensions of every tiny matrix (hidden 32, ...)
 
 
 def _fp8_pair(root) -> dict:
-    """The V3 stored as DeepSeek publishes it (its 2-D layer linears float8 with scales, the
-    router, norms, embeddings and output layer bf16, the correction bias fp32, an MTP layer
-    model.layers.3.* with its own tensors) in `root / "fp8"`, and its weights dequantised by
-    transformers in `root / "plain"` (the MTP layer left out)."""
+    """The V3 with its MTP layer stored as DeepSeek publishes it (the layers' 2-D linears
+    float8 with scales; the router, norms, embeddings and output layer and the MTP layer's
+    copies of them bf16, the correction bias fp32) in `root / "fp8"`, and its weights
+    dequantised by transformers in `root / "plain"`."""
     from test_hf_quantized import FP8, fp8_quantized, write_files
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    random_deepseek(root / "hf", *MODELS["v3"][:1], **MODELS["v3"][1])
+    random_deepseek(root / "hf", MODELS["v3"][0], **MODELS["v3"][1])
+    _with_mtp_layer(root / "hf")
     config = json.loads((root / "hf" / "config.json").read_text())
     state = load_file(root / "hf" / "model.safetensors")
-    # The MTP layer DeepSeek's files hold after the last: a decoder layer's tensors (layer 2's
-    # shapes) and its own embedding, norms, projection and head.
-    h = config["hidden_size"]
-    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone()
-           for k, v in state.items() if k.startswith("model.layers.2.")}  # fmt: skip
-    mtp |= {f"model.layers.3.{n}": torch.randn(s) for n, s in (
-        ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
-        ("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (VOCAB, h)),
-        ("embed_tokens.weight", (VOCAB, h)))}  # fmt: skip
     fp8, plain = {}, {}
-    for key, t in {**state, **mtp}.items():
-        if key.startswith("model.layers.") and t.dim() == 2 and "gate.weight" not in key:
+    kept = ("gate.weight", "embed_tokens.weight", "shared_head.head.weight")
+    for key, t in state.items():
+        if key.startswith("model.layers.") and t.dim() == 2 and not key.endswith(kept):
             w, s = fp8_quantized(t, BLOCK)
             fp8[key], fp8[f"{key}_scale_inv"] = w, s
-            if key in state:
-                plain[key] = _dequantize_fp8_weight(w, s, BLOCK, torch.float32).bfloat16()
+            plain[key] = _dequantize_fp8_weight(w, s, BLOCK, torch.float32).bfloat16()
         else:
-            kept = t.float() if "correction_bias" in key else t.bfloat16()
-            fp8[key] = kept
-            if key in state:
-                plain[key] = kept
-    config |= {"dtype": "bfloat16", "num_nextn_predict_layers": 1}
+            fp8[key] = plain[key] = t.float() if "correction_bias" in key else t.bfloat16()
+    config["dtype"] = "bfloat16"
     for name, tensors, quantization in (("fp8", fp8, FP8), ("plain", plain, None)):
         write_files(root / name, tensors, quantization, split=[k for k in tensors if "scale" in k])
         block = {"quantization_config": {**FP8, "weight_block_size": BLOCK}} if quantization else {}
@@ -212,27 +320,25 @@ def _fp8_pair(root) -> dict:
     return fp8
 
 
-def test_deepseek_fp8_files_with_their_mtp_layer_import_as_dequantised(tmp_path, capsys):
+def test_deepseek_fp8_files_with_their_mtp_layer_import_as_dequantised(tmp_path):
     from megatrain.checkpoint.load import read_full_state
     from megatrain.hf import import_hf
 
     fp8 = _fp8_pair(tmp_path)
     assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) >= 20
     assert fp8["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 2)
+    assert fp8["model.layers.3.eh_proj.weight"].dtype == torch.float8_e4m3fn
     for source in ("fp8", "plain"):
         import_hf(tmp_path / source, tmp_path / f"{source}-ckpt")
-    said = capsys.readouterr().out
-    mtp = [k for k in fp8 if k.startswith("model.layers.3.") and not k.endswith("_scale_inv")]
-    assert len(mtp) == 38 + 6  # layer 2's tensors, and its own six
-    assert (f"skipping the {len(mtp)} tensors of the multi-token prediction layer "
-            "(model.layers.3.*, num_nextn_predict_layers 1)") in said  # fmt: skip
     meta, ours = read_full_state(tmp_path / "fp8-ckpt", progress=False)
     _, reference = read_full_state(tmp_path / "plain-ckpt", progress=False)
     assert meta["imported_from"]["dequantized_from"] == "fp8"
-    assert ours.keys() == reference.keys() and "layers.2.mlp.router.expert_bias" in ours
+    assert meta["config"]["model"]["mtp_num_layers"] == 1
+    assert ours.keys() == reference.keys() and "mtp.layers.0.eh_proj.weight" in ours
+    assert "layers.2.mlp.router.expert_bias" in ours
     for name, t in reference.items():
         assert torch.equal(ours[name], t), name
-    assert ours["layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert ours["mtp.layers.0.layer.mlp.router.expert_bias"].dtype == torch.float32
     assert ours["layers.1.attention.kv_a.weight"].dtype == torch.bfloat16
 
 
@@ -350,36 +456,87 @@ DEEPSEEK_V2_LITE = {
 
 
 def _counted(tmp_path, published: dict):
-    """(run config, total, active parameters) of a published config.json as import-hf
-    resolves it."""
+    """(run config, TransformerConfig) of a published config.json as import-hf resolves it."""
     from megatrain.hf.decoder import decoder_config
     from megatrain.hf.deepseek import configure_deepseek, read_deepseek_config
     from megatrain.models import model_config
-    from megatrain.plan import accounting as acc
 
     (tmp_path / "config.json").write_text(json.dumps(published))
     config = decoder_config(tmp_path, read_deepseek_config(tmp_path), configure_deepseek)
-    cfg = model_config(config, published["vocab_size"])
-    return config, acc.gpt_parameters(cfg), acc.active_parameters(cfg)
+    return config, model_config(config, published["vocab_size"])
 
 
 def test_published_deepseek_configs_count_their_published_sizes(tmp_path):
-    """DeepSeek-V3: 671B total, 37B activated a token (the paper's and the model card's; the
-    MTP layer's 14B beyond, which we skip and do not count, makes the files' 685B).
-    DeepSeek-V2-Lite: 15.7B total, 2.4B activated.  DeepSeek's activated counts leave out the
-    word embedding (a lookup), ours hold it."""
-    config, total, active = _counted(tmp_path, DEEPSEEK_V3)
+    """DeepSeek-V3: 671B total, 37B activated a token (the paper's and the model card's), and
+    with its multi-token prediction layer (num_nextn_predict_layers 1, our mtp_num_layers)
+    the files' "685B" (DeepSeek: 671B + 14B): ours count its layer, eh_proj and norms
+    (11.6B) and share the model's embedding and output layer, of which the files hold a copy
+    each (1.85B) beside them: 684.5B.  DeepSeek-V2-Lite: 15.7B total, 2.4B activated.
+    DeepSeek's activated counts leave out the word embedding (a lookup), ours hold it."""
+    from megatrain.plan import accounting as acc
+
+    config, cfg = _counted(tmp_path, DEEPSEEK_V3)
     m = config.model
     assert (m.rope_type, m.rotary_scaling_factor, m.mscale_all_dim) == ("yarn", 40.0, 1.0)
     assert (m.moe_router_num_groups, m.moe_router_group_topk) == (8, 4)
-    assert m.moe_layer_freq == [0, 0, 0] + [1] * 58
+    assert m.moe_layer_freq == [0, 0, 0] + [1] * 58 and m.mtp_num_layers == 1
     assert m.moe_router_load_balancing_type == "seq_aux_loss" and m.moe_aux_loss_coeff == 0.001
-    assert round(total / 1e9) == 671  # 671.03B
-    # 37.55B with the word embedding's 0.93B, which DeepSeek leaves out (a lookup): 36.6B.
-    assert round((active - DEEPSEEK_V3["vocab_size"] * DEEPSEEK_V3["hidden_size"]) / 1e9) == 37
+    embedding = DEEPSEEK_V3["vocab_size"] * DEEPSEEK_V3["hidden_size"]
+    total, mtp = acc.gpt_parameters(cfg), acc.mtp_parameters(cfg)
+    assert round((total - mtp) / 1e9) == 671  # 671.03B
+    assert round((total + 2 * embedding) / 1e9, 1) == 684.5  # the files' copies: "685B"
+    # 37.55B with the word embedding's 0.93B, which DeepSeek leaves out: 36.6B.
+    assert round((acc.active_parameters(cfg) - embedding) / 1e9) == 37
     (tmp_path / "lite").mkdir()
-    config, total, active = _counted(tmp_path / "lite", DEEPSEEK_V2_LITE)
+    config, cfg = _counted(tmp_path / "lite", DEEPSEEK_V2_LITE)
     assert config.model.moe_router_num_groups is None and config.model.q_lora_rank is None
-    assert round(total / 1e9, 1) == 15.7
+    assert round(acc.gpt_parameters(cfg) / 1e9, 1) == 15.7
     embedding = DEEPSEEK_V2_LITE["vocab_size"] * DEEPSEEK_V2_LITE["hidden_size"]
-    assert 2.4e9 <= active - embedding < 2.5e9  # 2.45B, which DeepSeek's card truncates
+    assert 2.4e9 <= acc.active_parameters(cfg) - embedding < 2.5e9  # 2.45B; DeepSeek truncates
+
+
+def test_shipped_deepseek_tiny_trained_here_exports_exactly(tmp_path):
+    """pipelines/models/deepseek-tiny.toml trained a step here (its expert biases moved by the
+    step's loads) exports as DeepseekV3ForCausalLM whose fp32 logits are ours within 1e-4,
+    and the export imports back to the trained checkpoint's every tensor (its MTP depth and
+    expert biases included), bit for bit."""
+    from test_hf_export_resolved import MODELS as SHIPPED
+    from test_hf_export_resolved import _run, _texts
+
+    from megatrain.checkpoint.load import read_full_state
+    from megatrain.hf import export_hf, import_hf
+    from megatrain.inference.load import load_model
+    from megatrain.run.loop import train
+    from megatrain.testing import write_text_corpus
+
+    corpus, _ = write_text_corpus(tmp_path / "corpus", _texts(40), vocab_size=200)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as patch, world_of_one(tmp_path / "rendezvous"):
+            patch.setenv("OMP_NUM_THREADS", "1")
+            train(_run(SHIPPED / "deepseek-tiny.toml", corpus, tmp_path))
+            export_hf(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+            import_hf(tmp_path / "hf", tmp_path / "back")
+            ps.initialize_model_parallel(1, 1)  # train() took its groups down
+            model = load_model(tmp_path / "ckpt", torch.device("cpu")).chunks[0]
+            vocab = model.config.true_vocab_size
+            tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                ours = model(tokens).transpose(0, 1)[..., :vocab]
+    finally:
+        torch.set_num_threads(threads)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-4
+    _, trained = read_full_state(tmp_path / "ckpt", progress=False)
+    meta, back = read_full_state(tmp_path / "back", progress=False)
+    assert meta["config"]["model"]["mtp_num_layers"] == 1
+    weights = {k: v for k, v in trained.items() if "/" not in k}  # not the optimizer state
+    assert weights.keys() == back.keys() and "mtp.layers.0.layer.mlp.router.expert_bias" in back
+    assert all(torch.equal(weights[k], back[k]) for k in weights)
+    assert back["layers.1.mlp.router.expert_bias"].abs().max() > 0  # moved by the step

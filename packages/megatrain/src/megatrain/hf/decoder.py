@@ -9,7 +9,7 @@ the import of a family's fields as a megatrain checkpoint of kind llama (`decode
 export writes are in `hf.families`.  This module imports none of the families.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -217,7 +217,8 @@ def mlp_map(c: dict, i: int) -> dict[str, Target]:
     `c["moe_layers"]` says so, the router, the experts (per expert, or transformers 5's fused
     3-D tensors when `c["fused"]`) and Qwen2-MoE's shared expert and its gate."""
     h, layer = c["hidden"], f"model.layers.{i}."
-    if not (c.get("moe_layers") or [False] * (i + 1))[i]:
+    kinds = c.get("moe_layers") or [False]
+    if not kinds[min(i, len(kinds) - 1)]:  # past the last layer (an MTP depth's): its kind
         f = c["ffn"]
         shapes = {"gate": (f, h), "fc1": (f, h), "fc2": (h, f)}
         return {
@@ -274,33 +275,75 @@ def mla_map(ours: str, layer: str, c: dict) -> dict[str, Target]:
             for k, s in shapes.items()}  # fmt: skip
 
 
+def layer_map(c: dict, i: int, ours: str, layer: str) -> dict[str, Target]:
+    """Decoder layer i's tensors (ours under `ours`, HF's under `layer`): its norms, attention
+    (grouped-query, or multi-latent with `c["mla"]`) and MLP."""
+    h, d = c["hidden"], c["head_dim"]
+    out = {ours + k: whole(layer + t, (h,)) for k, t in NORMS.items()}
+    if c.get("mla"):
+        return out | mla_map(ours, layer, c) | {ours + k: t for k, t in mlp_map(c, i).items()}
+    for kind in ("weight", "bias") if c["qkv_bias"] else ("weight",):
+        out |= attention_map(ours, layer, c, kind)
+    out[ours + "attention.proj.weight"] = whole(layer + "self_attn.o_proj.weight",
+                                                 (h, c["heads"] * d))  # fmt: skip
+    if c.get("o_bias"):  # gpt-oss's
+        out[ours + "attention.proj.bias"] = whole(layer + "self_attn.o_proj.bias", (h,))
+    if c.get("sinks"):
+        out[ours + "attention.sinks"] = whole(layer + "self_attn.sinks", (c["heads"],))
+    if c["qk_norm"]:
+        out |= {ours + k: whole(layer + t, (d,)) for k, t in QK_NORMS.items()}
+    return out | {ours + k: t for k, t in mlp_map(c, i).items()}
+
+
+# DeepSeek's multi-token prediction depth k, stored as model.layers.{num_hidden_layers + k}:
+# ours (under mtp.layers.k.) -> HF's, beside its decoder layer (ours under mtp.layers.k.layer.).
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+             "final_layernorm.weight": "shared_head.norm.weight"}  # fmt: skip
+# Its copies of the model's word embedding and output layer, which the depths share: never
+# read (ours are the model's), written from the model's own by an export.
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _with_copies(target: Target, names: list[str]) -> Target:
+    """`target` with HF tensors `names` as copies of its first box: written by an export."""
+    box = target.sources[0]
+    return Target(target.shape, (*target.sources, *(replace(box, hf=n) for n in names)))
+
+
+def mtp_map(c: dict, out: dict[str, Target]) -> dict[str, Target]:
+    """The `c["mtp_layers"]` multi-token prediction depths' tensors, and, with
+    `c["mtp_copies"]` (an export), each depth's copies of the word embedding and the output
+    layer (`out`'s, the model's) as more boxes of ours."""
+    h, first = c["hidden"], c["layers"]
+    depths = range(c.get("mtp_layers") or 0)
+    mtp = {}
+    for k in depths:
+        layer, ours = f"model.layers.{first + k}.", f"mtp.layers.{k}."
+        mtp |= {ours + n: whole(layer + t, (h,)) for n, t in MTP_NAMES.items()}
+        mtp[ours + "eh_proj.weight"] = whole(layer + "eh_proj.weight", (h, 2 * h))
+        mtp |= layer_map(c, first + k, ours + "layer.", layer)
+    if c.get("mtp_copies") and depths:
+        embed, head = ([f"model.layers.{first + k}.{n}" for k in depths] for n in MTP_COPIES)
+        if c["tied"]:  # the output layer is the embedding
+            mtp["embedding.weight"] = _with_copies(out["embedding.weight"], embed + head)
+        else:
+            mtp["embedding.weight"] = _with_copies(out["embedding.weight"], embed)
+            mtp["output_layer.weight"] = _with_copies(out["output_layer.weight"], head)
+    return mtp
+
+
 def decoder_map(c: dict, padded_vocab: int) -> dict[str, Target]:
     """Where each of our tensors lies in the HF decoder `c` describes (`decoder_fields`, with a
     mixture's fields), in HF's order: embeddings (padded to `padded_vocab` rows), the layers,
-    the final norm, an untied output layer."""
-    h, v, d = c["hidden"], c["vocab"], c["head_dim"]
+    the final norm, an untied output layer, DeepSeek's multi-token prediction depths."""
+    h, v = c["hidden"], c["vocab"]
     out = {"embedding.weight": whole("model.embed_tokens.weight", (v, h), rows=padded_vocab)}
     for i in range(c["layers"]):
-        layer, ours = f"model.layers.{i}.", f"layers.{i}."
-        out |= {ours + k: whole(layer + t, (h,)) for k, t in NORMS.items()}
-        if c.get("mla"):
-            out |= mla_map(ours, layer, c) | {ours + k: t for k, t in mlp_map(c, i).items()}
-            continue
-        for kind in ("weight", "bias") if c["qkv_bias"] else ("weight",):
-            out |= attention_map(ours, layer, c, kind)
-        out[ours + "attention.proj.weight"] = whole(layer + "self_attn.o_proj.weight",
-                                                     (h, c["heads"] * d))  # fmt: skip
-        if c.get("o_bias"):  # gpt-oss's
-            out[ours + "attention.proj.bias"] = whole(layer + "self_attn.o_proj.bias", (h,))
-        if c.get("sinks"):
-            out[ours + "attention.sinks"] = whole(layer + "self_attn.sinks", (c["heads"],))
-        if c["qk_norm"]:
-            out |= {ours + k: whole(layer + t, (d,)) for k, t in QK_NORMS.items()}
-        out |= {ours + k: t for k, t in mlp_map(c, i).items()}
+        out |= layer_map(c, i, f"layers.{i}.", f"model.layers.{i}.")
     out["final_layernorm.weight"] = whole("model.norm.weight", (h,))
     if not c["tied"]:
         out["output_layer.weight"] = whole("lm_head.weight", (v, h), rows=padded_vocab)
-    return out
+    return out | mtp_map(c, out)
 
 
 # safetensors' dtype names -> torch's (the float ones a model's weights are stored in).

@@ -34,10 +34,14 @@ names (`decoder.mlp_map`), the shared experts `mlp.shared_experts.*` our `shared
 the correction bias `mlp.gate.e_score_correction_bias` our `router.expert_bias` (fp32).
 DeepSeek's published FP8 files are read as they are (`hf.quantized`).
 
-The multi-token prediction layer DeepSeek-V3's files hold as `model.layers.{num_hidden_layers}.*`
-(`num_nextn_predict_layers` of them; transformers drops them on load) is skipped by name with
-a line saying so: megatrain has no MTP module to hold it yet, and an export writes
-`num_nextn_predict_layers` 0.
+The multi-token prediction layers DeepSeek-V3's files hold as
+`model.layers.{num_hidden_layers + k}.*` (`num_nextn_predict_layers` of them; transformers
+drops them on load and writes none) are our MTP depths (`models.mtp`, model.mtp_num_layers):
+`enorm`, `hnorm`, `eh_proj` ([embedding | hidden] columns, as ours), `shared_head.norm` (our
+depth's `final_layernorm`) and the decoder layer (ours `mtp.layers.k.layer.*`); their
+`embed_tokens` and `shared_head.head`, copies of the model's own (the depths share them), are
+not read, and an export writes them from the model's.  Files without them (transformers')
+import without MTP, with a line saying so.
 
 Refused before any weight is read, naming the field: what we do not compute (`rope_interleave`
 false, `attention_bias`, `mlp_bias`, a `num_key_value_heads` other than the heads, another
@@ -50,7 +54,9 @@ a router or MoE layout neither class has.
 from pathlib import Path
 
 from megatrain.checkpoint.files import CheckpointError
+from megatrain.hf.common import HFFormatError
 from megatrain.hf.decoder import (
+    MTP_COPIES,
     ROPE_TYPES,
     decoder_fields,
     import_decoder,
@@ -80,8 +86,8 @@ def _positive(refuse, c: dict, name: str, default=None) -> int:
 def read_deepseek_config(hf_dir: Path) -> dict:
     """config.json of a DeepSeek-V3 or V2 as `decoder.decoder_map` reads it: `decoder_fields`'
     dict with the latent attention's sizes (`mla`), the experts' and the router's fields, and
-    the multi-token prediction layers' tensors to skip (`skipped_prefixes`); refuses, by
-    field, what we do not compute."""
+    the multi-token prediction depths it declares (`mtp_layers`; `read_deepseek_files` says
+    which the files hold); refuses, by field, what we do not compute."""
     config_file, c = load_hf_config(hf_dir)
     refuse = refuser(config_file, c)
     model_type = c.get("model_type")
@@ -123,17 +129,13 @@ def read_deepseek_config(hf_dir: Path) -> dict:
     )
     if fields["scaling"] is not None:
         refuse("rope_scaling", "DeepSeek's rotary scaling is YaRN's; llama3 is not read here")
-    return fields | {"mla": mla, "skipped_prefixes": _mtp_prefixes(refuse, c, fields["layers"])} | (
-        _moe_fields(refuse, c, version, fields["layers"])
-    )  # fmt: skip
-
-
-def _mtp_prefixes(refuse, c: dict, layers: int) -> tuple[str, ...]:
-    """The names under which the files hold the multi-token prediction layers."""
     depth = c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0
     if not isinstance(depth, int) or depth < 0:
         refuse("num_nextn_predict_layers", "expected a count of layers")
-    return tuple(f"model.layers.{layers + k}." for k in range(depth))
+    if depth and version == "deepseek_v2":
+        refuse("num_nextn_predict_layers", "DeepSeek-V2 has no multi-token prediction")
+    moe = _moe_fields(refuse, c, version, fields["layers"])
+    return fields | moe | {"mla": mla, "mtp_declared": depth, "mtp_layers": depth}
 
 
 def _moe_fields(refuse, c: dict, version: str, layers: int) -> dict:
@@ -218,6 +220,7 @@ def configure_deepseek(m, c: dict) -> None:
     if c["groups"] is not None:
         m.moe_router_num_groups, m.moe_router_group_topk = c["groups"], c["group_topk"]
         m.moe_router_group_score_topk = GROUP_SCORE_TOPK[c["version"]]
+    m.mtp_num_layers = c["mtp_layers"] or None
     m.moe_aux_loss_coeff = c["aux"]
     m.moe_router_load_balancing_type = (
         "none" if not c["aux"] else "seq_aux_loss" if c["seq_aux"] else "aux_loss"
@@ -225,22 +228,38 @@ def configure_deepseek(m, c: dict) -> None:
 
 
 def read_deepseek_files(hf_dir: Path, log: bool = True) -> dict:
-    """`read_deepseek_config`, with whether the files hold transformers' fused 3-D experts
-    (`c["fused"]`), and a line naming the multi-token prediction tensors skipped."""
+    """`read_deepseek_config`, with what the files hold: transformers' fused 3-D experts or
+    the per-expert ones (`c["fused"]`), and the multi-token prediction layers
+    model.layers.{num_hidden_layers + k}.* num_nextn_predict_layers declares, imported as our
+    MTP depths (`c["mtp_layers"]`; none when the files hold none, as transformers writes a
+    DeepSeek-V3: it drops them), their copies of the word embedding and output layer not read
+    (`c["skipped_prefixes"]`); a line says which (`log`, rank 0)."""
     import torch.distributed as dist
 
     c = read_deepseek_config(hf_dir)
-    names = read_headers(hf_dir, {**c, "skipped_prefixes": ()}).shapes
+    names = read_headers(hf_dir, c).shapes
     c["fused"] = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
-    skipped = [n for n in names if n.startswith(c["skipped_prefixes"])]
-    if skipped and log and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(
-            f"megatrain: {hf_dir}: skipping the {len(skipped)} tensors of the multi-token "
-            f"prediction layer{'s' if len(c['skipped_prefixes']) > 1 else ''} "
-            f"({', '.join(p + '*' for p in c['skipped_prefixes'])}, num_nextn_predict_layers "
-            f"{len(c['skipped_prefixes'])}): megatrain has no MTP module to hold them yet",
-            flush=True,
+    first, depth = c["layers"], c["mtp_declared"]
+    prefixes = [f"model.layers.{first + k}." for k in range(depth)]
+    held = [p for p in prefixes if any(n.startswith(p) for n in names)]
+    if held and held != prefixes:
+        raise HFFormatError(
+            f"{hf_dir}: config.json's num_nextn_predict_layers is {depth}, but the files hold "
+            f"only {', '.join(p + '*' for p in held)} of {', '.join(p + '*' for p in prefixes)}"
         )
+    c["mtp_layers"] = len(held)
+    c["skipped_prefixes"] = tuple(p + n for p in held for n in MTP_COPIES)
+    if depth and log and (not dist.is_initialized() or dist.get_rank() == 0):
+        said = (
+            f"reading the {depth} multi-token prediction layer{'s' if depth > 1 else ''} "
+            f"{', '.join(p + '*' for p in held)} as model.mtp_num_layers {depth} (their "
+            "embed_tokens and shared_head.head, copies of the model's word embedding and "
+            "output layer, not read)"
+            if held
+            else f"config.json's num_nextn_predict_layers is {depth}, but the files hold no "
+            f"{prefixes[0]}* (transformers drops them): no multi-token prediction imported"
+        )
+        print(f"megatrain: {hf_dir}: {said}", flush=True)
     return c
 
 
@@ -344,8 +363,14 @@ def deepseek_fields(m: dict) -> dict:
         "head_dim": m["qk_pos_emb_head_dim"],
     }  # fmt: skip
     if version == "deepseek_v3":
-        fields |= {"rope_interleave": True, "num_nextn_predict_layers": 0}
+        fields |= {
+            "rope_interleave": True,
+            "num_nextn_predict_layers": m.get("mtp_num_layers") or 0,
+        }
     else:
+        if m.get("mtp_num_layers"):
+            _refuse("mtp_num_layers", m.get("mtp_num_layers"), "DeepSeek-V2 has no multi-token "
+                    "prediction (a DeepSeek-V3 export needs sigmoid routing)")  # fmt: skip
         fields["mlp_bias"] = False
     if m["num_moe_experts"]:
         return fields | _router_fields(m, version)
@@ -363,4 +388,5 @@ def map_fields(m: dict) -> dict:
                 "v": m["v_head_dim"]},
         "shared_name": "shared_experts", "shared_gate": False,
         "expert_bias": bool(m["moe_router_enable_expert_bias"]),
+        "mtp_layers": m.get("mtp_num_layers") or 0, "mtp_copies": True,
     }  # fmt: skip
