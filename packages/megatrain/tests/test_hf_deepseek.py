@@ -540,3 +540,58 @@ def test_shipped_deepseek_tiny_trained_here_exports_exactly(tmp_path):
     assert weights.keys() == back.keys() and "mtp.layers.0.layer.mlp.router.expert_bias" in back
     assert all(torch.equal(weights[k], back[k]) for k in weights)
     assert back["layers.1.mlp.router.expert_bias"].abs().max() > 0  # moved by the step
+
+
+# --- run --load-hf at a layout ---------------------------------------------------------------
+
+LOAD_LAYOUTS = {  # name -> overrides; 2 ranks
+    "tp2-sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "ep2": ["parallel.expert_model_parallel_size=2", "model.moe_grouped_gemm=false"],
+}
+
+
+def _load_hf_runs(root, out, layouts):
+    """`train`'s histories from the V3's files through `--load-hf` at each layout (rank 0's)."""
+    from test_hf_load_layout import _config, _trained
+
+    return {
+        name: _trained(_config(root, "v3", f"{out}/{name}", [
+            f"checkpoint.load_hf='{root}/v3'", *overrides]))
+        for name, overrides in layouts.items()
+    }  # fmt: skip
+
+
+def test_load_hf_of_a_deepseek_at_tp2_sp_and_ep2_takes_the_one_process_steps(tmp_path):
+    """`run --load-hf` of the tiny V3's files (its MTP layer too, so the MTP loss joins the
+    steps) at tp 2 + sp (the latent down-projections whole on each rank, the heads split) and
+    at ep 2 (2 gloo ranks, one spawn): one process's losses, grad norms and validation."""
+    import hashlib
+
+    from test_hf_load_layout import TOL
+    from test_hf_load_layout import VOCAB as LOAD_VOCAB
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megacore.testing import run_distributed
+    from megatrain.testing import assert_same_steps, write_counting_corpus
+
+    random_deepseek(tmp_path / "v3", MODELS["v3"][0], vocab_size=LOAD_VOCAB, **MODELS["v3"][1])
+    _with_mtp_layer(tmp_path / "v3")
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(LOAD_VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "v3" / "tokenizer.json"))
+    corpus = write_counting_corpus(tmp_path / "corpus", LOAD_VOCAB)
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    sha = hashlib.sha256((tmp_path / "v3" / "tokenizer.json").read_bytes()).hexdigest()
+    manifest["tokenizer"]["sha256"] = sha
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    one = {"one": []}
+    reference = run_distributed(_load_hf_runs, 1, args=(tmp_path, str(tmp_path / "1"), one),
+                                timeout=300)[0]["one"]  # fmt: skip
+    runs = run_distributed(
+        _load_hf_runs, 2, args=(tmp_path, str(tmp_path / "2"), LOAD_LAYOUTS), timeout=600
+    )[0]
+    assert reference["mtp_loss/depth1"][0] > 0 and len(reference["loss"]) == 2
+    for name in LOAD_LAYOUTS:
+        assert_same_steps(runs[name], reference, name, TOL)
+        for a, b in zip(runs[name]["mtp_loss/depth1"], reference["mtp_loss/depth1"], strict=True):
+            assert abs(a - b) < TOL, (name, runs[name]["mtp_loss/depth1"])
