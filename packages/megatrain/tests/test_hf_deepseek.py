@@ -499,7 +499,8 @@ def test_shipped_deepseek_tiny_trained_here_exports_exactly(tmp_path):
     """pipelines/models/deepseek-tiny.toml trained a step here (its expert biases moved by the
     step's loads) exports as DeepseekV3ForCausalLM whose fp32 logits are ours within 1e-4,
     and the export imports back to the trained checkpoint's every tensor (its MTP depth and
-    expert biases included), bit for bit."""
+    expert biases included), bit for bit; a bf16 export keeps the expert biases float32."""
+    from safetensors import safe_open
     from test_hf_export_resolved import MODELS as SHIPPED
     from test_hf_export_resolved import _run, _texts
 
@@ -517,6 +518,7 @@ def test_shipped_deepseek_tiny_trained_here_exports_exactly(tmp_path):
             patch.setenv("OMP_NUM_THREADS", "1")
             train(_run(SHIPPED / "deepseek-tiny.toml", corpus, tmp_path))
             export_hf(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+            export_hf(tmp_path / "ckpt", tmp_path / "bf16", "bfloat16", progress=False)
             import_hf(tmp_path / "hf", tmp_path / "back")
             ps.initialize_model_parallel(1, 1)  # train() took its groups down
             model = load_model(tmp_path / "ckpt", torch.device("cpu")).chunks[0]
@@ -540,6 +542,15 @@ def test_shipped_deepseek_tiny_trained_here_exports_exactly(tmp_path):
     assert weights.keys() == back.keys() and "mtp.layers.0.layer.mlp.router.expert_bias" in back
     assert all(torch.equal(weights[k], back[k]) for k in weights)
     assert back["layers.1.mlp.router.expert_bias"].abs().max() > 0  # moved by the step
+    # A bf16 export keeps the expert biases float32 (transformers holds them so): ours exactly.
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    biases = {k: t for k, t in stored.items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == 4  # layers 1-3 and the MTP depth's
+    assert all(t.dtype == torch.float32 for t in biases.values())
+    assert all(t.dtype == torch.bfloat16 for k, t in stored.items() if k not in biases)
+    assert torch.equal(biases["model.layers.1.mlp.gate.e_score_correction_bias"],
+                       weights["layers.1.mlp.router.expert_bias"])  # fmt: skip
 
 
 # --- run --load-hf at a layout ---------------------------------------------------------------

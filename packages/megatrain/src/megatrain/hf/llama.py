@@ -31,6 +31,7 @@ map of where each tensor lies (`decoder_map`, read both ways) and the streamed i
 from pathlib import Path
 
 from megatrain.checkpoint.convert import dtype_of
+from megatrain.checkpoint.dcp import STATE_BUFFERS
 from megatrain.checkpoint.files import CheckpointError
 from megatrain.hf.common import refuse_switches, run_model_config, write_hf_tokenizer
 from megatrain.hf.decoder import (
@@ -210,9 +211,14 @@ def export_llama(
     targets = decoder_map(map_fields(m, vocab, model_type), int(meta["padded_vocab_size"]))
     shapes = hf_shapes_of(targets)
     torch_dtype = dtype_of(dtype)
-    writer = ShardWriter(
-        out, plan_shards(list(shapes.items()), torch_dtype, max_bytes), torch_dtype
+    # DeepSeek's expert biases stay float32, as transformers holds them (and as ours are).
+    fp32 = frozenset(
+        s.hf for n, t in targets.items() if n.endswith(STATE_BUFFERS) for s in t.sources
     )
+    writer = ShardWriter(
+        out, plan_shards(list(shapes.items()), torch_dtype, max_bytes, fp32), torch_dtype,
+        fp32=fp32,
+    )  # fmt: skip
     bar = progress_bar(writer.total, f"writing {out}", "B", enabled=progress, unit_scale=True)
     with bar:
         export_parallel(directory / "model", targets, writer, workers, bar)

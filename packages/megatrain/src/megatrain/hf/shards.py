@@ -50,14 +50,18 @@ def parse_shard_size(value: int | str) -> int:
 
 
 def plan_shards(
-    tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, max_bytes: int
+    tensors: list[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    max_bytes: int,
+    fp32: frozenset[str] = frozenset(),
 ) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """File name -> its tensors, in order, each file at most `max_bytes` unless one tensor is
-    larger (it then has a file of its own), as transformers shards."""
+    larger (it then has a file of its own), as transformers shards; the tensors `fp32` names
+    in float32, the rest in `dtype`."""
     size = torch.empty((), dtype=dtype).element_size()
     shards, current, current_bytes = [], [], 0
     for name, shape in tensors:
-        nbytes = size * math.prod(shape)
+        nbytes = (4 if name in fp32 else size) * math.prod(shape)
         if current and current_bytes + nbytes > max_bytes:
             shards.append(current)
             current, current_bytes = [], 0
@@ -72,14 +76,22 @@ def plan_shards(
 
 
 class ShardWriter:
-    """Safetensors files of a plan (`plan_shards`) in `dtype`, written a tensor at a time at its
-    offset (`put`, any order); `close` checks that every tensor came and writes the index.
-    Files are readable as the user's others are (safetensors' own writer makes them 0600).
-    `create=False`: the files exist (another writer made them), and this one fills the
-    tensors of its `plan`, a part of theirs (`export_parallel`'s workers)."""
+    """Safetensors files of a plan (`plan_shards`) in `dtype` (the tensors `fp32` names, DeepSeek's
+    expert biases, in float32), written a tensor at a time at its offset (`put`, any order);
+    `close` checks that every tensor came and writes the index.  Files are readable as the
+    user's others are (safetensors' own writer makes them 0600).  `create=False`: the files
+    exist (another writer made them), and this one fills the tensors of its `plan`, a part of
+    theirs (`export_parallel`'s workers)."""
 
-    def __init__(self, out: Path, plan: dict[str, list], dtype: torch.dtype, create=True):
-        self.out, self.plan, self.dtype = Path(out), plan, dtype
+    def __init__(
+        self,
+        out: Path,
+        plan: dict[str, list],
+        dtype: torch.dtype,
+        create=True,
+        fp32: frozenset[str] = frozenset(),
+    ):
+        self.out, self.plan, self.dtype, self.fp32 = Path(out), plan, dtype, frozenset(fp32)
         self.size = torch.empty((), dtype=dtype).element_size()
         self.where: dict[str, tuple[str, int, tuple]] = {}  # name -> (file, offset, shape)
         self.done: set[str] = set()
@@ -89,8 +101,9 @@ class ShardWriter:
         for file, tensors in plan.items():
             header, offset = {"__metadata__": {"format": "pt"}}, 0
             for name, shape in tensors:
-                end = offset + self.size * math.prod(shape)
-                header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                kind = self.dtype_of(name)
+                end = offset + kind.itemsize * math.prod(shape)
+                header[name] = {"dtype": SAFETENSORS_NAMES[kind], "shape": list(shape),
                                 "data_offsets": [offset, end]}  # fmt: skip
                 offset = end
             raw = json.dumps(header, separators=(",", ":")).encode()
@@ -106,6 +119,9 @@ class ShardWriter:
             self.total += offset
         self.handles: dict[str, object] = {}
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.fp32 else self.dtype
+
     def put(self, name: str, t: torch.Tensor) -> None:
         file, offset, shape = self.where[name]
         if tuple(t.shape) != tuple(shape):
@@ -114,7 +130,7 @@ class ShardWriter:
             self.handles[file] = open(self.out / file, "r+b")  # noqa: SIM115 (closed in close)
         f = self.handles[file]
         f.seek(offset)
-        f.write(t.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
+        f.write(t.to(self.dtype_of(name)).contiguous().view(torch.uint8).numpy().tobytes())
         self.done.add(name)
 
     def close(self, done: set[str] | None = None) -> None:
@@ -185,7 +201,7 @@ def export_streamed(
                 columns = slice(None, None, s.step)
             if s.hf not in pending:
                 pending[s.hf] = [
-                    torch.empty(shapes[s.hf], dtype=writer.dtype),
+                    torch.empty(shapes[s.hf], dtype=writer.dtype_of(s.hf)),
                     math.prod(shapes[s.hf]),
                 ]
             entry = pending[s.hf]
@@ -200,7 +216,7 @@ def export_streamed(
                 writer.put(s.hf, entry[0])
                 del pending[s.hf]
                 if progress is not None:
-                    progress.update(entry[0].numel() * writer.size)
+                    progress.update(entry[0].nbytes)
 
     group, group_bytes = [], 0
 
@@ -246,9 +262,11 @@ def export_streamed(
         raise CheckpointError(f"{model_dir}: the saved pieces do not cover {sorted(pending)[:5]}")
 
 
-def _export_part(model_dir: Path, targets: dict, out: Path, plan: dict, dtype) -> set[str]:
+def _export_part(
+    model_dir: Path, targets: dict, out: Path, plan: dict, dtype, fp32: frozenset
+) -> set[str]:
     """One worker of `export_parallel`: the tensors of its shards `plan`."""
-    writer = ShardWriter(out, plan, dtype, create=False)
+    writer = ShardWriter(out, plan, dtype, create=False, fp32=fp32)
     export_streamed(model_dir, targets, writer)
     for f in writer.handles.values():
         f.close()
@@ -276,12 +294,14 @@ def export_parallel(
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(len(parts), mp_context=context) as pool:
         futures = [
-            pool.submit(_export_part, model_dir, targets, writer.out, part, writer.dtype)
+            pool.submit(
+                _export_part, model_dir, targets, writer.out, part, writer.dtype, writer.fp32
+            )
             for part in parts
         ]
         for future, part in zip(futures, parts, strict=True):
             done |= future.result()
             if progress is not None:
-                elements = sum(math.prod(s) for p in part.values() for _, s in p)
-                progress.update(elements * writer.size)
+                progress.update(sum(math.prod(s) * writer.dtype_of(n).itemsize
+                                    for p in part.values() for n, s in p))  # fmt: skip
     writer.close(done)
