@@ -221,6 +221,7 @@ def serve(conn, writer: Writer, store: tuple[str, int, str], timeout: float) -> 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # host memory only: no context on any GPU
     _die_with(writer.training_pid)
     torch.set_num_threads(1)  # it copies nothing: leave the cores to training
+    os.nice(10)  # background work: where cores are short, the training's steps come first
     host, port, prefix = store
     joined = None
     try:
