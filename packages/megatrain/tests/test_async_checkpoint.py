@@ -326,7 +326,8 @@ def test_a_writer_process_that_dies_ends_the_run_on_every_rank(faults):
         assert error.endswith(f"{standing}, checked whole"), error
     assert re.match(r"the background writer process of rank 1 \(pid \d+\) died \(killed by "
                     r"SIGKILL\) while saving iteration 4; ", errors[1]), errors[1]  # fmt: skip
-    assert errors[0].startswith("saving iteration 4 in the background failed: "), errors[0]
+    lost = "the agreement with the other ranks' writer processes broke off ("
+    assert errors[0].startswith(f"saving iteration 4 in the background failed: {lost}"), errors[0]
 
 
 def _gpu_contexts_after_a_save(corpus, out):

@@ -199,8 +199,12 @@ class Writer:
                 error = self._agree(self._phase(n, *phase) if phase else None)
                 if error is not None:
                     return error
-        except Exception as e:  # a peer's writer gone in an agreement
-            return f"saving iteration {n} in the background failed: {_one_line(e)}"
+        except Exception as e:  # a peer's writer gone (or hung) in an agreement
+            cause = _one_line(e).split("] ", 1)[-1].split(". ")[0]  # gloo's, without its source
+            return (
+                f"saving iteration {n} in the background failed: the agreement with the other "
+                f"ranks' writer processes broke off ({cause}): one of them died or hangs"
+            )
         return None
 
 
