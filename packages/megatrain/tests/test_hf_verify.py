@@ -125,13 +125,20 @@ def test_a_perturbed_weight_fails_naming_its_layer(llama, monkeypatch):
     _same(verify(llama / "hf", out, text=TEXT, layer_by_layer=True), r)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_moe_families_layer_by_layer(tmp_path, name):
     """Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` and Qwen's per-expert `gate_proj`
     / `up_proj` / `down_proj` stacked into transformers 5's 3-D experts, Qwen2-MoE's shared
-    expert and dense first layer."""
-    model_type, overrides = MODELS[name]
-    random_hf(tmp_path / "hf", model_type, **overrides)
+    expert and dense first layer; DeepSeek-V3's latent attention, groups and correction bias
+    (a buffer, read from the files too)."""
+    if name == "deepseek_v3":
+        from test_hf_deepseek import MODELS as DEEPSEEK
+        from test_hf_deepseek import random_deepseek
+
+        random_deepseek(tmp_path / "hf", name, **DEEPSEEK["v3"][1])
+    else:
+        model_type, overrides = MODELS[name]
+        random_hf(tmp_path / "hf", model_type, **overrides)
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     whole = verify(tmp_path / "hf", tmp_path / "ckpt", text=TEXT, layer_by_layer=False)
     _same(verify(tmp_path / "hf", tmp_path / "ckpt", text=TEXT, layer_by_layer=True), whole)

@@ -55,7 +55,10 @@ def _streamed(model: nn.Module, layers: list[str], read):
             owner, _, leaf = key.rpartition(".")
             sub = module.get_submodule(owner)
             if leaf in sub._parameters:
-                sub._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+                # requires_grad as built, even without grad mode: torch's matmul takes another
+                # path (another rounding) for a 3-D input's GEMM when the weight requires grad.
+                grad = sub._parameters[leaf].requires_grad
+                sub._parameters[leaf] = nn.Parameter(t, requires_grad=grad)
             else:
                 sub._buffers[leaf] = t
 
@@ -63,7 +66,9 @@ def _streamed(model: nn.Module, layers: list[str], read):
         for sub in module.modules():
             for leaf, p in sub._parameters.items():
                 if p is not None and not p.is_meta:
-                    sub._parameters[leaf] = nn.Parameter(p.to("meta"), requires_grad=False)
+                    sub._parameters[leaf] = nn.Parameter(
+                        p.to("meta"), requires_grad=p.requires_grad
+                    )
 
     handles = []
     for name, module in groups.items():
@@ -135,7 +140,8 @@ def _hf_reader(model: nn.Module, hf_dir: Path, rounded: torch.dtype | None):
     """`read` for `_streamed` over HF's model: each parameter from the file's tensor of its
     name (with or without the base model's prefix; Mixtral's `block_sparse_moe` for `mlp`),
     transformers 5's 3-D experts stacked from the per-expert matrices the files hold, a tied
-    output layer from the input embeddings; rounded to `rounded` (None: as the files hold)."""
+    output layer from the input embeddings; rounded to `rounded` (None: as the files hold).
+    A buffer the files hold (DeepSeek-V3's `e_score_correction_bias`) in its own dtype."""
     names, get = _safetensors(hf_dir)
     prefix, tied = model.base_model_prefix, {}
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
@@ -170,7 +176,12 @@ def _hf_reader(model: nn.Module, hf_dir: Path, rounded: torch.dtype | None):
 
     def read(name: str, module: nn.Module) -> dict:
         full = f"{name}." if name else ""
-        return {n: tensor(full + n, p) for n, p in module.named_parameters(remove_duplicate=False)}
+        out = {n: tensor(full + n, p) for n, p in module.named_parameters(remove_duplicate=False)}
+        for n, b in module.named_buffers():  # the files' (DeepSeek-V3's correction bias), as held
+            found = first([full + n])
+            if found is not None:
+                out[n] = found.to(b.dtype)
+        return out
 
     return read
 
@@ -228,9 +239,9 @@ def run_hf(hf_dir: Path, tokens: torch.Tensor, dtype, streamed: bool, rounded=No
 
     new = int(transformers.__version__.split(".")[0]) >= 5
     kwargs = {"attn_implementation": "eager", ("dtype" if new else "torch_dtype"): dtype}
-    loaded = {**kwargs, ("dtype" if new else "torch_dtype"): rounded or dtype}
-    if new:
+    if new:  # both ways: the whole model's default (batched) experts round otherwise
         kwargs["experts_implementation"] = "eager"
+    loaded = {**kwargs, ("dtype" if new else "torch_dtype"): rounded or dtype}
     if streamed:
         config = transformers.AutoConfig.from_pretrained(hf_dir)
         with _params_on_meta():
