@@ -39,7 +39,7 @@ from megatrain.run.distributed import init_distributed
 from megatrain.run.expert_load import ExpertLoad
 from megatrain.run.metrics import RunLog, device_peak_tflops
 from megatrain.run.setup import Run, build_run
-from megatrain.run.step import STATISTICS, evaluate, train_step
+from megatrain.run.step import evaluate, statistic_names, train_step
 
 
 class StopSignal:
@@ -202,7 +202,7 @@ def _loop(run: Run, stop: StopSignal, saver: AsyncSaver | None) -> dict | None:
     guard = NonFiniteLossGuard(t.max_nonfinite_losses)
     interval, interval_start = [], time.perf_counter()
     loop_start, first_iteration = interval_start, run.iteration
-    names = STATISTICS[run.kind]
+    names = statistic_names(run)
     cfg = run.model_config
     loads = None  # MoE: the experts' load over each log interval
     if cfg.num_moe_experts:
