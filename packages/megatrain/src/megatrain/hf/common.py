@@ -68,6 +68,15 @@ def refuse_switches(meta_file: Path, m: dict, family: str, required: dict) -> No
             )
 
 
+def layer_is_moe(m: dict) -> list[bool]:
+    """Which layers of resolved [model] section `m` are MoE layers (`moe_layer_freq` N: every
+    N-th from the first; a list: its 1s)."""
+    freq, n = m["moe_layer_freq"], m["num_layers"]
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    return [bool(x) for x in freq]
+
+
 def write_hf_tokenizer(
     tokenizer_file: Path, out: Path, bos: str, eos: str, unk: str | None, max_length: int
 ) -> None:

@@ -54,7 +54,7 @@ a router or MoE layout neither class has.
 from pathlib import Path
 
 from megatrain.checkpoint.files import CheckpointError
-from megatrain.hf.common import HFFormatError
+from megatrain.hf.common import HFFormatError, layer_is_moe
 from megatrain.hf.decoder import (
     MTP_COPIES,
     ROPE_TYPES,
@@ -289,8 +289,6 @@ def export_version(m: dict) -> str:
 def _dense_prefix(m: dict) -> int:
     """first_k_dense_replace of our moe_layer_freq, refused unless the dense layers come first
     and every later layer is a MoE layer (the only pattern transformers' DeepSeek builds)."""
-    from megatrain.hf.families import layer_is_moe
-
     layers = layer_is_moe(m)
     dense = layers.index(True) if any(layers) else len(layers)
     if not all(layers[dense:]):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatrain.checkpoint.files import CheckpointError
+from megatrain.hf.common import layer_is_moe
 
 ANY = object()  # a switch value any setting of which the family holds (in its own field)
 
@@ -66,13 +67,6 @@ def decoder_family(m: dict) -> Family:
     if m["add_qkv_bias"]:
         return QWEN2
     return MISTRAL if m.get("window_size") else LLAMA
-
-
-def layer_is_moe(m: dict) -> list[bool]:
-    freq, n = m["moe_layer_freq"], m["num_layers"]
-    if isinstance(freq, int):
-        return [i % freq == 0 for i in range(n)]
-    return [bool(x) for x in freq]
 
 
 def _renormalized(m: dict) -> bool:

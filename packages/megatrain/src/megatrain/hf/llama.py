@@ -33,7 +33,7 @@ from pathlib import Path
 from megatrain.checkpoint.convert import dtype_of
 from megatrain.checkpoint.dcp import STATE_BUFFERS
 from megatrain.checkpoint.files import CheckpointError
-from megatrain.hf.common import refuse_switches, run_model_config, write_hf_tokenizer
+from megatrain.hf.common import layer_is_moe, refuse_switches, run_model_config, write_hf_tokenizer
 from megatrain.hf.decoder import (
     decoder_fields,
     decoder_map,
@@ -41,7 +41,7 @@ from megatrain.hf.decoder import (
     load_hf_config,
     refuser,
 )
-from megatrain.hf.families import ANY, decoder_family, layer_is_moe
+from megatrain.hf.families import ANY, decoder_family
 from megatrain.hf.shards import (
     DEFAULT_MAX_SHARD_SIZE,
     ShardWriter,
