@@ -158,6 +158,10 @@ def test_a_cp2_checkpoint_goes_on_at_cp4_and_cp1(references, layouts):
         (["model.kind='bert'", *cp(2)], "context parallelism here is for causal attention"),
         (["model.attention_dropout=0.1", *cp(2)], "has no dropout"),
         ([*cp(2), "training.cuda_graphs=true"], "not captured"),
+        (
+            [*cp(2, "latent")],
+            r"parallel.cp_comm_type = 'latent' .* needs model.multi_latent_attention = true",
+        ),
         ([*cp(3)], r"not divisible by parallel.tensor_model_parallel_size x context_parallel_size"),
     ],
 )

@@ -217,7 +217,9 @@ class ParallelConfig:
     data_parallel_size: int | None = None
     # Context parallelism: each sequence split over this many ranks (2 x cp chunks, rank r
     # holding chunks r and 2cp-1-r), megatron-core's order tp-cp-dp-pp.  Attention by
-    # cp_comm_type: "p2p" (a ring passing K/V blocks, overlapped) or "allgather" (Llama 3's).
+    # cp_comm_type: "p2p" (a ring passing K/V blocks, overlapped), "allgather" (Llama 3's), or,
+    # with model.multi_latent_attention only, "latent" (the compressed KV latent and the rope
+    # key all-gathered, K/V up-projected on each rank for the whole sequence).
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     sequence_parallel: bool = False
@@ -436,7 +438,7 @@ CHOICES = {
     ("model", "rope_type"): ROPE_TYPES,
     ("optimizer", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("training", "precision"): ("fp32", "bf16", "fp16", "fp8"),
-    ("parallel", "cp_comm_type"): ("p2p", "allgather"),
+    ("parallel", "cp_comm_type"): ("p2p", "allgather", "latent"),
     ("parallel", "data_parallel_sharding"): DATA_PARALLEL_SHARDINGS,
     ("model", "moe_router_score_function"): MOE_SCORE_FUNCTIONS,
     ("model", "moe_router_load_balancing_type"): MOE_LOAD_BALANCING_TYPES,

@@ -134,6 +134,11 @@ def _check_context_parallel(config: Config) -> None:
         f"parallel.cp_comm_type must be one of {CHOICES[('parallel', 'cp_comm_type')]}, got "
         f"{p.cp_comm_type!r}",
     )
+    _need(
+        p.cp_comm_type != "latent" or m.multi_latent_attention,
+        "parallel.cp_comm_type = 'latent' gathers multi-latent attention's compressed KV latent: "
+        "needs model.multi_latent_attention = true (else 'p2p' or 'allgather')",
+    )
     if cp == 1:
         return
     why = f"parallel.context_parallel_size = {cp}"
