@@ -409,15 +409,40 @@ LEVERS = [
     "training.fused_linear_cross_entropy=true",
     "training.one_sync_per_iteration=true",
 ]
+
+
+def cp(comm: str) -> list[str]:
+    return ["parallel.context_parallel_size=2", f"parallel.cp_comm_type={comm!r}"]
+
+
+# DeepSeek-V2-Lite's queries (no query latent) and one MTP depth (an MLA layer of its own).
+NO_Q_LORA_MTP = ['model.q_lora_rank="none"', "model.mtp_num_layers=1"]
+REFERENCES = {
+    "reference": [],
+    "packed": PACKED,
+    "selective": ['model.recompute="selective"'],
+    "no-q-lora-mtp": NO_Q_LORA_MTP,
+}
+# name: (the one-process run it equals, its overrides); 2 ranks each.
 LAYOUTS = {
-    "tp2-sp-levers": [*TP2_SP, *LEVERS],
-    "tp2-sp-packed": [*TP2_SP, *PACKED],
-    "pp2-zb-h1-selective": [
+    "tp2-sp-levers": ("reference", [*TP2_SP, *LEVERS]),
+    "tp2-sp-packed": ("packed", [*TP2_SP, *PACKED]),
+    "pp2-zb-h1-selective": ("reference", [
         "parallel.pipeline_model_parallel_size=2",
         'parallel.pipeline_schedule="zb-h1"',
         'model.recompute="selective"',
-    ],
-}
+    ]),
+    # Context parallelism with each comm type: the fused ring (no documents) and the float32
+    # one (documents), the K/V all-gather, and the latent gather (with documents, and with
+    # selective recompute keeping the gathered latent).
+    "cp2-p2p-no-q-lora-mtp": ("no-q-lora-mtp", [*cp("p2p"), *NO_Q_LORA_MTP]),
+    "cp2-p2p-packed": ("packed", [*cp("p2p"), *PACKED]),
+    "cp2-allgather-packed": ("packed", [*cp("allgather"), *PACKED]),
+    "cp2-latent": ("reference", cp("latent")),
+    "cp2-latent-no-q-lora-mtp": ("no-q-lora-mtp", [*cp("latent"), *NO_Q_LORA_MTP]),
+    "cp2-latent-packed-selective": (
+        "packed", [*cp("latent"), *PACKED, 'model.recompute="selective"']),
+}  # fmt: skip
 
 
 def _train_config(corpus, out, overrides=()):
@@ -445,18 +470,24 @@ def corpus(tmp_path_factory):
 def test_mla_llama_layouts_take_the_one_process_steps(corpus, tmp_path):
     from megatrain.testing import assert_same_steps
 
-    references = {"reference": [], "packed": PACKED, "selective": ['model.recompute="selective"']}
-    one = run_distributed(_train, 1, args=(corpus, str(tmp_path / "one"), references))[0]
-    two = run_distributed(_train, 2, args=(corpus, str(tmp_path / "two"), LAYOUTS), timeout=300)
+    one = run_distributed(_train, 1, args=(corpus, str(tmp_path / "one"), REFERENCES))[0]
+    runs = {name: overrides for name, (_, overrides) in LAYOUTS.items()}
+    two = run_distributed(_train, 2, args=(corpus, str(tmp_path / "two"), runs), timeout=300)
     reference = one["reference"]
     assert all(math.isfinite(x) for x in reference["loss"])
     assert reference["loss"][-1] < reference["loss"][0]
     assert one["packed"]["loss"] != reference["loss"]  # the documents changed the attention
+    mtp = one["no-q-lora-mtp"]["mtp_loss/depth1"]
+    assert len(mtp) == STEPS and all(math.isfinite(x) for x in mtp)
     assert_same_steps(one["selective"], reference, "selective", FP32_TOL)
-    for name in LAYOUTS:
-        expected = one["packed"] if "packed" in name else reference
-        assert len(two[0][name]["loss"]) == STEPS, name
-        assert_same_steps(two[0][name], expected, name, FP32_TOL)
+    for name, (expected, _) in LAYOUTS.items():
+        run, ref = two[0][name], one[expected]
+        assert len(run["loss"]) == STEPS, name
+        assert_same_steps(run, ref, name, FP32_TOL)
+        for a, b in zip(
+            run.get("mtp_loss/depth1", []), ref.get("mtp_loss/depth1", []), strict=True
+        ):
+            assert abs(a - b) < FP32_TOL, (name, run["mtp_loss/depth1"], ref["mtp_loss/depth1"])
 
 
 # --- refusals and accounting --------------------------------------------------------------
@@ -477,7 +508,6 @@ def _refused(tmp_path, overrides: list[str]) -> str:
         (["model.num_attention_heads=3"], "model.num_attention_heads"),
         (["model.num_attention_heads=2", "parallel.tensor_model_parallel_size=4"],
          "parallel.tensor_model_parallel_size"),
-        (["parallel.context_parallel_size=2"], "parallel.context_parallel_size"),
         (['model.position_embedding_type="learned_absolute"'], "model.position_embedding_type"),
         (["model.num_query_groups=2"], "model.num_query_groups"),
         (["model.rope_scaling_factor=8.0"], "model.rope_scaling_factor"),
@@ -487,6 +517,12 @@ def _refused(tmp_path, overrides: list[str]) -> str:
 )  # fmt: skip
 def test_bad_mla_and_yarn_configs_are_refused_naming_the_field(tmp_path, overrides, named):
     assert named in _refused(tmp_path, overrides)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "allgather", "latent"])
+def test_mla_takes_context_parallelism_with_each_comm_type(tmp_path, comm):
+    config = load_config(None, [*MLA_LLAMA, *cp(comm), f"training.output_dir={str(tmp_path)!r}"])
+    validate(config, world_size=4)  # the refusal of "latent" without MLA: test_context_parallel
 
 
 # DeepSeek-V2-Lite's published config.json (the fields the attention and the count read).

@@ -13,7 +13,8 @@ from megacore.context_parallel import cp_chunk_indices, split_for_context_parall
 @dataclass(frozen=True)
 class ContextParallel:
     """A chunk's context parallelism (`apply_context_parallel`): this rank's place in the CP
-    group and how attention talks to the other ranks ("p2p" ring or "allgather")."""
+    group and how attention talks to the other ranks ("p2p" ring, "allgather", or multi-latent
+    attention's "latent")."""
 
     rank: int
     size: int
@@ -25,10 +26,21 @@ class ContextParallel:
         and device: every layer of every microbatch asks)."""
         return _cp_positions(local_len, self.rank, self.size, torch.device(device))
 
+    def gathered_positions(self, local_len: int, device) -> torch.Tensor:
+        """Global positions of every rank's `local_len` tokens in the order an all-gather over
+        the CP group lays them out (rank 0's chunks, then rank 1's, ...)."""
+        return _cp_gathered_positions(local_len, self.size, torch.device(device))
+
 
 @lru_cache(maxsize=16)
 def _cp_positions(local_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
     return cp_chunk_indices(local_len * size, rank, size).to(device)
+
+
+@lru_cache(maxsize=16)
+def _cp_gathered_positions(local_len: int, size: int, device: torch.device) -> torch.Tensor:
+    ranks = [cp_chunk_indices(local_len * size, r, size) for r in range(size)]
+    return torch.cat(ranks).to(device)
 
 
 def apply_context_parallel(chunk, comm_type: str, cp: ContextParallel | None = None):

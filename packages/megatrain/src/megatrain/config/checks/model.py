@@ -121,12 +121,6 @@ def _check_multi_latent_attention(config: Config) -> None:
             "are sized by model.qk_head_dim, qk_pos_emb_head_dim and v_head_dim, its latents "
             f"normalized always; unset model.{name}",
         )
-    cp = config.parallel.context_parallel_size
-    _need(
-        cp == 1,
-        f"{why} with parallel.context_parallel_size = {cp}: context parallelism for "
-        "multi-latent attention is not built yet; set parallel.context_parallel_size = 1",
-    )
 
 
 def _check_moe(config: Config) -> None:

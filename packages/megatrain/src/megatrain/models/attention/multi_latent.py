@@ -22,8 +22,16 @@ are column-parallel over heads, the output row-parallel.
 `core(q, latent, k_rope, mask)` takes the gathered latent, not the keys and values: the
 key/value up-projection runs inside it, so selective recompute keeps the latent [s, b,
 kv_lora_rank] and recomputes the up-projected K and V (2 x heads x 192 numbers a token for
-DeepSeek-V3).  Context parallelism with MLA is not built (refused by the config checks and
-here).  Generation caches the latent and the rope key, as HF does.
+DeepSeek-V3).  Generation caches the latent and the rope key, as HF does.
+
+Context parallelism: with `cp_comm_type` "p2p" or "allgather" the up-projected keys and values
+go through megacore's context-parallel attention as the multi-head kind's do, the values
+zero-padded to the QK head width there (megacore's kernels take K and V of one shape; the
+padded columns give zero outputs, sliced off, and leave the scores and the log-sum-exp
+merge untouched).  With "latent" (`latent_gather`) the latent and the rope key are gathered
+instead, outside `core` as under TP, so selective recompute keeps the gathered latent and
+gathers nothing again; the rope parts are rotated at each token's global position (the
+batch's position_ids, made global before the CP split).
 """
 
 import torch
@@ -34,6 +42,7 @@ from megacore import tensor_parallel as tp
 from megatrain.models.attention.core import attend
 from megatrain.models.attention.inputs import AttentionInputs
 from megatrain.models.attention.kv_cache import KVCache
+from megatrain.models.attention.latent_gather import gather_latent
 from megatrain.models.attention.rope import apply_rope_interleaved, rope_cos_sin, softmax_mscale
 from megatrain.models.common import layer_norm
 from megatrain.models.layout import ParallelContext
@@ -82,7 +91,7 @@ class MultiLatentAttention(nn.Module):
         self.cfg, self.tp_size = cfg, parallel.tp_size
         # The attention core as called; `parallelize.apply_recompute` swaps in a checkpointed one.
         self.core_attention = self.core
-        self.context_parallel = None  # parallelize.apply_context_parallel sets it (refused)
+        self.context_parallel = None  # parallelize.apply_context_parallel sets it
         if cfg.qk_pos_emb_head_dim % 2:
             raise ValueError(
                 f"model.qk_pos_emb_head_dim must be even (rotated in pairs), got "
@@ -143,27 +152,30 @@ class MultiLatentAttention(nn.Module):
     def core(self, q, latent, k_rope, mask=None):
         """The key/value up-projection and the attention core (`attention.core.attend`): what
         `core_attention` calls, and what selective recompute runs again, keeping only its
-        inputs (the latent, not the keys and values).  q [b, heads, s, qk_head_dim + rope]."""
-        if self.context_parallel is not None:
-            raise NotImplementedError(
-                "parallel.context_parallel_size > 1 with model.multi_latent_attention is not "
-                "built yet; set parallel.context_parallel_size = 1"
-            )
+        inputs (the latent, not the keys and values).  q [b, heads, s, qk_head_dim + rope].
+        Under the "latent" comm type, latent and k_rope are the whole sequence's and `mask`
+        the boolean mask of the keys each local query sees (`gather_latent`)."""
         k, v = self.up_project(latent, k_rope)
+        cp = self.context_parallel
+        gathered = cp is not None and cp.comm_type == "latent"
         # SDPA takes values narrower than the queries and keys on the CPU (the math kernel);
-        # CUDA's flash and FlexAttention paths are sure to take them only at the QK width:
-        # zero columns added there, and sliced off the output (exact; a third more V bytes
-        # for DeepSeek-V3's 128 against 192).
-        pad = q.shape[-1] - self.v_dim if q.is_cuda else 0
+        # CUDA's flash and FlexAttention paths are sure to take them only at the QK width,
+        # and megacore's context-parallel attention only at it: zero columns added there, and
+        # sliced off the output (exact; a third more V bytes for DeepSeek-V3's 128 against 192).
+        widen = q.is_cuda or (cp is not None and not gathered)
+        pad = q.shape[-1] - self.v_dim if widen else 0
         if pad > 0:
             v = F.pad(v, (0, pad))
-        out = attend(
-            q, k, v, mask,
-            causal=self.cfg.causal,
-            dropout_p=self.cfg.attention_dropout if self.training else 0.0,
-            tp_size=self.tp_size,
-            context_parallel=self.context_parallel,
-        )  # fmt: skip
+        if gathered:  # no dropout under CP (the config checks)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = attend(
+                q, k, v, mask,
+                causal=self.cfg.causal,
+                dropout_p=self.cfg.attention_dropout if self.training else 0.0,
+                tp_size=self.tp_size,
+                context_parallel=cp,
+            )  # fmt: skip
         return out[..., : self.v_dim] if pad > 0 else out
 
     def forward(
@@ -196,8 +208,12 @@ class MultiLatentAttention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k_rope = apply_rope_interleaved(k_rope, cos, sin)
+        cp = self.context_parallel
         if cache is not None:
             out = self._attend_cached(q, latent, k_rope, cache, layer_id)
+        elif cp is not None and cp.comm_type == "latent":
+            latent, k_rope, visible = gather_latent(latent, k_rope, inputs, cp)
+            out = self.core_attention(q, latent, k_rope, visible)
         else:
             out = self.core_attention(q, latent, k_rope, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.v_dim)
