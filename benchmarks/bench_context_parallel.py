@@ -1,4 +1,4 @@
-"""Context parallelism's memory: the peak CPU memory of a training step at cp 1, 2 and 4.
+"""Context parallelism: the peak CPU memory of a training step at cp 1, 2 and 4; MLA's K/V bytes.
 
     python benchmarks/bench_context_parallel.py --out bench-results/context_parallel.json
     python benchmarks/bench_context_parallel.py --comm allgather p2p --recompute none selective \
@@ -19,6 +19,16 @@ increase of each step over the resident set before it (MiB, the largest rank's; 
 of one layout hold equal shares of the sequence), the steady step against cp 1's at the
 same recompute, and `megatrain.plan.memory`'s activation estimate of the layout (what `megatrain
 plan` counts; fp32, so twice the 16-bit bytes).
+
+Multi-latent attention's K/V traffic (`mla_cp_traffic`, the record's "mla_kv_traffic"):
+one MLA layer forward and backward at cp 2 in gloo with each comm type, the bytes each rank
+receives counted from the collectives' tensors, for the tiny test model's attention and
+DeepSeek-V3's (kv_lora_rank 512, rope 64, 128 heads, no-rope 128, values 128; bf16), each
+count checked against the per-token formula, which then gives DeepSeek-V3's bytes per layer
+at its training lengths.  Seconds; `--mla-traffic-only` runs just it:
+
+    python benchmarks/bench_context_parallel.py --mla-traffic-only \
+        --out benchmarks/results/context-parallel-mla-traffic.json
 
 glibc is told to give every allocation above 128 KiB its own mapping
 (MALLOC_MMAP_THRESHOLD_), so a freed tensor leaves the resident set at once and the
@@ -137,9 +147,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--ffn", type=int, default=FFN)
+    parser.add_argument(
+        "--mla-traffic-only", action="store_true", help="only MLA's K/V traffic at cp 2"
+    )
     args = parser.parse_args()
     started, load_before = time.perf_counter(), os.getloadavg()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # the ranks inherit it
+
+    mla = mla_kv_traffic()
+    if args.mla_traffic_only:
+        seconds = time.perf_counter() - started
+        record = {"benchmark": "context_parallel", "machine": _machine(load_before)}
+        _write(args.out, {**record, "mla_kv_traffic": mla, "seconds": seconds})
+        return
 
     from bench_gpt_train import random_docs
 
@@ -189,13 +209,7 @@ def main() -> None:
         )
     record = {
         "benchmark": "context_parallel",
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__,
-            "backend": "gloo",
-            "load_average_before_and_after": [load_before, os.getloadavg()],
-        },
+        "machine": _machine(load_before),
         "model": {
             "kind": "llama",
             "num_layers": args.layers,
@@ -212,11 +226,58 @@ def main() -> None:
         "the resident set before it, per rank, the largest rank reported; the first step "
         "includes Adam's moments",
         "layouts": rows,
+        "mla_kv_traffic": mla,
         "seconds": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out} in {record['seconds']:.0f} s")
+    _write(args.out, record)
+
+
+def _machine(load_before) -> dict:
+    return {
+        "platform": platform.platform(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "backend": "gloo",
+        "load_average_before_and_after": [load_before, os.getloadavg()],
+    }
+
+
+def _write(out: Path, record: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out} in {record['seconds']:.0f} s")
+
+
+def mla_kv_traffic() -> dict:
+    """MLA's K/V bytes a CP rank receives (`mla_cp_traffic`), counted at cp 2, and
+    DeepSeek-V3's per layer from the checked formula at its training lengths."""
+    from mla_cp_traffic import SHAPES, measure
+
+    record = measure()
+    for row in record["rows"]:
+        print(
+            f"MLA {row['shape']:<11} cp 2 {row['comm']:<9} forward "
+            f"{row['forward_kv_bytes_received']:>10} B received, backward "
+            f"{row['backward_kv_grad_bytes_received']:>10} B "
+            f"({row['forward_bytes_per_other_token']:.0f} B per other rank's token)",
+            flush=True,
+        )
+    numbers = record["per_token_numbers"]["deepseek-v3"]
+    assert SHAPES["deepseek-v3"]["dtype"] == "bfloat16"
+    per_layer = []
+    for seq in (4096, 32768, 131072):  # V3's pretraining length, its 32K and 128K extensions
+        for cp in (2, 8):
+            others = seq * (cp - 1) // cp  # tokens of the other ranks, batch 1
+            per_layer.append(
+                {"seq_length": seq, "cp": cp, "micro_batch": 1,
+                 **{f"{kind}_mib": others * n * 2 / 2**20 for kind, n in numbers.items()}}
+            )  # fmt: skip
+    record["deepseek_v3_forward_bytes_per_layer_bf16"] = per_layer
+    record["deepseek_v3_kv_over_latent"] = {
+        "unpadded": numbers["kv"] / numbers["latent"],
+        "as_gathered_v_padded": numbers["kv_padded"] / numbers["latent"],
+    }
+    return record
 
 
 if __name__ == "__main__":
