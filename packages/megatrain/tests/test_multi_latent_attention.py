@@ -12,7 +12,9 @@
 - Real gloo groups: the module at tp 2, with and without sequence parallelism and the query
   latent, equals one process (output, input gradient, every parameter's gradient gathered);
   a tiny Llama with MLA trains the one-process steps at tp 2 + sp (with gradient
-  accumulation fusion; also with packed documents) and pp 2 (ZB-H1, selective recompute).
+  accumulation fusion; also with packed documents), pp 2 (ZB-H1, selective recompute) and cp 2
+  with each comm type (p2p, allgather, MLA's own latent gather; packed documents, selective
+  recompute, no query latent with an MTP depth), all in one 2-rank spawn.
 - Refusals naming the field.  Accounting: DeepSeek-V2-Lite's and DeepSeek-V3's parameters
   against HF's models (15.7B, 671B), MLA's FLOPs as Megatron-LM's formula, the activations
   selective recompute keeps against what autograd keeps.
