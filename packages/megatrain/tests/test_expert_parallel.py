@@ -14,11 +14,16 @@ the sigmoid run at pp 2 x ep 2 (ZB-H1, distributed optimizer), saved in the back
 a step, resumes bitwise, its expert biases with it.  DeepSeek-V3's routing (8 experts in 4
 groups, 2 chosen, top-2 group score, scaled, a shared expert, a first dense layer, the
 sequence-wise aux loss) at ep 2 with each token sent once per rank
-(model.moe_group_limited_dispatch), and gpt-oss's MLP (router and expert biases, the clamped
+(model.moe_group_limited_dispatch); DeepSeek-V3 at ep 4 (multi-latent attention, top 3
+of the best 2 groups' experts, one MTP depth with its own MoE layer; packed documents in one
+case) with that dispatch and with the plain all-to-all, the dispatches recorded: each
+token's experts on exactly topk_group = 2 of the 4 ranks, and the per-rank dispatch sending
+it to each of them once; and gpt-oss's MLP (router and expert biases, the clamped
 (up + 1) quick-GeGLU; biases in attention too) at ep 2 and at tp 2 x ep 2 x etp 2 (fc1's
 bias split with its columns, fc2's shared out by h's), whose saved weights after the steps are
 one process's too.  Equal losses, gradient norms and
-validation loss show the expert gradients' reduction and scale, the norm that counts each
+validation loss (and the MTP depth's training and validation losses) show the expert
+gradients' reduction and scale, the norm that counts each
 expert once (Megatron-LM PR #5916) and the aux loss over the sequence's TP ranks (#1652); the
 expert-bias counts are checked summed over the stage.
 Every rank runs under the NCCL-semantics checker.
@@ -98,6 +103,18 @@ ROUTING["deepseek"] = [
     "model.moe_router_topk_scaling_factor=2.5", "model.moe_shared_expert_intermediate_size=16",
     "model.moe_layer_freq=[0, 1]", "model.moe_router_load_balancing_type='seq_aux_loss'",
 ]  # fmt: skip
+# DeepSeek-V3 at ep 4: MLA, top 3 of the 2 best groups' 4 experts (so a token's 3 experts
+# span at most 2 of the 4 ranks, one group each, where top 3 of all 8 would span 3), one MTP
+# depth (an MoE layer too); alone and on packed documents.
+ROUTING["deepseek-mtp"] = [
+    *ROUTING["deepseek"], "model.moe_router_topk=3", "model.multi_latent_attention=true",
+    "model.q_lora_rank=12", "model.kv_lora_rank=8", "model.qk_head_dim=6",
+    "model.qk_pos_emb_head_dim=4", "model.v_head_dim=5", "model.mtp_num_layers=1",
+    "model.mtp_loss_scaling_factor=0.3",
+]  # fmt: skip
+PACKED = ["data.reset_position_ids=true", "data.reset_attention_mask=true",
+          "data.eod_mask_loss=true"]  # fmt: skip
+ROUTING["deepseek-mtp-packed"] = [*ROUTING["deepseek-mtp"], *PACKED]
 ROUTING["gpt-oss"] = [
     "model.add_bias_linear=true", "model.quick_geglu=true", "model.glu_linear_offset=1.0",
     "model.activation_func_clamp_value=0.3",  # small: the clamps act at this init
@@ -130,9 +147,16 @@ LAYOUTS = {
     "tp2-sp-cp2-ep2-seq-aux": ("seq-aux", [*TP2_SP, "parallel.context_parallel_size=2", *ep(2)]),
     "ep2-deepseek-group-limited-dispatch": (
         "deepseek", [*ep(2), "model.moe_group_limited_dispatch=true"]),
+    "ep4-deepseek-mtp-group-limited-dispatch": (
+        "deepseek-mtp", [*ep(4), "model.moe_group_limited_dispatch=true"]),
+    "ep4-deepseek-mtp-alltoall": ("deepseek-mtp", ep(4)),
+    "ep4-deepseek-mtp-packed-group-limited-dispatch": (
+        "deepseek-mtp-packed", [*ep(4), "model.moe_group_limited_dispatch=true"]),
     "ep2-gpt-oss": ("gpt-oss", ep(2)),
     "tp2-sp-ep2-etp2-gpt-oss": ("gpt-oss", [*TP2_SP, *ep(2)]),
 }  # fmt: skip
+# The layouts whose dispatches are recorded (`_routed`): the ranks each token went to.
+ROUTED = [name for name in LAYOUTS if name.startswith("ep4-deepseek")]
 # The runs that save their end, and whose saved tensors the test compares with one process's.
 SAVED = ("gpt-oss", "tp2-sp-ep2-etp2-gpt-oss")
 
@@ -161,8 +185,46 @@ def _trained(config) -> dict | None:
     run = train(config)
     if run is not None:
         log = Path(config.training.output_dir) / "log.jsonl"
-        run["aux"] = [json.loads(line)["moe_aux_loss"] for line in log.read_text().splitlines()]
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        run["aux"] = [r["moe_aux_loss"] for r in records]
+        run["valid_mtp"] = [r[f"valid_{MTP}"] for r in records if f"valid_{MTP}" in r]
     return run
+
+
+MTP = "mtp_loss/depth1"
+
+
+@contextlib.contextmanager
+def _routed(seen: list):
+    """Every all-to-all dispatch in the block records what it sent: the dispatcher, the
+    tokens, the rows sent over EP, the k experts a token takes and how many EP ranks hold
+    them (most over the tokens; how many tokens span each count)."""
+    from megacore.moe import token_dispatcher as td
+
+    reals = {cls: cls.dispatch for cls in (td.AllToAllDispatcher, td.PerRankAllToAllDispatcher)}
+
+    def recording(real):
+        def dispatch(self, hidden, probs, indices):
+            out = real(self, hidden, probs, indices)
+            ranks = torch.zeros(indices.size(0), self.ep, dtype=torch.long)
+            ranks.scatter_(1, indices // self.local, 1)
+            spans = ranks.sum(1)
+            seen.append({
+                "kind": type(self).__name__, "tokens": indices.size(0), "k": indices.size(1),
+                "rows": sum(self.input_splits), "ranks": int(spans.sum()),
+                "spans": torch.bincount(spans, minlength=self.ep + 1).tolist(),
+            })  # fmt: skip
+            return out
+
+        return dispatch
+
+    for cls, real in reals.items():
+        cls.dispatch = recording(real)
+    try:
+        yield seen
+    finally:
+        for cls, real in reals.items():
+            cls.dispatch = real
 
 
 def _saving(name, out) -> list[str]:
@@ -221,7 +283,9 @@ def _layouts(corpus, out):
     for name, (routing, o) in LAYOUTS.items():
         end = [f"checkpoint.save='{out}/{name}/ckpt'"] if name == BIAS_LAYOUT else []
         end += _saving(name, out)
-        runs[name] = _trained(_config(corpus, f"{out}/{name}", routing, [*o, *end]))
+        with _routed([]) if name in ROUTED else contextlib.nullcontext() as seen:
+            runs[name] = _trained(_config(corpus, f"{out}/{name}", routing, [*o, *end]))
+        runs.setdefault("routing", {})[name] = seen
         if runs[name] is not None and name in SAVED:
             runs[name]["saved"] = _saved(name, out)
     runs.update(_bias_resumed(corpus, out))
@@ -279,7 +343,12 @@ def references(corpus, tmp_path_factory):
 def layouts(corpus, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("moe-layouts"))
     results = run_distributed(_layouts, 4, args=(corpus, out), timeout=500)
-    return {**results[0], "loads_by_rank": [r["loads"] for r in results]}
+    routing = [r["routing"] for r in results]
+    return {
+        **results[0],
+        "loads_by_rank": [r["loads"] for r in results],
+        "routing_by_rank": routing,
+    }
 
 
 def test_every_expert_parallel_layout_equals_one_process(references, layouts):
@@ -288,6 +357,12 @@ def test_every_expert_parallel_layout_equals_one_process(references, layouts):
         # The logged load-balancing loss is one process's too (Megatron-LM #1652, #3672).
         for a, b in zip(layouts[name]["aux"], references[routing]["aux"], strict=True):
             assert abs(a - b) < FP32_TOL, (name, layouts[name]["aux"], references[routing]["aux"])
+        if MTP in references[routing]:  # each MTP depth's losses, trained and validated
+            for key in (MTP, "valid_mtp"):
+                got, want = layouts[name][key], references[routing][key]
+                assert len(got) == len(want) > 0, (name, key, got, want)
+                for a, b in zip(got, want, strict=True):
+                    assert abs(a - b) < FP32_TOL, (name, key, got, want)
     # The routings train differently: each reference is its own.
     losses = {tuple(r["loss"]) for r in references.values()}
     assert len(losses) == len(ROUTING)
@@ -305,6 +380,29 @@ def test_every_expert_parallel_layout_equals_one_process(references, layouts):
     for a, b in zip(bf16["loss"], fp32["loss"], strict=True):
         assert abs(a - b) < 0.05, (bf16["loss"], fp32["loss"])
     assert bf16["loss"] != fp32["loss"]
+
+
+def test_group_limited_dispatch_sends_each_token_to_at_most_topk_group_ranks(layouts):
+    """DeepSeek's node-limited routing at ep 4 (a group of 2 experts on each rank, a token's
+    top 3 experts from its best 2 groups): every token's experts lie on exactly 2 EP ranks (top
+    3 of all 8 would put some on 3), and with model.moe_group_limited_dispatch the token
+    crosses to each of them once (2 rows a token, where the plain all-to-all sends k = 3), in
+    each MoE layer (the second decoder layer, the MTP depth's), on every rank."""
+    for name in ROUTED:
+        per_token = "group-limited-dispatch" in name
+        for rank, routing in enumerate(layouts["routing_by_rank"]):
+            seen = routing[name]
+            # One microbatch a rank each step and one validation batch, 2 MoE layers each.
+            assert len(seen) == 2 * (STEPS + 1), (name, rank, seen)
+            for record in seen:
+                assert record["kind"] == (
+                    "PerRankAllToAllDispatcher" if per_token else "AllToAllDispatcher"
+                ), (name, record)
+                assert record["k"] == 3 and len(record["spans"]) == 5, record
+                # The routing: each token's 3 experts on topk_group = 2 ranks, no more.
+                assert record["spans"] == [0, 0, record["tokens"], 0, 0], (name, rank, record)
+                want = record["ranks"] if per_token else record["k"] * record["tokens"]
+                assert record["rows"] == want, (name, rank, record)
 
 
 def test_expert_loads_summed_over_the_stage_before_the_bias_update(layouts):
@@ -376,6 +474,16 @@ def test_a_run_with_expert_bias_resumes_bitwise(layouts, tmp_path):
         ([*ep(2), "parallel.data_parallel_sharding='full'"], "FSDP would shard the experts"),
         (["model.moe_token_dispatcher_type='deepep'"], "moe_token_dispatcher_type: expected"),
         (["model.num_moe_experts=8", "model.moe_router_topk=9"], "moe_router_topk"),
+        # Node-limited dispatch needs whole groups on each rank: 2 groups over 4 ranks.
+        (
+            [
+                *ep(4),
+                "model.moe_router_num_groups=2",
+                "model.moe_router_group_topk=1",
+                "model.moe_group_limited_dispatch=true",
+            ],
+            r"model.moe_router_num_groups \(2\) must be a multiple of parallel.expert_model_par",
+        ),
     ],
 )
 def test_bad_expert_layouts_refused_naming_the_field(overrides, pattern):
