@@ -304,3 +304,54 @@ def test_gpt_oss_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_pat
         said, steps = _shipped_steps(corpus, tmp_path / name, "gpt-oss-tiny", layout, extra)
         assert said_ranks in said, (name, said[:300])
         _same_steps(steps, reference)
+
+
+# deepseek-tiny's layouts (2 ranks each, --nproc-per-node 2) and how `megatrain run` names each.
+DEEPSEEK_LAYOUTS = {
+    "tp2-sp": (
+        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+        "2 ranks = tp 2 x pp 1 x dp 1",
+    ),
+    "pp2": (["parallel.pipeline_model_parallel_size=2"], "2 ranks = tp 1 x pp 2 x dp 1"),
+    "ep2": (
+        ["parallel.expert_model_parallel_size=2"],
+        "2 ranks = tp 1 x pp 1 x dp 2 (experts: etp 1 x ep 2 x edp 1)",
+    ),
+}
+MTP_FIELDS = ("mtp_loss/depth1", "valid_mtp_loss/depth1")
+
+
+def _mtp_losses(out) -> list[tuple]:
+    """Each step's MTP depth loss and validation depth loss (None off the eval step)."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return [tuple(r.get(f) for f in MTP_FIELDS) for r in records]
+
+
+@pytest.mark.timeout(900)
+def test_deepseek_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_path):
+    """`megatrain run` of the shipped deepseek-tiny (multi-latent attention, a dense first
+    layer, sigmoid experts with the expert bias in group-limited routing, a shared expert,
+    one MTP depth) at tp 2 + sp, pp 2 and ep 2 (`--nproc-per-node 2`) takes the one-process
+    steps, run once, first: losses, gradient norms, validation loss and the MTP depth's
+    training and validation losses from log.jsonl.  Kept cheap: 3 steps at seq 32, a batch of
+    4 in microbatches of 2, one validation batch, the experts' loop instead of torch's CPU
+    grouped GEMM."""
+    from megatrain.config import load_config
+
+    model = load_config(ROOT / "pipelines" / "models" / "deepseek-tiny.toml").model
+    assert model.multi_latent_attention and model.mtp_num_layers == 1
+    assert model.moe_router_num_groups == 4 and model.moe_router_group_topk == 2
+    extra = ["training.micro_batch_size=2", "training.global_batch_size=4",
+             "model.moe_grouped_gemm=false", "--nproc-per-node", "1"]  # fmt: skip
+    _, reference = _shipped_steps(corpus, tmp_path / "one", "deepseek-tiny", [], extra)
+    reference_mtp = _mtp_losses(tmp_path / "one")
+    assert all(m is not None for m, _ in reference_mtp) and reference_mtp[-1][1] is not None
+    extra[-1] = "2"
+    for name, (layout, said_ranks) in DEEPSEEK_LAYOUTS.items():
+        said, steps = _shipped_steps(corpus, tmp_path / name, "deepseek-tiny", layout, extra)
+        assert said_ranks in said, (name, said[:300])
+        _same_steps(steps, reference)
+        for got, want in zip(_mtp_losses(tmp_path / name), reference_mtp, strict=True):
+            assert (got[1] is None) == (want[1] is None), (name, got, want)
+            for a, b in zip(got, want, strict=True):
+                assert b is None or abs(a - b) < 2e-5, (name, got, want)
