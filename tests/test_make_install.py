@@ -147,3 +147,19 @@ def test_the_install_log_is_quiet_and_torch_is_the_machines_build():
         out = subprocess.run([str(DEV_VENV / "bin" / "python"), "-c", code], capture_output=True)
         cuda, version = out.stdout.decode().split()
         assert cuda == "None", version
+
+
+def test_the_installed_modules_are_byte_compiled():
+    """Where the environment forbids writing .pyc files at import (PYTHONDONTWRITEBYTECODE, as on
+    the CI machines), a module left uncompiled is compiled again by every process that imports
+    it: `make install` compiles the dependencies (uv's --compile-bytecode, pip's default) and
+    the editable packages' sources once."""
+    from importlib.util import cache_from_source
+
+    import matplotlib
+    import transformers
+
+    import megatrain.run.loop
+
+    for module in (transformers, matplotlib, megatrain.run.loop):
+        assert Path(cache_from_source(module.__file__)).exists(), module.__file__
