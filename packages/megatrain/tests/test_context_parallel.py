@@ -4,8 +4,9 @@ grouped-query attention), with and without packed documents.
 
 One 1-rank spawn trains the references; one 8-rank spawn trains the layouts (cp 2 and 4 with
 both comm types, with tp 2 and sequence parallelism, pp 2 under 1F1B, interleaving and ZB-H1,
-dp 2 with the distributed optimizer, selective and full recompute), and a run stopped with a
-save at cp 2 goes on at cp 4 and at cp 1.  Every rank runs under the NCCL-semantics checker.
+dp 2 with the distributed optimizer, selective and full recompute; multi-latent attention's
+latent gather at tp 2 + sp), and a run stopped with a save at cp 2 goes on at cp 4 and at
+cp 1.  Every rank runs under the NCCL-semantics checker.
 megacore's tests prove the attention itself against full attention (test_context_parallel)."""
 
 import pytest
@@ -36,6 +37,16 @@ LLAMA = [
     "model.normalization='rmsnorm'",
     "model.position_embedding_type='rope'",
     "model.init_method_std=0.25",  # sharp attention: wrong positions change the loss
+]
+# Llama with DeepSeek's multi-latent attention (its own heads: no query groups).
+MLA = [
+    *(o for o in LLAMA if not o.startswith("model.num_query_groups")),
+    "model.multi_latent_attention=true",
+    "model.q_lora_rank=12",
+    "model.kv_lora_rank=8",
+    "model.qk_head_dim=6",
+    "model.qk_pos_emb_head_dim=4",
+    "model.v_head_dim=5",
 ]
 PACKED = [
     "data.reset_position_ids=true",
@@ -68,6 +79,9 @@ LAYOUTS = {
          "parallel.use_distributed_optimizer=true"]),
     "llama-cp2-allgather-tp2-pp2-packed": ("llama", True, [*cp(2, "allgather"), *PP2,
                                                            "parallel.tensor_model_parallel_size=2"]),
+    # MLA's latent gather over CP after the latent's TP gather (its other comm types and
+    # layouts: test_multi_latent_attention).
+    "mla-cp2-latent-tp2-seqpar-dp2-packed": ("mla", True, [*cp(2, "latent"), *TP2_SP]),
 }  # fmt: skip
 
 
@@ -83,7 +97,7 @@ def _config(corpus, out, model, packed, overrides=()):
             f"data.corpus={corpus!r}",
             f"training.output_dir={out!r}",
             *COMMON,
-            *(LLAMA if model == "llama" else []),
+            *{"llama": LLAMA, "mla": MLA}.get(model, []),
             *(PACKED if packed else []),
             *overrides,
         ],
@@ -91,10 +105,10 @@ def _config(corpus, out, model, packed, overrides=()):
 
 
 def _references(corpus, out):
+    runs = [(model, packed) for model in ("gpt", "llama") for packed in (False, True)]
     return {
         (model, packed): train(_config(corpus, f"{out}/{model}-{packed}", model, packed))
-        for model in ("gpt", "llama")
-        for packed in (False, True)
+        for model, packed in [*runs, ("mla", True)]
     }
 
 
@@ -131,6 +145,7 @@ def test_every_context_parallel_layout_equals_one_process(references, layouts):
     # The references differ: packed documents and the model change the steps.
     assert references[("gpt", True)]["loss"] != references[("gpt", False)]["loss"]
     assert references[("llama", True)]["loss"] != references[("gpt", True)]["loss"]
+    assert references[("mla", True)]["loss"] != references[("llama", True)]["loss"]
 
 
 def test_a_cp2_checkpoint_goes_on_at_cp4_and_cp1(references, layouts):
