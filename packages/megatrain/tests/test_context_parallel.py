@@ -10,6 +10,7 @@ cp 1.  Every rank runs under the NCCL-semantics checker.
 megacore's tests prove the attention itself against full attention (test_context_parallel)."""
 
 import pytest
+from test_multi_latent_attention import MLA_FIELDS
 
 from megacore.testing import run_distributed
 from megatrain.config import ConfigError, load_config, validate
@@ -39,15 +40,7 @@ LLAMA = [
     "model.init_method_std=0.25",  # sharp attention: wrong positions change the loss
 ]
 # Llama with DeepSeek's multi-latent attention (its own heads: no query groups).
-MLA = [
-    *(o for o in LLAMA if not o.startswith("model.num_query_groups")),
-    "model.multi_latent_attention=true",
-    "model.q_lora_rank=12",
-    "model.kv_lora_rank=8",
-    "model.qk_head_dim=6",
-    "model.qk_pos_emb_head_dim=4",
-    "model.v_head_dim=5",
-]
+MLA = [*(o for o in LLAMA if not o.startswith("model.num_query_groups")), *MLA_FIELDS]
 PACKED = [
     "data.reset_position_ids=true",
     "data.reset_attention_mask=true",

@@ -376,17 +376,21 @@ def test_tensor_parallel_mla_equals_one_process():
 # --- training: a tiny Llama with MLA at its layouts against one process -------------------
 
 VOCAB, STEPS, FP32_TOL = 200, 3, 2e-5
-MLA_LLAMA = [
-    *TINY_MODEL,
-    'model.kind="llama"',
-    "model.num_layers=2",
-    "model.ffn_hidden_size=48",
+# The attention's sizes (test_context_parallel's MLA layout takes them too).
+MLA_FIELDS = [
     "model.multi_latent_attention=true",
     "model.q_lora_rank=12",
     "model.kv_lora_rank=8",
     "model.qk_head_dim=6",
     "model.qk_pos_emb_head_dim=4",
     "model.v_head_dim=5",
+]
+MLA_LLAMA = [
+    *TINY_MODEL,
+    'model.kind="llama"',
+    "model.num_layers=2",
+    "model.ffn_hidden_size=48",
+    *MLA_FIELDS,
     'model.rope_type="yarn"',
     "model.rotary_scaling_factor=4.0",
     "model.original_max_position_embeddings=8",
