@@ -312,6 +312,10 @@ DEEPSEEK_LAYOUTS = {
         ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
         "2 ranks = tp 2 x pp 1 x dp 1",
     ),
+    "cp2-p2p": (
+        ["parallel.context_parallel_size=2", "parallel.cp_comm_type='p2p'"],
+        "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
+    ),
     "pp2": (["parallel.pipeline_model_parallel_size=2"], "2 ranks = tp 1 x pp 2 x dp 1"),
     "ep2": (
         ["parallel.expert_model_parallel_size=2"],
@@ -331,11 +335,11 @@ def _mtp_losses(out) -> list[tuple]:
 def test_deepseek_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_path):
     """`megatrain run` of the shipped deepseek-tiny (multi-latent attention, a dense first
     layer, sigmoid experts with the expert bias in group-limited routing, a shared expert,
-    one MTP depth) at tp 2 + sp, pp 2 and ep 2 (`--nproc-per-node 2`) takes the one-process
-    steps, run once, first: losses, gradient norms, validation loss and the MTP depth's
-    training and validation losses from log.jsonl.  Kept cheap: 3 steps at seq 32, a batch of
-    4 in microbatches of 2, one validation batch, the experts' loop instead of torch's CPU
-    grouped GEMM."""
+    one MTP depth) at tp 2 + sp, cp 2 over the p2p ring, pp 2 and ep 2 (`--nproc-per-node 2`)
+    takes the one-process steps, run once, first: losses, gradient norms, validation loss and
+    the MTP depth's training and validation losses from log.jsonl.  Kept cheap: 3 steps at
+    seq 32, a batch of 4 in microbatches of 2, one validation batch, the experts' loop instead
+    of torch's CPU grouped GEMM."""
     from megatrain.config import load_config
 
     model = load_config(ROOT / "pipelines" / "models" / "deepseek-tiny.toml").model
