@@ -74,6 +74,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_gpt_train.py --model llama --out bench-results/llama_train.json
 	$(BIN)/python benchmarks/bench_gpt_train.py --model mixtral --out bench-results/mixtral_train.json
 	$(BIN)/python benchmarks/bench_gpt_train.py --model gpt-oss --out bench-results/gpt_oss_train.json
+	$(BIN)/python benchmarks/bench_gpt_train.py --model deepseek --out bench-results/deepseek_train.json
 	$(BIN)/python benchmarks/bench_windowed_attention.py --out bench-results/windowed_attention.json
 	$(BIN)/python scripts/fetch_sample_data.py --out data/raw
 	$(BIN)/python benchmarks/bench_megadata.py --out bench-results/megadata.json

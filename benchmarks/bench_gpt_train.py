@@ -3,13 +3,18 @@
     python benchmarks/bench_gpt_train.py --out bench-results/gpt_train.json
     python benchmarks/bench_gpt_train.py --model llama --out bench-results/llama_train.json
     python benchmarks/bench_gpt_train.py --model mixtral --out bench-results/mixtral_train.json
+    python benchmarks/bench_gpt_train.py --model deepseek --out bench-results/deepseek_train.json
 
 `--model llama` trains our Llama (`LLAMA` below) beside `transformers.LlamaForCausalLM` of the
 same shape, everything else as for GPT-2.  `--model mixtral` makes every MLP of that Llama a
 mixture of 8 SwiGLU experts of 1024, 2 per token (`MIXTRAL`), beside
 `transformers.MixtralForCausalLM` at its default experts implementation (recorded in the
-JSON); neither side computes a load-balancing loss (HF's only with output_router_logits),
-so both do the same work.  For the mixture the JSON also says what the token dispatch costs
+JSON); `--model deepseek` makes that Llama a DeepSeek-V3 (`DEEPSEEK`: multi-latent attention,
+a dense first layer, group-limited sigmoid routing with the correction bias, a shared expert)
+beside `transformers.DeepseekV3ForCausalLM` with its eager experts, both from HF's weights
+(`start_from_hf`: the first losses are equal, and the logits' difference is recorded).
+Neither side computes a load-balancing loss (HF's only with output_router_logits), so both
+do the same work.  For the mixture the JSON also says what the token dispatch costs
 (`moe_dispatch`): one MoE layer of ours on the step's tokens, forward and backward, its
 router, permute (dispatch) and unpermute (combine) timed apart from the experts' grouped
 GEMMs, and their share of the step.
@@ -93,6 +98,29 @@ GPT_OSS = [*MIXTRAL, "model.add_bias_linear=true", 'model.softmax_type="learnabl
            "model.layer_types=" + str(["sliding_attention", "full_attention"] * (LAYERS // 2))
            .replace("'", '"')]  # fmt: skip
 
+# --model deepseek: that Llama as DeepSeek-V3 builds it: multi-latent attention (queries through
+# a 192-wide latent, keys and values from one 128-wide latent and a shared 32-wide rope key;
+# heads of 64 + 32, values of 64, DeepSeek-V3's proportions), the first layer dense and the
+# other five 8 SwiGLU experts of 512 with one shared expert of 512, DeepSeek-V3's routing
+# (sigmoid scores with the selection-only bias, 4 groups ranked by their top-2 sums, the best 2
+# taken, 2 experts a token, normalized, scaled by 2.5); no balance loss and no bias update
+# (transformers computes neither), no MTP (DeepseekV3ForCausalLM drops it).  HF's
+# DeepseekV3ForCausalLM of the same shape starts from the same weights (ours read from its
+# files, as `megatrain run --load-hf` reads them) with its eager experts.
+DEEPSEEK = ['model.kind="llama"', "model.ffn_hidden_size=1024",
+            "model.multi_latent_attention=true", "model.q_lora_rank=192",
+            "model.kv_lora_rank=128", "model.qk_head_dim=64", "model.qk_pos_emb_head_dim=32",
+            "model.v_head_dim=64", "model.num_moe_experts=8", "model.moe_router_topk=2",
+            "model.moe_ffn_hidden_size=512", "model.moe_shared_expert_intermediate_size=512",
+            "model.moe_layer_freq=" + str([0] + [1] * (LAYERS - 1)),
+            'model.moe_router_score_function="sigmoid"', "model.moe_router_enable_expert_bias=true",
+            "model.moe_router_bias_update_rate=0.0", "model.moe_router_num_groups=4",
+            "model.moe_router_group_topk=2", "model.moe_router_group_score_topk=2",
+            "model.moe_router_norm_topk_prob=true", "model.moe_router_topk_scaling_factor=2.5",
+            'model.moe_router_load_balancing_type="none"',
+            "model.moe_aux_loss_coeff=0"]  # fmt: skip
+OVERRIDES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt-oss": GPT_OSS, "deepseek": DEEPSEEK}
+
 
 # -- a synthetic corpus, written by megatrain.testing.write_corpus in megadata's format ----------
 
@@ -161,9 +189,10 @@ def hf_gpt2_config(config, vocab_size: int):
     )
 
 
-def hf_llama_config(config, vocab_size: int):
+def hf_llama_config(config, vocab_size: int, experts: str | None = None):
     """transformers' Llama of our Llama config's shape (GQA, SwiGLU, RMSNorm, rope and its
-    scaling, untied), as `megatrain export-hf` writes it (SDPA attention)."""
+    scaling, untied), as `megatrain export-hf` writes it (SDPA attention); a mixture's
+    `experts` implementation HF's default unless given ("eager": its loop over the experts)."""
     import dataclasses
 
     import transformers
@@ -182,7 +211,10 @@ def hf_llama_config(config, vocab_size: int):
         fields = fields | family.fields(m) | window_fields(family, m)
         fields["architectures"] = [family.architecture]
         attention = "eager" if family.architecture == "GptOssForCausalLM" else "sdpa"
-        return getattr(transformers, family.config_class)(**fields, attn_implementation=attention)
+        kw = {"experts_implementation": experts} if experts else {}
+        return getattr(transformers, family.config_class)(
+            **fields, attn_implementation=attention, **kw
+        )
     return transformers.LlamaConfig(**fields, attn_implementation="sdpa")
 
 
@@ -206,6 +238,7 @@ class HFTrainer:
         device: torch.device | None = None,
         autocast_dtype: torch.dtype | None = None,
         recompute: bool = False,
+        experts: str | None = None,
     ):
         import transformers
 
@@ -215,7 +248,7 @@ class HFTrainer:
         self.autocast_dtype = autocast_dtype
         torch.manual_seed(seed)
         if m.kind == "llama":
-            hf_config = hf_llama_config(config, vocab_size)
+            hf_config = hf_llama_config(config, vocab_size, experts)
             model_class = getattr(transformers, hf_config.architectures[0])
             self.model = model_class(hf_config)
         else:
@@ -414,6 +447,30 @@ def moe_dispatch_cost(run, step_seconds: float, repeats: int = 7) -> dict:
     }
 
 
+def start_from_hf(run, hf: "HFTrainer", hf_dir: Path) -> dict:
+    """Our model `run` takes the weights of HF's (`hf`), saved to `hf_dir` and read as `megatrain
+    run --load-hf` reads them, with HF's zero router correction bias first perturbed (on both:
+    a zero bias routes by the scores alone); the two models' logits on one batch are compared
+    (max |difference|), so both sides start from the very same model."""
+    from megatrain.checkpoint.dcp import module_of
+    from megatrain.hf.layout_load import load_hf
+
+    with torch.no_grad():
+        for name, buffer in hf.model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(0)))
+    hf.model.save_pretrained(hf_dir)
+    load_hf(run, hf_dir)
+    tokens = torch.randint(1, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf.model(input_ids=tokens, use_cache=False).logits
+        ours = module_of(run.chunks[0])(tokens).transpose(0, 1)  # [s, b, v] -> [b, s, v]
+    return {
+        "how": "HF's model saved (save_pretrained) and read by megatrain.hf.layout_load.load_hf",
+        "max_abs_logit_difference": float((ours - theirs).abs().max()),
+    }
+
+
 def loader(corpus: Path, vocab_size: int, seq: int, batch: int, seed: int):
     """A GPTBatches of one microbatch per step over the train split: built twice with the same
     seed, it gives the second model the very batches `build_run` gives ours."""
@@ -441,10 +498,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--model",
-        choices=("gpt", "llama", "mixtral", "gpt-oss"),
+        choices=("gpt", "llama", "mixtral", "gpt-oss", "deepseek"),
         default="gpt",
-        help="GPT-2 beside GPT2LMHeadModel, a Llama beside LlamaForCausalLM, or a mixture of "
-        "experts beside MixtralForCausalLM",
+        help="GPT-2 beside GPT2LMHeadModel, a Llama beside LlamaForCausalLM, a mixture of "
+        "experts beside MixtralForCausalLM (GptOssForCausalLM), or a DeepSeek-V3 beside "
+        "DeepseekV3ForCausalLM",
     )
     parser.add_argument(
         "--set",
@@ -488,7 +546,7 @@ def main() -> None:
             f'training.output_dir="{work / "run"}"',
             f'data.corpus="{corpus}"',
             "logging.tensorboard=false",
-            *{"llama": LLAMA, "mixtral": MIXTRAL, "gpt-oss": GPT_OSS}.get(args.model, []),
+            *OVERRIDES.get(args.model, []),
             *args.set,
         ],
     )
@@ -501,7 +559,13 @@ def main() -> None:
     try:
         run = build_run(config, torch.device("cpu"))
         hf_batches = loader(corpus, VOCAB, SEQ, BATCH, args.seed)
-        hf = HFTrainer(config, hf_batches, args.seed, vocab_size=run.model_config.vocab_size)
+        # DeepSeek's experts as HF's exactness tests run them (eager); the others at HF's default.
+        experts = "eager" if args.model == "deepseek" else None
+        vocab = run.model_config.vocab_size
+        hf = HFTrainer(config, hf_batches, args.seed, vocab_size=vocab, experts=experts)
+        same_weights = None
+        if args.model == "deepseek":  # ours starts from HF's weights, read from its files
+            same_weights = start_from_hf(run, hf, work / "hf")
         peaks = [measured_matmul_tflops()]
         flops = gpt_model_flops_per_iteration(run.model_config, BATCH, SEQ)  # no recompute: = HFU
 
@@ -546,7 +610,7 @@ def main() -> None:
         if ours_digests != hf_digests:
             raise RuntimeError("the two models were trained on different batches")
         dispatch = None
-        if args.model in ("mixtral", "gpt-oss"):
+        if args.model in ("mixtral", "gpt-oss", "deepseek"):
             dispatch = moe_dispatch_cost(run, statistics.median(times["megatrain"]))
         profiles = None
         if args.profile:
@@ -588,6 +652,7 @@ def main() -> None:
                 # Others on the cores: the 1/5/15-minute load before starting, and the CPU
                 # seconds a hypervisor took from this VM while the benchmark ran.
                 "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),  # uptime's, as the steps ended
                 "cpu_steal_s_during_run": None
                 if steal_before is None or steal_after is None
                 else steal_after - steal_before,
@@ -646,6 +711,8 @@ def main() -> None:
         }
         if dispatch is not None:
             record["moe_dispatch"] = dispatch
+        if same_weights is not None:
+            record["same_weights"] = same_weights
         if profiles is not None:
             record["profile_top_self_cpu"] = profiles
     finally:

@@ -6,6 +6,8 @@
     python benchmarks/bench_gpu.py --config pipelines/models/llama3-8b.toml --layers 4
     python benchmarks/bench_gpu.py --config pipelines/models/mixtral-8x7b.toml --layers 2 \
         --experts 4 --peers none                    # a mixture of experts, on one GPU
+    python benchmarks/bench_gpu.py --config pipelines/models/deepseek-v2-lite.toml --layers 4 \
+        --peers none                                # DeepSeek's latent attention and experts
 
 The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
 1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
@@ -27,12 +29,15 @@ betas, eps, decay and clipping, on the very same batches. Each model runs alone:
 `--warmup` steps, `--iters` timed steps (`torch.cuda.synchronize()` before and after each),
 then freed, so `torch.cuda.max_memory_allocated` is its own peak.
 
-A mixture-of-experts config (mixtral-8x7b, qwen3-30b-a3b, mixtral-tiny) runs with every
-expert on the one device (expert parallelism 1), `--experts` / `--expert-ffn` to shrink it;
-HF's side is `MixtralForCausalLM` / `Qwen3MoeForCausalLM` (bench_gpt_train's HFTrainer, as
-`megatrain export-hf` writes the config), at its default experts implementation; the model
-FLOPs count the k active experts.  The peers' runners build dense models only: they are
-recorded as skipped for a mixture.
+A mixture-of-experts config (mixtral-8x7b, qwen3-30b-a3b, mixtral-tiny, the DeepSeek
+shapes: deepseek-v3, deepseek-v2-lite, moonlight-16b-a3b, deepseek-tiny) runs with every
+expert on the one device (expert parallelism 1), `--experts` / `--expert-ffn` to shrink it
+(`--layers` keeps a DeepSeek's dense first layers); HF's side is `MixtralForCausalLM` /
+`Qwen3MoeForCausalLM` / `DeepseekV3ForCausalLM` / `DeepseekV2ForCausalLM` (bench_gpt_train's
+HFTrainer, as `megatrain export-hf` writes the config), at its default experts
+implementation; the model FLOPs count the k active experts.  A DeepSeek runs without its
+MTP depths on both sides (transformers drops them).  The peers' runners build dense
+models only: they are recorded as skipped for a mixture.
 
 After them, each of `--peers` (default both; benchmarks/peers/) alone in the same way on the
 same batches: megatron-core's own GPTModel (local layer spec, no Transformer Engine) with its
@@ -241,14 +246,29 @@ def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
             o.append(f"model.{field}={getattr(args, name)}")
     if args.seq is not None:
         o += [f"training.seq_length={args.seq}", f"model.max_position_embeddings={args.seq}"]
-    if load_config(args.config).model.num_moe_experts:  # every expert on the one device
+    model = load_config(args.config).model
+    if model.num_moe_experts:  # every expert on the one device
         o += ["parallel.expert_model_parallel_size=1", "parallel.expert_tensor_parallel_size=1"]
+        freq = model.moe_layer_freq
+        if args.layers is not None and isinstance(freq, list):
+            # A DeepSeek's dense first layers (first_k_dense_replace) kept, the rest MoE (and
+            # at least one MoE layer).
+            dense = freq.index(1) if 1 in freq else len(freq)
+            if freq != [0] * dense + [1] * (len(freq) - dense):
+                raise SystemExit(f"--layers: {args.config}'s model.moe_layer_freq {freq} is not "
+                                 "dense layers first, then MoE layers")  # fmt: skip
+            dense = min(dense, args.layers - 1)
+            o.append(f"model.moe_layer_freq={[0] * dense + [1] * (args.layers - dense)}")
         if args.experts is not None:
             o.append(f"model.num_moe_experts={args.experts}")
         if args.expert_ffn is not None:
             o.append(f"model.moe_ffn_hidden_size={args.expert_ffn}")
     elif args.experts is not None or args.expert_ffn is not None:
         raise SystemExit(f"--experts / --expert-ffn: {args.config} is not a mixture of experts")
+    if model.mtp_num_layers:
+        # HF's DeepseekV3ForCausalLM drops the MTP layer (and the fused loss lever takes no
+        # depths): the same model on both sides, without it.
+        o.append("model.mtp_num_layers=none")
     return o
 
 
@@ -639,6 +659,8 @@ def main() -> None:
             "num_moe_experts": m.num_moe_experts,
             "moe_router_topk": m.moe_router_topk if m.num_moe_experts else None,
             "moe_ffn_hidden_size": model_config.moe_ffn_hidden_size,
+            "multi_latent_attention": m.multi_latent_attention,
+            "mtp_num_layers": m.mtp_num_layers,
             "seq_length": seq,
             "vocab_size": m.vocab_size,
             "vocab_size_padded": model_config.vocab_size,

@@ -99,3 +99,18 @@ def test_peers_train_on_our_batches_where_installed(tmp_path):
         assert r["loss_check"]["first_loss_near_ln_vocab"], r["losses"]
     assert record["megatron-core"]["parameters"] == record["megatrain"]["parameters"]
     assert record["megatron-core"]["loss_check"]["max_abs_diff_vs_megatrain"] < 0.2
+
+
+def test_a_deepseek_shape_runs_beside_hf(tmp_path):
+    """The DeepSeek shapes (here the shipped deepseek-tiny cut to 2 layers: its dense first
+    layer kept, multi-latent attention, group-limited routing) beside transformers'
+    DeepseekV3ForCausalLM, without the MTP depth that HF drops."""
+    config = ROOT / "pipelines" / "models" / "deepseek-tiny.toml"
+    record = bench(tmp_path, "--config", str(config), "--peers", "none")
+    assert record["hf"]["class"] == "DeepseekV3ForCausalLM"
+    assert record["shape"]["multi_latent_attention"] and record["shape"]["mtp_num_layers"] is None
+    for name in ("megatrain", "hf"):
+        r = record[name]
+        assert len(r["losses"]) == 3 and r["batches_checked"] == 3 and r["tokens_per_s_median"] > 0
+        assert r["loss_check"]["first_loss_near_ln_vocab"], r["losses"]
+    assert record["hf"]["loss_check"]["max_abs_diff_vs_megatrain"] < 0.2
