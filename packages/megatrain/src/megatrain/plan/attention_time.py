@@ -2,12 +2,17 @@
 context parallelism's communication around it: one layer, one microbatch, one TP rank
 (`cost_model.layer_seconds` adds them to the layer's GEMMs and element-wise passes)."""
 
+from dataclasses import replace
+
 from megatrain.config import Config
 from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
     ATTENTION_IMPLEMENTATIONS,
     attention_core_flops,
     attention_kernel_for,
+    attention_widths,
+    context_parallel_numbers,
+    layer_gemms,
 )
 from megatrain.plan.accounting.flops import window_flops_layers
 from megatrain.plan.costs import Costs
@@ -83,7 +88,13 @@ def attention_core_seconds(
     cp, s, b, tp = layout.cp, t.seq_length, layout.micro_batch, layout.tp
     local, a = s // cp, m.num_attention_heads
     head = cfg.kv_channels or cfg.hidden_size // a
+    # multi-latent attention: products over heads of d_q (scores) and d_v (context)
+    qk_head, v_head = head, head
+    if m.multi_latent_attention:
+        qk_head, v_head = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
     heads = b * a / tp
+    # the queries', the keys' and values' and the output's elements a token on the rank
+    queries, kv, out = attention_widths(replace(config, parallel=_at_tp(config, tp)))
     kernel = attention_kernel_for(
         costs.attention, t.precision, cp, layout.cp_comm, config.data.reset_attention_mask
     )
@@ -91,8 +102,7 @@ def attention_core_seconds(
     if kernel in ("flash", "masked"):
         causal_skip = kernel == "flash"
         flops = b * layer_mean_core_flops(cfg, local, s, causal_skip) / tp
-        groups = b * max(cfg.num_query_groups or a, tp) / tp  # key/value heads on the rank
-        nbytes = costs.element * head * (2 * heads * local + 2 * groups * s)
+        nbytes = costs.element * b * ((queries + out) * local + kv * s)
         if kernel == "masked":  # the additive mask, read for every sequence and head
             nbytes += costs.element * heads * local * s
         fused = [costs.flash_attention(flops, nbytes, s)]
@@ -101,16 +111,17 @@ def attention_core_seconds(
         return fused
     if kernel == "unfused":
         return [
-            costs.gemm_fwd_bwd(local, s, head, heads),
-            costs.gemm_fwd_bwd(local, head, s, heads),
+            costs.gemm_fwd_bwd(local, s, qk_head, heads),
+            costs.gemm_fwd_bwd(local, v_head, s, heads),
         ]
     if kernel == "ring":
-        return _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, t.precision)
+        widths = (queries, kv, out)
+        return _fused_ring_seconds(cfg, layout, costs, local, s, widths, heads, t.precision)
     fp32 = Costs(costs.gpu, costs.profile, "fp32") if "fp32" in costs.gpu.peak_tflops else costs
     block = s // cp  # each block's keys
     gemms = [
-        fp32.gemm_fwd_bwd(local, block, head, heads),
-        fp32.gemm_fwd_bwd(local, head, block, heads),
+        fp32.gemm_fwd_bwd(local, block, qk_head, heads),
+        fp32.gemm_fwd_bwd(local, v_head, block, heads),
     ]
     scores = heads * local * s  # every block's, every head's
     passes = (
@@ -120,7 +131,12 @@ def attention_core_seconds(
     return cp * gemms + [passes]
 
 
-def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
+def _at_tp(config: Config, tp: int):
+    """The config's parallel section at tensor parallelism tp (a layout's)."""
+    return replace(config.parallel, tensor_model_parallel_size=tp)
+
+
+def _fused_ring_seconds(cfg, layout, costs, local, s, widths, heads, precision):
     """megacore's fused ring (`attention_kernel` "ring"): cp kernel calls a pass, each of the
     rank's s / cp queries against a block of s / cp keys (the balanced chunks paired so that
     causal attention computes half of all the scores, as flash at cp 1), each merging its
@@ -129,16 +145,17 @@ def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
     rate for a call's s / cp keys.  Otherwise (fp32, or an "unfused" GPU) the memory-efficient
     kernel, for which no rate is published: its two products per head timed as GEMMs of the
     visible keys (at the fp32 peak in fp32), the scores never in memory."""
-    cp = layout.cp
-    flops = layout.micro_batch * layer_mean_core_flops(cfg, local, s, True) / layout.tp
-    visible = flops / (layout.micro_batch * layer_mean_core_flops(cfg, local, s, False) / layout.tp)
-    groups = layout.micro_batch * max(cfg.num_query_groups or cfg.num_attention_heads, layout.tp)
-    groups /= layout.tp  # key/value heads on the rank
+    cp, b = layout.cp, layout.micro_batch
+    queries, kv, out = widths  # elements a token on the rank (`attention_widths`)
+    flops = b * layer_mean_core_flops(cfg, local, s, True) / layout.tp
+    visible = flops / (b * layer_mean_core_flops(cfg, local, s, False) / layout.tp)
     block = s // cp  # a call's keys
     # each call reads q and a K/V block and writes its output; the merge reads and writes the
     # float32 accumulator and reads the call's output
-    call_bytes = costs.element * head * (2 * heads * local + 2 * groups * block)
-    merge = costs.memory_bound(cp * (2 * 4 + costs.element) * heads * local * head)
+    call_bytes = costs.element * b * ((queries + out) * local + kv * block)
+    merge = costs.memory_bound(cp * (2 * 4 + costs.element) * b * out * local)
+    head = queries * layout.tp / cfg.num_attention_heads  # a query head's (d_q for MLA)
+    v_head = out * layout.tp / cfg.num_attention_heads
     if ATTENTION_IMPLEMENTATIONS[costs.attention] == "flash" and precision != "fp32":
         forward, backward = costs.flash_attention(flops, cp * call_bytes, block)
         overhead = (cp - 1) * costs.profile.gemm_overhead_s  # cp calls, one counted
@@ -147,7 +164,7 @@ def _fused_ring_seconds(cfg, layout, costs, local, s, head, heads, precision):
     keys = visible * block  # the visible keys of a call, on average
     return cp * [
         gemm.gemm_fwd_bwd(local, keys, head, heads),
-        gemm.gemm_fwd_bwd(local, head, keys, heads),
+        gemm.gemm_fwd_bwd(local, v_head, keys, heads),
     ] + [(merge, merge)]
 
 
@@ -166,12 +183,14 @@ def context_parallel_seconds(
     cp = layout.cp
     if cp == 1:
         return 0.0
-    m, t = config.model, config.training
-    a = m.num_attention_heads
-    groups = max(m.num_query_groups or a, layout.tp) / layout.tp  # key/value groups per rank
-    # The whole sequence's K and V on one TP rank; each CP rank receives (cp - 1)/cp of it.
-    kv = costs.element * 2 * layout.micro_batch * t.seq_length * groups * (m.hidden_size // a)
-    if layout.cp_comm == "allgather":
+    t = config.training
+    # The whole sequence's K and V on one TP rank (or under "latent" its KV latents and rope
+    # keys, the same on every TP rank); each CP rank receives (cp - 1)/cp of it.
+    numbers = context_parallel_numbers(
+        replace(config, parallel=_at_tp(config, layout.tp)), layout.cp_comm
+    )
+    kv = costs.element * layout.micro_batch * t.seq_length * numbers
+    if layout.cp_comm in ("allgather", "latent"):
         forward = costs.collective("all_gather", kv, cp, bandwidth)
         backward = costs.collective("reduce_scatter", kv, cp, bandwidth)
     else:  # each of cp - 1 blocks passed on while the block in hand is attended to
@@ -185,3 +204,21 @@ def context_parallel_seconds(
             backward = (cp - 1) * max(0.0, step + grads - core_backward / cp) + grads
     again = forward if layout.recompute in ("selective", "full") else 0.0
     return forward + backward + again
+
+
+def latent_up_projection_seconds(
+    config: Config, cfg: TransformerConfig, layout: Layout, costs: Costs
+) -> tuple[float, float]:
+    """(forward, backward) seconds `cp_comm_type = "latent"` adds to one layer for one
+    microbatch on one TP rank: each CP rank up-projects the gathered latents of the whole
+    sequence into its heads' keys and values (kv_b, [r_kv] -> heads / t x (d_n + d_v)), not
+    only its own s / cp tokens' (which the layer's GEMMs count): the time of that GEMM over
+    s b tokens less its time over s b / cp, its backward the input's and weight's gradients.
+    0 for any other communication and at cp 1."""
+    if layout.cp == 1 or layout.cp_comm != "latent":
+        return 0.0, 0.0
+    k, n = next(g for g in layer_gemms(cfg) if g.name == "kv_b").per_rank(layout.tp)
+    whole = config.training.seq_length * layout.micro_batch
+    forward, backward = costs.gemm_fwd_bwd(whole, n, k)
+    local_forward, local_backward = costs.gemm_fwd_bwd(whole / layout.cp, n, k)
+    return forward - local_forward, backward - local_backward

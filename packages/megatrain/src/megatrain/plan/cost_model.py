@@ -68,8 +68,14 @@ and one microbatch of b sequences of s tokens:
   fused ring (no packed documents) runs the ring again in the backward, each step passing a
   block and its float32 K/V gradient on behind the step's kernel, the last gradient (going
   home) exposed; the float32 ring (packed documents) sends each block's gradient back
-  before the next block's backward starts, exposed.  Under selective or full recompute the
-  attention (and so its communication) runs again in the backward.  The attention core
+  before the next block's backward starts, exposed.  Multi-latent attention's K/V are
+  2 a d_q numbers a token, V zero-padded to the QK width (`accounting.attention_widths`);
+  its "latent" gathers and
+  reduce-scatters as "allgather" does but only the compressed latent and rope key, r_kv +
+  d_r numbers a token whatever tp, and each rank up-projects the whole sequence's K/V
+  (`attention_time.latent_up_projection_seconds`, in the layer's compute).  Under selective
+  or full recompute the attention (and so its communication) runs again in the backward.
+  The attention core
   runs as megacore runs it (`accounting.attention_kernel`): "allgather" in 16 bits with
   flash on the GPU is "masked", SDPA with megacore's boolean mask, which runs cuDNN's or the
   memory-efficient fused kernel (no scores kept, but every score computed, and the mask read
@@ -78,7 +84,8 @@ and one microbatch of b sequences of s tokens:
   "ring_float32", float32 torch ops (GEMMs at the fp32 peak, the passes over each block's
   scores memory-bound).
 - **Pipeline**: with T_r the time of stage r for one microbatch (layers, embedding on the
-  first, the output layer and loss on the last, the point-to-point sends of the
+  first, the output layer and loss on the last, with multi-token prediction's depths
+  (`mtp_seconds`) there too, the point-to-point sends of the
   activation and its gradient, per model chunk), an iteration of m microbatches takes
   m max T_r + (sum T_r - max T_r) / vpp: the slowest stage paces the steady state, the
   fill and drain cross every other stage once, vpp times faster when interleaved
@@ -113,6 +120,7 @@ from dataclasses import dataclass, field
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
 from megatrain.config import Config
 from megatrain.models import model_config
+from megatrain.models.moe import is_moe_layer
 from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
@@ -123,12 +131,14 @@ from megatrain.plan.accounting import (
     flops_per_iteration,
     layer_gemms,
     moe_layer_count,
+    mtp_layer_numbers,
 )
 from megatrain.plan.attention_time import (
     FUSED_SOFTMAX_BYTES,
     FUSED_SOFTMAX_DROPOUT_BYTES,
     attention_core_seconds,
     context_parallel_seconds,
+    latent_up_projection_seconds,
 )
 from megatrain.plan.costs import Costs, group_bandwidth
 from megatrain.plan.hardware import Gpu, Profile
@@ -211,8 +221,10 @@ def layer_seconds(
         one_way = 4 * costs.collective("all_gather", activation, tp, bandwidth)
     else:
         one_way = 2 * costs.collective("all_reduce", activation, tp, bandwidth)
-    forward = sum(g[0] for g in dense) + sum(g[0] for g in core) + ops
-    backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + backward_ops
+    # cp_comm_type "latent": the whole sequence's K/V up-projected on each CP rank
+    latent = latent_up_projection_seconds(config, cfg, layout, costs)
+    forward = sum(g[0] for g in dense) + sum(g[0] for g in core) + ops + latent[0]
+    backward = sum(g[1] for g in dense) + sum(g[1] for g in core) + backward_ops + latent[1]
     # The dense weights' gradients: what ZB-H1 defers to its W steps (bf16 GEMMs: megatrain
     # refuses ZB-H1 with fp8).
     weight = sum(costs.gemm(k, n, tokens) for k, n, _ in gemms)
@@ -227,7 +239,8 @@ def layer_seconds(
     else:
         recompute = {
             "none": 0.0,
-            "selective": sum(g[0] for g in core) + core_ops,
+            # the core (and under "latent" the up-projection inside it) again
+            "selective": sum(g[0] for g in core) + core_ops + latent[0],
             "full": forward,
         }[layout.recompute]
     comm = one_way * (3 if layout.recompute == "full" else 2)
@@ -374,6 +387,50 @@ def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: f
         + 3 * costs.collective("all_reduce", 4 * predicted, tp, bandwidth),
     }
     return embed, head
+
+
+def mtp_seconds(
+    config: Config,
+    layout: Layout,
+    costs: Costs,
+    layers: dict,
+    embed: dict,
+    head: dict,
+    bandwidth: float,
+    cfg: TransformerConfig,
+) -> dict:
+    """Seconds multi-token prediction's depths (`model.mtp_num_layers`, `models.mtp`) add to
+    the last pipeline stage for one microbatch on one TP rank, by part; {} without them.  Each
+    depth: the word embedding of the tokens k ahead (`embed`, the first stage's), enorm and
+    hnorm over them and the states before, eh_proj ([2h] -> [h], column-parallel: its input
+    all-gathered over the sequence and its gradient reduce-scattered under sequence
+    parallelism, the input gradient all-reduced without; its output's columns all-gathered
+    over TP), one transformer layer of its position's kind (`layers`: {False: a dense
+    layer's `layer_seconds`, True: a MoE layer's}, recompute as the model's layers) and its
+    final norm, and the output layer and loss again (`head`, `_ends`')."""
+    depths = cfg.mtp_num_layers or 0
+    if not depths:
+        return {}
+    t, h, tp = config.training, cfg.hidden_size, layout.tp
+    tokens = t.seq_length // layout.cp * layout.micro_batch
+    sp = layout.sequence_parallel
+    activation = costs.element * tokens * h
+    eh_forward, eh_backward = costs.gemm_fwd_bwd(tokens, h / tp, 2 * h)
+    # enorm, hnorm, the concatenation and the final norm: passes over [s, b, h] (/ t with sp)
+    norms = 3 * 4 * costs.elementwise(activation / (tp if sp else 1))
+    if sp:
+        eh_comm = 2 * costs.collective("all_gather", 2 * activation, tp, bandwidth)
+        eh_comm += 2 * costs.collective("all_gather", activation, tp, bandwidth)
+    else:
+        eh_comm = costs.collective("all_gather", activation, tp, bandwidth)
+        eh_comm += costs.collective("all_reduce", 2 * activation, tp, bandwidth)
+    own = {"compute": eh_forward + eh_backward + norms, "tp_comm": eh_comm}
+    total = {k: 0.0 for k in ("compute", "tp_comm", "cp_comm", "ep_comm")}
+    for position in mtp_layer_numbers(cfg):
+        layer = layers[is_moe_layer(cfg, position)]
+        for k in total:
+            total[k] += layer[k] + own.get(k, 0.0) + embed.get(k, 0.0) + head.get(k, 0.0)
+    return total
 
 
 def pipeline_seconds(
@@ -524,6 +581,11 @@ def estimate(
         link = gpu.intra_node_gbps if within else gpu.inter_node_gbps
         p2p = 2 * vpp * costs.collective("p2p", sent, 2, link * 1e9)
     layers = cfg.num_layers // pp
+    # multi-token prediction's depths, on the last stage (megatrain splits the layers evenly:
+    # the last stage is the slower by them, and paces the pipeline when it is the slowest)
+    mtp = mtp_seconds(
+        config, layout, costs, {False: layer, True: moe_layer}, embed, head, tp_bandwidth, cfg
+    )
     stages = []
     for stage in range(pp):
         moe = moe_layer_count(cfg, stage * layers, (stage + 1) * layers)
@@ -531,7 +593,7 @@ def estimate(
             k: (layers - moe) * layer[k] + moe * moe_layer[k]
             for k in ("compute", "tp_comm", "cp_comm", "ep_comm")
         }
-        for end, here in ((embed, stage == 0), (head, stage == pp - 1)):
+        for end, here in ((embed, stage == 0), (head, stage == pp - 1), (mtp, stage == pp - 1)):
             if here:
                 parts = {k: parts[k] + end.get(k, 0.0) for k in parts}
         stages.append({**parts, "pp_p2p": p2p})
@@ -634,5 +696,6 @@ def estimate(
         mfu=model_flops / (time["total"] * gpus * gpu.base_peak_flops(t.precision)),
         tflops_per_gpu=hardware_flops / (time["total"] * gpus) / 1e12,
         fits=memory["total"] <= (1 - HEADROOM) * gpu.memory_bytes,
-        notes={"microbatches": microbatches},
+        # each pipeline stage's seconds for one microbatch (the last with MTP's depths)
+        notes={"microbatches": microbatches, "stage_seconds": totals},
     )

@@ -20,7 +20,7 @@ class Layout:
     distributed_optimizer: bool = False
     schedule: str = "1f1b"  # the pipeline schedule: 1f1b, interleaved (vpp > 1) or zb-h1
     cp: int = 1  # context parallelism: each sequence split over cp ranks
-    cp_comm: str = "p2p"  # its attention's communication: "p2p" (a ring) or "allgather"
+    cp_comm: str = "p2p"  # its attention's communication: "p2p" (a ring), "allgather", "latent"
     fsdp: bool = False  # parallel.data_parallel_sharding = "full" (torch's FSDP2)
     ep: int = 1  # a mixture of experts: parallel.expert_model_parallel_size
     etp: int | None = None  # parallel.expert_tensor_parallel_size (None: tp)

@@ -24,7 +24,8 @@ An estimate of the steady state of training, per pipeline stage, in bytes:
   the last stage the output layer's input, the final LayerNorm's and the fp32 logits the
   loss keeps (the paper's 4 s b h / t (1 + v / h)); with `training.fused_linear_cross_entropy`
   instead the output layer's input and its gradient (4 s b h), its weight's fp32 gradient
-  (4 v h / t) and one chunk's fp32 logits.  With `training.cuda_graphs` each layer adds its
+  (4 v h / t) and one chunk's fp32 logits; with multi-token prediction each depth's layer,
+  inputs and logits besides (`mtp_activations`).  With `training.cuda_graphs` each layer adds its
   static input copy and output (4 s b h, / t with sequence parallelism) and, without
   gradient-accumulation fusion, its weights' gradients.  Under "full" the layer being
   recomputed holds one layer's "none" activations besides.  fp32 activations count
@@ -67,6 +68,7 @@ import torch
 from megacore.tensor_parallel import default_chunk_tokens
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
+from megatrain.models.moe import is_moe_layer
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     RECOMPUTE_IMPLEMENTATIONS,
@@ -80,6 +82,7 @@ from megatrain.plan.accounting import (
     layer_parameters_per_rank,
     moe_dispatch_bytes,
     moe_layer_count,
+    mtp_layer_numbers,
     parameters_per_gpu,
     state_bytes_per_parameter,
     weight_grad_inputs_per_layer,
@@ -195,6 +198,8 @@ def memory_breakdown(
         # BERT's masked LM takes the logits of the predicted tokens only.
         predicted = 1.0 if cfg.causal else MASKED_LM_PROB
         activations += 4 * s * b * h / tp * (1 + v / h) * predicted
+    if stage == pp - 1:  # multi-token prediction's depths, one microbatch's
+        activations += mtp_activations(config, cfg, recompute, attention)
     if t.cuda_graphs:  # the graphs' static memory besides the activations they keep
         layers = cfg.num_layers // pp
         # Each layer's input copy and output, [s, b, h] (/ t under sequence parallelism) each.
@@ -222,6 +227,30 @@ def memory_breakdown(
         # Host memory, not the GPU's: the copy a background save (checkpoint.async_save) keeps.
         "host_checkpoint_copy": params * copy if config.checkpoint.async_save else 0.0,
     }
+
+
+def mtp_activations(config: Config, cfg, recompute: str, attention: str) -> float:
+    """Bytes multi-token prediction's depths (`model.mtp_num_layers`, `models.mtp`) keep on the
+    last stage for one microbatch, in `activations_per_layer`'s 16-bit convention: each
+    depth's enorm and hnorm inputs (the embedding of the tokens k ahead and the states
+    before) and eh_proj's input, their concatenation (2 s b h each, the concatenation twice:
+    / t with sequence parallelism); its transformer layer's activations, of its position's
+    kind under the model's recompute; and its own logits, as the model's output layer's
+    (4 s b h / t (1 + v / h): the final norm's and the output layer's inputs, the fp32
+    logits; MTP is refused with the fused loss).  All of them are kept until the backward,
+    besides the model's own loss."""
+    depths = cfg.mtp_num_layers or 0
+    if not depths:
+        return 0.0
+    t, p = config.training, config.parallel
+    tp = p.tensor_model_parallel_size
+    s, b, h = t.seq_length // p.context_parallel_size, t.micro_batch_size, cfg.hidden_size
+    sp = p.sequence_parallel and tp > 1
+    own = 2 * 4 * s * b * h / (tp if sp else 1) + 4 * s * b * h / tp * (1 + cfg.vocab_size / h)
+    return sum(
+        own + activations_per_layer(config, recompute, is_moe_layer(cfg, i), attention)
+        for i in mtp_layer_numbers(cfg)
+    )
 
 
 def estimate_memory_per_gpu(config: Config, recompute: str | None = None, **kwargs) -> float:

@@ -6,9 +6,10 @@ batch size, a recompute mode, sequence parallelism (tp > 1), the data-parallel s
 either holds the unsharded gradients to the step's end or reduce-scatters every
 microbatch's), and for context parallelism (cp: 1, 2, 4, ... dividing the GPUs; the
 sequence must cut into 2 x cp chunks) its attention's communication, "p2p" or
-"allgather"; for a mixture of experts (`model.num_moe_experts`) the expert-parallel size ep
-(dividing the experts) and the experts' tensor-parallel size etp (1, or tp), where etp x ep
-divides the GPUs of a pipeline stage.  Each candidate goes through megatrain.config.validate,
+"allgather", or for multi-latent attention also "latent" (`cp_comm_types`); for a mixture
+of experts (`model.num_moe_experts`) the expert-parallel size ep (dividing the experts) and
+the experts' tensor-parallel size etp (1, or tp), where etp x ep divides the GPUs of a
+pipeline stage.  Each candidate goes through megatrain.config.validate,
 the check `megatrain run` makes before starting workers, so the plan refuses exactly what a
 run would; the ones that pass are estimated (cost_model.py) and kept if the fullest stage
 leaves memory.HEADROOM of the GPU free.  What is refused is summed up by reason, with an
@@ -84,25 +85,46 @@ def candidates(config: Config, gpus: int, global_batch: int):
         yield layout, error
 
 
-def _candidates(config: Config, gpus: int, global_batch: int, bar=None):
+def _candidates(config: Config, gpus: int, global_batch: int, bar=None, fixed=None):
     """`candidates`, each with the config at its layout (None when refused); `bar`: a progress
-    bar advanced by one for each way of splitting the GPUs (`_splits`)."""
-    for split in _splits(config, gpus):
+    bar advanced by one for each way of splitting the GPUs (`_splits`); `fixed`: `plan`'s."""
+    for split in _splits(config, gpus, fixed):
         yield from _layouts_of(config, gpus, global_batch, *split)
         if bar is not None:
             bar.update(1)
 
 
-def _splits(config: Config, gpus: int) -> list[tuple]:
-    """Each (tp, cp, pp, CP communication, ep, etp) of `gpus` the search tries."""
-    return [
+SPLIT_FIELDS = ("tp", "cp", "pp", "cp_comm", "ep", "etp")
+
+
+def _splits(config: Config, gpus: int, fixed: dict | None = None) -> list[tuple]:
+    """Each (tp, cp, pp, CP communication, ep, etp) of `gpus` the search tries; `fixed`: only
+    those with these values (`SPLIT_FIELDS` names)."""
+    fixed = fixed or {}
+    unknown = set(fixed) - set(SPLIT_FIELDS)
+    if unknown:
+        raise ValueError(f"fixed: {sorted(unknown)} are not among {SPLIT_FIELDS}")
+    splits = [
         (tp, cp, pp, comm, ep, etp)
         for tp in _divisors(gpus)
         for cp in _context_parallel_sizes(gpus // tp)
         for pp in _divisors(gpus // (tp * cp))
-        for comm in (("p2p", "allgather") if cp > 1 else ("p2p",))
+        for comm in (cp_comm_types(config) if cp > 1 else ("p2p",))
         for ep, etp in _expert_layouts(config, gpus // pp, tp)
     ]
+    return [
+        split
+        for split in splits
+        if all(split[SPLIT_FIELDS.index(name)] == value for name, value in fixed.items())
+    ]
+
+
+def cp_comm_types(config: Config) -> tuple[str, ...]:
+    """The context-parallel communications the search weighs: megacore's ring ("p2p") and
+    all-gather of K/V, and for multi-latent attention the gather of its compressed latent
+    ("latent"), which trades the K/V traffic for up-projecting every rank's whole sequence."""
+    latent = ("latent",) if config.model.multi_latent_attention else ()
+    return ("p2p", "allgather", *latent)
 
 
 def _expert_layouts(config: Config, stage_gpus: int, tp: int) -> list[tuple[int, int | None]]:
@@ -192,9 +214,12 @@ def plan(
     vocab_size: int,
     global_batch: int | None = None,
     progress: bool = False,
+    fixed: dict | None = None,
 ) -> Plan:
     """Every layout of `config` on `gpus` GPUs of kind `gpu`, the fitting ones ranked;
-    `progress`: show how far the search is on stderr (hundreds of GPUs take seconds)."""
+    `progress`: show how far the search is on stderr (hundreds of GPUs take seconds, a
+    DeepSeek-V3 on 256 about a minute); `fixed`: search only the splits with these values
+    of `SPLIT_FIELDS` (tp, cp, pp, cp_comm, ep, etp; etp None is tp), e.g. {"cp": 1}."""
     global_batch = global_batch or config.training.global_batch_size
     # a precision the GPU or the profile cannot time (fp8 without its peak or its GEMMs'
     # efficiency): refused here, before the search
@@ -203,9 +228,9 @@ def plan(
     usable = (1 - HEADROOM) * gpu.memory_bytes
     nearest: dict = {}
     with progress_bar(
-        len(_splits(config, gpus)), "megatrain plan", "splits", enabled=progress, leave=False
+        len(_splits(config, gpus, fixed)), "megatrain plan", "splits", enabled=progress, leave=False
     ) as bar:
-        for layout, error, config_at in _candidates(config, gpus, global_batch, bar):
+        for layout, error, config_at in _candidates(config, gpus, global_batch, bar, fixed):
             result.enumerated += 1
             if error is None:
                 # Memory first: the step time only of the layouts that fit (at long sequences

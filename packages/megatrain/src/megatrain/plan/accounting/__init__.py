@@ -42,9 +42,11 @@ from megatrain.plan.accounting.attention import (
     ATTENTION_KERNELS,
     attention_kernel,
     attention_kernel_for,
+    attention_widths,
     context_parallel_attention_per_layer,
     context_parallel_attention_working,
     context_parallel_masks,
+    context_parallel_numbers,
     flash_attention,
 )
 from megatrain.plan.accounting.flops import (
@@ -83,6 +85,7 @@ from megatrain.plan.accounting.parameters import (
     layer_parameters_per_rank,
     moe_layer_count,
     moe_mlp_parameters,
+    mtp_layer_numbers,
     mtp_parameters,
     parameters_per_gpu,
 )
@@ -115,6 +118,7 @@ __all__ = [
     "attention_kernel_for",
     "attention_parameters",
     "attention_parameters_per_rank",
+    "attention_widths",
     "bert_forward_flops",
     "bert_hardware_flops_per_iteration",
     "bert_model_flops_per_iteration",
@@ -122,6 +126,7 @@ __all__ = [
     "context_parallel_attention_per_layer",
     "context_parallel_attention_working",
     "context_parallel_masks",
+    "context_parallel_numbers",
     "expert_ffn_size",
     "expert_layout",
     "expert_parameters_per_gpu",
@@ -140,6 +145,7 @@ __all__ = [
     "moe_layer_count",
     "moe_mlp_activations",
     "moe_mlp_parameters",
+    "mtp_layer_numbers",
     "mtp_parameters",
     "parameter_count",
     "parameters_per_gpu",

@@ -16,6 +16,34 @@ def _context_parallel(config: Config) -> tuple[int, int, int]:
     return cp, s, s // cp
 
 
+def attention_widths(config: Config) -> tuple[float, float, float]:
+    """(the queries', the keys' and values' together, the output's) elements a token on one
+    TP rank: a heads of d, K and V of g key/value groups (one whole group a rank when g < t);
+    multi-latent attention's a heads of d_q = qk_head_dim + qk_pos_emb_head_dim queries and
+    keys and d_v values, the values zero-padded to d_q as megatrain hands them to megacore's
+    attention (its kernels take K and V of one shape; `models.attention.multi_latent`): K and
+    V 2 a d_q a token (49,152 for DeepSeek-V3, whose unpadded K and V are 40,960)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    a = m.num_attention_heads
+    if m.multi_latent_attention:
+        d_q = m.qk_head_dim + m.qk_pos_emb_head_dim
+        return a / tp * d_q, a / tp * 2 * d_q, a / tp * m.v_head_dim
+    d = m.kv_channels or m.hidden_size // a
+    return a / tp * d, 2 * max(m.num_query_groups or a, tp) / tp * d, a / tp * d
+
+
+def context_parallel_numbers(config: Config, cp_comm: str | None = None) -> float:
+    """Elements a token of another CP rank that one TP rank's attention receives, by
+    `cp_comm` (the config's parallel.cp_comm_type when None): "p2p" and "allgather" its keys
+    and values (`attention_widths`), "latent" multi-latent attention's compressed KV latent
+    and shared rope key, kv_lora_rank + qk_pos_emb_head_dim, the same on every TP rank (576
+    for DeepSeek-V3), from which each rank up-projects the whole sequence's K and V itself."""
+    m = config.model
+    if (cp_comm or config.parallel.cp_comm_type) == "latent":
+        return m.kv_lora_rank + m.qk_pos_emb_head_dim
+    return attention_widths(config)[1]
+
+
 # How a layer's attention core runs (`attention_kernel`).
 ATTENTION_KERNELS = ("flash", "masked", "ring", "ring_float32", "unfused")
 # Implementations of a kernel that published runs ran and megatrain does not, so that the
@@ -41,8 +69,10 @@ def attention_kernel(config: Config, attention: str) -> str:
       kernel (FlashAttention-2, or cuDNN's, which torch puts first on Hopper and Blackwell
       with cuDNN newer than 9.15): no s x s scores kept, the masked blocks of causal
       attention skipped.
-    - "masked": cp > 1 with `cp_comm_type = "allgather"` in 16 bits with "flash": megacore
-      calls SDPA with a boolean mask over the gathered K/V (the keys each local query sees).
+    - "masked": cp > 1 with `cp_comm_type = "allgather"` (or "latent", whose K/V of the
+      whole sequence are up-projected from the gathered latent) in 16 bits with "flash":
+      megacore calls SDPA with a boolean mask over the gathered K/V (the keys each local
+      query sees).
       Flash refuses a mask, so SDPA runs cuDNN's fused kernel where torch puts it first
       (sm90/sm100, cuDNN > 9.15: the H100s measured here ran it) or the memory-efficient
       kernel (A100), both fused, both taking the mask as an additive bias in the
@@ -117,6 +147,11 @@ def context_parallel_attention_per_layer(config: Config) -> float:
       output, 2 (a/t) d (s/cp) b, which megacore's masked_fill (rows that see no key) copies
       into the projection's input.  No per-head scores.  The boolean mask is held only
       while the layer's attention runs (`context_parallel_attention_working`).
+    - "latent" (multi-latent attention; `attention_kernel` "masked" as "allgather"): what
+      "allgather" keeps, and besides the other ranks' gathered latents and rope keys, the
+      up-projection's input, 2 (r_kv + d_r) (s - s/cp) b (the keys and values SDPA keeps are
+      the up-projection's output for the whole sequence, of which the rank's own are the
+      per-token k and v, as above).
     - "p2p" without packed documents (`attention_kernel` "ring", the fused ring): only what
       flash keeps at cp 1 for the rank's tokens, its fp32 log-sum-exp, 4 (a/t) (s/cp) b (q,
       k, v and the output are the per-token tensors counted by `activations_per_layer`).
@@ -136,17 +171,18 @@ def context_parallel_attention_per_layer(config: Config) -> float:
     cp, whole, s = _context_parallel(config)
     if cp == 1:
         return 0.0
-    b, h, a = t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    b, a = t.micro_batch_size, m.num_attention_heads
     tp = p.tensor_model_parallel_size
-    d = m.kv_channels or h // a
-    kv_per_token = 2 * max(m.num_query_groups or a, tp) / tp * d  # K and V elements
-    width = a / tp * d  # the queries' (and the output's) elements a token on this rank
+    # the queries', K and V's and the output's elements a token on this rank
+    width, kv_per_token, out = attention_widths(config)
     masks = context_parallel_masks(config)
     # Bytes of an fp32 element and of a boolean in the 16-bit convention (fp32 runs double).
     fp32, boolean = (2, 0.5) if t.precision == "fp32" else (4, 1)
-    if p.cp_comm_type == "allgather":
+    if p.cp_comm_type in ("allgather", "latent"):
         gathered = 2 * kv_per_token * (whole - s) * b
-        kernel = fp32 * a / tp * s * b + 2 * width * s * b  # log-sum-exp and output
+        if p.cp_comm_type == "latent":  # the gathered latents, the up-projection's input
+            gathered += 2 * context_parallel_numbers(config) * (whole - s) * b
+        kernel = fp32 * a / tp * s * b + 2 * out * s * b  # log-sum-exp and output
         return gathered + 2 * s * whole * masks + kernel
     if not config.data.reset_attention_mask:  # the fused ring: its log-sum-exp
         return fp32 * a / tp * s * b
@@ -160,8 +196,8 @@ def context_parallel_attention_working(config: Config) -> float:
     """Bytes one layer's attention holds under context parallelism only while it runs (one
     layer's at a time), in `context_parallel_attention_per_layer`'s convention; 0 at cp 1:
 
-    - "allgather": the boolean mask, (s/cp) s n bytes, from which SDPA makes its additive
-      one (kept) and megacore the rows that see no key.
+    - "allgather" and "latent": the boolean mask, (s/cp) s n bytes, from which SDPA makes
+      its additive one (kept) and megacore the rows that see no key.
     - "p2p" without packed documents (the fused ring), in its backward (its forward holds
       less): two K/V blocks in flight, 2 x 2 (g/t) d (s/cp) b x 2 bytes; the two float32
       K/V-gradient accumulators travelling with them, 2 x 2 (g/t) d (s/cp) b x 4; the
@@ -178,17 +214,16 @@ def context_parallel_attention_working(config: Config) -> float:
     if cp == 1:
         return 0.0
     masks = context_parallel_masks(config)
-    if p.cp_comm_type == "allgather":
+    if p.cp_comm_type in ("allgather", "latent"):
         boolean = 0.5 if t.precision == "fp32" else 1
         return boolean * s * whole * masks
     fp32 = 2 if t.precision == "fp32" else 4
     heads = m.num_attention_heads / p.tensor_model_parallel_size
     b = t.micro_batch_size
     if not config.data.reset_attention_mask:  # the fused ring's backward
-        tp, a = p.tensor_model_parallel_size, m.num_attention_heads
-        d = m.kv_channels or m.hidden_size // a
-        kv = 2 * max(m.num_query_groups or a, tp) / tp * d * s * b  # a block's K and V
-        width = heads * d * s * b  # the rank's queries
+        queries, kv_per_token, _ = attention_widths(config)
+        kv = kv_per_token * s * b  # a block's K and V
+        width = queries * s * b  # the rank's queries
         # 16-bit tensors at 2 bytes and float32 ones at `fp32`, as above
         return 2 * 2 * kv + 2 * fp32 * kv + fp32 * width + 3 * 2 * width / 2 + 2 * (width + kv)
     return 3 * fp32 * heads * s * (whole // cp) * b
