@@ -10,7 +10,7 @@ import pytest
 
 from megatrain.config import load_config
 from megatrain.models import model_config
-from megatrain.plan import hardware, search
+from megatrain.plan import hardware, report, search
 from megatrain.plan.accounting import (
     activations_per_layer,
     context_parallel_numbers,
@@ -173,7 +173,8 @@ def test_the_latent_gather_trades_traffic_for_up_projection_flops(seq, tp, cp):
 
 def test_the_search_weighs_the_latent_gather_for_latent_attention_only():
     """The search's CP communications: the ring and the all-gather for any model, the latent's
-    gather besides for multi-latent attention; `fixed` narrows the splits searched."""
+    gather besides for multi-latent attention (the table's "lat"); `fixed` narrows the splits
+    searched."""
     assert search.cp_comm_types(_v3()) == ("p2p", "allgather", "latent")
     llama = load_config(MODELS / "llama3-8b.toml")
     assert search.cp_comm_types(llama) == ("p2p", "allgather")
@@ -182,6 +183,8 @@ def test_the_search_weighs_the_latent_gather_for_latent_attention_only():
     assert {s[1] for s in splits} == {1, 2} and all(s[0] == 8 for s in splits)
     with pytest.raises(ValueError, match="not among"):
         search._splits(_v3(), 16, {"dp": 2})
+    # the plan's table names it
+    assert report._context(Layout(tp=8, pp=1, dp=1, cp=2, cp_comm="latent")) == "2 lat"
 
 
 # The plan's first layouts for DeepSeek-V3 (the shipped config, seq 4096, global batch 15,360)

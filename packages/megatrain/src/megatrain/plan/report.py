@@ -89,7 +89,8 @@ def describe_float8(gpu, profile: Profile, compiled: bool) -> str:
 _CONTEXT_PARALLEL = (
     "; with context parallelism megacore's own: the p2p ring fused (a kernel call a ring step, "
     "causal half skipped; float32 torch ops with packed documents), the all-gather SDPA with a "
-    "mask (every score computed)"
+    "mask (every score computed), and for multi-latent attention the latent's gather (its KV "
+    "latent gathered, the whole sequence's K/V up-projected on every rank, SDPA with a mask)"
 )
 
 
@@ -171,10 +172,14 @@ def _schedule(layout) -> str:
 
 
 def _context(layout) -> str:
-    """cp in the table: 1, or the size and its communication (p2p ring, ag: all-gather)."""
+    """cp in the table: 1, or the size and its communication (p2p ring, ag: all-gather, lat:
+    multi-latent attention's latent gather)."""
     if layout.cp == 1:
         return "1"
-    return f"{layout.cp} {'ag' if layout.cp_comm == 'allgather' else layout.cp_comm}"
+    return f"{layout.cp} {_CP_COMM_SHORT.get(layout.cp_comm, layout.cp_comm)}"
+
+
+_CP_COMM_SHORT = {"allgather": "ag", "latent": "lat"}
 
 
 def _sharding(layout) -> str:
@@ -243,7 +248,8 @@ def format_plan(plan: Plan, top: int, check: dict | None = None) -> str:
             *(_row(i + 1, e) for i, e in enumerate(plan.ranked[:top])),
             "",
             "m: microbatches per iteration; memory: the fullest pipeline stage; cp: context "
-            "parallel size and its attention's communication (p2p ring, ag all-gather); "
+            "parallel size and its attention's communication (p2p ring, ag all-gather, lat the "
+            "latent's gather); "
             "dopt: the distributed optimizer (yes) or FSDP (full; full/m reduce-scatters every "
             "microbatch's gradients); ep/etp: the experts' parallel and tensor-parallel sizes",
             "to run #1: megatrain run --config <config> "
