@@ -147,6 +147,14 @@ def test_the_latent_gather_wins_at_32k_tokens_and_the_ring_at_64k():
     times = {c: e.time["total"] for c, e in ests.items()}
     assert times["p2p"] < 0.75 * times["latent"] < times["allgather"]
     assert all(e.fits for e in ests.values())
+    # and the search, weighing the three at that split (every micro batch, recompute and
+    # sharding besides), picks the same
+    for seq, cp, comm in ((32768, 8, "latent"), (65536, 4, "p2p")):
+        config = _v3(seq_length=seq, global_batch_size=256 // (8 * cp) * 8)
+        fixed = {"tp": 8, "pp": 1, "cp": cp, "ep": 256, "etp": 1}
+        result = search.plan(config, 256, H100, HOPPER, VOCAB, fixed=fixed)
+        assert {e.layout.cp_comm for e in result.ranked} == {"p2p", "allgather", "latent"}
+        assert result.ranked[0].layout.cp_comm == comm
 
 
 @pytest.mark.parametrize(("seq", "tp", "cp"), [(4096, 1, 8), (16384, 8, 4), (131072, 8, 16)])
