@@ -300,3 +300,40 @@ def test_the_planner_times_a_sliding_layer_by_its_band():
     )
     assert 0.4 < ratio < 0.6  # half the layers slide over 5 of 4096 keys
     assert windowed < full
+
+
+def test_the_planner_times_a_sliding_layers_ring_as_megacore_runs_it():
+    """Under p2p context parallelism megacore runs a sliding layer on its float32 ring (the
+    fused kernels take no window), computing only the blocks a local query sees: the plan
+    times it so.  A window spanning the sequence costs what the float32 ring of packed
+    documents does (every block); a 5-key window over chunks of 512 only the blocks holding a
+    chunk just before one of the rank's own (2.5 of 4 on average: megacore's own skips); gpt-oss's
+    alternation the mean of the fused ring's and the windowed float32 ring's layers."""
+    from megacore.context_parallel import steps_outside_window
+    from megatrain.models import model_config
+    from megatrain.plan import hardware
+    from megatrain.plan.attention_time import _blocks_seen, attention_core_seconds
+    from megatrain.plan.costs import Costs
+    from megatrain.plan.layout import Layout
+
+    def seconds(overrides):
+        config = load_config(None, [*TINY_MODEL, 'model.kind="llama"', "model.num_query_groups=2",
+                                    "training.seq_length=4096", "parallel.context_parallel_size=4",
+                                    "model.max_position_embeddings=4096",
+                                    'parallel.cp_comm_type="p2p"', 'training.precision="bf16"',
+                                    *overrides])  # fmt: skip
+        gpu = hardware.load_gpus()["h100-80gb"]
+        layout = Layout(tp=1, pp=1, dp=1, micro_batch=1, cp=4, cp_comm="p2p")
+        costs = Costs(gpu, hardware.gpu_profile(gpu), "bf16")
+        parts = attention_core_seconds(config, model_config(config, 50257), layout, costs)
+        return sum(f + b for f, b in parts)
+
+    assert [steps_outside_window(512, r, 4, 5) for r in range(4)] == [{1, 2}, {2}, {2}, {2, 3}]
+    assert _blocks_seen(4096, 4, 5) == 2.5 and _blocks_seen(4096, 4, 4096) == 4
+    fused, documents = seconds([]), seconds(["data.reset_attention_mask=true"])
+    spanning, narrow = seconds(["model.window_size=4096"]), seconds(["model.window_size=5"])
+    assert spanning == pytest.approx(documents) and fused < documents
+    assert narrow < spanning
+    alternating = seconds(["model.window_size=5", 'model.layer_types=["sliding_attention", '
+                           '"full_attention", "sliding_attention", "full_attention"]'])  # fmt: skip
+    assert alternating == pytest.approx((fused + narrow) / 2)

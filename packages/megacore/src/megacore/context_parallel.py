@@ -571,17 +571,23 @@ def _masked_ring_attention(
 
 
 def _window_skips(q_positions, rank: int, cp: int, window: int | None) -> set[int]:
-    """The ring steps whose block no local query sees through the window: on the balanced
-    layout (`cp_chunk_indices`) the block of step i holds chunks j and 2cp-1-j (j = rank - i
-    mod cp), and query chunk a sees key chunk c < a only if their nearest tokens, (a - c - 1)
-    chunks + 1 apart, are within the window.  Other layouts: none skipped (the masks decide)."""
+    """The ring steps whose block no local query sees through the window (`steps_outside_window`)
+    on the balanced layout (`cp_chunk_indices`); other layouts: none skipped (the masks decide)."""
     if window is None or cp == 1 or not _holds_balanced_chunks(q_positions, rank, cp):
         return set()
-    size = q_positions.numel() // 2  # tokens a chunk
+    return steps_outside_window(q_positions.numel() // 2, rank, cp, window)
+
+
+def steps_outside_window(chunk: int, rank: int, cp: int, window: int) -> set[int]:
+    """The p2p ring's steps at CP rank `rank` whose K/V block no local query sees through a
+    sliding window of `window` keys, on the balanced layout of chunks of `chunk` tokens: the
+    block of step i holds chunks j and 2cp-1-j (j = rank - i mod cp), and query chunk a sees
+    key chunk c < a only if their nearest tokens, (a - c - 1) chunks + 1 apart, are within the
+    window.  The ring passes those blocks on unread (and `megatrain plan` times the rest)."""
     mine = (rank, 2 * cp - 1 - rank)
 
     def seen(a, c):
-        return c == a or (c < a and (a - c - 1) * size + 1 < window)
+        return c == a or (c < a and (a - c - 1) * chunk + 1 < window)
 
     skips = set()
     for step in range(1, cp):

@@ -4,6 +4,7 @@ context parallelism's communication around it: one layer, one microbatch, one TP
 
 from dataclasses import replace
 
+from megacore.context_parallel import steps_outside_window
 from megatrain.config import Config
 from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
@@ -78,9 +79,14 @@ def attention_core_seconds(
       against s / cp keys) at the fp32 peak (torch leaves TF32 off and megatrain does not
       turn it on), and the float32 torch ops over each block's scores, memory-bound:
       `RING_FORWARD_BYTES` and `RING_BACKWARD_BYTES` a score and head, and each block's
-      mask (`RING_MASK_BYTES` a pair).  No block is skipped (megacore's balanced chunks
-      give every block a visible key); the merge's O(s h / t) passes are left out (d cp / s
-      of the scores').
+      mask (`RING_MASK_BYTES` a pair).  No block is skipped without a window (megacore's
+      balanced chunks give every block a visible key); the merge's O(s h / t) passes are
+      left out (d cp / s of the scores').
+    - Sliding-window layers under "p2p" run the float32 ring whatever the documents (the
+      fused kernels take no window), computing only the blocks some local query sees through
+      the window (megacore's `steps_outside_window`, averaged over the CP ranks); the model's
+      layers are weighted by kind (gpt-oss: half sliding on the float32 ring, half full on the
+      fused one).
     - "unfused" (the 2019 path): two batched GEMMs per head, QK^T and scores x V, each
       max(FLOPs, bytes) at `gemm_efficiency`; the softmax and dropout over the s x s scores
       are the layer's element-wise passes (`layer_seconds`)."""
@@ -114,21 +120,50 @@ def attention_core_seconds(
             costs.gemm_fwd_bwd(local, s, qk_head, heads),
             costs.gemm_fwd_bwd(local, v_head, s, heads),
         ]
-    if kernel == "ring":
-        widths = (queries, kv, out)
-        return _fused_ring_seconds(cfg, layout, costs, local, s, widths, heads, t.precision)
+    dims = (qk_head, v_head)
+    if kernel == "ring":  # the full layers' (a sliding layer's ring is the float32 one, below)
+        widths, unwindowed = (queries, kv, out), replace(cfg, window_size=None)
+        full = _fused_ring_seconds(unwindowed, layout, costs, local, s, widths, heads, t.precision)
+    else:  # "ring_float32"
+        full = _float32_ring_seconds(costs, local, s, cp, cp, dims, heads, masks)
+    windows = [w for w in window_flops_layers(cfg) if w is not None]
+    if not windows:
+        return full
+    # megacore runs a sliding layer's ring as its float32 ring (the fused kernels take no
+    # window), passing on unread the blocks no local query sees: the layers weighted by their
+    # kind, the sliding ones' blocks counted as the ring visits them.
+    share = len(windows) / len(window_flops_layers(cfg))
+    seen = _blocks_seen(s, cp, windows[0])
+    sliding = _float32_ring_seconds(costs, local, s, cp, seen, dims, heads, masks)
+    return [(f * (1 - share), b * (1 - share)) for f, b in full] + [
+        (f * share, b * share) for f, b in sliding
+    ]
+
+
+def _blocks_seen(s: int, cp: int, window: int) -> float:
+    """The K/V blocks a CP rank's float32 ring computes with a sliding window, averaged over
+    the ranks: its own and every step's that megacore does not skip (`steps_outside_window`)."""
+    chunk = s // (2 * cp)
+    return sum(cp - len(steps_outside_window(chunk, r, cp, window)) for r in range(cp)) / cp
+
+
+def _float32_ring_seconds(costs, local, s, cp, blocks, head_dims, heads, masks):
+    """megacore's float32 ring ("ring_float32"): two float32 batched GEMMs per head for each
+    of the `blocks` K/V blocks of s / cp keys it computes, and the float32 torch ops over each
+    block's scores, memory-bound."""
+    qk_head, v_head = head_dims
     fp32 = Costs(costs.gpu, costs.profile, "fp32") if "fp32" in costs.gpu.peak_tflops else costs
     block = s // cp  # each block's keys
     gemms = [
         fp32.gemm_fwd_bwd(local, block, qk_head, heads),
         fp32.gemm_fwd_bwd(local, v_head, block, heads),
     ]
-    scores = heads * local * s  # every block's, every head's
+    scores = heads * local * block * blocks  # every computed block's, every head's
     passes = (
         costs.memory_bound(RING_FORWARD_BYTES * scores + RING_MASK_BYTES * local * s * masks),
         costs.memory_bound(RING_BACKWARD_BYTES * scores),
     )
-    return cp * gemms + [passes]
+    return [(f * blocks, b * blocks) for f, b in gemms] + [passes]
 
 
 def _at_tp(config: Config, tp: int):
