@@ -85,7 +85,7 @@ and one microbatch of b sequences of s tokens:
   scores memory-bound).
 - **Pipeline**: with T_r the time of stage r for one microbatch (layers, embedding on the
   first, the output layer and loss on the last, with multi-token prediction's depths
-  (`mtp_seconds`) there too, the point-to-point sends of the
+  (`mtp_time.mtp_seconds`) there too, the point-to-point sends of the
   activation and its gradient, per model chunk), an iteration of m microbatches takes
   m max T_r + (sum T_r - max T_r) / vpp: the slowest stage paces the steady state, the
   fill and drain cross every other stage once, vpp times faster when interleaved
@@ -120,7 +120,6 @@ from dataclasses import dataclass, field
 from megacore.pipeline_parallel import order_1f1b, order_interleaved, order_zb_h1, timeline
 from megatrain.config import Config
 from megatrain.models import model_config
-from megatrain.models.moe import is_moe_layer
 from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
@@ -131,7 +130,6 @@ from megatrain.plan.accounting import (
     flops_per_iteration,
     layer_gemms,
     moe_layer_count,
-    mtp_layer_numbers,
 )
 from megatrain.plan.attention_time import (
     FUSED_SOFTMAX_BYTES,
@@ -144,6 +142,7 @@ from megatrain.plan.costs import Costs, group_bandwidth
 from megatrain.plan.hardware import Gpu, Profile
 from megatrain.plan.layout import Layout, apply_layout
 from megatrain.plan.memory import HEADROOM, memory_breakdown
+from megatrain.plan.mtp_time import mtp_seconds
 
 # Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32
 # gradient, master weight and two moments and writes the last three (28); the gradient
@@ -387,50 +386,6 @@ def _ends(config: Config, layout: Layout, costs: Costs, vocab: int, bandwidth: f
         + 3 * costs.collective("all_reduce", 4 * predicted, tp, bandwidth),
     }
     return embed, head
-
-
-def mtp_seconds(
-    config: Config,
-    layout: Layout,
-    costs: Costs,
-    layers: dict,
-    embed: dict,
-    head: dict,
-    bandwidth: float,
-    cfg: TransformerConfig,
-) -> dict:
-    """Seconds multi-token prediction's depths (`model.mtp_num_layers`, `models.mtp`) add to
-    the last pipeline stage for one microbatch on one TP rank, by part; {} without them.  Each
-    depth: the word embedding of the tokens k ahead (`embed`, the first stage's), enorm and
-    hnorm over them and the states before, eh_proj ([2h] -> [h], column-parallel: its input
-    all-gathered over the sequence and its gradient reduce-scattered under sequence
-    parallelism, the input gradient all-reduced without; its output's columns all-gathered
-    over TP), one transformer layer of its position's kind (`layers`: {False: a dense
-    layer's `layer_seconds`, True: a MoE layer's}, recompute as the model's layers) and its
-    final norm, and the output layer and loss again (`head`, `_ends`')."""
-    depths = cfg.mtp_num_layers or 0
-    if not depths:
-        return {}
-    t, h, tp = config.training, cfg.hidden_size, layout.tp
-    tokens = t.seq_length // layout.cp * layout.micro_batch
-    sp = layout.sequence_parallel
-    activation = costs.element * tokens * h
-    eh_forward, eh_backward = costs.gemm_fwd_bwd(tokens, h / tp, 2 * h)
-    # enorm, hnorm, the concatenation and the final norm: passes over [s, b, h] (/ t with sp)
-    norms = 3 * 4 * costs.elementwise(activation / (tp if sp else 1))
-    if sp:
-        eh_comm = 2 * costs.collective("all_gather", 2 * activation, tp, bandwidth)
-        eh_comm += 2 * costs.collective("all_gather", activation, tp, bandwidth)
-    else:
-        eh_comm = costs.collective("all_gather", activation, tp, bandwidth)
-        eh_comm += costs.collective("all_reduce", 2 * activation, tp, bandwidth)
-    own = {"compute": eh_forward + eh_backward + norms, "tp_comm": eh_comm}
-    total = {k: 0.0 for k in ("compute", "tp_comm", "cp_comm", "ep_comm")}
-    for position in mtp_layer_numbers(cfg):
-        layer = layers[is_moe_layer(cfg, position)]
-        for k in total:
-            total[k] += layer[k] + own.get(k, 0.0) + embed.get(k, 0.0) + head.get(k, 0.0)
-    return total
 
 
 def pipeline_seconds(
