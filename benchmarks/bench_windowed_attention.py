@@ -5,8 +5,8 @@
 The attention core of one sliding layer (`models.attention.core.attend` with a window, as a
 gpt-oss sliding layer calls it: grouped-query heads, with sinks), forward and backward, at
 sequence 1k to 8k with the window fixed (128, gpt-oss's): the blocked path
-(`core.windowed_attention`: each block of queries one kernel call against only the keys its
-window reaches) should grow about linearly, where the s x s mask that SDPA would otherwise
+(`core.windowed_attention`: blocks of queries in one kernel call, each against only the keys
+its window reaches) should grow about linearly, where the s x s mask that SDPA would otherwise
 take (timed beside it up to `--dense-max`) grows with s^2.  Reported per length: the median
 of `--repeats` timings, and each path's time over the first length's (linear: the length's
 ratio).  On CUDA the sliding layers use FlexAttention's block mask instead (`bench_gpu.py`).

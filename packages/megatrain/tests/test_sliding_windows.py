@@ -251,7 +251,9 @@ def test_the_blocked_window_path_equals_the_masked_one():
         sinks = None
         if with_sinks:
             sinks = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
-        segments = (torch.arange(s) // 90).repeat(2, 1) if documents else None
+        segments = None  # else documents of their own in each sequence
+        if documents:
+            segments = torch.stack([torch.arange(s) // 90, torch.arange(s) // 70])
         mask = document_mask(segments, window) if documents else causal_mask(s, window, "cpu")
         if with_sinks:
             reference = attention_with_sinks(q, k, v, sinks, mask=mask)

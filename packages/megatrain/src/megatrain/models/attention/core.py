@@ -96,26 +96,39 @@ def _window_block(window: int) -> int:
 
 
 def windowed_attention(q, k, v, window: int, segments=None, sinks=None):
-    """Causal sliding-window attention (with documents, with sinks) in blocks of queries, each
-    one kernel call against only the keys its window reaches: work and memory grow with
-    s x window, not s^2 (the CPU's path; CUDA's is FlexAttention's block mask).  Exact: each
-    query sees all its keys in its block's call, so no merge is needed."""
-    s, block = q.shape[2], _window_block(window)
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    outs = []
-    for start in range(0, s, block):
-        end = min(start + block, s)
-        first = max(0, start - window + 1)
-        mask = causal_mask(end - start, window, q.device, start, end)[..., first:]
-        if segments is not None:
-            same = segments[:, None, start:end, None] == segments[:, None, None, first:end]
-            mask = mask & same
-        qb, kb, vb = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
-        if sinks is not None:
-            outs.append(attention_with_sinks(qb, kb, vb, sinks, mask=mask))
-        else:
-            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, **gqa))
-    return torch.cat(outs, dim=2)
+    """Causal sliding-window attention (with documents, with sinks) in blocks of queries, all
+    in one kernel call, each block against only the keys its window reaches: work and memory
+    grow with s x window, not s^2 (the CPU's path; CUDA's is FlexAttention's block mask).
+    Exact: each query sees all its keys in its block, so no merge is needed."""
+    b, s, block = q.shape[0], q.shape[2], _window_block(window)
+    n = -(-s // block)
+    tail, span = n * block - s, block + window - 1  # queries padded to n blocks; keys a block
+    # The blocks as views of zero-padded copies (queries split, keys and values unfolded into
+    # overlapping windows), so that autograd's backward is one pass over each: a slice a block
+    # would write a full-size gradient a block (s^2 / block).  [b n, heads or groups, ., d]
+    qb = F.pad(q, (0, 0, 0, tail)).unflatten(2, (n, block)).transpose(1, 2).flatten(0, 1)
+
+    def windows(x):
+        x = F.pad(x, (0, 0, window - 1, tail)).unfold(2, span, block)  # [b, g, n, d, span]
+        return x.permute(0, 2, 1, 4, 3).flatten(0, 1)
+
+    kb, vb = windows(k), windows(v)
+    queries = torch.arange(n * block, device=q.device).view(n, block, 1)
+    starts = torch.arange(n, device=q.device)[:, None, None] * block - (window - 1)
+    keys = starts + torch.arange(span, device=q.device)  # [n, 1, span]: padding at < 0
+    mask = (keys <= queries) & (queries - keys < window) & (keys >= 0)  # [n, block, span]
+    mask = mask[None, :, None]  # [1, n, 1, block, span]
+    if segments is not None:  # padded queries and keys in a document of their own (-1)
+        seen = F.pad(segments, (window - 1, tail), value=-1).unfold(1, span, block)
+        mine = F.pad(segments, (0, tail), value=-1).view(b, n, block)
+        mask = mask & (mine[..., :, None] == seen[..., None, :])[:, :, None]
+    mask = mask.expand(b, n, 1, block, span).flatten(0, 1)
+    if sinks is not None:
+        out = attention_with_sinks(qb, kb, vb, sinks, mask=mask)
+    else:
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, **gqa)
+    return out.unflatten(0, (b, n)).transpose(1, 2).flatten(2, 3)[:, :, :s]
 
 
 def _dense_mask(segments, window, q):
