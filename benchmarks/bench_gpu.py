@@ -8,6 +8,8 @@
         --experts 4 --peers none                    # a mixture of experts, on one GPU
     python benchmarks/bench_gpu.py --config pipelines/models/deepseek-v2-lite.toml --layers 4 \
         --peers none                                # DeepSeek's latent attention and experts
+    python benchmarks/bench_gpu.py --config pipelines/models/gpt-oss-20b.toml --layers 4 \
+        --peers none          # gpt-oss: sinks, sliding layers (FlexAttention's block mask)
 
 The model is `pipelines/models/gpt2-1.2b.toml` (the paper's Table 1: 40 layers, hidden
 1536, 16 heads, seq 1024; GPT-2's 50257 tokens padded to 50304 at tp 1) with its
@@ -265,6 +267,10 @@ def overrides(args: argparse.Namespace, corpus: Path, out: Path) -> list[str]:
             o.append(f"model.moe_ffn_hidden_size={args.expert_ffn}")
     elif args.experts is not None or args.expert_ffn is not None:
         raise SystemExit(f"--experts / --expert-ffn: {args.config} is not a mixture of experts")
+    if args.layers is not None and model.layer_types:
+        # gpt-oss's alternation of sliding and full layers, from the first, for the layers kept
+        kept = [model.layer_types[i % len(model.layer_types)] for i in range(args.layers)]
+        o.append(f"model.layer_types={kept}")
     if model.mtp_num_layers:
         # HF's DeepseekV3ForCausalLM drops the MTP layer (and the fused loss lever takes no
         # depths): the same model on both sides, without it.
@@ -661,6 +667,9 @@ def main() -> None:
             "moe_ffn_hidden_size": model_config.moe_ffn_hidden_size,
             "multi_latent_attention": m.multi_latent_attention,
             "mtp_num_layers": m.mtp_num_layers,
+            "window_size": m.window_size,
+            "layer_types": m.layer_types,
+            "softmax_type": m.softmax_type,
             "seq_length": seq,
             "vocab_size": m.vocab_size,
             "vocab_size_padded": model_config.vocab_size,

@@ -114,3 +114,20 @@ def test_a_deepseek_shape_runs_beside_hf(tmp_path):
         assert len(r["losses"]) == 3 and r["batches_checked"] == 3 and r["tokens_per_s_median"] > 0
         assert r["loss_check"]["first_loss_near_ln_vocab"], r["losses"]
     assert record["hf"]["loss_check"]["max_abs_diff_vs_megatrain"] < 0.2
+
+
+def test_a_gpt_oss_shape_runs_beside_hf(tmp_path):
+    """gpt-oss (the shipped gpt-oss-tiny cut to 2 layers: its alternation of a sliding layer
+    and a full one kept, the window of 16 shorter than the 64 tokens, sinks, biased clamped
+    experts) beside transformers' GptOssForCausalLM: the windowed case bench_gpu.py times on a
+    GPU (FlexAttention's block mask) when one is lent."""
+    config = ROOT / "pipelines" / "models" / "gpt-oss-tiny.toml"
+    record = bench(tmp_path, "--config", str(config), "--peers", "none")
+    assert record["hf"]["class"] == "GptOssForCausalLM"
+    shape = record["shape"]
+    assert shape["layer_types"] == ["sliding_attention", "full_attention"]
+    assert shape["window_size"] < shape["seq_length"] and shape["softmax_type"] == "learnable"
+    for name in ("megatrain", "hf"):
+        r = record[name]
+        assert len(r["losses"]) == 3 and r["batches_checked"] == 3 and r["tokens_per_s_median"] > 0
+        assert r["loss_check"]["first_loss_near_ln_vocab"], r["losses"]
