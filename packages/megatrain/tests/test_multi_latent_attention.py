@@ -14,7 +14,9 @@
   a tiny Llama with MLA trains the one-process steps at tp 2 + sp (with gradient
   accumulation fusion; also with packed documents), pp 2 (ZB-H1, selective recompute) and cp 2
   with each comm type (p2p, allgather, MLA's own latent gather; packed documents, selective
-  recompute, no query latent with an MTP depth), all in one 2-rank spawn.
+  recompute, no query latent with an MTP depth), pp 2 under 1F1B with the MTP depth on the
+  last stage, dp 2 with the distributed optimizer (packed documents) and fully sharded (with
+  the MTP depth), all in one 2-rank spawn.
 - Refusals naming the field.  Accounting: DeepSeek-V2-Lite's and DeepSeek-V3's parameters
   against HF's models (15.7B, 671B), MLA's FLOPs as Megatron-LM's formula, the activations
   selective recompute keeps against what autograd keeps.
@@ -448,6 +450,15 @@ LAYOUTS = {
     "cp2-latent-no-q-lora-mtp": ("no-q-lora-mtp", [*cp("latent"), *NO_Q_LORA_MTP]),
     "cp2-latent-packed-selective": (
         "packed", [*cp("latent"), *PACKED, 'model.recompute="selective"']),
+    # 1F1B with the MTP depth on the last stage, data parallelism with the distributed
+    # optimizer and fully sharded (FSDP2), the MTP depth's latent layer sharded too.
+    "pp2-1f1b-no-q-lora-mtp": ("no-q-lora-mtp", [
+        "parallel.pipeline_model_parallel_size=2", 'parallel.pipeline_schedule="1f1b"',
+        *NO_Q_LORA_MTP,
+    ]),
+    "dp2-distopt-packed": ("packed", ["parallel.use_distributed_optimizer=true", *PACKED]),
+    "dp2-fsdp-no-q-lora-mtp": (
+        "no-q-lora-mtp", ['parallel.data_parallel_sharding="full"', *NO_Q_LORA_MTP]),
 }  # fmt: skip
 
 
