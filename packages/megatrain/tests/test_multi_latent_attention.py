@@ -16,7 +16,8 @@
   with each comm type (p2p, allgather, MLA's own latent gather; packed documents, selective
   recompute, no query latent with an MTP depth), pp 2 under 1F1B with the MTP depth on the
   last stage, dp 2 with the distributed optimizer (packed documents) and fully sharded (with
-  the MTP depth), all in one 2-rank spawn.
+  the MTP depth), pp 2 interleaved (4 layers), and a pp 2 checkpoint going on at tp 2 + sp,
+  all in one 2-rank spawn.
 - Refusals naming the field.  Accounting: DeepSeek-V2-Lite's and DeepSeek-V3's parameters
   against HF's models (15.7B, 671B), MLA's FLOPs as Megatron-LM's formula, the activations
   selective recompute keeps against what autograd keeps.
@@ -430,7 +431,9 @@ REFERENCES = {
     "packed": PACKED,
     "selective": ['model.recompute="selective"'],
     "no-q-lora-mtp": NO_Q_LORA_MTP,
+    "four-layers": ["model.num_layers=4"],  # for interleaving: 2 stages x 2 chunks of a layer
 }
+PP2 = ["parallel.pipeline_model_parallel_size=2"]
 # name: (the one-process run it equals, its overrides); 2 ranks each.
 LAYOUTS = {
     "tp2-sp-levers": ("reference", [*TP2_SP, *LEVERS]),
@@ -453,9 +456,10 @@ LAYOUTS = {
     # 1F1B with the MTP depth on the last stage, data parallelism with the distributed
     # optimizer and fully sharded (FSDP2), the MTP depth's latent layer sharded too.
     "pp2-1f1b-no-q-lora-mtp": ("no-q-lora-mtp", [
-        "parallel.pipeline_model_parallel_size=2", 'parallel.pipeline_schedule="1f1b"',
-        *NO_Q_LORA_MTP,
+        *PP2, 'parallel.pipeline_schedule="1f1b"', *NO_Q_LORA_MTP,
     ]),
+    "pp2-interleaved-four-layers": ("four-layers", [
+        "model.num_layers=4", *PP2, "parallel.virtual_pipeline_model_parallel_size=2"]),
     "dp2-distopt-packed": ("packed", ["parallel.use_distributed_optimizer=true", *PACKED]),
     "dp2-fsdp-no-q-lora-mtp": (
         "no-q-lora-mtp", ['parallel.data_parallel_sharding="full"', *NO_Q_LORA_MTP]),
@@ -489,6 +493,10 @@ def test_mla_llama_layouts_take_the_one_process_steps(corpus, tmp_path):
 
     one = run_distributed(_train, 1, args=(corpus, str(tmp_path / "one"), REFERENCES))[0]
     runs = {name: overrides for name, (_, overrides) in LAYOUTS.items()}
+    # A checkpoint of pp 2 (two steps) goes on at tp 2 + sp and takes the reference's third.
+    ckpt = str(tmp_path / "ckpt")
+    runs["first"] = [*PP2, "training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
+    runs["at-tp2"] = [*TP2_SP, f"checkpoint.load={ckpt!r}"]
     two = run_distributed(_train, 2, args=(corpus, str(tmp_path / "two"), runs), timeout=300)
     reference = one["reference"]
     assert all(math.isfinite(x) for x in reference["loss"])
@@ -505,6 +513,10 @@ def test_mla_llama_layouts_take_the_one_process_steps(corpus, tmp_path):
             run.get("mtp_loss/depth1", []), ref.get("mtp_loss/depth1", []), strict=True
         ):
             assert abs(a - b) < FP32_TOL, (name, run["mtp_loss/depth1"], ref["mtp_loss/depth1"])
+    first, then = two[0]["first"], two[0]["at-tp2"]
+    assert first["stopped_at"] == 2 and len(then["loss"]) == STEPS - 2
+    steps = {k: first[k] + then[k] for k in ("loss", "grad_norm")} | {"valid": then["valid"]}
+    assert_same_steps(steps, reference, "pp2 -> tp2 + sp", FP32_TOL)
 
 
 # --- refusals and accounting --------------------------------------------------------------
