@@ -262,8 +262,8 @@ def test_mixtral_tiny_at_ep2_takes_the_one_process_steps(corpus, tmp_path):
     )  # fmt: skip
 
 
-# gpt-oss-tiny's layouts (2 ranks each) and how `megatrain run` names each.
-GPT_OSS_LAYOUTS = {
+# The shipped configs' layouts through `megatrain run` (2 ranks each) and how it names each.
+CLI_LAYOUTS = {
     "tp2-sp": (
         ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
         "2 ranks = tp 2 x pp 1 x dp 1",
@@ -276,16 +276,21 @@ GPT_OSS_LAYOUTS = {
         ["parallel.context_parallel_size=2", "parallel.cp_comm_type='allgather'"],
         "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
     ),
+    "cp2-latent": (  # multi-latent attention's own: the latent gathered, K/V up-projected
+        ["parallel.context_parallel_size=2", "parallel.cp_comm_type='latent'"],
+        "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
+    ),
     "ep2": (
         ["parallel.expert_model_parallel_size=2"],
         "2 ranks = tp 1 x pp 1 x dp 2 (experts: etp 1 x ep 2 x edp 1)",
     ),
     "pp2": (["parallel.pipeline_model_parallel_size=2"], "2 ranks = tp 1 x pp 2 x dp 1"),
 }
+GPT_OSS_LAYOUTS = {k: CLI_LAYOUTS[k] for k in ("tp2-sp", "cp2-p2p", "cp2-allgather", "ep2", "pp2")}
 
 
-# Six `megatrain run`s, each starting its workers: over the suite's 600 s on a loaded CPU.
-@pytest.mark.timeout(1800)
+# Six `megatrain run`s, each starting its workers (46 s in a quiet CI run).
+@pytest.mark.timeout(900)
 def test_gpt_oss_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_path):
     """`megatrain run` of the shipped gpt-oss-tiny (sinks, layers alternating a window of 16
     keys, shorter than the 32-token sequence, with full attention, biased clamped experts,
@@ -306,22 +311,8 @@ def test_gpt_oss_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_pat
         _same_steps(steps, reference)
 
 
-# deepseek-tiny's layouts (2 ranks each, --nproc-per-node 2) and how `megatrain run` names each.
-DEEPSEEK_LAYOUTS = {
-    "tp2-sp": (
-        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
-        "2 ranks = tp 2 x pp 1 x dp 1",
-    ),
-    "cp2-p2p": (
-        ["parallel.context_parallel_size=2", "parallel.cp_comm_type='p2p'"],
-        "2 ranks = tp 1 x cp 2 x pp 1 x dp 1",
-    ),
-    "pp2": (["parallel.pipeline_model_parallel_size=2"], "2 ranks = tp 1 x pp 2 x dp 1"),
-    "ep2": (
-        ["parallel.expert_model_parallel_size=2"],
-        "2 ranks = tp 1 x pp 1 x dp 2 (experts: etp 1 x ep 2 x edp 1)",
-    ),
-}
+# deepseek-tiny's (--nproc-per-node 2), the latent gather among them.
+DEEPSEEK_LAYOUTS = {k: CLI_LAYOUTS[k] for k in ("tp2-sp", "cp2-p2p", "cp2-latent", "pp2", "ep2")}
 MTP_FIELDS = ("mtp_loss/depth1", "valid_mtp_loss/depth1")
 
 
@@ -335,11 +326,11 @@ def _mtp_losses(out) -> list[tuple]:
 def test_deepseek_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_path):
     """`megatrain run` of the shipped deepseek-tiny (multi-latent attention, a dense first
     layer, sigmoid experts with the expert bias in group-limited routing, a shared expert,
-    one MTP depth) at tp 2 + sp, cp 2 over the p2p ring, pp 2 and ep 2 (`--nproc-per-node 2`)
-    takes the one-process steps, run once, first: losses, gradient norms, validation loss and
-    the MTP depth's training and validation losses from log.jsonl.  Kept cheap: 3 steps at
-    seq 32, a batch of 4 in microbatches of 2, one validation batch, the experts' loop instead
-    of torch's CPU grouped GEMM."""
+    one MTP depth) at tp 2 + sp, cp 2 over the p2p ring and by the latent gather, pp 2 and
+    ep 2 (`--nproc-per-node 2`) takes the one-process steps, run once, first: losses,
+    gradient norms, validation loss and the MTP depth's training and validation losses from
+    log.jsonl.  Kept cheap: 3 steps at seq 32, a batch of 4 in microbatches of 2, one
+    validation batch, the experts' loop instead of torch's CPU grouped GEMM."""
     from megatrain.config import load_config
 
     model = load_config(ROOT / "pipelines" / "models" / "deepseek-tiny.toml").model
