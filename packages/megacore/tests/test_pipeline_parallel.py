@@ -431,6 +431,34 @@ def test_layer_assignment():
         pipe.stage_layer_counts(10, 4, None, 1, 2)
 
 
+def test_pipeline_layout_megatron_strings_and_bridge_lists():
+    # Megatron-Bridge's DeepSeek-V3 layouts: pp 4 x vp 4 without MTP, pp 8 x vp 4 with one.
+    assert pipe.parse_pipeline_layout("Et*4|(t*4|)*14tL", 4, 4, 61) == [4] * 15 + [1]
+    h100 = pipe.parse_pipeline_layout("Et|(tt|)*30mL", 8, 4, 61, mtp_num_layers=1)
+    assert h100 == [1] + [2] * 30 + [0]  # the last stage holds only the MTP depth and loss
+    bridge = [["embedding", "decoder"], ["decoder", "decoder"], ["decoder"], ["mtp", "loss"]]
+    assert pipe.parse_pipeline_layout(bridge, 2, 2, 4, 1) == [1, 2, 1, 0]
+    # Virtual stage c * pp + r is chunk c of rank r: rank 0 holds layers 0 and 3.
+    h = [1, 2, 1, 0]
+    chunks = [[pipe.layers_for(4, r, 2, 2, v, stage_layers=h) for v in range(2)] for r in range(2)]
+    assert chunks == [[[0], [3]], [[1, 2], []]]
+    refusals = {
+        "Et|t|x": "'x' is not a layout letter",
+        "Et|t": "has 2 stages; .* 2 x 2 = 4",
+        "tE|t|t|L": "embedding \\(E\\) must open the first stage",
+        "Et|tL|t|t": "loss \\(L\\) must close the last stage",
+        "Et|tm|t|L": "must end with the model's 1 MTP depth",
+        "Et|t|t|mL": "holds 3 transformer layers .*num_layers is 4",
+    }
+    for layout, message in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            pipe.parse_pipeline_layout(layout, 2, 2, 4, 1)
+    with pytest.raises(ValueError, match="stage 1 is 'decoder'"):
+        pipe.parse_pipeline_layout([["embedding", "loss"], "decoder"], 2, None, 0)
+    with pytest.raises(ValueError, match="hold 3 transformer layers"):
+        pipe.layers_for(4, 0, 2, None, stage_layers=[2, 1])
+
+
 def _p2p_exchanges():
     from megacore.pipeline_parallel.p2p_communication import communicate
 

@@ -1,6 +1,11 @@
 """Pipeline-model parallelism: p2p, schedules, layer assignment, tied embeddings."""
 
-from megacore.pipeline_parallel.layer_assignment import layers_for, stage_layer_counts
+from megacore.pipeline_parallel.layer_assignment import (
+    layers_for,
+    parse_pipeline_layout,
+    stage_layer_counts,
+    virtual_stage_layer_counts,
+)
 from megacore.pipeline_parallel.schedules import (
     SCHEDULES,
     forward_backward_no_pipelining,
@@ -50,6 +55,7 @@ __all__ = [
     "order_1f1b",
     "order_interleaved",
     "order_zb_h1",
+    "parse_pipeline_layout",
     "schedule_1f1b",
     "schedule_interleaved",
     "schedule_no_pipelining",
@@ -57,4 +63,5 @@ __all__ = [
     "stage_layer_counts",
     "sync_shared_embeddings",
     "timeline",
+    "virtual_stage_layer_counts",
 ]
