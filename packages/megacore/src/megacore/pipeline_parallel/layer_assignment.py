@@ -173,7 +173,9 @@ def parse_pipeline_layout(
     else:
         stages = []
         for i, stage in enumerate(layout):
-            if isinstance(stage, str) or any(item not in LAYOUT_NAMES for item in stage):
+            if not isinstance(stage, (list, tuple)) or any(
+                item not in LAYOUT_NAMES for item in stage
+            ):
                 raise ValueError(
                     f"{name}: stage {i} is {stage!r}; each stage is a list of "
                     f"{', '.join(repr(n) for n in LAYOUT_NAMES)}"

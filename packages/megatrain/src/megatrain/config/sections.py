@@ -209,6 +209,15 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
+    # Megatron-LM's --pipeline-model-parallel-layout: the layers of every virtual stage, for a
+    # split num_layers does not divide evenly (DeepSeek-V3's 61).  A string, stages split by
+    # '|' in model order (chunk c of rank r is stage c x pp + r): E the embedding, t a
+    # transformer layer, m a multi-token-prediction depth, L the output layer and loss, X*n and
+    # (...)*n repeat ("Et*4|(t*4|)*14tL": 4 layers a stage over pp 4 x vpp 4, the last 1); or
+    # Megatron-Bridge's list of stages, each a list of "embedding", "decoder", "mtp", "loss".
+    # E opens the first stage; the MTP depths and L close the last; a stage may hold no t.
+    # None: the layers split evenly.
+    pipeline_model_parallel_layout: str | list | None = None
     # "1f1b", "interleaved" (the one with virtual stages) or "zb-h1" (backwards split into
     # input and weight gradients, the weight gradients filling the bubble); None = the
     # layout's: interleaved with virtual stages, else 1f1b.

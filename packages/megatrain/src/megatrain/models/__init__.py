@@ -13,6 +13,7 @@ language-model base), `gpt` and `bert` (the models).
 """
 
 from megacore import tensor_parallel as tp
+from megacore.pipeline_parallel import parse_pipeline_layout
 from megatrain.config import MOE_FIELDS, Config
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
@@ -27,6 +28,24 @@ def build_model_chunks(kind: str, cfg: TransformerConfig, seed: int = 1234, **pl
     recompute, context or expert parallelism applied: `parallelize.parallelize_model`);
     `placement`: device, dtype, initialize, as `build_gpt_chunks`."""
     return _BUILDERS[kind](cfg, seed, **placement)
+
+
+def pipeline_layer_counts(config: Config) -> tuple[int, ...] | None:
+    """The transformer layers of each virtual stage that `parallel.pipeline_model_parallel_layout`
+    gives (None without one: the even split)."""
+    p = config.parallel
+    if p.pipeline_model_parallel_layout is None:
+        return None
+    return tuple(
+        parse_pipeline_layout(
+            p.pipeline_model_parallel_layout,
+            p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size,
+            config.model.num_layers,
+            config.model.mtp_num_layers,
+            name="parallel.pipeline_model_parallel_layout",
+        )
+    )
 
 
 def model_config(config: Config, vocab_size: int) -> TransformerConfig:
@@ -51,6 +70,7 @@ def model_config(config: Config, vocab_size: int) -> TransformerConfig:
         recompute=m.recompute,
         distribute_saved_activations=p.distribute_saved_activations,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+        pipeline_layer_counts=pipeline_layer_counts(config),
         tp_comm_overlap=p.tp_comm_overlap,
         block_order=m.block_order,
         normalization=config.model_switch("normalization"),

@@ -49,15 +49,23 @@ class ParallelContext:
             etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
 
-    def chunk_places(self, num_layers: int) -> list[tuple[list[int], bool, bool]]:
+    def chunk_places(
+        self, num_layers: int, stage_layers: tuple[int, ...] | None = None
+    ) -> list[tuple[list[int], bool, bool]]:
         """Per chunk of this rank (one, or vpp_size under interleaving): its layer ids, whether
         it holds the embeddings (the very first chunk of the model) and whether it holds the
-        output (the very last)."""
+        output (the very last).  `stage_layers`: the layers of every virtual stage
+        (TransformerConfig.pipeline_layer_counts; None: the even split)."""
         virtual = self.vpp_size or 1
         return [
             (
                 pipeline_parallel.layers_for(
-                    num_layers, self.pp_rank, self.pp_size, self.vpp_size, virtual_rank=v
+                    num_layers,
+                    self.pp_rank,
+                    self.pp_size,
+                    self.vpp_size,
+                    virtual_rank=v,
+                    stage_layers=stage_layers,
                 ),
                 self.pp_rank == 0 and v == 0,
                 self.pp_rank == self.pp_size - 1 and v == virtual - 1,
@@ -101,7 +109,9 @@ def build_chunks(
             initialize=initialize,
             parallel=parallel,
         )
-        for layer_ids, first, last in parallel.chunk_places(cfg.num_layers)
+        for layer_ids, first, last in parallel.chunk_places(
+            cfg.num_layers, cfg.pipeline_layer_counts
+        )
     ]
     pipeline_parallel.sync_shared_embeddings(chunks)
     return chunks

@@ -55,6 +55,9 @@ class TransformerConfig(MoEConfig):
     recompute: str = "none"  # none | selective | full
     distribute_saved_activations: bool = False
     sequence_parallel: bool = False
+    # Transformer layers of each virtual pipeline stage in model order (chunk c of rank r at
+    # c * pp + r), from parallel.pipeline_model_parallel_layout; None: the even split.
+    pipeline_layer_counts: tuple[int, ...] | None = None
     # What `parallelize.parallelize_model` applies to the built layers (`apply_tp_comm_overlap`):
     # sequence parallelism's collectives overlapped with the linears' GEMMs.
     tp_comm_overlap: bool = False
