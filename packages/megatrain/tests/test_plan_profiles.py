@@ -41,6 +41,7 @@ def test_every_gpu_names_a_profile_of_its_generation():
         "h100-96gb": "hopper",
         "h200-141gb": "hopper",
         "b200-180gb": "hopper",  # no Blackwell profile sourced: Hopper's, assumed
+        "gb200-186gb": "hopper",  # the same
     }
     for name, profile in profiles.items():
         assert profile.name == name and not profile.measured and profile.source
@@ -178,7 +179,8 @@ def test_the_h100_plan_uses_hopper_and_says_how_far_it_is_off_published_runs():
     assert check["median_abs_error"] == pytest.approx(statistics.median(errors))
     line = (
         f"published runs: {check['within']} of {len(runs)} check rows on hopper GPUs "
-        f"(h100-80gb, h100-96gb) within 15% with this profile, median absolute error "
+        f"({', '.join(sorted({r.gpu for r in runs}))}) within 15% with this profile, median "
+        "absolute error "
         f"{check['median_abs_error']:.0%}"
     )
     assert line in text

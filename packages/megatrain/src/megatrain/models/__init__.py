@@ -12,6 +12,8 @@ attention kind, and what they share), `mlp` (the dense MLP), `moe` (the routed e
 language-model base), `gpt` and `bert` (the models).
 """
 
+import functools
+
 from megacore import tensor_parallel as tp
 from megacore.pipeline_parallel import parse_pipeline_layout
 from megatrain.config import MOE_FIELDS, Config
@@ -34,18 +36,25 @@ def pipeline_layer_counts(config: Config) -> tuple[int, ...] | None:
     """The transformer layers of each virtual stage that `parallel.pipeline_model_parallel_layout`
     gives (None without one: the even split)."""
     p = config.parallel
-    if p.pipeline_model_parallel_layout is None:
+    layout = p.pipeline_model_parallel_layout
+    if layout is None:
         return None
-    return tuple(
-        parse_pipeline_layout(
-            p.pipeline_model_parallel_layout,
-            p.pipeline_model_parallel_size,
-            p.virtual_pipeline_model_parallel_size,
-            config.model.num_layers,
-            config.model.mtp_num_layers,
-            name="parallel.pipeline_model_parallel_layout",
-        )
+    if not isinstance(layout, str):  # Megatron-Bridge's lists, hashable for the cache
+        layout = tuple(tuple(stage) for stage in layout)
+    return _layer_counts(
+        layout,
+        p.pipeline_model_parallel_size,
+        p.virtual_pipeline_model_parallel_size,
+        config.model.num_layers,
+        config.model.mtp_num_layers,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_counts(layout, pp: int, vpp: int | None, layers: int, mtp: int | None) -> tuple:
+    """`pipeline_layer_counts`, remembered: `megatrain plan` asks it for every layout."""
+    name = "parallel.pipeline_model_parallel_layout"
+    return tuple(parse_pipeline_layout(layout, pp, vpp, layers, mtp, name=name))
 
 
 def model_config(config: Config, vocab_size: int) -> TransformerConfig:

@@ -129,7 +129,7 @@ from megatrain.plan.accounting import (
     float8_gemm,
     flops_per_iteration,
     layer_gemms,
-    moe_layer_count,
+    stage_layers,
 )
 from megatrain.plan.attention_time import (
     FUSED_SOFTMAX_BYTES,
@@ -141,7 +141,7 @@ from megatrain.plan.attention_time import (
 from megatrain.plan.costs import Costs, group_bandwidth
 from megatrain.plan.hardware import Gpu, Profile
 from megatrain.plan.layout import Layout, apply_layout
-from megatrain.plan.memory import HEADROOM, memory_breakdown
+from megatrain.plan.memory import HEADROOM, memory_breakdown, weighed_stages
 from megatrain.plan.mtp_time import mtp_seconds
 
 # Bytes Adam moves per parameter in one step (megacore's optimizer): it reads the fp32
@@ -437,7 +437,6 @@ def memory_per_gpu(
 ) -> dict:
     """Bytes per GPU of the fullest pipeline stage (megatrain.plan.memory), by part;
     `recompute`: the config's (None), or a published run's policy (a layout's)."""
-    pp = config.parallel.pipeline_model_parallel_size
     stages = {
         stage: memory_breakdown(
             config,
@@ -447,7 +446,7 @@ def memory_per_gpu(
             stage=stage,
             attention=attention,
         )
-        for stage in sorted({0, pp - 1})
+        for stage in weighed_stages(config)
     }
     stage = max(stages, key=lambda s: stages[s]["total"])
     fullest = stages[stage]
@@ -535,17 +534,18 @@ def estimate(
         within = layout.gpus <= gpu.gpus_per_node
         link = gpu.intra_node_gbps if within else gpu.inter_node_gbps
         p2p = 2 * vpp * costs.collective("p2p", sent, 2, link * 1e9)
-    layers = cfg.num_layers // pp
-    # multi-token prediction's depths, on the last stage (megatrain splits the layers evenly:
-    # the last stage is the slower by them, and paces the pipeline when it is the slowest)
+    # multi-token prediction's depths, on the last stage (the slower by them unless a
+    # pipeline layout gives it fewer layers; the slowest stage paces the pipeline)
     mtp = mtp_seconds(
         config, layout, costs, {False: layer, True: moe_layer}, embed, head, tp_bandwidth, cfg
     )
     stages = []
-    for stage in range(pp):
-        moe = moe_layer_count(cfg, stage * layers, (stage + 1) * layers)
+    held = [stage_layers(cfg, pp, stage) for stage in range(pp)]  # (dense, MoE) a stage
+    # the layers whose backward hides the data-parallel reductions: the fullest stage's
+    layers = max(sum(h) for h in held)
+    for stage, (dense, moe) in enumerate(held):
         parts = {
-            k: (layers - moe) * layer[k] + moe * moe_layer[k]
+            k: dense * layer[k] + moe * moe_layer[k]
             for k in ("compute", "tp_comm", "cp_comm", "ep_comm")
         }
         for end, here in ((embed, stage == 0), (head, stage == pp - 1), (mtp, stage == pp - 1)):

@@ -4,6 +4,7 @@ the shardings and the expert layout), and the config at it: what `megatrain plan
 
 from dataclasses import dataclass, replace
 
+from megacore.pipeline_parallel.layer_assignment import LAYOUT_NAMES
 from megatrain.config import Config
 from megatrain.plan.accounting import RECOMPUTE_IMPLEMENTATIONS
 
@@ -27,6 +28,8 @@ class Layout:
     # FSDP reduce-scatters every microbatch's gradients (parallel.reduce_every_microbatch):
     # True or False as the plan tries both, None for the config's own choice
     reduce_every_microbatch: bool | None = None
+    # parallel.pipeline_model_parallel_layout as Megatron-LM's string (None: the even split)
+    pipeline_layout: str | None = None
 
     @property
     def expert_tp(self) -> int:
@@ -50,6 +53,8 @@ class Layout:
             parts.append(f"vpp {self.vpp}")
         if self.schedule == "zb-h1" and self.pp > 1:
             parts.append("zb-h1")
+        if self.pipeline_layout is not None:
+            parts.append(f"layout {self.pipeline_layout}")
         parts += [f"dp {self.dp}", f"mb {self.micro_batch}", f"recompute {self.recompute}"]
         if self.sequence_parallel:
             parts.append("sp")
@@ -72,6 +77,8 @@ class Layout:
             f"parallel.pipeline_model_parallel_size={self.pp}",
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'none'}",
             "parallel.pipeline_schedule=" + (f'"{self.schedule}"' if self.pp > 1 else "none"),
+            "parallel.pipeline_model_parallel_layout="
+            + ("none" if self.pipeline_layout is None else f'"{self.pipeline_layout}"'),
             f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
             # a config's parallel.tp_comm_overlap needs sequence parallelism (apply_layout)
             *([] if self.sequence_parallel else ["parallel.tp_comm_overlap=false"]),
@@ -118,7 +125,32 @@ def layout_of(config: Config, dp: int) -> Layout:
         reduce_every_microbatch=(
             True if p.data_parallel_sharding == "full" and p.reduce_every_microbatch else None
         ),
+        pipeline_layout=layout_string(p.pipeline_model_parallel_layout),
     )
+
+
+def layout_string(layout: str | list | None) -> str | None:
+    """A pipeline layout as Megatron-LM's string (Megatron-Bridge's lists spelled in its
+    letters), so a `Layout` stays hashable."""
+    if layout is None or isinstance(layout, str):
+        return layout
+    return "|".join("".join(LAYOUT_NAMES[item] for item in stage) for stage in layout)
+
+
+def balanced_pipeline_layout(num_layers: int, pp: int, vpp: int, mtp_num_layers: int = 0):
+    """Megatron-Bridge's split of a model whose layers pp x vpp does not divide (its
+    DeepSeek-V3 layouts): ceil(n / stages) layers a virtual stage, the last stage, which also
+    holds the output layer, the loss and the MTP depths, the rest (at least one).  None when
+    the stages divide the layers (the even split) or the rest would be under one."""
+    stages = pp * vpp
+    if pp == 1 or num_layers % stages == 0:
+        return None
+    each = -(-num_layers // stages)
+    rest = num_layers - each * (stages - 1)
+    if rest < 1:
+        return None
+    middle = f"(t*{each}|)*{stages - 2}" if stages > 2 else ""
+    return f"Et*{each}|{middle}t*{rest}{'m' * (mtp_num_layers or 0)}L"
 
 
 def apply_layout(config: Config, layout: Layout, global_batch: int | None = None) -> Config:
@@ -139,6 +171,7 @@ def apply_layout(config: Config, layout: Layout, global_batch: int | None = None
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
             pipeline_schedule=layout.schedule if layout.pp > 1 else None,
+            pipeline_model_parallel_layout=layout.pipeline_layout,
             data_parallel_size=layout.dp,
             sequence_parallel=layout.sequence_parallel,
             # the config's choice where the layout has sequence parallelism to overlap

@@ -63,6 +63,8 @@ memory-efficient) keep only their output and a row statistic, so "none" is an
 upper bound there and the choice it leads to a safe one.
 """
 
+from types import SimpleNamespace
+
 import torch
 
 from megacore.tensor_parallel import default_chunk_tokens
@@ -81,9 +83,9 @@ from megatrain.plan.accounting import (
     fsdp_gathered_bytes,
     layer_parameters_per_rank,
     moe_dispatch_bytes,
-    moe_layer_count,
     mtp_layer_numbers,
     parameters_per_gpu,
+    stage_layers,
     state_bytes_per_parameter,
     weight_grad_inputs_per_layer,
 )
@@ -148,7 +150,7 @@ def memory_breakdown(
         held["gathered"] = fsdp_gathered_bytes(
             params,
             layer_parameters_per_rank(cfg, tp),
-            cfg.num_layers // pp,
+            sum(stage_layers(cfg, pp, stage)),
             t.precision,
             pp == 1 if reshard is None else reshard,
             t.global_batch_size // (t.micro_batch_size * dp),
@@ -159,23 +161,25 @@ def memory_breakdown(
     # The rank's tokens of each sequence: s / cp under context parallelism.
     s, b, h, v = t.seq_length // cp, t.micro_batch_size, m.hidden_size, cfg.vocab_size
     sp = p.sequence_parallel and tp > 1
-    layers = cfg.num_layers // pp
-    moe = moe_layer_count(cfg, stage * layers, (stage + 1) * layers)
+    dense, moe = stage_layers(cfg, pp, stage)
+    layers = dense + moe
     per_microbatch = (layers - moe) * activations_per_layer(config, recompute, False, attention)
     if moe:
         per_microbatch += moe * activations_per_layer(config, recompute, True, attention)
     if stage == 0 and m.hidden_dropout:  # embedding dropout mask (none without dropout)
         per_microbatch += s * b * h / (tp if sp else 1)
     in_flight = 1.0
-    if pp > 1 and stage == 0:  # 1F1B's warm-up; the interleaved one runs further ahead
-        in_flight = pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else pp
+    if pp > 1 and stage < pp - 1:  # 1F1B's warm-up; the interleaved one runs further ahead
+        # (stage 0: pp (1 + (pp - 1) / (pp vpp)); only the first and the last stage are
+        # weighed unless a pipeline layout makes the stages differ)
+        in_flight = pp - stage + (pp - 2 * stage - 1) / vpp if vpp > 1 else pp - stage
         # ... but never more microbatches than the iteration has
         in_flight = min(in_flight, t.global_batch_size // (b * dp) or 1)
     activations = in_flight * per_microbatch
     if pp > 1 and p.pipeline_schedule == "zb-h1":  # stage r defers r microbatches' Ws
         microbatches = t.global_batch_size // (b * dp) or 1
         deferred = min(stage, microbatches - 1)
-        activations += deferred * cfg.num_layers // pp * weight_grad_inputs_per_layer(config)
+        activations += deferred * layers * weight_grad_inputs_per_layer(config)
     # the layer being recomputed holds all of its activations
     if recompute in ("full", "op_selective"):
         activations += activations_per_layer(config, "none", moe > 0, attention)
@@ -201,7 +205,6 @@ def memory_breakdown(
     if stage == pp - 1:  # multi-token prediction's depths, one microbatch's
         activations += mtp_activations(config, cfg, recompute, attention)
     if t.cuda_graphs:  # the graphs' static memory besides the activations they keep
-        layers = cfg.num_layers // pp
         # Each layer's input copy and output, [s, b, h] (/ t under sequence parallelism) each.
         activations += layers * 4 * s * b * h / (tp if sp else 1)
         if not t.gradient_accumulation_fusion:  # the weights' gradients, static too
@@ -253,11 +256,35 @@ def mtp_activations(config: Config, cfg, recompute: str, attention: str) -> floa
     )
 
 
+def weighed_stages(config: Config) -> list[int]:
+    """The pipeline stages that can be the fullest: the first (the most microbatches in
+    flight, the embedding) and the last (the output layer, the loss, MTP) of an even split;
+    under a pipeline layout, whose stages differ in layers, also the first middle stage of
+    each (dense, MoE) layer count (a later one holds fewer microbatches in flight)."""
+    p = config.parallel
+    pp = p.pipeline_model_parallel_size
+    if p.pipeline_model_parallel_layout is None or pp <= 2:
+        return sorted({0, pp - 1})
+    from megatrain.models import pipeline_layer_counts  # torch-free callers stay so
+
+    counts = pipeline_layer_counts(config)
+    cfg = SimpleNamespace(
+        num_layers=config.model.num_layers,
+        pipeline_layer_counts=counts,
+        num_moe_experts=config.model.num_moe_experts,
+        moe_layer_freq=config.model.moe_layer_freq,
+    )
+    first: dict = {}
+    for stage in range(1, pp - 1):
+        first.setdefault(stage_layers(cfg, pp, stage), stage)
+    return sorted({0, pp - 1, *first.values()})
+
+
 def estimate_memory_per_gpu(config: Config, recompute: str | None = None, **kwargs) -> float:
     """Bytes per GPU of the fullest pipeline stage (see `memory_breakdown` for the arguments)."""
-    pp = config.parallel.pipeline_model_parallel_size
     return max(
-        memory_breakdown(config, recompute, stage=stage, **kwargs)["total"] for stage in {0, pp - 1}
+        memory_breakdown(config, recompute, stage=stage, **kwargs)["total"]
+        for stage in weighed_stages(config)
     )
 
 

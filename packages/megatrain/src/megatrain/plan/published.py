@@ -69,7 +69,7 @@ _LAYOUT_OPTIONAL = {
     "vpp": int, "cp": int, "ep": int, "sequence_parallel": bool, "overlap_grad_reduce": bool,
     "overlap_param_gather": bool, "reduce_every_microbatch": bool, "tp_comm_overlap": bool,
     "gpu_memory_gib": float, "fused_linear_cross_entropy": bool, "attention": str,
-    "compile": bool,
+    "compile": bool, "pipeline_layout": str, "plan_memory_over": str,
 }  # fmt: skip
 # the [run.layout] fields that are megatrain config fields, by section
 _PARALLEL_FIELDS = (
@@ -110,6 +110,9 @@ class PublishedRun:
     training: dict = field(default_factory=dict)
     gpu_memory_gib: float | None = None
     attention: str | None = None  # the implementation the run ran; None: its GPU entry's
+    # why megatrain's memory at the run's layout is over its GPUs though the run fit (what
+    # the run's framework keeps less of); None: the plan's memory fits, as it must
+    plan_memory_over: str | None = None
 
     def config(self) -> Config:
         """The run as a megatrain config (its layout applied by `estimate`)."""
@@ -247,6 +250,7 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         distributed_optimizer=lay["sharding"] == "optimizer",
         fsdp=lay["sharding"] == "full",
         schedule="interleaved" if vpp > 1 else "1f1b",
+        pipeline_layout=lay.get("pipeline_layout"),
     )
     # what apply_layout would quietly drop at another sharding
     for name, sharding in (
@@ -279,6 +283,7 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         training={name: lay[name] for name in _TRAINING_FIELDS if name in lay},
         gpu_memory_gib=lay.get("gpu_memory_gib"),
         attention=lay.get("attention"),
+        plan_memory_over=lay.get("plan_memory_over"),
     )
     try:  # the same checks a run of this config gets before any worker starts
         from megatrain.plan.layout import apply_layout

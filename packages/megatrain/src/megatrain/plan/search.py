@@ -25,10 +25,11 @@ from megatrain.config import RECOMPUTE_CHOICES, Config, ConfigError, validate
 from megatrain.plan.cost_model import Estimate, estimate, memory_per_gpu
 from megatrain.plan.costs import Costs
 from megatrain.plan.hardware import GIB, Gpu, Profile
-from megatrain.plan.layout import Layout, apply_layout
+from megatrain.plan.layout import Layout, apply_layout, balanced_pipeline_layout
 from megatrain.plan.memory import HEADROOM
 
 MAX_VPP = 8  # virtual stages per GPU tried (Megatron's own examples stop at a few)
+UNEVEN_VPP = (1, 2, 4)  # ... where the layers split unevenly (`_pipelines`)
 MAX_MICRO_BATCH = 64
 OUT_OF_MEMORY = "does not fit in memory"
 
@@ -147,7 +148,11 @@ def _layouts_of(
 ):
     """`candidates` at one tp, cp, pp, CP communication and expert layout."""
     dp = gpus // (tp * cp * pp)
-    base = Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, etp=etp)
+    pipelines = _pipelines(config, pp)
+    base = Layout(
+        tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, etp=etp,
+        vpp=pipelines[0][0], schedule=pipelines[0][1], pipeline_layout=pipelines[0][2],
+    )  # fmt: skip
     try:
         validate(apply_layout(config, base, global_batch), gpus)
     except ConfigError as e:
@@ -159,17 +164,14 @@ def _layouts_of(
             return
     per_replica = global_batch // dp
     for mb in _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH)):
-        vpps = [1]
-        if pp > 1:
-            vpps += [v for v in _divisors(config.model.num_layers // pp, MAX_VPP) if v > 1]
-        for vpp, schedule in _schedules(pp, vpps):
+        for vpp, schedule, pipeline_layout in pipelines:
             for recompute in RECOMPUTE_CHOICES:
                 for sp in (False, True) if tp > 1 else (False,):
                     for sharding, every in _shardings(dp * cp, per_replica // mb):
                         layout = Layout(
                             tp, pp, dp, vpp, mb, recompute, sp, sharding == "optimizer",
                             schedule, cp, comm, fsdp=sharding == "full", ep=ep, etp=etp,
-                            reduce_every_microbatch=every,
+                            reduce_every_microbatch=every, pipeline_layout=pipeline_layout,
                         )  # fmt: skip
                         config_at = apply_layout(config, layout, global_batch)
                         try:
@@ -199,11 +201,28 @@ def _shardings(replicas: int, microbatches: int) -> list[tuple[str, bool | None]
     return pairs + [("full", every) for every in ((False, True) if microbatches > 1 else (None,))]
 
 
-def _schedules(pp: int, vpps: list[int]) -> list[tuple[int, str]]:
-    """(vpp, schedule) pairs: interleaved with virtual stages, 1F1B or ZB-H1 without."""
+def _pipelines(config: Config, pp: int) -> list[tuple[int, str, str | None]]:
+    """(vpp, schedule, pipeline layout) triples at pp: 1F1B and ZB-H1 without virtual stages,
+    interleaved with them; the layers split evenly where pp x vpp divides them, else by
+    `balanced_pipeline_layout` (Megatron-Bridge's split), tried at vpp 1, 2 and 4
+    (`UNEVEN_VPP`: every vpp would multiply a search that is already the longest for the
+    models that need it, such as DeepSeek-V3's 61 layers)."""
     if pp == 1:
-        return [(1, "1f1b")]
-    return [(1, "1f1b"), (1, "zb-h1")] + [(v, "interleaved") for v in vpps if v > 1]
+        return [(1, "1f1b", None)]
+    m = config.model
+    layers, mtp = m.num_layers, m.mtp_num_layers or 0
+    splits = [(v, None) for v in range(1, MAX_VPP + 1) if layers % (pp * v) == 0] + [
+        (v, layout)
+        for v in UNEVEN_VPP
+        if (layout := balanced_pipeline_layout(layers, pp, v, mtp)) is not None
+    ]
+    triples = []
+    for vpp, layout in splits:
+        schedules = ("1f1b", "zb-h1") if vpp == 1 else ("interleaved",)
+        triples += [(vpp, schedule, layout) for schedule in schedules]
+    if not splits:  # the even split, to be refused by name
+        triples = [(1, "1f1b", None)]
+    return triples
 
 
 def plan(
@@ -227,15 +246,25 @@ def plan(
     result = Plan(config, gpu, profile, gpus, global_batch, vocab_size, ranked=[])
     usable = (1 - HEADROOM) * gpu.memory_bytes
     nearest: dict = {}
+    # Layouts (micro batch and recompute aside) whose weights, gradients and optimizer state
+    # alone exceed the GPU: every micro batch and recompute of them is out of memory too (not
+    # under FSDP, whose gathered parameters depend on the microbatches), so their memory is
+    # not estimated again: the cost of the search for a model as large as DeepSeek-V3.
+    state_too_big: set = set()
     with progress_bar(
         len(_splits(config, gpus, fixed)), "megatrain plan", "splits", enabled=progress, leave=False
     ) as bar:
         for layout, error, config_at in _candidates(config, gpus, global_batch, bar, fixed):
             result.enumerated += 1
-            if error is None:
+            state_key = None if layout.fsdp else replace(layout, micro_batch=0, recompute="")
+            if error is None and state_key in state_too_big:
+                reason = OUT_OF_MEMORY  # the nearest has been seen: its state alone is larger
+            elif error is None:
                 # Memory first: the step time only of the layouts that fit (at long sequences
                 # most do not).
                 memory = memory_per_gpu(config_at, vocab_size, layout.dp, gpu.attention)
+                if state_key is not None and memory["total"] - memory["activations"] > usable:
+                    state_too_big.add(state_key)
                 if memory["total"] <= usable:
                     result.ranked.append(
                         estimate(config, layout, gpu, profile, vocab_size, global_batch, memory)

@@ -12,6 +12,31 @@ from megatrain.config.sections import (
 )
 
 
+def _check_pipeline_layout(config: Config) -> None:
+    """parallel.pipeline_model_parallel_layout against pp x vpp, the layers and the MTP
+    depths (megacore's parse_pipeline_layout, which names the field in every refusal)."""
+    from megacore.pipeline_parallel.layer_assignment import parse_pipeline_layout
+
+    p = config.parallel
+    _need(
+        p.pipeline_model_parallel_size > 1,
+        "parallel.pipeline_model_parallel_layout splits the layers over pipeline stages: it "
+        "needs parallel.pipeline_model_parallel_size > 1 (it is "
+        f"{p.pipeline_model_parallel_size}); unset it",
+    )
+    try:
+        parse_pipeline_layout(
+            p.pipeline_model_parallel_layout,
+            p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size,
+            config.model.num_layers,
+            config.model.mtp_num_layers,
+            name="parallel.pipeline_model_parallel_layout",
+        )
+    except ValueError as e:
+        _need(False, str(e))
+
+
 def _check_layout(config: Config) -> None:
     """The model's shape against tp, pp (and virtual stages), the schedule, the sequence,
     sequence parallelism and context parallelism."""
@@ -54,12 +79,16 @@ def _check_layout(config: Config) -> None:
         )
     _check_schedule(config)
     chunks = pp * (vpp or 1)
-    _need(
-        m.num_layers % chunks == 0,
-        f"model.num_layers ({m.num_layers}) is not divisible by "
-        f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
-        f"({pp} x {vpp or 1} = {chunks})",
-    )
+    if p.pipeline_model_parallel_layout is None:
+        _need(
+            m.num_layers % chunks == 0,
+            f"model.num_layers ({m.num_layers}) is not divisible by "
+            f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+            f"({pp} x {vpp or 1} = {chunks}); change them, or give each virtual stage its "
+            "layers in parallel.pipeline_model_parallel_layout",
+        )
+    else:
+        _check_pipeline_layout(config)
     _need(
         t.seq_length <= m.max_position_embeddings,
         f"training.seq_length ({t.seq_length}) is above model.max_position_embeddings "

@@ -88,6 +88,8 @@ from megatrain.plan.accounting.parameters import (
     mtp_layer_numbers,
     mtp_parameters,
     parameters_per_gpu,
+    stage_layer_ids,
+    stage_layers,
 )
 from megatrain.plan.accounting.recompute import OP_SELECTIVE_RERUN as OP_SELECTIVE_RERUN
 from megatrain.plan.accounting.recompute import (
@@ -150,6 +152,8 @@ __all__ = [
     "parameter_count",
     "parameters_per_gpu",
     "recomputed_flops",
+    "stage_layer_ids",
+    "stage_layers",
     "state_bytes_per_parameter",
     "transformer_forward_flops",
     "weight_grad_inputs_per_layer",

@@ -15,6 +15,7 @@
 import functools
 from types import SimpleNamespace
 
+from megacore.pipeline_parallel.layer_assignment import layers_for
 from megatrain.models.moe import is_moe_layer
 from megatrain.models.transformer_config import TransformerConfig
 
@@ -247,11 +248,46 @@ def bert_parameters(cfg: TransformerConfig) -> int:
     return _layers_parameters(cfg) + embeddings + norms + heads
 
 
-def _stage_layers(cfg: TransformerConfig, pp: int, stage: int) -> tuple[int, int]:
-    """(dense layers, MoE layers) of pipeline stage `stage`: layers stage x n/pp onwards."""
-    n = cfg.num_layers // pp
-    moe = moe_layer_count(cfg, stage * n, (stage + 1) * n)
-    return n - moe, moe
+def stage_layer_ids(cfg: TransformerConfig, pp: int, stage: int) -> list[int]:
+    """The transformer layers pipeline rank `stage` holds, over all its chunks: as
+    `cfg.pipeline_layer_counts` gives them (parallel.pipeline_model_parallel_layout; the
+    number of chunks a rank holds is their count / pp), or without a layout the even split,
+    layers stage x n/pp onwards (interleaving moves which MoE layers a rank holds, not how
+    many layers)."""
+    counts = cfg.pipeline_layer_counts
+    if counts is None:
+        n = cfg.num_layers // pp
+        return list(range(stage * n, (stage + 1) * n))
+    return list(_stage_ids(cfg.num_layers, tuple(counts), pp, stage))
+
+
+@functools.cache
+def _stage_ids(num_layers: int, counts: tuple[int, ...], pp: int, stage: int) -> tuple:
+    vpp = len(counts) // pp
+    return tuple(
+        layer
+        for chunk in range(vpp)
+        for layer in layers_for(num_layers, stage, pp, vpp, chunk, stage_layers=counts)
+    )
+
+
+def stage_layers(cfg: TransformerConfig, pp: int, stage: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) of pipeline rank `stage` (`stage_layer_ids`)."""
+    ids = stage_layer_ids(cfg, pp, stage)
+    if cfg.pipeline_layer_counts is None:  # contiguous: the remembered count
+        moe = moe_layer_count(cfg, ids[0], ids[-1] + 1) if ids else 0
+    else:
+        freq = cfg.moe_layer_freq
+        freq = freq if isinstance(freq, int) else tuple(freq)
+        moe = _moe_among(freq, tuple(ids)) if cfg.num_moe_experts else 0
+    return len(ids) - moe, moe
+
+
+@functools.cache
+def _moe_among(freq: int | tuple, ids: tuple[int, ...]) -> int:
+    """How many of layers `ids` are MoE layers, remembered (`_moe_count`'s reason)."""
+    pattern = SimpleNamespace(num_moe_experts=1, moe_layer_freq=freq)
+    return sum(is_moe_layer(pattern, i) for i in ids)
 
 
 def expert_parameters_per_gpu(
@@ -262,7 +298,7 @@ def expert_parameters_per_gpu(
     rather than the dense one.  0 for a dense model."""
     if not cfg.num_moe_experts:
         return 0
-    moe = _stage_layers(cfg, pp, stage)[1]
+    moe = stage_layers(cfg, pp, stage)[1]
     if stage == pp - 1:  # multi-token prediction's MoE layers
         moe += sum(is_moe_layer(cfg, i) for i in mtp_layer_numbers(cfg))
     return moe * moe_mlp_parameters(cfg)["experts"] // (ep * etp)
@@ -283,7 +319,7 @@ def parameters_per_gpu(
     A bidirectional config is BERT: token types, and its heads on the last stage.  MoE layers
     hold E / ep experts, each / etp (None: tp)."""
     h = cfg.hidden_size
-    dense, moe = _stage_layers(cfg, pp, stage)
+    dense, moe = stage_layers(cfg, pp, stage)
     count = dense * layer_parameters_per_rank(cfg, tp)
     if moe:
         count += moe * layer_parameters_per_rank(cfg, tp, True, ep, etp)
