@@ -66,6 +66,14 @@ def test_help_and_unknown_command():
             ["training.seq_length=512"],
             "training.seq_length (512) is above model.max_position_embeddings (256)",
         ),
+        (
+            [
+                "parallel.pipeline_model_parallel_size=2",
+                "parallel.pipeline_model_parallel_layout=Et*3|ttL",
+            ],
+            "parallel.pipeline_model_parallel_layout holds 5 transformer layers (t); "
+            "model.num_layers is 4",
+        ),
         (["model.num_heads=4"], "unknown field model.num_heads"),
         (["trainig.train_iters=4"], "unknown section [trainig]"),
         (["training.train_iters=lots"], "training.train_iters: expected int, got 'lots'"),
@@ -285,6 +293,16 @@ CLI_LAYOUTS = {
         "2 ranks = tp 1 x pp 1 x dp 2 (experts: etp 1 x ep 2 x edp 1)",
     ),
     "pp2": (["parallel.pipeline_model_parallel_size=2"], "2 ranks = tp 1 x pp 2 x dp 1"),
+    # deepseek-tiny's 4 layers as 3 + 1, the MTP depth on the last stage; the override as a
+    # shell hands it on from parallel.pipeline_model_parallel_layout="Et*3|tmL".
+    "pp2-uneven": (
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.pipeline_model_parallel_layout=Et*3|tmL",
+        ],
+        "each pipeline stage (virtual stages in model order, "
+        "parallel.pipeline_model_parallel_layout): 3, 1",
+    ),
 }
 GPT_OSS_LAYOUTS = {k: CLI_LAYOUTS[k] for k in ("tp2-sp", "cp2-p2p", "cp2-allgather", "ep2", "pp2")}
 
@@ -312,7 +330,9 @@ def test_gpt_oss_tiny_takes_the_one_process_steps_at_each_layout(corpus, tmp_pat
 
 
 # deepseek-tiny's (--nproc-per-node 2), the latent gather among them.
-DEEPSEEK_LAYOUTS = {k: CLI_LAYOUTS[k] for k in ("tp2-sp", "cp2-p2p", "cp2-latent", "pp2", "ep2")}
+DEEPSEEK_LAYOUTS = {
+    k: CLI_LAYOUTS[k] for k in ("tp2-sp", "cp2-p2p", "cp2-latent", "pp2", "pp2-uneven", "ep2")
+}
 MTP_FIELDS = ("mtp_loss/depth1", "valid_mtp_loss/depth1")
 
 

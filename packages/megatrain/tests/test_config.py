@@ -160,6 +160,51 @@ def test_pipeline_schedule_refusals_name_both_fields():
         validate(load_config(None, ['parallel.pipeline_schedule="zb-h1"']), 1)
 
 
+def test_pipeline_layout_is_read_and_its_refusals_name_the_field():
+    """parallel.pipeline_model_parallel_layout: Megatron-LM's string (as an override hands
+    it, '|' and '*' in it) or Megatron-Bridge's lists, read into the model's per-stage
+    layer counts; each bad layout refused by `validate` (which `megatrain run` calls before
+    any worker starts) in one line naming the field."""
+    name = "parallel.pipeline_model_parallel_layout"
+    base = [
+        "model.num_layers=4",
+        "model.mtp_num_layers=1",
+        "parallel.pipeline_model_parallel_size=2",
+    ]
+
+    def config(layout, *overrides):
+        return load_config(None, [*base, f"{name}={layout}", *overrides])
+
+    for layout in ("Et*3|tmL", '"Et*3|tmL"', '[["embedding","decoder","decoder","decoder"],'
+                   '["decoder","mtp","loss"]]'):  # fmt: skip
+        validate(config(layout), 2)
+        assert model_config(config(layout), 256).pipeline_layer_counts == (3, 1)
+    cleared = config("Et*3|tmL", f"{name}=none")  # as a saved run's is cleared by override
+    assert cleared.parallel.pipeline_model_parallel_layout is None
+    vpp2 = config("Et|tt|t|mL", "parallel.virtual_pipeline_model_parallel_size=2")
+    validate(vpp2, 2)
+    assert model_config(vpp2, 256).pipeline_layer_counts == (1, 2, 1, 0)
+    refusals = {
+        ("Et*4mL", "parallel.pipeline_model_parallel_size=1"): r"needs parallel.pipeline_model"
+        r"_parallel_size > 1",
+        ("Et|t|ttmL",): r"has 3 stages; .*is 2 x 1 = 2",
+        ("Et*3|ttmL",): r"holds 5 transformer layers \(t\); model.num_layers is 4",
+        ("Etm|tttL",): r"the last stage must end with the model's 1 MTP depth",
+        ("Et*3|tL",): r"the last stage must end with the model's 1 MTP depth",
+        ("Et*3|txmL",): r"'x' is not a layout letter",
+        ('[["embedding","decoder"],["decoder","block"]]',): r"stage 1 is \['decoder', 'block'\]",
+        ('[["embedding","decoder"],[["loss"]]]',): r"stage 1 is \[\['loss'\]\]; each stage is",
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message) as refused:
+            validate(config(*overrides), 2)
+        assert name in str(refused.value) and "\n" not in str(refused.value), overrides
+    with pytest.raises(
+        ConfigError, match=rf"{name}: expected str or list or NoneType, got 3 \(int\)"
+    ):
+        config("3")
+
+
 def test_speed_lever_refusals_name_the_fields():
     with pytest.raises(ConfigError, match=r"fused_linear_cross_entropy = true is for GPT and "):
         validate(

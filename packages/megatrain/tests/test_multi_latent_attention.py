@@ -16,14 +16,18 @@
   with each comm type (p2p, allgather, MLA's own latent gather; packed documents, selective
   recompute, no query latent with an MTP depth), pp 2 under 1F1B with the MTP depth on the
   last stage, dp 2 with the distributed optimizer (packed documents) and fully sharded (with
-  the MTP depth), pp 2 interleaved (4 layers), and a pp 2 checkpoint going on at tp 2 + sp,
-  all in one 2-rank spawn.
+  the MTP depth), pp 2 interleaved (4 layers); uneven stages (4 layers and an MTP depth on
+  packed documents, parallel.pipeline_model_parallel_layout): 3 + 1 under 1F1B, 1 + 3 under
+  ZB-H1, interleaved with a last chunk of no layer ("Et|tt|t|mL") and with a middle one
+  ("Ett||t|tmL", also fully sharded), each rank's chunks holding the layout's layers; and a
+  checkpoint of the 3 + 1 stages going on at tp 2 + sp, all in one 2-rank spawn.
 - Refusals naming the field.  Accounting: DeepSeek-V2-Lite's and DeepSeek-V3's parameters
   against HF's models (15.7B, 671B), MLA's FLOPs as Megatron-LM's formula, the activations
   selective recompute keeps against what autograd keeps.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -432,8 +436,17 @@ REFERENCES = {
     "selective": ['model.recompute="selective"'],
     "no-q-lora-mtp": NO_Q_LORA_MTP,
     "four-layers": ["model.num_layers=4"],  # for interleaving: 2 stages x 2 chunks of a layer
+    "four-mtp-packed": ["model.num_layers=4", "model.mtp_num_layers=1", *PACKED],
 }
 PP2 = ["parallel.pipeline_model_parallel_size=2"]
+
+
+def uneven(layout: str) -> list[str]:
+    """Four layers and an MTP depth on packed documents, at pp 2 split by `layout`."""
+    return [*REFERENCES["four-mtp-packed"], *PP2,
+            f"parallel.pipeline_model_parallel_layout={layout!r}"]  # fmt: skip
+
+
 # name: (the one-process run it equals, its overrides); 2 ranks each.
 LAYOUTS = {
     "tp2-sp-levers": ("reference", [*TP2_SP, *LEVERS]),
@@ -463,7 +476,30 @@ LAYOUTS = {
     "dp2-distopt-packed": ("packed", ["parallel.use_distributed_optimizer=true", *PACKED]),
     "dp2-fsdp-no-q-lora-mtp": (
         "no-q-lora-mtp", ['parallel.data_parallel_sharding="full"', *NO_Q_LORA_MTP]),
+    # Uneven stages (parallel.pipeline_model_parallel_layout): 3 + 1 layers under 1F1B; 1 + 3
+    # under ZB-H1; interleaved with a last chunk of no transformer layer (the MTP depth, the
+    # final norm, the output layer and the loss), and with a middle chunk of none (it passes
+    # its input on; also fully sharded, where that chunk has no parameter to shard).
+    "pp2-uneven-1f1b": ("four-mtp-packed", uneven("Et*3|tmL")),
+    "pp2-uneven-zb-h1": ("four-mtp-packed", [
+        *uneven("Et|tttmL"), 'parallel.pipeline_schedule="zb-h1"']),
+    "pp2-vpp2-uneven-empty-last": ("four-mtp-packed", [
+        *uneven("Et|tt|t|mL"), "parallel.virtual_pipeline_model_parallel_size=2"]),
+    "pp2-vpp2-uneven-empty-middle": ("four-mtp-packed", [
+        *uneven("Ett||t|tmL"), "parallel.virtual_pipeline_model_parallel_size=2"]),
+    "pp2-vpp2-uneven-empty-middle-fsdp": ("four-mtp-packed", [
+        *uneven("Ett||t|tmL"), "parallel.virtual_pipeline_model_parallel_size=2",
+        'parallel.data_parallel_sharding="full"']),
 }  # fmt: skip
+# What each rank of an uneven layout builds: its chunks' (layer ids, holds the MTP depth).
+EMPTY_MIDDLE = ([([0, 1], False), ([2], False)], [([], False), ([3], True)])
+UNEVEN_CHUNKS = {
+    "pp2-uneven-1f1b": ([([0, 1, 2], False)], [([3], True)]),
+    "pp2-uneven-zb-h1": ([([0], False)], [([1, 2, 3], True)]),
+    "pp2-vpp2-uneven-empty-last": ([([0], False), ([3], False)], [([1, 2], False), ([], True)]),
+    "pp2-vpp2-uneven-empty-middle": EMPTY_MIDDLE,
+    "pp2-vpp2-uneven-empty-middle-fsdp": EMPTY_MIDDLE,
+}
 
 
 def _train_config(corpus, out, overrides=()):
@@ -473,12 +509,26 @@ def _train_config(corpus, out, overrides=()):
 
 
 def _train(corpus, out, runs: dict):
+    """Each run's history (rank 0), and on every rank the chunks it built: (layer ids,
+    whether it holds the MTP depths) each."""
+    from megatrain.run import setup
     from megatrain.run.loop import train
 
-    return {
-        name: train(_train_config(corpus, f"{out}/{name}", overrides))
-        for name, overrides in runs.items()
-    }
+    build, built = setup.build_model_chunks, []
+
+    def recorded(*args, **kw):
+        chunks = build(*args, **kw)
+        built[:] = [(c.layer_ids, getattr(c, "mtp", None) is not None) for c in chunks]
+        return chunks
+
+    setup.build_model_chunks, results = recorded, {}
+    try:
+        for name, overrides in runs.items():
+            history = train(_train_config(corpus, f"{out}/{name}", overrides)) or {}
+            results[name] = {**history, "chunks": list(built)}
+    finally:
+        setup.build_model_chunks = build
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -489,14 +539,17 @@ def corpus(tmp_path_factory):
 
 
 def test_mla_llama_layouts_take_the_one_process_steps(corpus, tmp_path):
+    from megatrain.checkpoint.files import find_checkpoint, read_meta
+    from megatrain.inference.load import check_layout
     from megatrain.testing import assert_same_steps
 
     one = run_distributed(_train, 1, args=(corpus, str(tmp_path / "one"), REFERENCES))[0]
     runs = {name: overrides for name, (_, overrides) in LAYOUTS.items()}
-    # A checkpoint of pp 2 (two steps) goes on at tp 2 + sp and takes the reference's third.
+    # A checkpoint of uneven pp 2 (3 + 1 layers, two steps) goes on at tp 2 + sp and takes
+    # the reference's third.
     ckpt = str(tmp_path / "ckpt")
-    runs["first"] = [*PP2, "training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
-    runs["at-tp2"] = [*TP2_SP, f"checkpoint.load={ckpt!r}"]
+    runs["first"] = [*uneven("Et*3|tmL"), "training.exit_interval=2", f"checkpoint.save={ckpt!r}"]
+    runs["at-tp2"] = [*REFERENCES["four-mtp-packed"], *TP2_SP, f"checkpoint.load={ckpt!r}"]
     two = run_distributed(_train, 2, args=(corpus, str(tmp_path / "two"), runs), timeout=300)
     reference = one["reference"]
     assert all(math.isfinite(x) for x in reference["loss"])
@@ -513,10 +566,21 @@ def test_mla_llama_layouts_take_the_one_process_steps(corpus, tmp_path):
             run.get("mtp_loss/depth1", []), ref.get("mtp_loss/depth1", []), strict=True
         ):
             assert abs(a - b) < FP32_TOL, (name, run["mtp_loss/depth1"], ref["mtp_loss/depth1"])
+    for name, ranks in UNEVEN_CHUNKS.items():  # the layout's layers, not the even split's
+        assert tuple([tuple(c) for c in two[r][name]["chunks"]] for r in (0, 1)) == ranks, name
     first, then = two[0]["first"], two[0]["at-tp2"]
     assert first["stopped_at"] == 2 and len(then["loss"]) == STEPS - 2
-    steps = {k: first[k] + then[k] for k in ("loss", "grad_norm")} | {"valid": then["valid"]}
-    assert_same_steps(steps, reference, "pp2 -> tp2 + sp", FP32_TOL)
+    fields = ("loss", "grad_norm", "mtp_loss/depth1")
+    steps = {k: first[k] + then[k] for k in fields} | {"valid": then["valid"]}
+    reference = one["four-mtp-packed"]
+    assert_same_steps(steps, reference, "uneven pp2 -> tp2 + sp", FP32_TOL)
+    mtp = zip(steps["mtp_loss/depth1"], reference["mtp_loss/depth1"], strict=True)
+    assert max(abs(a - b) for a, b in mtp) < FP32_TOL, (steps, reference)
+    # Forward passes from it (generate, megaeval, convert, export) split the layers evenly
+    # over their own pp: the saved layout is the training run's stages.
+    meta = read_meta(find_checkpoint(ckpt))
+    assert meta["config"]["parallel"]["pipeline_model_parallel_layout"] == "Et*3|tmL"
+    assert check_layout(meta, 1, 1, Path(ckpt)).parallel.pipeline_model_parallel_layout is None
 
 
 # --- refusals and accounting --------------------------------------------------------------

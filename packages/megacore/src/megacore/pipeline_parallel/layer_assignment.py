@@ -174,7 +174,7 @@ def parse_pipeline_layout(
         stages = []
         for i, stage in enumerate(layout):
             if not isinstance(stage, (list, tuple)) or any(
-                item not in LAYOUT_NAMES for item in stage
+                not isinstance(item, str) or item not in LAYOUT_NAMES for item in stage
             ):
                 raise ValueError(
                     f"{name}: stage {i} is {stage!r}; each stage is a list of "

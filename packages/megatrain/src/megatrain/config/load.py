@@ -25,8 +25,13 @@ def _type_name(annotation) -> str:
 def _coerce(where: str, value, default, annotation):
     """Check a TOML value against a field's type; ints are accepted for floats."""
     kinds = typing.get_args(annotation) or (annotation,)
-    # TOML has no null: "none" clears a field that may be None (and is not a string field).
-    spelled_none = isinstance(value, str) and value.lower() in ("none", "null") and str not in kinds
+    # TOML has no null: "none" clears a field that may be None (and is not a string field,
+    # where it could be a value; a pipeline layout, a string or a list, is never "none").
+    spelled_none = (
+        isinstance(value, str)
+        and value.lower() in ("none", "null")
+        and (str not in kinds or list in kinds)
+    )
     if value is None or spelled_none:
         if type(None) in kinds:
             return None

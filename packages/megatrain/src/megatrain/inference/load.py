@@ -91,6 +91,9 @@ def checkpoint_model_config(meta: dict) -> TransformerConfig:
     config.parallel.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
     config.parallel.pipeline_model_parallel_size = ps.get_pipeline_model_parallel_world_size()
     config.parallel.virtual_pipeline_model_parallel_size = None
+    # The saved stages' layout is the training run's (its pp x vpp): forward passes split
+    # the layers evenly over this process's pp, as `check_layout` checked.
+    config.parallel.pipeline_model_parallel_layout = None
     config.parallel.sequence_parallel = config.parallel.tp_comm_overlap = False
     config.model.recompute = "none"
     return run_model_config(config, meta["vocab_size"])
@@ -142,9 +145,11 @@ def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
     config = Config.from_dict(meta["config"])
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
-    # The saved interleaving, dp and cp belong to the old layout; a run at the new one sets its
-    # own (context parallelism splits sequences, not the model).
+    # The saved interleaving, stage layout (its pp x vpp stages), dp and cp belong to the old
+    # layout; a run at the new one sets its own (context parallelism splits sequences, not the
+    # model), and here the layers split evenly over `pp`.
     p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
+    p.pipeline_model_parallel_layout = None
     p.context_parallel_size = 1
     p.tp_comm_overlap = False  # a training overlap; forward passes run without it
     # Forward passes split experts over tp (expert tensor parallelism, no expert parallelism)

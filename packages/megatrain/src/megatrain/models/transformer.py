@@ -302,6 +302,11 @@ class LanguageModel(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """The chunk's layers, then the final LayerNorm on a last pre_ln stage."""
+        if not self.layers and not self.pre_process and not self.post_process:
+            # A middle stage of no layer (parallel.pipeline_model_parallel_layout) passes its
+            # input on, as a view: the schedule frees a sent output's storage, which would
+            # otherwise be the received input's, still needed for the gradient it sends back.
+            return x.view_as(x)
         for i, layer in self.layers.items():
             x = self.run_layer(layer, x, mask, cache, int(i))
         if self.post_process and self.config.block_order == "pre_ln":

@@ -53,6 +53,11 @@ def apply_fsdp(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if next(chunk.parameters(), None) is None:
+        # A middle pipeline stage of no layer (parallel.pipeline_model_parallel_layout), which
+        # passes its input on: nothing to shard, nor a device to read off a parameter.
+        chunk.no_sync, chunk.fully_sharded_group = contextlib.nullcontext, group
+        return chunk
     mesh = DeviceMesh.from_group(group, next(chunk.parameters()).device.type)
     policy = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype,

@@ -197,6 +197,11 @@ def _loop(run: Run, stop: StopSignal, saver: AsyncSaver | None) -> dict | None:
         f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {t.seq_length} tokens, "
         f"{t.precision}; peak {peak:.2f} TFLOP/s per device ({peak_source})"
     )
+    if (counts := run.model_config.pipeline_layer_counts) is not None:
+        log.info(
+            "megatrain: transformer layers of each pipeline stage (virtual stages in model "
+            f"order, parallel.pipeline_model_parallel_layout): {', '.join(map(str, counts))}"
+        )
     if isinstance(run.train_data, BlendedBatches):  # what the run takes from each corpus
         log.info(f"megatrain: {run.train_data.describe(t.train_iters * t.global_batch_size)}")
     guard = NonFiniteLossGuard(t.max_nonfinite_losses)
