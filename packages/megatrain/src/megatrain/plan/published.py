@@ -66,7 +66,8 @@ _LAYOUT = {
 # the attention implementation the run ran (accounting.ATTENTION_IMPLEMENTATIONS; absent: its
 # GPU entry's).
 _LAYOUT_OPTIONAL = {
-    "vpp": int, "cp": int, "ep": int, "sequence_parallel": bool, "overlap_grad_reduce": bool,
+    "vpp": int, "cp": int, "ep": int, "etp": int, "sequence_parallel": bool,
+    "overlap_grad_reduce": bool,
     "overlap_param_gather": bool, "reduce_every_microbatch": bool, "tp_comm_overlap": bool,
     "gpu_memory_gib": float, "fused_linear_cross_entropy": bool, "attention": str,
     "compile": bool, "pipeline_layout": str, "plan_memory_over": str,
@@ -244,6 +245,7 @@ def _run(row: dict, index: int, source: str, gpus: dict[str, Gpu]) -> PublishedR
         vpp=vpp,
         cp=lay.get("cp", 1),
         ep=lay.get("ep", 1),
+        etp=lay.get("etp"),
         micro_batch=lay["micro_batch"],
         recompute=lay["recompute"],
         sequence_parallel=lay.get("sequence_parallel", False),
