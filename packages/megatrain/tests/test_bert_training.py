@@ -2,11 +2,12 @@
 
 One 1-rank spawn trains the tiny BERT of both block orders (pre_ln: the paper's (b);
 post_ln: the original (a)) for 3 steps; one 8-rank spawn trains the same at tensor,
-pipeline (interleaved), data, sequence parallel layouts with the distributed optimizer and
-full or selective recompute.  The masked-LM and SOP losses, the gradient norms and the
-validation loss must equal the one-process run's; every rank runs under NCCL's rules
-(run_distributed's default).  The corpus is real English (Python's docstrings) tokenized
-as megadata's BERT corpora are: WordPiece with sentence ends.
+pipeline (interleaved; uneven stages, one of them empty), data, sequence parallel layouts
+with the distributed optimizer and full or selective recompute.  The masked-LM and SOP
+losses, the gradient norms and the validation loss must equal the one-process run's;
+every rank runs under NCCL's rules (run_distributed's default).  The corpus is real
+English (Python's docstrings) tokenized as megadata's BERT corpora are: WordPiece with
+sentence ends.
 """
 
 import math
@@ -52,6 +53,13 @@ LAYOUTS = {
         "model.num_layers=8",
         "parallel.pipeline_model_parallel_size=4",
         "parallel.virtual_pipeline_model_parallel_size=2",
+    ],
+    # Uneven stages (parallel.pipeline_model_parallel_layout) of 2, 3, none and 3 layers: the
+    # third passes its input on, the last holds the pooler and both heads beside 3 layers.
+    "pp4-dp2-uneven-8-layers": [
+        "model.num_layers=8",
+        "parallel.pipeline_model_parallel_size=4",
+        'parallel.pipeline_model_parallel_layout="Ett|ttt||tttL"',
     ],
     # Each layer a CUDA graph (emulated on the CPU), the key-padding mask its second input.
     "graphs-tp2-dp4-seqpar": [
