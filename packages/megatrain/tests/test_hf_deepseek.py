@@ -558,6 +558,12 @@ def test_shipped_deepseek_tiny_trained_here_exports_exactly(tmp_path):
 LOAD_LAYOUTS = {  # name -> overrides; 2 ranks
     "tp2-sp": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
     "ep2": ["parallel.expert_model_parallel_size=2", "model.moe_grouped_gemm=false"],
+    # Uneven stages: the 3 layers on the first, the MTP layer alone on the last with the
+    # output layer and the loss (its copy of the word embeddings read from the files too).
+    "pp2-uneven": [
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_layout='Ettt|mL'",
+    ],
 }
 
 
@@ -574,8 +580,9 @@ def _load_hf_runs(root, out, layouts):
 
 def test_load_hf_of_a_deepseek_at_tp2_sp_and_ep2_takes_the_one_process_steps(tmp_path):
     """`run --load-hf` of the tiny V3's files (its MTP layer too, so the MTP loss joins the
-    steps) at tp 2 + sp (the latent down-projections whole on each rank, the heads split) and
-    at ep 2 (2 gloo ranks, one spawn): one process's losses, grad norms and validation."""
+    steps) at tp 2 + sp (the latent down-projections whole on each rank, the heads split), at
+    ep 2 and at uneven pp 2 stages "Ettt|mL" (2 gloo ranks, one spawn): one process's losses,
+    grad norms and validation."""
     import hashlib
 
     from test_hf_load_layout import TOL
