@@ -8,8 +8,11 @@ spawn trains the layouts: ep 2 with the distributed optimizer (experts sharded o
 DP 2) and ep 4 (all-to-all dispatch), tp 2 with sequence parallelism at etp 1 (full
 recompute, the distributed optimizer) and etp 2 (all-gather dispatch), pp 2 under 1F1B, ZB-H1
 and interleaved (vpp 2), ep 4 with capacity, cp 2 x ep 2 (the aux and z losses' shares under
-context parallelism), and bf16 at ep 2; a run saved at ep 4 goes on at ep 4 (bitwise),
-tp 2 x ep 2 and ep 1, and, with the expert bias switched on, from zero biases with a warning;
+context parallelism), FSDP2 with the experts sharded over expert DP 2 (dp 4 x ep 2, and
+tp 2 x dp 2 x ep 2 x etp 1 reduce-scattering each of 2 microbatches), and bf16 at ep 2; a run
+saved at ep 4 goes on at ep 4 (bitwise), tp 2 x ep 2 and ep 1, and, with the expert bias
+switched on, from zero biases with a warning; one saved at FSDP dp 4 x ep 2 goes on at ep 2
+with the distributed optimizer and at FSDP tp 2 x ep 2 (expert DP 1);
 the sigmoid run at pp 2 x ep 2 (ZB-H1, distributed optimizer), saved in the background after
 a step, resumes bitwise, its expert biases with it.  DeepSeek-V3's routing (8 experts in 4
 groups, 2 chosen, top-2 group score, scaled, a shared expert, a first dense layer, the
@@ -126,6 +129,7 @@ def ep(size):
 
 
 TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+FULL = ["parallel.data_parallel_sharding='full'"]
 PP2 = ["parallel.pipeline_model_parallel_size=2"]
 # name: (routing, overrides); 4 ranks each (dp fills the rest).
 LAYOUTS = {
@@ -154,7 +158,20 @@ LAYOUTS = {
         "deepseek-mtp-packed", [*ep(4), "model.moe_group_limited_dispatch=true"]),
     "ep2-gpt-oss": ("gpt-oss", ep(2)),
     "tp2-sp-ep2-etp2-gpt-oss": ("gpt-oss", [*TP2_SP, *ep(2)]),
+    # FSDP2 with the experts sharded over their own expert-data-parallel group of 2 ranks: at
+    # dp 4 x ep 2, and at tp 2 x dp 2 x ep 2 x etp 1, whose 2 microbatches each
+    # reduce-scatter (expert DP 1 is the FSDP checkpoint's resumed step, `FROM_FSDP`).  The
+    # clip (1.0) acts: the norms are ~1.37.
+    "fsdp-dp4-ep2": ("softmax", [*FULL, *ep(2)]),
+    "fsdp-tp2-sp-dp2-ep2-etp1-reduce-every-microbatch": (
+        "softmax", [*FULL, *TP2_SP, *ep(2), "parallel.expert_tensor_parallel_size=1",
+                    "parallel.reduce_every_microbatch=true"]),
 }  # fmt: skip
+# Where the FSDP dp 4 x ep 2 checkpoint of one step goes on (`_layouts`).
+FROM_FSDP = {
+    "fsdp-at-ep2-distopt": [*ep(2), "parallel.use_distributed_optimizer=true"],
+    "fsdp-at-fsdp-tp2-sp-ep2": [*FULL, *TP2_SP, *ep(2)],
+}
 # The layouts whose dispatches are recorded (`_routed`): the ranks each token went to.
 ROUTED = [name for name in LAYOUTS if name.startswith("ep4-deepseek")]
 # The runs that save their end, and whose saved tensors the test compares with one process's.
@@ -306,6 +323,16 @@ def _layouts(corpus, out):
     runs["first"] = train(_config(corpus, f"{out}/first", "softmax", [*ep(4), *save]))
     for name, o in resumed.items():
         runs[name] = train(_config(corpus, f"{out}/{name}", "softmax", [*o, *load]))
+    # Stopped after a step at FSDP dp 4 x ep 2 (expert shards over expert DP 2); the second
+    # step at ep 2 with the distributed optimizer, and at FSDP again at tp 2 x ep 2 (expert
+    # DP 1: unsharded expert units, which still divide; each expert's columns over etp 2).
+    fsdp_ckpt = f"{out}/fsdp-ckpt"
+    save = ["training.exit_interval=1", f"checkpoint.save={fsdp_ckpt!r}"]
+    first = _config(corpus, f"{out}/fsdp-first", "softmax", [*FULL, *ep(2), *save])
+    runs["fsdp-first"] = train(first)
+    for name, o in FROM_FSDP.items():
+        o = [*o, f"checkpoint.load={fsdp_ckpt!r}"]
+        runs[name] = train(_config(corpus, f"{out}/{name}", "softmax", o))
     # The softmax checkpoint holds no expert bias: switched on, the biases start from zero,
     # with a warning naming the field.
     with contextlib.redirect_stdout(io.StringIO()) as said:
@@ -429,6 +456,14 @@ def test_an_ep4_checkpoint_goes_on_at_tp2_ep2_and_ep1(references, layouts):
     resumed = layouts["at-ep4"]
     assert resumed["loss"] == whole["loss"][1:] and resumed["grad_norm"] == whole["grad_norm"][1:]
     assert resumed["valid"] == whole["valid"]
+    # An FSDP + EP checkpoint (dense shards over DP 4, expert shards over expert DP 2) takes
+    # the reference's second step at ep 2 with the distributed optimizer and at FSDP tp 2.
+    first = layouts["fsdp-first"]
+    assert first["stopped_at"] == 1
+    for name in FROM_FSDP:
+        run = layouts[name]
+        steps = {k: first[k] + run[k] for k in ("loss", "grad_norm")}
+        assert_same_steps({**steps, "valid": run["valid"]}, reference, name, FP32_TOL)
     # With the expert bias switched on, the biases the checkpoint lacks start from zero.
     from_none = layouts["bias-from-none"]
     assert "stopped_at" not in from_none and len(from_none["loss"]) == 1, from_none
@@ -472,7 +507,6 @@ def test_a_run_with_expert_bias_resumes_bitwise(layouts, tmp_path):
         ([*ep(4), *PP2], r"4 processes, not divisible by the expert layout"),
         (["parallel.tensor_model_parallel_size=2", *ep(2)], "needs parallel.sequence_parallel"),
         ([*ep(2), "parallel.expert_tensor_parallel_size=3"], r"moe_ffn_hidden_size \(16, each"),
-        ([*ep(2), "parallel.data_parallel_sharding='full'"], "FSDP would shard the experts"),
         (["model.moe_token_dispatcher_type='deepep'"], "moe_token_dispatcher_type: expected"),
         (["model.num_moe_experts=8", "model.moe_router_topk=9"], "moe_router_topk"),
         # Node-limited dispatch needs whole groups on each rank: 2 groups over 4 ranks.

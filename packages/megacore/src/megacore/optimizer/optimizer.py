@@ -178,7 +178,8 @@ class MegatronOptimizer:
     torch's FSDP2 (ZeRO-3): then each fp32 parameter is a DTensor whose local shard is
     the master itself (updated in place; FSDP gathers it for the next forward), its
     gradient the local shard of the reduce-scattered gradient, and the norm sums over
-    the FSDP mesh's group too, where each element lives on one rank.
+    the FSDP mesh's group too, where each element lives on one rank (expert parameters
+    sharded over the expert-data-parallel group: over that one, with the expert groups).
     """
 
     def __init__(self, config: OptimizerConfig, model_chunks: Sequence[nn.Module]):
@@ -201,6 +202,12 @@ class MegatronOptimizer:
             ]
         # FSDP2's data-parallel groups (DTensor parameters: each rank holds a piece).
         self.fully_sharded_groups = _fully_sharded_groups(self.model_chunks, self.shards)
+        # Whether each expert element lives on one rank of expert DP too (the distributed
+        # optimizer's expert buffers, or FSDP2's expert units over that group, megatrain's
+        # apply_fsdp): their norm terms are then summed over it as well (`expert_norm_groups`).
+        self.experts_sharded = self.sharded or any(
+            isinstance(s.param, DTensor) and is_expert_param(s.param) for s in self.shards
+        )
         self._check_dtypes()
         low = torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else None
         if low is not None and self.shards:
@@ -282,7 +289,7 @@ class MegatronOptimizer:
         self.finish_param_sync()
         grads = self._masters_take_grads()
         groups = self._norm_groups()
-        expert_groups = expert_norm_groups(self.sharded)
+        expert_groups = expert_norm_groups(self.experts_sharded)
         if self.config.fused_grad_norm:
             found_inf, grad_norm = self._unscale_check_and_norm(grads)
         else:
@@ -355,7 +362,7 @@ class MegatronOptimizer:
             [m.grad for m in others],
             [is_expert_param(m) for m in counted + others],
             groups=self._norm_groups(),
-            expert_groups=expert_norm_groups(self.sharded),
+            expert_groups=expert_norm_groups(self.experts_sharded),
         )
 
     @torch.no_grad()
@@ -443,7 +450,7 @@ class MegatronOptimizer:
         bad = any(not torch.isfinite(g).all() for g in grads)
         flag = torch.tensor([float(bad)], device=comm_device(grads))
         # Expert gradients differ between expert-parallel ranks: their groups hear it too.
-        for group in self._norm_groups() + (expert_norm_groups(self.sharded) or []):
+        for group in self._norm_groups() + (expert_norm_groups(self.experts_sharded) or []):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
@@ -451,7 +458,7 @@ class MegatronOptimizer:
         masters = [s.master for s in self.shards if s.master.grad is not None]
         device = comm_device(masters)
         # Summed on the device, so the count costs one host sync, not one per tensor.
-        expert_groups = expert_norm_groups(self.sharded)
+        expert_groups = expert_norm_groups(self.experts_sharded)
         totals = []
         for expert, over in ((False, groups), (True, expert_groups)):
             if expert and over is None:  # the expert layout is the dense one: counted above

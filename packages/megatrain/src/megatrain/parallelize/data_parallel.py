@@ -9,7 +9,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megacore import parallel_state as ps
 from megacore.distributed import DistributedDataParallel
+from megatrain.models.moe import GroupedExperts
 
 
 def apply_fsdp(
@@ -20,6 +22,7 @@ def apply_fsdp(
     *,
     sum_then_divide: bool = True,
     reduce_every_microbatch: bool = False,
+    expert_group=None,
 ):
     """Fully shard `chunk` over the data-parallel process group `group` with torch's FSDP2
     (`parallel.data_parallel_sharding = "full"`), as torchtitan does: `fully_shard` on each
@@ -49,6 +52,11 @@ def apply_fsdp(
       `no_sync()` does nothing, and every microbatch's backward reduce-scatters each layer's
       gradient into the shards, which accumulate there (torchtitan's and Composer's way: a
       reduce-scatter a microbatch, one layer's unsharded gradient at a time).
+    - Experts split over ranks (expert_model_parallel_size > 1 or etp != tp): each MoE layer's
+      routed experts (`GroupedExperts`) are a unit of their own, sharded over `expert_group`
+      (megacore's expert-data-parallel group: the ranks holding the same experts), before
+      their layer's unit takes the rest over `group` (torchtitan's DeepSeek-V3 and
+      Qwen3-MoE runs): `_shard_experts`.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -72,10 +80,9 @@ def apply_fsdp(
     with torch.no_grad():
         for p in chunk.parameters():
             p.data = p.data.float()
-    units = [
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        for layer in chunk.transformer_layers()
-    ]
+    shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    experts = _shard_experts(chunk, expert_group, shard)
+    units = [shard(layer, mesh=mesh) for layer in chunk.transformer_layers()]
     # Each layer's all-gather is issued before the layer ahead of it computes: the next one's
     # in the forward, the previous one's in the backward (FSDP's own streams overlap them
     # with that compute on a GPU).
@@ -97,8 +104,37 @@ def apply_fsdp(
     chunk.no_sync = (
         contextlib.nullcontext if reduce_every_microbatch else partial(_fsdp_no_sync, chunk)
     )
+    for unit, force_sum in experts:
+        # The experts' gradients divided by the dense size, as megacore's DDP divides them
+        # (megacore.moe's gradient-scale rule: the expert-data-parallel sum covers every token
+        # of the global batch once, the loss its mean over the dense replicas' batches).
+        unit.set_gradient_divide_factor(float(dist.get_world_size(group)))
+        unit.set_force_sum_reduction_for_comms(force_sum)
     chunk.fully_sharded_group = group  # for the optimizer's gradient norm
     return chunk
+
+
+def _shard_experts(chunk, expert_group, shard) -> list:
+    """With experts split over ranks: each `GroupedExperts` of `chunk` `fully_shard`-ed (by
+    `shard`) over `expert_group` (default megacore's expert-data-parallel group); returns
+    [(unit, whether its reduction must be forced to SUM)].  None is sharded where the expert
+    layout is the dense one: the experts then go with their layer over the dense group.
+
+    At an expert-data-parallel size of 1 the experts are wrapped all the same (one path for
+    every size: their gradients still need the dense divide, and FSDP's 1-rank unit does it
+    with no communication), but without forcing SUM: torch 2.13's 1-rank path divides by the
+    factor when it copies the gradient and again after it when the reduction is forced to SUM
+    (the factor squared); unforced, it divides once and sends nothing."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    modules = [m for m in chunk.modules() if isinstance(m, GroupedExperts)]
+    if not modules or ps.expert_layout_is_dense_layout():
+        return []
+    expert_group = expert_group or ps.get_expert_data_parallel_group()
+    device = next(modules[0].parameters()).device.type
+    mesh = DeviceMesh.from_group(expert_group, device)
+    many = dist.get_world_size(expert_group) > 1
+    return [(shard(m, mesh=mesh), many) for m in modules]
 
 
 @contextlib.contextmanager

@@ -304,12 +304,6 @@ def _check_expert_parallel(config: Config, world_size: int | None) -> None:
             f"parallel.expert_tensor_parallel_size x expert_model_parallel_size x "
             f"pipeline_model_parallel_size ({etp} x {ep} x {pp} = {etp * ep * pp})",
         )
-    _need(
-        p.data_parallel_sharding != "full" or (ep == 1 and etp == tp),
-        "parallel.data_parallel_sharding = 'full' with experts split over ranks "
-        f"(expert_model_parallel_size {ep}, expert tensor-parallel size {etp}): FSDP would "
-        "shard the experts over the dense data-parallel group, not theirs; use 'optimizer'",
-    )
 
 
 def _check_data_parallel_sharding(config: Config) -> None:
