@@ -137,3 +137,40 @@ def test_the_search_tries_uneven_splits_and_prints_them_as_overrides():
     apply_overrides(again, [*best.overrides(), "training.global_batch_size=16"])
     assert again.parallel.pipeline_model_parallel_layout == best.pipeline_layout
     validate(replace(again, model=replace(again.model, vocab_size=VOCAB)), world_size=4)
+
+
+def test_fsdp_shards_the_experts_over_their_own_group():
+    """FSDP with the experts split over EP ranks (parallel.data_parallel_sharding = "full"):
+    the dense parameters are gathered and reduce-scattered over the dense data-parallel ranks,
+    the experts over their own (expert data-parallel) group, which at ep = dp is one rank:
+    nothing to move, so the step's data-parallel time is the dense parameters' alone, as
+    cost_model._fsdp_exposed gives it from one layer's times; at ep 2 the experts' exposure
+    adds to it."""
+    from megatrain.plan.cost_model import _fsdp_exposed
+
+    config = _tiny()
+    layout = Layout(tp=1, pp=1, dp=4, micro_batch=2, fsdp=True, ep=4, etp=1)
+    result = estimate(config, layout, H100, HOPPER, VOCAB)
+    at = apply_layout(config, layout)
+    costs = Costs(H100, HOPPER, "bf16")
+    cfg = model_config(at, VOCAB)
+    layer = layer_seconds(
+        at, layout, costs, group_bandwidth(H100, 1, 1), group_bandwidth(H100, 1, 1), cfg=cfg
+    )
+    dense = result.memory["parameters"] - result.memory["expert_parameters"]
+    bandwidth = group_bandwidth(H100, 4, 1)
+    layers, microbatches = cfg.num_layers, result.notes["microbatches"]
+    by_hand = _fsdp_exposed(
+        costs.collective("all_gather", costs.element * dense, 4, bandwidth),
+        costs.collective("reduce_scatter", 4 * dense, 4, bandwidth),
+        layers * (layer["compute"] - layer["backward"]),
+        layers * layer["backward"],
+        layers,
+        microbatches,
+        1,
+        True,
+    )
+    assert result.memory["expert_parameters"] > 0
+    assert abs(result.time["dp_comm"] - sum(by_hand)) < 1e-12
+    sharded = estimate(config, replace(layout, ep=2), H100, HOPPER, VOCAB)
+    assert sharded.time["dp_comm"] > result.time["dp_comm"]

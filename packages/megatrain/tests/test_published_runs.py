@@ -220,6 +220,7 @@ def test_every_run_that_ran_fits_the_plans_memory():
     assert over == [
         "megatron-bridge-deepseek-v3-256xgb200-bf16",
         "megatron-bridge-deepseek-v3-1024xh100-fp8",
+        "automodel-deepseek-v3-256xh100-bf16",
     ]
 
 

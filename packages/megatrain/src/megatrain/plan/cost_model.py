@@ -581,16 +581,21 @@ def estimate(
         if p.reduce_every_microbatch:  # ... after every microbatch's backward
             reductions = microbatches
         reshard = pp == 1 if p.reshard_after_forward is None else p.reshard_after_forward
-        gather, reduce = _fsdp_exposed(
-            costs.collective("all_gather", costs.element * params, replicas, dp_bandwidth),
-            costs.collective("reduce_scatter", grads, replicas, dp_bandwidth),
-            layers * (layer["compute"] - layer["backward"]),
-            layers * layer["backward"],
-            max(layers, 1),
-            microbatches,
-            reductions,
-            reshard,
-        )
+
+        def fsdp_exposed(count: float, ranks: int, bandwidth: float) -> tuple[float, float]:
+            return _fsdp_exposed(
+                costs.collective("all_gather", costs.element * count, ranks, bandwidth),
+                costs.collective("reduce_scatter", 4 * count, ranks, bandwidth),
+                layers * (layer["compute"] - layer["backward"]),
+                layers * layer["backward"],
+                max(layers, 1),
+                microbatches,
+                reductions,
+                reshard,
+            )
+
+        # the dense parameters over dp x cp; the experts over their own group, below
+        gather, reduce = fsdp_exposed(params - memory["expert_parameters"], replicas, dp_bandwidth)
     elif layout.distributed_optimizer:
         reduce = costs.collective("reduce_scatter", grads, replicas, dp_bandwidth)
         gather = costs.collective("all_gather", costs.element * params, replicas, dp_bandwidth)
@@ -617,13 +622,16 @@ def estimate(
         edp = max(1, replicas * tp // (layout.ep * layout.expert_tp))
         edp_bandwidth = group_bandwidth(gpu, edp, layout.ep * layout.expert_tp)
         share = experts / params
-        if layout.distributed_optimizer:
+        if layout.fsdp:  # FSDP2 over their group, layer by layer as the dense parameters
+            share = 0.0  # `reduce` and `gather` above are the dense parameters' alone
+            expert_comm = sum(fsdp_exposed(experts, edp, edp_bandwidth))
+        elif layout.distributed_optimizer:
             expert_comm = costs.collective(
                 "reduce_scatter", 4 * experts, edp, edp_bandwidth
             ) + costs.collective("all_gather", costs.element * experts, edp, edp_bandwidth)
         else:
             expert_comm = costs.collective("all_reduce", 4 * experts, edp, edp_bandwidth)
-        if p.overlap_grad_reduce and edp > 1:
+        if p.overlap_grad_reduce and edp > 1 and not layout.fsdp:
             expert_comm = max(0.0, expert_comm - layers * layer["backward"])
         time["dp_comm"] = (1 - share) * (reduce + gather) + expert_comm + embedding
     sharded = layout.distributed_optimizer or layout.fsdp

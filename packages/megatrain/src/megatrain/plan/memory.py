@@ -147,9 +147,14 @@ def memory_breakdown(
     held = {name: (params - experts) * dense[name] + experts * expert[name] for name in dense}
     if full:  # what FSDP gathers for compute (and accumulates unsharded), on top
         reshard = p.reshard_after_forward
+        # the largest layer gathered whole: a MoE layer's with the rank's experts (each
+        # gathered over the expert data-parallel group) where there is one
+        gathered_layer = layer_parameters_per_rank(cfg, tp)
+        if stage_layers(cfg, pp, stage)[1]:
+            gathered_layer = max(gathered_layer, layer_parameters_per_rank(cfg, tp, True, ep, etp))
         held["gathered"] = fsdp_gathered_bytes(
             params,
-            layer_parameters_per_rank(cfg, tp),
+            gathered_layer,
             sum(stage_layers(cfg, pp, stage)),
             t.precision,
             pp == 1 if reshard is None else reshard,

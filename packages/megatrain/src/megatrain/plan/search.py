@@ -1,7 +1,9 @@
 """Every layout of a config on a number of GPUs, ranked by predicted step time.
 
-A layout is tp x cp x pp x dp = the GPUs, a virtual pipeline size (interleaving), a micro
-batch size, a recompute mode, sequence parallelism (tp > 1), the data-parallel sharding
+A layout is tp x cp x pp x dp = the GPUs, a virtual pipeline size (interleaving; where pp x
+vpp does not divide the layers, Megatron-Bridge's uneven split, `_pipelines`), a micro
+batch size, a recompute mode, sequence parallelism (tp > 1; for a mixture of experts always,
+as a run requires), the data-parallel sharding
 (dp x cp > 1: none, the distributed optimizer, or FSDP, which with gradient accumulation
 either holds the unsharded gradients to the step's end or reduce-scatters every
 microbatch's), and for context parallelism (cp: 1, 2, 4, ... dividing the GPUs; the
@@ -163,10 +165,15 @@ def _layouts_of(
             yield base, e, None
             return
     per_replica = global_batch // dp
+    # Sequence parallelism at tp > 1; only with it for a mixture of experts, which a run
+    # refuses without it (the base layout above says so once when the split is refused)
+    sequence_parallel_choices = (False, True) if tp > 1 else (False,)
+    if tp > 1 and config.model.num_moe_experts:
+        sequence_parallel_choices = (True,)
     for mb in _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH)):
         for vpp, schedule, pipeline_layout in pipelines:
             for recompute in RECOMPUTE_CHOICES:
-                for sp in (False, True) if tp > 1 else (False,):
+                for sp in sequence_parallel_choices:
                     for sharding, every in _shardings(dp * cp, per_replica // mb):
                         layout = Layout(
                             tp, pp, dp, vpp, mb, recompute, sp, sharding == "optimizer",
