@@ -174,3 +174,24 @@ def test_fsdp_shards_the_experts_over_their_own_group():
     assert abs(result.time["dp_comm"] - sum(by_hand)) < 1e-12
     sharded = estimate(config, replace(layout, ep=2), H100, HOPPER, VOCAB)
     assert sharded.time["dp_comm"] > result.time["dp_comm"]
+
+
+def test_fsdp_gathers_the_stages_own_and_its_largest_layers():
+    """DeepSeek-V3 under FSDP at ep 256 (1 expert a rank and layer): its 3 dense layers (583M
+    parameters each) are larger than its 58 MoE layers at that layout; FSDP holds, besides its
+    shards, the stage's own parameters (embedding, output layer, MTP depth) gathered, two
+    layers of the largest (the computing one and the prefetched, resharded after the
+    forward), and one such layer's 16-bit and fp32 gradients (every microbatch reduced)."""
+    from megatrain.plan.accounting import layer_parameters_per_rank
+
+    config = load_config(MODELS / "deepseek-v3.toml")
+    layout = Layout(tp=1, pp=1, dp=256, micro_batch=2, recompute="full", fsdp=True, ep=256,
+                    reduce_every_microbatch=True)  # fmt: skip
+    at = apply_layout(config, layout)
+    cfg = model_config(at, VOCAB)
+    memory = memory_breakdown(at, vocab_size=VOCAB, data_parallel_size=256)
+    dense, moe = layer_parameters_per_rank(cfg, 1), layer_parameters_per_rank(cfg, 1, True, 256, 1)
+    assert dense > moe
+    own = memory["parameters"] - 3 * dense - 58 * moe
+    assert own > 0
+    assert memory["gathered"] == 2 * (own + 2 * dense) + (2 + 4) * dense

@@ -147,19 +147,21 @@ def memory_breakdown(
     held = {name: (params - experts) * dense[name] + experts * expert[name] for name in dense}
     if full:  # what FSDP gathers for compute (and accumulates unsharded), on top
         reshard = p.reshard_after_forward
-        # the largest layer gathered whole: a MoE layer's with the rank's experts (each
-        # gathered over the expert data-parallel group) where there is one
-        gathered_layer = layer_parameters_per_rank(cfg, tp)
-        if stage_layers(cfg, pp, stage)[1]:
-            gathered_layer = max(gathered_layer, layer_parameters_per_rank(cfg, tp, True, ep, etp))
+        # the stage's dense and MoE layers (a MoE layer's with the rank's experts, each
+        # gathered over the expert data-parallel group), and the largest of them
+        dense_layers, moe_layers = stage_layers(cfg, pp, stage)
+        sizes = [(layer_parameters_per_rank(cfg, tp), dense_layers)]
+        if moe_layers:
+            sizes.append((layer_parameters_per_rank(cfg, tp, True, ep, etp), moe_layers))
         held["gathered"] = fsdp_gathered_bytes(
             params,
-            gathered_layer,
-            sum(stage_layers(cfg, pp, stage)),
+            max((size for size, count in sizes if count), default=0),
+            dense_layers + moe_layers,
             t.precision,
             pp == 1 if reshard is None else reshard,
             t.global_batch_size // (t.micro_batch_size * dp),
             p.reduce_every_microbatch,
+            layers_params=sum(size * count for size, count in sizes),
         )
     state = sum(held.values())
 

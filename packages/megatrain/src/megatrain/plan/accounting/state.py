@@ -42,9 +42,12 @@ def fsdp_gathered_bytes(
     reshard_after_forward: bool,
     microbatches: int,
     reduce_every_microbatch: bool = False,
+    layers_params: int | None = None,
 ) -> float:
     """Bytes FSDP2 holds unsharded on top of its shards (`data_parallel_sharding = "full"`),
-    for a stage of `params` parameters per rank, `layers` layers of `layer_params` each:
+    for a stage of `params` parameters per rank, `layers` layers of `layer_params` each (or,
+    where they differ, a MoE model's dense and MoE layers, `layers_params` in all and
+    `layer_params` the largest's):
 
     - gathered parameters in the compute dtype (2 bytes in 16 bits, 4 in fp32): the chunk's
       own (embeddings, output layer: kept from forward to backward) and, with
@@ -57,8 +60,9 @@ def fsdp_gathered_bytes(
       the first microbatch's backward to the last one's reduce-scatter.
     """
     compute = 4 if precision == "fp32" else 2
-    own = params - layers * layer_params
-    gathered = own + (min(2, layers) if reshard_after_forward else layers) * layer_params
+    layers_params = layers * layer_params if layers_params is None else layers_params
+    own = params - layers_params
+    gathered = own + (min(2, layers) * layer_params if reshard_after_forward else layers_params)
     accumulated = microbatches > 1 and not reduce_every_microbatch
     gradients = 4 * params if accumulated else (compute + 4) * layer_params
     return compute * gathered + gradients
