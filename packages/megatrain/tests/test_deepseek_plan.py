@@ -198,11 +198,11 @@ def test_the_search_weighs_the_latent_gather_for_latent_attention_only():
 # The plan's first layouts for DeepSeek-V3 (the shipped config, seq 4096, global batch 15,360)
 # on H100s, as docs/planning.md states them: (GPUs, layout, tokens/s/GPU, MFU).
 ANSWERS = [
-    (256, Layout(tp=8, pp=1, dp=32, micro_batch=6, recompute="full", sequence_parallel=True,
-                 distributed_optimizer=True, ep=256, etp=1), 818.4, 0.2409),
-    (1024, Layout(tp=8, pp=1, dp=128, micro_batch=2, recompute="selective",
-                  sequence_parallel=True, distributed_optimizer=True, ep=256, etp=1), 1016.3,
-     0.2992),
+    (256, Layout(tp=1, pp=1, dp=256, micro_batch=2, recompute="full", fsdp=True, ep=256,
+                 reduce_every_microbatch=True), 1087.4, 0.3200),
+    (1024, Layout(tp=4, pp=2, dp=128, vpp=4, micro_batch=1, recompute="none",
+                  sequence_parallel=True, distributed_optimizer=True, schedule="interleaved",
+                  ep=256, etp=1, pipeline_layout="Et*8|(t*8|)*6t*5mL"), 1180.8, 0.3476),
 ]  # fmt: skip
 
 
@@ -218,6 +218,6 @@ def test_deepseek_v3_answers_on_256_and_1024_h100s(gpus, layout, tokens, mfu):
     assert best.fits and best.memory["total"] <= 0.9 * 80 * GIB
     per_gpu = 15360 * 4096 / best.time["total"] / gpus
     assert per_gpu == pytest.approx(tokens, abs=0.1) and best.mfu == pytest.approx(mfu, abs=1e-4)
-    fixed = {"tp": layout.tp, "pp": 1, "ep": 256, "etp": 1}
+    fixed = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp}
     result = search.plan(config, gpus, H100, HOPPER, VOCAB, fixed=fixed)
     assert result.ranked[0].layout == best.layout

@@ -134,9 +134,10 @@ def _plan_command(name: str) -> str:
 @pytest.mark.parametrize(("name", "gpus"), [("gpt-oss-20b", 8), ("gpt-oss-120b", 64)])
 def test_plan_answers_and_ranks_the_shipped_layout_first(monkeypatch, name, gpus):
     """`megatrain plan` of gpt-oss-20b on 8 H100s and gpt-oss-120b on 64 ranks first the
-    shipped layout (expert parallelism over every GPU, tp 1, pp 1, the distributed optimizer)
-    without recompute; the shipped selective recompute is the fastest of the ranked layouts
-    that fit 80 GB with 10% to spare by the unfused estimate too (test_memory's rule for
+    shipped layout (expert parallelism over every GPU, tp 1, pp 1; the distributed optimizer
+    for the 20B, FSDP for the 120B) without recompute; the shipped selective recompute is the
+    fastest of the ranked layouts that fit 80 GB with 10% to spare by the unfused estimate
+    too (test_memory's rule for
     every shipped config).  Context parallelism left out to keep the test short: the full
     search (the command in the config's comment) ranks the same first, at cp 1."""
     assert (
@@ -148,15 +149,16 @@ def test_plan_answers_and_ranks_the_shipped_layout_first(monkeypatch, name, gpus
     result = search.plan(config, gpus, H100, hardware.gpu_profile(H100), VOCAB)
     shipped = layout_of(config, gpus // config.ranks_per_replica)
     best = result.ranked[0]
-    assert best.layout == replace(shipped, recompute="none")
-    assert shipped.ep == gpus and shipped.distributed_optimizer and shipped.tp == shipped.pp == 1
+    assert result.position(replace(shipped, recompute="none")) == 0
+    assert shipped.ep == gpus and shipped.tp == shipped.pp == 1
+    assert shipped.distributed_optimizer or shipped.fsdp
     assert best.fits and best.memory["total"] <= 0.9 * 80 * GIB
     usable = [
         e for e in result.ranked
         if memory_per_gpu(apply_layout(config, e.layout), VOCAB, e.layout.dp)["total"]
         <= 0.9 * H100.memory_bytes
     ]  # fmt: skip
-    assert usable[0].layout == shipped and usable[0] is result.ranked[1]
+    assert result._settled(usable[0].layout) == result._settled(shipped)
     assert best.time["ep_comm"] > 0
     # MFU from the active FLOPs, the windows' bands counted
     cfg = model_config(apply_layout(config, best.layout), VOCAB)
