@@ -195,3 +195,30 @@ def test_fsdp_gathers_the_stages_own_and_its_largest_layers():
     own = memory["parameters"] - 3 * dense - 58 * moe
     assert own > 0
     assert memory["gathered"] == 2 * (own + 2 * dense) + (2 + 4) * dense
+
+
+def test_plan_fix_searches_only_those_splits():
+    """`megatrain plan --fix pp=2 --fix ep=2`: every layout weighed and ranked at pp 2 and ep 2
+    (the uneven split among them, deepseek-tiny's 5 layers), the report saying so; a malformed
+    --fix is refused naming it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from megatrain.cli import main
+    from megatrain.plan.search import parse_fixed
+
+    args = [
+        "plan", "--config", str(MODELS / "deepseek-tiny.toml"), "--gpus", "4",
+        "--gpu", "h100-80gb", "model.vocab_size=1024", "model.num_layers=5",
+        "model.moe_layer_freq=[0, 1, 1, 1, 1]", "--fix", "pp=2", "--fix", "ep=2",
+    ]  # fmt: skip
+    text = CliRunner().invoke(main, args).output
+    assert "searched only: pp 2, ep 2 (--fix)" in text
+    data = json.loads(CliRunner().invoke(main, [*args, "--json", "--top", "50"]).output)
+    assert data["fixed"] == {"pp": 2, "ep": 2} and data["layouts"]
+    assert {(e["layout"]["pp"], e["layout"]["ep"]) for e in data["layouts"]} == {(2, 2)}
+    assert parse_fixed(["etp=none", "cp_comm=latent"]) == {"etp": None, "cp_comm": "latent"}
+    refused = CliRunner().invoke(main, [*args, "--fix", "pp=0"])
+    assert refused.exit_code != 0
+    assert "--fix 'pp=0': pp takes a whole number above 0" in refused.output

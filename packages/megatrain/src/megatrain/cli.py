@@ -529,9 +529,18 @@ def _plan_error(message: str) -> None:
 @click.option("--calibrate", is_flag=True, help="Measure this machine's constants and write --out.")
 @click.option("--out", type=click.Path(dir_okay=False), help="--calibrate's file.")
 @click.option("--ranks", type=click.IntRange(min=1), default=2, help="--calibrate, CPU: processes.")
+@click.option(
+    "--fix",
+    "fix",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Search only the splits with this value (repeatable): tp, cp, pp, cp_comm, ep or etp, "
+    "e.g. --fix tp=1 --fix pp=16; the plan of a large mixture of experts searches minutes "
+    "without.",
+)
 def plan_command(
     config_path, overrides, gpus, gpu_key, gpu_file, nodes_of, global_batch, top, as_json,
-    profile_path, attention, calibrate, out, ranks,
+    profile_path, attention, calibrate, out, ranks, fix,
 ):  # fmt: skip
     """Rank the layouts of --config on --gpus GPUs by predicted step time.
 
@@ -589,11 +598,11 @@ def plan_command(
             )
         from megatrain.plan.published import check_rows_summary
         from megatrain.plan.report import format_plan, plan_dict
-        from megatrain.plan.search import plan
+        from megatrain.plan.search import parse_fixed, plan
 
         result = plan(
             config, gpus, gpu, profile, config.model.vocab_size, global_batch,
-            progress=not as_json,
+            progress=not as_json, fixed=parse_fixed(list(fix)),
         )  # fmt: skip
         check = check_rows_summary(gpu, profile)
     except (ConfigError, hardware.HardwareError, ValueError) as e:

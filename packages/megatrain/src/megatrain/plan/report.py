@@ -137,6 +137,7 @@ def plan_dict(plan: Plan, top: int, check: dict | None = None) -> dict:
             "published_check": check,
         },
         "enumerated": plan.enumerated,
+        "fixed": plan.fixed,
         "fit": len(plan.ranked),
         "layouts": [_estimate_dict(i + 1, e) for i, e in enumerate(plan.ranked[:top])],
         # fp8 without training.compile: #1 timed with it (None where that does not apply)
@@ -234,6 +235,15 @@ def format_plan(plan: Plan, top: int, check: dict | None = None) -> str:
         *(
             [f"fp8: {describe_float8(gpu, plan.profile, t.compile)}"]
             if t.precision == "fp8"
+            else []
+        ),
+        *(
+            [
+                "searched only: "
+                + ", ".join(f"{name} {value}" for name, value in plan.fixed.items())
+                + " (--fix)"
+            ]
+            if plan.fixed
             else []
         ),
         f"{plan.enumerated} layouts: {len(plan.ranked)} fit in "

@@ -47,6 +47,7 @@ class Plan:
     ranked: list[Estimate]  # the layouts that fit, fastest first
     rejected: dict = field(default_factory=dict)  # reason -> {"count", "example"}
     enumerated: int = 0
+    fixed: dict = field(default_factory=dict)  # only the splits with these values searched
 
     def position(self, layout: Layout) -> int | None:
         """0-based rank of `layout` among those that fit; None if it does not.  A layout
@@ -120,6 +121,31 @@ def _splits(config: Config, gpus: int, fixed: dict | None = None) -> list[tuple]
         for split in splits
         if all(split[SPLIT_FIELDS.index(name)] == value for name, value in fixed.items())
     ]
+
+
+def parse_fixed(items: list[str]) -> dict:
+    """`megatrain plan --fix NAME=VALUE` (repeated) as `plan`'s `fixed`: NAME one of
+    `SPLIT_FIELDS`, VALUE a whole number (cp_comm: p2p, allgather or latent; etp: also none,
+    the tensor-parallel size).  A malformed item is refused naming it and what is expected."""
+    fixed: dict = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if name not in SPLIT_FIELDS or not value:
+            raise ValueError(
+                f"--fix {item!r}: expected NAME=VALUE with NAME one of {', '.join(SPLIT_FIELDS)}"
+            )
+        if name == "cp_comm":
+            if value not in ("p2p", "allgather", "latent"):
+                raise ValueError(f"--fix {item!r}: cp_comm is p2p, allgather or latent")
+            fixed[name] = value
+        elif name == "etp" and value.lower() == "none":
+            fixed[name] = None
+        elif value.isdigit() and int(value) > 0:
+            fixed[name] = int(value)
+        else:
+            raise ValueError(f"--fix {item!r}: {name} takes a whole number above 0")
+    return fixed
 
 
 def cp_comm_types(config: Config) -> tuple[str, ...]:
@@ -250,7 +276,9 @@ def plan(
     # a precision the GPU or the profile cannot time (fp8 without its peak or its GEMMs'
     # efficiency): refused here, before the search
     Costs(gpu, profile, config.training.precision)
-    result = Plan(config, gpu, profile, gpus, global_batch, vocab_size, ranked=[])
+    result = Plan(
+        config, gpu, profile, gpus, global_batch, vocab_size, ranked=[], fixed=dict(fixed or {})
+    )
     usable = (1 - HEADROOM) * gpu.memory_bytes
     nearest: dict = {}
     # Layouts (micro batch and recompute aside) whose weights, gradients and optimizer state
