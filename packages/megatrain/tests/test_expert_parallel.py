@@ -9,7 +9,8 @@ DP 2) and ep 4 (all-to-all dispatch), tp 2 with sequence parallelism at etp 1 (f
 recompute, the distributed optimizer) and etp 2 (all-gather dispatch), pp 2 under 1F1B, ZB-H1
 and interleaved (vpp 2), ep 4 with capacity, cp 2 x ep 2 (the aux and z losses' shares under
 context parallelism), FSDP2 with the experts sharded over expert DP 2 (dp 4 x ep 2, and
-tp 2 x dp 2 x ep 2 x etp 1 reduce-scattering each of 2 microbatches), and bf16 at ep 2; a run
+tp 2 x dp 2 x ep 2 x etp 1 reduce-scattering each of 2 microbatches; cp 2 x dp 2 x ep 2,
+the experts' gradients divided by dp x cp), and bf16 at ep 2; a run
 saved at ep 4 goes on at ep 4 (bitwise), tp 2 x ep 2 and ep 1, and, with the expert bias
 switched on, from zero biases with a warning; one saved at FSDP dp 4 x ep 2 goes on at ep 2
 with the distributed optimizer and at FSDP tp 2 x ep 2 (expert DP 1);
@@ -166,6 +167,9 @@ LAYOUTS = {
     "fsdp-tp2-sp-dp2-ep2-etp1-reduce-every-microbatch": (
         "softmax", [*FULL, *TP2_SP, *ep(2), "parallel.expert_tensor_parallel_size=1",
                     "parallel.reduce_every_microbatch=true"]),
+    # Under context parallelism the dense parameters shard over dp x cp (4) and the experts
+    # over expert DP 2, their gradients divided by dp x cp as the dense ones.
+    "fsdp-cp2-dp2-ep2": ("softmax", [*FULL, "parallel.context_parallel_size=2", *ep(2)]),
 }  # fmt: skip
 # Where the FSDP dp 4 x ep 2 checkpoint of one step goes on (`_layouts`).
 FROM_FSDP = {
