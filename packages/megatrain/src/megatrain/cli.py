@@ -538,9 +538,16 @@ def _plan_error(message: str) -> None:
     "e.g. --fix tp=1 --fix pp=16; the plan of a large mixture of experts searches minutes "
     "without.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes searching side by side, the ranking the same as one's [default: every CPU "
+    "this process may use].",
+)
 def plan_command(
     config_path, overrides, gpus, gpu_key, gpu_file, nodes_of, global_batch, top, as_json,
-    profile_path, attention, calibrate, out, ranks, fix,
+    profile_path, attention, calibrate, out, ranks, fix, workers,
 ):  # fmt: skip
     """Rank the layouts of --config on --gpus GPUs by predicted step time.
 
@@ -598,11 +605,11 @@ def plan_command(
             )
         from megatrain.plan.published import check_rows_summary
         from megatrain.plan.report import format_plan, plan_dict
-        from megatrain.plan.search import parse_fixed, plan
+        from megatrain.plan.search import parse_fixed, plan, search_workers
 
         result = plan(
             config, gpus, gpu, profile, config.model.vocab_size, global_batch,
-            progress=not as_json, fixed=parse_fixed(list(fix)),
+            progress=not as_json, fixed=parse_fixed(list(fix)), workers=workers or search_workers(),
         )  # fmt: skip
         check = check_rows_summary(gpu, profile)
     except (ConfigError, hardware.HardwareError, ValueError) as e:

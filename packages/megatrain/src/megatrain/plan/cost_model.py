@@ -437,6 +437,7 @@ def memory_per_gpu(
 ) -> dict:
     """Bytes per GPU of the fullest pipeline stage (megatrain.plan.memory), by part;
     `recompute`: the config's (None), or a published run's policy (a layout's)."""
+    model = model_config(config, vocab)
     stages = {
         stage: memory_breakdown(
             config,
@@ -445,6 +446,7 @@ def memory_per_gpu(
             data_parallel_size=dp,
             stage=stage,
             attention=attention,
+            model=model,
         )
         for stage in weighed_stages(config)
     }

@@ -71,6 +71,7 @@ from megacore.tensor_parallel import default_chunk_tokens
 from megatrain.config import RECOMPUTE_CHOICES, Config
 from megatrain.models import model_config
 from megatrain.models.moe import is_moe_layer
+from megatrain.models.transformer_config import TransformerConfig
 from megatrain.plan.accounting import (
     MASKED_LM_PROB,
     RECOMPUTE_IMPLEMENTATIONS,
@@ -107,6 +108,7 @@ def memory_breakdown(
     data_parallel_size: int | None = None,
     stage: int = 0,
     attention: str = "unfused",
+    model: TransformerConfig | None = None,
 ) -> dict[str, float]:
     """Bytes per GPU of pipeline stage `stage`: parameters (count; of them
     expert_parameters, the routed experts'), weights, gradients,
@@ -118,7 +120,9 @@ def memory_breakdown(
     expert layout allows (etp x ep / (tp x cp); 1 for a dense model).  `attention`:
     "unfused" (the s x s scores kept: the paper's kernels, and an upper bound on what a real
     run's SDPA keeps, which on a CPU may run its math path) or "flash" (`megatrain plan` on a
-    GPU whose entry says so: `accounting.activations_per_layer`)."""
+    GPU whose entry says so: `accounting.activations_per_layer`).  `model`: `config`'s
+    `models.model_config` at `vocab_size`, where the caller has it (`cost_model.memory_per_gpu`
+    weighs several stages of one config)."""
     m, p, t = config.model, config.parallel, config.training
     recompute = m.recompute if recompute is None else recompute
     if recompute not in (*RECOMPUTE_CHOICES, *RECOMPUTE_IMPLEMENTATIONS):
@@ -131,7 +135,7 @@ def memory_breakdown(
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size or 1
     cp = p.context_parallel_size
-    cfg = model_config(config, vocab_size)
+    cfg = model or model_config(config, vocab_size)
     ep, etp = expert_layout(config)
     # Unset, at least the data parallelism the expert layout needs (etp x ep ranks a stage).
     dp = data_parallel_size or p.data_parallel_size or max(1, ep * etp // (tp * cp))

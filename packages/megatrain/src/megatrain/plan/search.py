@@ -18,7 +18,11 @@ leaves memory.HEADROOM of the GPU free.  What is refused is summed up by reason,
 example of each.
 """
 
+import contextlib
+import multiprocessing
+import os
 import re
+import sys
 from dataclasses import dataclass, field, replace
 
 from megacommon.progress import progress_bar
@@ -34,6 +38,8 @@ MAX_VPP = 8  # virtual stages per GPU tried (Megatron's own examples stop at a f
 UNEVEN_VPP = (1, 2, 4)  # ... where the layers split unevenly (`_pipelines`)
 MAX_MICRO_BATCH = 64
 OUT_OF_MEMORY = "does not fit in memory"
+SPLITS_PER_TASK = 4  # splits a search worker takes at a time (`plan`)
+MIN_SPLITS_TO_FORK = 64  # fewer take less time than forking the workers
 
 
 @dataclass
@@ -85,17 +91,9 @@ def candidates(config: Config, gpus: int, global_batch: int):
     """(layout, None) for each layout to estimate, or (layout, ConfigError) for the
     refused; a (tp, cp, pp) the model cannot be split into is refused once, for micro
     batch 1."""
-    for layout, error, _ in _candidates(config, gpus, global_batch):
-        yield layout, error
-
-
-def _candidates(config: Config, gpus: int, global_batch: int, bar=None, fixed=None):
-    """`candidates`, each with the config at its layout (None when refused); `bar`: a progress
-    bar advanced by one for each way of splitting the GPUs (`_splits`); `fixed`: `plan`'s."""
-    for split in _splits(config, gpus, fixed):
-        yield from _layouts_of(config, gpus, global_batch, *split)
-        if bar is not None:
-            bar.update(1)
+    for split in _splits(config, gpus):
+        for layout, error, _ in _layouts_of(config, gpus, global_batch, *split):
+            yield layout, error
 
 
 SPLIT_FIELDS = ("tp", "cp", "pp", "cp_comm", "ep", "etp")
@@ -258,6 +256,113 @@ def _pipelines(config: Config, pp: int) -> list[tuple[int, str, str | None]]:
     return triples
 
 
+@dataclass
+class _Job:
+    """What every split's search shares (`_search_splits`)."""
+
+    config: Config
+    gpus: int
+    gpu: Gpu
+    profile: Profile
+    vocab_size: int
+    global_batch: int
+
+    def estimate(self, layout: Layout, memory: dict) -> Estimate:
+        return estimate(
+            self.config, layout, self.gpu, self.profile, self.vocab_size, self.global_batch,
+            memory,
+        )  # fmt: skip
+
+
+@dataclass
+class _Found:
+    """Some splits' part of a search: `Plan`'s counts, and the nearest layout out of memory."""
+
+    ranked: list = field(default_factory=list)
+    rejected: dict = field(default_factory=dict)
+    enumerated: int = 0
+    nearest: tuple | None = None  # (layout, memory)
+
+    def add(self, other: "_Found") -> None:
+        """`other`'s found after this one's, as one pass over both in turn would count them."""
+        self.ranked += other.ranked
+        self.enumerated += other.enumerated
+        for reason, entry in other.rejected.items():
+            mine = self.rejected.setdefault(reason, {"count": 0, "example": ""})
+            mine["count"] += entry["count"]
+            mine["example"] = mine["example"] or entry["example"]
+        if other.nearest and (
+            not self.nearest or other.nearest[1]["total"] < self.nearest[1]["total"]
+        ):
+            self.nearest = other.nearest
+
+
+def _search_splits(job: _Job, splits: list[tuple]) -> _Found:
+    """Every candidate of `splits` validated, and estimated where it fits."""
+    found = _Found()
+    usable = (1 - HEADROOM) * job.gpu.memory_bytes
+    # Layouts (micro batch and recompute aside) whose weights, gradients and optimizer state
+    # alone exceed the GPU: every micro batch and recompute of them is out of memory too (not
+    # under FSDP, whose gathered parameters depend on the microbatches), so their memory is
+    # not estimated again: the cost of the search for a model as large as DeepSeek-V3.  A
+    # key holds its split's sizes, so splits searched apart find the same.
+    state_too_big: set = set()
+    for split in splits:
+        for layout, error, config_at in _layouts_of(job.config, job.gpus, job.global_batch, *split):
+            found.enumerated += 1
+            state_key = None if layout.fsdp else replace(layout, micro_batch=0, recompute="")
+            if error is None and state_key in state_too_big:
+                reason = OUT_OF_MEMORY  # the nearest has been seen: its state alone is larger
+            elif error is None:
+                # Memory first: the step time only of the layouts that fit (at long sequences
+                # most do not).
+                memory = memory_per_gpu(config_at, job.vocab_size, layout.dp, job.gpu.attention)
+                if state_key is not None and memory["total"] - memory["activations"] > usable:
+                    state_too_big.add(state_key)
+                if memory["total"] <= usable:
+                    found.ranked.append(job.estimate(layout, memory))
+                    continue
+                reason = OUT_OF_MEMORY
+                if not found.nearest or memory["total"] < found.nearest[1]["total"]:
+                    found.nearest = (layout, memory)
+            else:
+                reason = _reason(error)
+            entry = found.rejected.setdefault(reason, {"count": 0, "example": ""})
+            entry["count"] += 1
+            if error is not None and not entry["example"]:
+                entry["example"] = f"{layout.describe()}: {error}"
+    return found
+
+
+_WORKER_JOB: _Job | None = None  # a search worker's job, set before it forks (`_pool`)
+
+
+def _search_in_worker(splits: list[tuple]) -> _Found:
+    return _search_splits(_WORKER_JOB, splits)
+
+
+def search_workers() -> int:
+    """The CPUs this process may run on (its affinity: a Slurm step's, a container's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _pool(job: _Job, workers: int):
+    """A pool of `workers` processes forked with `job`, or None where forking is not the
+    platform's safe default (macOS and Windows spawn, which would import torch again in
+    each): the search then runs in this process."""
+    global _WORKER_JOB
+    if workers <= 1 or sys.platform != "linux":
+        return None
+    _WORKER_JOB = job
+    try:
+        return multiprocessing.get_context("fork").Pool(workers)
+    finally:
+        _WORKER_JOB = None
+
+
 def plan(
     config: Config,
     gpus: int,
@@ -267,11 +372,14 @@ def plan(
     global_batch: int | None = None,
     progress: bool = False,
     fixed: dict | None = None,
+    workers: int = 1,
 ) -> Plan:
     """Every layout of `config` on `gpus` GPUs of kind `gpu`, the fitting ones ranked;
     `progress`: show how far the search is on stderr (hundreds of GPUs take seconds, a
-    DeepSeek-V3 on 256 about a minute); `fixed`: search only the splits with these values
-    of `SPLIT_FIELDS` (tp, cp, pp, cp_comm, ep, etp; etp None is tp), e.g. {"cp": 1}."""
+    DeepSeek-V3 on 256 minutes); `fixed`: search only the splits with these values
+    of `SPLIT_FIELDS` (tp, cp, pp, cp_comm, ep, etp; etp None is tp), e.g. {"cp": 1};
+    `workers`: processes searching the splits side by side (`search_workers()`: every CPU
+    this process may use), the result the same as one's, in the same order."""
     global_batch = global_batch or config.training.global_batch_size
     # a precision the GPU or the profile cannot time (fp8 without its peak or its GEMMs'
     # efficiency): refused here, before the search
@@ -279,43 +387,31 @@ def plan(
     result = Plan(
         config, gpu, profile, gpus, global_batch, vocab_size, ranked=[], fixed=dict(fixed or {})
     )
-    usable = (1 - HEADROOM) * gpu.memory_bytes
-    nearest: dict = {}
-    # Layouts (micro batch and recompute aside) whose weights, gradients and optimizer state
-    # alone exceed the GPU: every micro batch and recompute of them is out of memory too (not
-    # under FSDP, whose gathered parameters depend on the microbatches), so their memory is
-    # not estimated again: the cost of the search for a model as large as DeepSeek-V3.
-    state_too_big: set = set()
-    with progress_bar(
-        len(_splits(config, gpus, fixed)), "megatrain plan", "splits", enabled=progress, leave=False
-    ) as bar:
-        for layout, error, config_at in _candidates(config, gpus, global_batch, bar, fixed):
-            result.enumerated += 1
-            state_key = None if layout.fsdp else replace(layout, micro_batch=0, recompute="")
-            if error is None and state_key in state_too_big:
-                reason = OUT_OF_MEMORY  # the nearest has been seen: its state alone is larger
-            elif error is None:
-                # Memory first: the step time only of the layouts that fit (at long sequences
-                # most do not).
-                memory = memory_per_gpu(config_at, vocab_size, layout.dp, gpu.attention)
-                if state_key is not None and memory["total"] - memory["activations"] > usable:
-                    state_too_big.add(state_key)
-                if memory["total"] <= usable:
-                    result.ranked.append(
-                        estimate(config, layout, gpu, profile, vocab_size, global_batch, memory)
-                    )
-                    continue
-                reason = OUT_OF_MEMORY
-                if reason not in nearest or memory["total"] < nearest[reason][1]["total"]:
-                    nearest[reason] = (layout, memory)
-            else:
-                reason = _reason(error)
-            entry = result.rejected.setdefault(reason, {"count": 0, "example": ""})
-            entry["count"] += 1
-            if error is not None and not entry["example"]:
-                entry["example"] = f"{layout.describe()}: {error}"
-    if OUT_OF_MEMORY in nearest:
-        layout, memory = nearest[OUT_OF_MEMORY]
+    job = _Job(config, gpus, gpu, profile, vocab_size, global_batch)
+    splits = _splits(config, gpus, fixed)
+    # Splits in order, a few to a task (their costs differ by orders of magnitude), merged in
+    # that order: the refusals' examples and the ranking's ties come out as from one process.
+    tasks = [splits[i : i + SPLITS_PER_TASK] for i in range(0, len(splits), SPLITS_PER_TASK)]
+    pool = _pool(job, min(workers, len(tasks))) if len(splits) >= MIN_SPLITS_TO_FORK else None
+    found = _Found()
+    with (
+        pool or contextlib.nullcontext(),
+        progress_bar(len(splits), "megatrain plan", "splits", enabled=progress, leave=False) as bar,
+    ):
+        parts = pool.imap(_search_in_worker, tasks) if pool else (
+            _search_splits(job, task) for task in tasks
+        )  # fmt: skip
+        for task, part in zip(tasks, parts, strict=True):
+            found.add(part)
+            bar.update(len(task))
+    result.ranked, result.rejected, result.enumerated = (
+        found.ranked,
+        found.rejected,
+        found.enumerated,
+    )
+    if found.nearest:
+        layout, memory = found.nearest
+        usable = (1 - HEADROOM) * gpu.memory_bytes
         result.rejected[OUT_OF_MEMORY]["example"] = (
             f"the nearest, {layout.describe()}, needs {memory['total'] / GIB:.1f} GiB on "
             f"stage {memory['stage']}; {usable / GIB:.1f} GiB usable "

@@ -16,6 +16,7 @@ def _check_pipeline_layout(config: Config) -> None:
     """parallel.pipeline_model_parallel_layout against pp x vpp, the layers and the MTP
     depths (megacore's parse_pipeline_layout, which names the field in every refusal)."""
     from megacore.pipeline_parallel.layer_assignment import parse_pipeline_layout
+    from megatrain.models import pipeline_layer_counts
 
     p = config.parallel
     _need(
@@ -24,15 +25,19 @@ def _check_pipeline_layout(config: Config) -> None:
         "needs parallel.pipeline_model_parallel_size > 1 (it is "
         f"{p.pipeline_model_parallel_size}); unset it",
     )
+    layout = p.pipeline_model_parallel_layout
     try:
-        parse_pipeline_layout(
-            p.pipeline_model_parallel_layout,
-            p.pipeline_model_parallel_size,
-            p.virtual_pipeline_model_parallel_size,
-            config.model.num_layers,
-            config.model.mtp_num_layers,
-            name="parallel.pipeline_model_parallel_layout",
-        )
+        if isinstance(layout, str):  # remembered: `megatrain plan` checks thousands of them
+            pipeline_layer_counts(config)
+        else:  # Megatron-Bridge's lists, refused as they were written
+            parse_pipeline_layout(
+                layout,
+                p.pipeline_model_parallel_size,
+                p.virtual_pipeline_model_parallel_size,
+                config.model.num_layers,
+                config.model.mtp_num_layers,
+                name="parallel.pipeline_model_parallel_layout",
+            )
     except ValueError as e:
         _need(False, str(e))
 
