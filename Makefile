@@ -80,6 +80,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_megadata.py --out bench-results/megadata.json
 	$(BIN)/python benchmarks/bench_megadata.py --dedup-scaling --sizes 2000 20000 --out bench-results/megadata_dedup_scaling.json
 	$(BIN)/python benchmarks/bench_plan.py --out bench-results/plan.json
+	$(BIN)/python benchmarks/bench_plan_search.py --out bench-results/plan_search.json
 	$(BIN)/python benchmarks/bench_context_parallel.py --out bench-results/context_parallel.json
 	$(BIN)/python benchmarks/bench_fsdp.py --out bench-results/fsdp.json
 	$(BIN)/python benchmarks/bench_async_checkpoint.py --out bench-results/async_checkpoint.json
