@@ -16,12 +16,14 @@ Which module holds what (every name is imported from here, `megatrain.config`):
   checked against its field's type and choices.
 - `errors`: `ConfigError`, which every refusal raises.
 - `checks`: `validate`, the cross-field checks in their fixed order, one module per section
-  they guard (`checks.model`, `checks.parallel`, `checks.training`, `checks.data` with the
+  they guard (`checks.model`, `checks.parallel` with the pipeline layout's parse
+  `pipeline_layer_counts`, `checks.training`, `checks.data` with the
   blends' rules `check_blend`, `checks.checkpoint`, `checks.optimizer`, `checks.sizes`).
 """
 
 from megatrain.config.checks import validate
 from megatrain.config.checks.data import check_blend
+from megatrain.config.checks.parallel import pipeline_layer_counts
 from megatrain.config.errors import ConfigError
 from megatrain.config.load import load_config
 from megatrain.config.sections import (
@@ -85,5 +87,6 @@ __all__ = [
     "TrainingConfig",
     "check_blend",
     "load_config",
+    "pipeline_layer_counts",
     "validate",
 ]

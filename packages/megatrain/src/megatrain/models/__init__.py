@@ -12,11 +12,8 @@ attention kind, and what they share), `mlp` (the dense MLP), `moe` (the routed e
 language-model base), `gpt` and `bert` (the models).
 """
 
-import functools
-
 from megacore import tensor_parallel as tp
-from megacore.pipeline_parallel import parse_pipeline_layout
-from megatrain.config import MOE_FIELDS, Config
+from megatrain.config import MOE_FIELDS, Config, pipeline_layer_counts
 from megatrain.models.bert import BertModel, bert_config, build_bert_chunks
 from megatrain.models.gpt import GPTConfig, GPTModel, build_gpt_chunks
 from megatrain.models.transformer_config import TransformerConfig, YarnScaling
@@ -30,31 +27,6 @@ def build_model_chunks(kind: str, cfg: TransformerConfig, seed: int = 1234, **pl
     recompute, context or expert parallelism applied: `parallelize.parallelize_model`);
     `placement`: device, dtype, initialize, as `build_gpt_chunks`."""
     return _BUILDERS[kind](cfg, seed, **placement)
-
-
-def pipeline_layer_counts(config: Config) -> tuple[int, ...] | None:
-    """The transformer layers of each virtual stage that `parallel.pipeline_model_parallel_layout`
-    gives (None without one: the even split)."""
-    p = config.parallel
-    layout = p.pipeline_model_parallel_layout
-    if layout is None:
-        return None
-    if not isinstance(layout, str):  # Megatron-Bridge's lists, hashable for the cache
-        layout = tuple(tuple(stage) for stage in layout)
-    return _layer_counts(
-        layout,
-        p.pipeline_model_parallel_size,
-        p.virtual_pipeline_model_parallel_size,
-        config.model.num_layers,
-        config.model.mtp_num_layers,
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _layer_counts(layout, pp: int, vpp: int | None, layers: int, mtp: int | None) -> tuple:
-    """`pipeline_layer_counts`, remembered: `megatrain plan` asks it for every layout."""
-    name = "parallel.pipeline_model_parallel_layout"
-    return tuple(parse_pipeline_layout(layout, pp, vpp, layers, mtp, name=name))
 
 
 def model_config(config: Config, vocab_size: int) -> TransformerConfig:

@@ -68,7 +68,7 @@ from types import SimpleNamespace
 import torch
 
 from megacore.tensor_parallel import default_chunk_tokens
-from megatrain.config import RECOMPUTE_CHOICES, Config
+from megatrain.config import RECOMPUTE_CHOICES, Config, pipeline_layer_counts
 from megatrain.models import model_config
 from megatrain.models.moe import is_moe_layer
 from megatrain.models.transformer_config import TransformerConfig
@@ -276,8 +276,6 @@ def weighed_stages(config: Config) -> list[int]:
     pp = p.pipeline_model_parallel_size
     if p.pipeline_model_parallel_layout is None or pp <= 2:
         return sorted({0, pp - 1})
-    from megatrain.models import pipeline_layer_counts  # torch-free callers stay so
-
     counts = pipeline_layer_counts(config)
     cfg = SimpleNamespace(
         num_layers=config.model.num_layers,

@@ -3,6 +3,8 @@ sequence and context parallelism), the data-parallel size and the batch, the exp
 layout, and the data-parallel sharding.
 """
 
+import functools
+
 from megatrain.config.errors import _need
 from megatrain.config.sections import (
     CHOICES,
@@ -12,11 +14,39 @@ from megatrain.config.sections import (
 )
 
 
+def pipeline_layer_counts(config: Config) -> tuple[int, ...] | None:
+    """The transformer layers of each virtual stage that `parallel.pipeline_model_parallel_layout`
+    gives (None without one: the even split).  A malformed layout raises megacore's
+    ValueError, which names the field; `validate` turns it into a ConfigError."""
+    p = config.parallel
+    layout = p.pipeline_model_parallel_layout
+    if layout is None:
+        return None
+    if not isinstance(layout, str):  # Megatron-Bridge's lists, hashable for the cache
+        layout = tuple(tuple(stage) for stage in layout)
+    return _layer_counts(
+        layout,
+        p.pipeline_model_parallel_size,
+        p.virtual_pipeline_model_parallel_size,
+        config.model.num_layers,
+        config.model.mtp_num_layers,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_counts(layout, pp: int, vpp: int | None, layers: int, mtp: int | None) -> tuple:
+    """`pipeline_layer_counts`, remembered: `megatrain plan` asks it for every layout."""
+    # Imported here: megacore's pipeline package imports torch, and the config stays torch-free.
+    from megacore.pipeline_parallel.layer_assignment import parse_pipeline_layout
+
+    name = "parallel.pipeline_model_parallel_layout"
+    return tuple(parse_pipeline_layout(layout, pp, vpp, layers, mtp, name=name))
+
+
 def _check_pipeline_layout(config: Config) -> None:
     """parallel.pipeline_model_parallel_layout against pp x vpp, the layers and the MTP
     depths (megacore's parse_pipeline_layout, which names the field in every refusal)."""
     from megacore.pipeline_parallel.layer_assignment import parse_pipeline_layout
-    from megatrain.models import pipeline_layer_counts
 
     p = config.parallel
     _need(
