@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from megatrain.config.errors import ConfigError, _need
+from megatrain.config.errors import ConfigError
 from megatrain.config.sections import PACKING_SWITCHES, Config
 
 
@@ -53,11 +53,11 @@ def check_blend(value: Any, field: str) -> list[tuple[float, str]]:
 def _check_data(config: Config) -> None:
     """The blends' shape and weights (the corpora themselves are opened by preflight)."""
     d = config.data
-    _need(
-        d.blend is None or d.corpus is None,
-        f"data.blend and data.corpus are both set (corpus {d.corpus!r}); a blend names all "
-        "the corpora a run reads: add the corpus to data.blend, or drop data.blend",
-    )
+    if d.blend is not None and d.corpus is not None:
+        raise ConfigError(
+            f"data.blend and data.corpus are both set (corpus {d.corpus!r}); a blend names all "
+            "the corpora a run reads: add the corpus to data.blend, or drop data.blend"
+        )
     for name in ("blend", "valid_blend"):
         if getattr(d, name) is not None:
             check_blend(getattr(d, name), f"data.{name}")
@@ -65,31 +65,29 @@ def _check_data(config: Config) -> None:
     if not packing:
         return
     m, t = config.model, config.training
-    _need(
-        m.kind != "bert",
-        f"data.{packing[0]} = true with model.kind = 'bert': the packed-document switches are "
-        "for causal models (GPT, Llama); a BERT sample is one sentence pair already",
-    )
-    _need(
-        not t.cuda_graphs,
-        f"data.{packing[0]} = true with training.cuda_graphs = true: a captured layer takes "
-        "its hidden states only, not the batch's positions and documents; turn one off",
-    )
-    _need(
-        not (d.eod_mask_loss and t.fused_linear_cross_entropy),
-        "data.eod_mask_loss = true with training.fused_linear_cross_entropy = true: the fused "
-        "loss is the mean over every token; turn the fused loss off to mask the EOD positions",
-    )
+    if m.kind == "bert":
+        raise ConfigError(
+            f"data.{packing[0]} = true with model.kind = 'bert': the packed-document switches are "
+            "for causal models (GPT, Llama); a BERT sample is one sentence pair already"
+        )
+    if t.cuda_graphs:
+        raise ConfigError(
+            f"data.{packing[0]} = true with training.cuda_graphs = true: a captured layer takes "
+            "its hidden states only, not the batch's positions and documents; turn one off"
+        )
+    if d.eod_mask_loss and t.fused_linear_cross_entropy:
+        raise ConfigError(
+            "data.eod_mask_loss = true with training.fused_linear_cross_entropy = true: the fused "
+            "loss is the mean over every token; turn the fused loss off to mask the EOD positions"
+        )
 
 
 def _check_masking(config: Config) -> None:
     """BERT's sample making: the masked fraction, the n-gram length, short sequences."""
     d = config.data
-    _need(
-        0 < d.masked_lm_prob < 1, f"data.masked_lm_prob must be in (0, 1), got {d.masked_lm_prob}"
-    )
-    _need(d.max_ngram >= 1, f"data.max_ngram must be >= 1, got {d.max_ngram}")
-    _need(
-        0 <= d.short_seq_prob <= 1,
-        f"data.short_seq_prob must be in [0, 1], got {d.short_seq_prob}",
-    )
+    if not 0 < d.masked_lm_prob < 1:
+        raise ConfigError(f"data.masked_lm_prob must be in (0, 1), got {d.masked_lm_prob}")
+    if not d.max_ngram >= 1:
+        raise ConfigError(f"data.max_ngram must be >= 1, got {d.max_ngram}")
+    if not 0 <= d.short_seq_prob <= 1:
+        raise ConfigError(f"data.short_seq_prob must be in [0, 1], got {d.short_seq_prob}")

@@ -5,7 +5,7 @@ layout, and the data-parallel sharding.
 
 import functools
 
-from megatrain.config.errors import _need
+from megatrain.config.errors import ConfigError
 from megatrain.config.sections import (
     CHOICES,
     DATA_PARALLEL_SHARDINGS,
@@ -49,12 +49,12 @@ def _check_pipeline_layout(config: Config) -> None:
     from megacore.pipeline_parallel.layer_assignment import parse_pipeline_layout
 
     p = config.parallel
-    _need(
-        p.pipeline_model_parallel_size > 1,
-        "parallel.pipeline_model_parallel_layout splits the layers over pipeline stages: it "
-        "needs parallel.pipeline_model_parallel_size > 1 (it is "
-        f"{p.pipeline_model_parallel_size}); unset it",
-    )
+    if not p.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            "parallel.pipeline_model_parallel_layout splits the layers over pipeline stages: it "
+            "needs parallel.pipeline_model_parallel_size > 1 (it is "
+            f"{p.pipeline_model_parallel_size}); unset it"
+        )
     layout = p.pipeline_model_parallel_layout
     try:
         if isinstance(layout, str):  # remembered: `megatrain plan` checks thousands of them
@@ -69,7 +69,7 @@ def _check_pipeline_layout(config: Config) -> None:
                 name="parallel.pipeline_model_parallel_layout",
             )
     except ValueError as e:
-        _need(False, str(e))
+        raise ConfigError(str(e)) from None
 
 
 def _check_layout(config: Config) -> None:
@@ -78,81 +78,79 @@ def _check_layout(config: Config) -> None:
     m, p, t = config.model, config.parallel, config.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size
-    _need(
-        m.hidden_size % m.num_attention_heads == 0,
-        f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_attention_heads "
-        f"({m.num_attention_heads})",
-    )
-    _need(
-        m.num_attention_heads % tp == 0,
-        f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
-        f"parallel.tensor_model_parallel_size ({tp})",
-    )
+    if m.hidden_size % m.num_attention_heads != 0:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) is not divisible by model.num_attention_heads "
+            f"({m.num_attention_heads})"
+        )
+    if m.num_attention_heads % tp != 0:
+        raise ConfigError(
+            f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp})"
+        )
     if m.num_query_groups is not None:  # unset: a key/value head per head, split as the heads
         groups = m.num_query_groups
-        _need(
-            m.num_attention_heads % groups == 0,
-            f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
-            f"model.num_query_groups ({groups})",
+        if m.num_attention_heads % groups != 0:
+            raise ConfigError(
+                f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by "
+                f"model.num_query_groups ({groups})"
+            )
+        if groups % tp != 0 and tp % groups != 0:
+            raise ConfigError(
+                f"model.num_query_groups ({groups}) and parallel.tensor_model_parallel_size "
+                f"({tp}): one must divide the other (each TP rank holds whole key/value groups; "
+                "with fewer groups than TP ranks each group is replicated on tp / groups ranks)"
+            )
+    if config.ffn_hidden_size % tp != 0:
+        raise ConfigError(
+            f"model.ffn_hidden_size ({config.ffn_hidden_size}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp})"
         )
-        _need(
-            groups % tp == 0 or tp % groups == 0,
-            f"model.num_query_groups ({groups}) and parallel.tensor_model_parallel_size ({tp}): "
-            "one must divide the other (each TP rank holds whole key/value groups; with fewer "
-            "groups than TP ranks each group is replicated on tp / groups ranks)",
-        )
-    _need(
-        config.ffn_hidden_size % tp == 0,
-        f"model.ffn_hidden_size ({config.ffn_hidden_size}) is not divisible by "
-        f"parallel.tensor_model_parallel_size ({tp})",
-    )
-    if vpp is not None and vpp > 1:
-        _need(
-            pp > 1,
+    if vpp is not None and vpp > 1 and not pp > 1:
+        raise ConfigError(
             f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs "
-            f"parallel.pipeline_model_parallel_size > 1, got {pp}",
+            f"parallel.pipeline_model_parallel_size > 1, got {pp}"
         )
     _check_schedule(config)
     chunks = pp * (vpp or 1)
     if p.pipeline_model_parallel_layout is None:
-        _need(
-            m.num_layers % chunks == 0,
-            f"model.num_layers ({m.num_layers}) is not divisible by "
-            f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
-            f"({pp} x {vpp or 1} = {chunks}); change them, or give each virtual stage its "
-            "layers in parallel.pipeline_model_parallel_layout",
-        )
+        if m.num_layers % chunks != 0:
+            raise ConfigError(
+                f"model.num_layers ({m.num_layers}) is not divisible by "
+                f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+                f"({pp} x {vpp or 1} = {chunks}); change them, or give each virtual stage its "
+                "layers in parallel.pipeline_model_parallel_layout"
+            )
     else:
         _check_pipeline_layout(config)
-    _need(
-        t.seq_length <= m.max_position_embeddings,
-        f"training.seq_length ({t.seq_length}) is above model.max_position_embeddings "
-        f"({m.max_position_embeddings}), the size of the position table",
-    )
-    if p.sequence_parallel:
-        _need(
-            t.seq_length % tp == 0,
-            f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
-            f"by parallel.tensor_model_parallel_size ({tp})",
+    if not t.seq_length <= m.max_position_embeddings:
+        raise ConfigError(
+            f"training.seq_length ({t.seq_length}) is above model.max_position_embeddings "
+            f"({m.max_position_embeddings}), the size of the position table"
         )
-    _need(
-        not p.tp_comm_overlap or (tp > 1 and p.sequence_parallel),
-        "parallel.tp_comm_overlap = true overlaps sequence parallelism's all-gathers and "
-        "reduce-scatters with the GEMMs: it needs parallel.tensor_model_parallel_size > 1 "
-        f"(it is {tp}) and parallel.sequence_parallel = true (it is "
-        f"{str(p.sequence_parallel).lower()}); set them, or parallel.tp_comm_overlap = false",
-    )
-    _need(
-        p.use_distributed_optimizer or not p.overlap_param_gather,
-        "parallel.overlap_param_gather overlaps the distributed optimizer's parameter "
-        "all-gather: it needs parallel.use_distributed_optimizer = true",
-    )
-    _need(
-        not (p.sequence_parallel and p.distribute_saved_activations and tp > 1),
-        "parallel.distribute_saved_activations keeps 1/tp of each layer's input, which must be "
-        "the same on every TP rank; under parallel.sequence_parallel it is already split: "
-        "turn one of them off",
-    )
+    if p.sequence_parallel and t.seq_length % tp != 0:
+        raise ConfigError(
+            f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
+            f"by parallel.tensor_model_parallel_size ({tp})"
+        )
+    if not (not p.tp_comm_overlap or (tp > 1 and p.sequence_parallel)):
+        raise ConfigError(
+            "parallel.tp_comm_overlap = true overlaps sequence parallelism's all-gathers and "
+            "reduce-scatters with the GEMMs: it needs parallel.tensor_model_parallel_size > 1 "
+            f"(it is {tp}) and parallel.sequence_parallel = true (it is "
+            f"{str(p.sequence_parallel).lower()}); set them, or parallel.tp_comm_overlap = false"
+        )
+    if not p.use_distributed_optimizer and p.overlap_param_gather:
+        raise ConfigError(
+            "parallel.overlap_param_gather overlaps the distributed optimizer's parameter "
+            "all-gather: it needs parallel.use_distributed_optimizer = true"
+        )
+    if p.sequence_parallel and p.distribute_saved_activations and tp > 1:
+        raise ConfigError(
+            "parallel.distribute_saved_activations keeps 1/tp of each layer's input, which must be "
+            "the same on every TP rank; under parallel.sequence_parallel it is already split: "
+            "turn one of them off"
+        )
     _check_context_parallel(config)
 
 
@@ -163,29 +161,29 @@ def _check_schedule(config: "Config") -> None:
     schedule, vpp = p.pipeline_schedule, p.virtual_pipeline_model_parallel_size or 1
     if schedule is None:
         return
-    _need(
-        schedule in PIPELINE_SCHEDULES,
-        f"parallel.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}",
-    )
-    _need(
-        (schedule == "interleaved") == (vpp > 1),
-        f"parallel.pipeline_schedule = {schedule!r} with "
-        f"parallel.virtual_pipeline_model_parallel_size = {vpp}: the interleaved schedule is "
-        "the one for virtual stages (size > 1), and only it"
-        + ("; set the virtual size or another schedule" if schedule == "interleaved" else ""),
-    )
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}"
+        )
+    if (schedule == "interleaved") != (vpp > 1):
+        raise ConfigError(
+            f"parallel.pipeline_schedule = {schedule!r} with "
+            f"parallel.virtual_pipeline_model_parallel_size = {vpp}: the interleaved schedule is "
+            "the one for virtual stages (size > 1), and only it"
+            + ("; set the virtual size or another schedule" if schedule == "interleaved" else "")
+        )
     if schedule == "zb-h1":
-        _need(
-            p.pipeline_model_parallel_size > 1,
-            "parallel.pipeline_schedule = 'zb-h1' needs pipeline stages: "
-            f"parallel.pipeline_model_parallel_size is {p.pipeline_model_parallel_size}",
-        )
-        _need(
-            not config.training.compile,
-            "parallel.pipeline_schedule = 'zb-h1' with training.compile = true: a compiled "
-            "layer's backward is traced once, so its weight gradients cannot be deferred to "
-            "the W step; turn one of them off",
-        )
+        if not p.pipeline_model_parallel_size > 1:
+            raise ConfigError(
+                "parallel.pipeline_schedule = 'zb-h1' needs pipeline stages: "
+                f"parallel.pipeline_model_parallel_size is {p.pipeline_model_parallel_size}"
+            )
+        if config.training.compile:
+            raise ConfigError(
+                "parallel.pipeline_schedule = 'zb-h1' with training.compile = true: a compiled "
+                "layer's backward is traced once, so its weight gradients cannot be deferred to "
+                "the W step; turn one of them off"
+            )
 
 
 def _check_context_parallel(config: Config) -> None:
@@ -193,45 +191,45 @@ def _check_context_parallel(config: Config) -> None:
     without dropout, per-token work elsewhere."""
     m, p, t = config.model, config.parallel, config.training
     cp = p.context_parallel_size
-    _need(
-        p.cp_comm_type in CHOICES[("parallel", "cp_comm_type")],
-        f"parallel.cp_comm_type must be one of {CHOICES[('parallel', 'cp_comm_type')]}, got "
-        f"{p.cp_comm_type!r}",
-    )
-    _need(
-        p.cp_comm_type != "latent" or m.multi_latent_attention,
-        "parallel.cp_comm_type = 'latent' gathers multi-latent attention's compressed KV latent: "
-        "needs model.multi_latent_attention = true (else 'p2p' or 'allgather')",
-    )
+    if p.cp_comm_type not in CHOICES[("parallel", "cp_comm_type")]:
+        raise ConfigError(
+            f"parallel.cp_comm_type must be one of {CHOICES[('parallel', 'cp_comm_type')]}, got "
+            f"{p.cp_comm_type!r}"
+        )
+    if p.cp_comm_type == "latent" and not m.multi_latent_attention:
+        raise ConfigError(
+            "parallel.cp_comm_type = 'latent' gathers multi-latent attention's compressed KV "
+            "latent: needs model.multi_latent_attention = true (else 'p2p' or 'allgather')"
+        )
     if cp == 1:
         return
     why = f"parallel.context_parallel_size = {cp}"
-    _need(
-        t.seq_length % (2 * cp) == 0,
-        f"{why} cuts each sequence into 2 x cp = {2 * cp} equal chunks: training.seq_length "
-        f"({t.seq_length}) is not divisible by {2 * cp}",
-    )
+    if t.seq_length % (2 * cp) != 0:
+        raise ConfigError(
+            f"{why} cuts each sequence into 2 x cp = {2 * cp} equal chunks: training.seq_length "
+            f"({t.seq_length}) is not divisible by {2 * cp}"
+        )
     tp = p.tensor_model_parallel_size
-    _need(
-        not p.sequence_parallel or (t.seq_length // cp) % tp == 0,
-        f"{why} with parallel.sequence_parallel: each CP rank's {t.seq_length // cp} tokens "
-        f"must divide over parallel.tensor_model_parallel_size ({tp})",
-    )
-    _need(
-        m.kind != "bert",
-        f"{why} with model.kind = 'bert': context parallelism here is for causal attention "
-        "(GPT, Llama); BERT's sequences (512 tokens) fit one rank",
-    )
-    _need(
-        not m.attention_dropout,
-        f"{why} with model.attention_dropout = {m.attention_dropout}: the attention over CP "
-        "ranks has no dropout (Llama trains without); set model.attention_dropout = 0",
-    )
-    _need(
-        not t.cuda_graphs,
-        f"{why} with training.cuda_graphs = true: the attention's communication with the "
-        "other CP ranks is not captured; turn one off",
-    )
+    if p.sequence_parallel and t.seq_length // cp % tp != 0:
+        raise ConfigError(
+            f"{why} with parallel.sequence_parallel: each CP rank's {t.seq_length // cp} tokens "
+            f"must divide over parallel.tensor_model_parallel_size ({tp})"
+        )
+    if m.kind == "bert":
+        raise ConfigError(
+            f"{why} with model.kind = 'bert': context parallelism here is for causal attention "
+            "(GPT, Llama); BERT's sequences (512 tokens) fit one rank"
+        )
+    if m.attention_dropout:
+        raise ConfigError(
+            f"{why} with model.attention_dropout = {m.attention_dropout}: the attention over CP "
+            "ranks has no dropout (Llama trains without); set model.attention_dropout = 0"
+        )
+    if t.cuda_graphs:
+        raise ConfigError(
+            f"{why} with training.cuda_graphs = true: the attention's communication with the "
+            "other CP ranks is not captured; turn one off"
+        )
 
 
 def _data_parallel_size(config: Config, world_size: int | None) -> int:
@@ -253,32 +251,32 @@ def _data_parallel_size(config: Config, world_size: int | None) -> int:
             if cp > 1
             else f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp})"
         )
-        _need(
-            world_size % (tp * cp * pp) == 0,
-            f"the job has {world_size} processes, not divisible by parallel.{sizes}",
-        )
+        if world_size % (tp * cp * pp) != 0:
+            raise ConfigError(
+                f"the job has {world_size} processes, not divisible by parallel.{sizes}"
+            )
         dp = world_size // (tp * cp * pp)
         layout = f"tp {tp} x cp {cp} x pp {pp}" if cp > 1 else f"tp {tp} x pp {pp}"
-        _need(
-            p.data_parallel_size in (None, dp),
-            f"parallel.data_parallel_size is {p.data_parallel_size}, but the job has "
-            f"{world_size} processes = {layout} x dp {dp}",
-        )
+        if p.data_parallel_size not in (None, dp):
+            raise ConfigError(
+                f"parallel.data_parallel_size is {p.data_parallel_size}, but the job has "
+                f"{world_size} processes = {layout} x dp {dp}"
+            )
     per_step = t.micro_batch_size * dp
-    _need(
-        t.global_batch_size % per_step == 0,
-        f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
-        f"training.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp} = "
-        f"{per_step})",
-    )
+    if t.global_batch_size % per_step != 0:
+        raise ConfigError(
+            f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
+            f"training.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp} = "
+            f"{per_step})"
+        )
     if vpp is not None and vpp > 1:
         microbatches = t.global_batch_size // per_step
-        _need(
-            microbatches % pp == 0,
-            f"the interleaved schedule needs the number of microbatches (global_batch_size / "
-            f"(micro_batch_size x dp) = {microbatches}) to be a multiple of "
-            f"parallel.pipeline_model_parallel_size ({pp})",
-        )
+        if microbatches % pp != 0:
+            raise ConfigError(
+                f"the interleaved schedule needs the number of microbatches (global_batch_size / "
+                f"(micro_batch_size x dp) = {microbatches}) to be a multiple of "
+                f"parallel.pipeline_model_parallel_size ({pp})"
+            )
     return dp
 
 
@@ -294,50 +292,49 @@ def _check_expert_parallel(config: Config, world_size: int | None) -> None:
     etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
     E = m.num_moe_experts
     if E is None:
-        _need(
-            ep == 1 and p.expert_tensor_parallel_size is None,
-            "parallel.expert_model_parallel_size / expert_tensor_parallel_size split the "
-            "experts of a mixture of experts: set model.num_moe_experts, or leave them unset",
-        )
+        if not (ep == 1 and p.expert_tensor_parallel_size is None):
+            raise ConfigError(
+                "parallel.expert_model_parallel_size / expert_tensor_parallel_size split the "
+                "experts of a mixture of experts: set model.num_moe_experts, or leave them unset"
+            )
         return
-    _need(
-        E % ep == 0,
-        f"model.num_moe_experts ({E}) is not divisible by parallel.expert_model_parallel_size "
-        f"({ep}): each expert-parallel rank holds the same number of experts",
-    )
+    if E % ep != 0:
+        raise ConfigError(
+            f"model.num_moe_experts ({E}) is not divisible by parallel.expert_model_parallel_size "
+            f"({ep}): each expert-parallel rank holds the same number of experts"
+        )
     f = m.moe_ffn_hidden_size or config.ffn_hidden_size
     name = "model.moe_ffn_hidden_size" if m.moe_ffn_hidden_size else "model.ffn_hidden_size"
-    _need(
-        f % etp == 0,
-        f"{name} ({f}, each expert's) is not divisible by the expert tensor-parallel size "
-        f"({etp}, parallel.expert_tensor_parallel_size or else tensor_model_parallel_size)",
-    )
+    if f % etp != 0:
+        raise ConfigError(
+            f"{name} ({f}, each expert's) is not divisible by the expert tensor-parallel size "
+            f"({etp}, parallel.expert_tensor_parallel_size or else tensor_model_parallel_size)"
+        )
     groups = m.moe_router_num_groups
-    _need(
-        not m.moe_group_limited_dispatch or ep == 1 or groups % ep == 0,
-        f"model.moe_group_limited_dispatch = true needs whole routing groups on each "
-        f"expert-parallel rank: model.moe_router_num_groups ({groups}) must be a multiple of "
-        f"parallel.expert_model_parallel_size ({ep})",
-    )
-    _need(
-        etp == 1 or not config.model_switch("add_bias_linear") or m.hidden_size % etp == 0,
-        f"model.hidden_size ({m.hidden_size}) is not divisible by the expert "
-        f"tensor-parallel size ({etp}) with model.add_bias_linear = true: each rank holds "
-        "its share of the experts' fc2 bias, by h's columns",
-    )
-    _need(
-        tp == 1 or p.sequence_parallel,
-        f"model.num_moe_experts with parallel.tensor_model_parallel_size = {tp} needs "
-        "parallel.sequence_parallel = true (Megatron's rule): without it every TP rank holds "
-        "the same tokens, and the experts, reached from every TP rank, would take each token "
-        f"{tp} times",
-    )
-    if world_size is not None:
-        _need(
-            world_size % (etp * ep * pp) == 0,
+    if m.moe_group_limited_dispatch and ep != 1 and groups % ep != 0:
+        raise ConfigError(
+            f"model.moe_group_limited_dispatch = true needs whole routing groups on each "
+            f"expert-parallel rank: model.moe_router_num_groups ({groups}) must be a multiple of "
+            f"parallel.expert_model_parallel_size ({ep})"
+        )
+    if etp != 1 and config.model_switch("add_bias_linear") and m.hidden_size % etp != 0:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) is not divisible by the expert "
+            f"tensor-parallel size ({etp}) with model.add_bias_linear = true: each rank holds "
+            "its share of the experts' fc2 bias, by h's columns"
+        )
+    if tp != 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"model.num_moe_experts with parallel.tensor_model_parallel_size = {tp} needs "
+            "parallel.sequence_parallel = true (Megatron's rule): without it every TP rank holds "
+            "the same tokens, and the experts, reached from every TP rank, would take each token "
+            f"{tp} times"
+        )
+    if world_size is not None and world_size % (etp * ep * pp) != 0:
+        raise ConfigError(
             f"the job has {world_size} processes, not divisible by the expert layout "
             f"parallel.expert_tensor_parallel_size x expert_model_parallel_size x "
-            f"pipeline_model_parallel_size ({etp} x {ep} x {pp} = {etp * ep * pp})",
+            f"pipeline_model_parallel_size ({etp} x {ep} x {pp} = {etp * ep * pp})"
         )
 
 
@@ -347,40 +344,40 @@ def _check_data_parallel_sharding(config: Config) -> None:
     yet, naming what to use instead."""
     p, t = config.parallel, config.training
     sharding = p.data_parallel_sharding
-    _need(
-        sharding in DATA_PARALLEL_SHARDINGS,
-        f"parallel.data_parallel_sharding must be one of {DATA_PARALLEL_SHARDINGS}, got "
-        f"{sharding!r}",
-    )
+    if sharding not in DATA_PARALLEL_SHARDINGS:
+        raise ConfigError(
+            f"parallel.data_parallel_sharding must be one of {DATA_PARALLEL_SHARDINGS}, got "
+            f"{sharding!r}"
+        )
     if sharding != "full":
-        _need(
-            p.reshard_after_forward is None,
-            "parallel.reshard_after_forward is for parallel.data_parallel_sharding = 'full' "
-            f"(FSDP), not {sharding!r}: leave it unset",
-        )
-        _need(
-            not p.reduce_every_microbatch,
-            "parallel.reduce_every_microbatch is for parallel.data_parallel_sharding = 'full' "
-            f"(FSDP), not {sharding!r}: megacore's DDP accumulates into its fp32 buffer, "
-            "which holds every gradient anyway; leave it false",
-        )
+        if p.reshard_after_forward is not None:
+            raise ConfigError(
+                "parallel.reshard_after_forward is for parallel.data_parallel_sharding = 'full' "
+                f"(FSDP), not {sharding!r}: leave it unset"
+            )
+        if p.reduce_every_microbatch:
+            raise ConfigError(
+                "parallel.reduce_every_microbatch is for parallel.data_parallel_sharding = 'full' "
+                f"(FSDP), not {sharding!r}: megacore's DDP accumulates into its fp32 buffer, "
+                "which holds every gradient anyway; leave it false"
+            )
         if p.use_distributed_optimizer or sharding == "optimizer":
             p.use_distributed_optimizer, p.data_parallel_sharding = True, "optimizer"
         return
     why = "parallel.data_parallel_sharding = 'full'"
-    _need(
-        not p.use_distributed_optimizer,
-        f"{why} with parallel.use_distributed_optimizer = true: that is the 'optimizer' "
-        "sharding (ZeRO-1); 'full' shards the optimizer state already: drop "
-        "use_distributed_optimizer",
-    )
-    _need(
-        not (p.reshard_after_forward and p.pipeline_model_parallel_size > 1),
-        f"{why} with parallel.reshard_after_forward = true at pipeline_model_parallel_size "
-        f"{p.pipeline_model_parallel_size}: a pipeline schedule runs a layer's forward and "
-        "backward for several microbatches in turn, and would gather its parameters again "
-        "for each; leave parallel.reshard_after_forward unset (off under pipelining)",
-    )
+    if p.use_distributed_optimizer:
+        raise ConfigError(
+            f"{why} with parallel.use_distributed_optimizer = true: that is the 'optimizer' "
+            "sharding (ZeRO-1); 'full' shards the optimizer state already: drop "
+            "use_distributed_optimizer"
+        )
+    if p.reshard_after_forward and p.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"{why} with parallel.reshard_after_forward = true at pipeline_model_parallel_size "
+            f"{p.pipeline_model_parallel_size}: a pipeline schedule runs a layer's forward and "
+            "backward for several microbatches in turn, and would gather its parameters again "
+            "for each; leave parallel.reshard_after_forward unset (off under pipelining)"
+        )
     refusals = [
         (
             t.cuda_graphs,
@@ -414,4 +411,5 @@ def _check_data_parallel_sharding(config: Config) -> None:
         ),
     ]
     for refused, message in refusals:
-        _need(not refused, f"{why} with {message}")
+        if refused:
+            raise ConfigError(f"{why} with {message}")

@@ -3,7 +3,7 @@
 import dataclasses
 import functools
 
-from megatrain.config.errors import _need
+from megatrain.config.errors import ConfigError
 from megatrain.config.sections import Config
 
 
@@ -23,7 +23,6 @@ def _check_sizes(config: Config) -> None:
                 allowed_zero = name == "vocab_size"
                 if allowed_zero and value == 0:
                     continue
-                _need(
-                    False,
-                    f"{section}.{name} must be {'>= 0' if allowed_zero else '> 0'}, got {value}",
+                raise ConfigError(
+                    f"{section}.{name} must be {'>= 0' if allowed_zero else '> 0'}, got {value}"
                 )
