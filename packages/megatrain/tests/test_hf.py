@@ -396,12 +396,13 @@ def test_bad_input_is_refused_with_the_path(steps, random_hf, tmp_path):
     assert result.exit_code == 2 and "config.json does not exist" in result.output
     assert not (tmp_path / "y").exists()
 
-    for flag, message in (
-        ("--tp", "num_attention_heads (4) is not divisible by parallel.tensor_model_parallel"),
-        ("--pp", "num_layers (4) is not divisible by parallel.pipeline_model_parallel_size"),
+    # (--pp 3 over the 4 layers is a split, 2, 1 and 1: forward passes' uneven stages)
+    for flag, value, message in (
+        ("--tp", "3", "num_attention_heads (4) is not divisible by parallel.tensor_model_parallel"),
+        ("--pp", "5", "the model has 4 transformer layers, fewer than the pipeline stages"),
     ):
         result = _invoke("convert", "--ckpt", str(out / "ckpt"), "--out", str(tmp_path / "z"),
-                         flag, "3")  # fmt: skip
+                         flag, value)  # fmt: skip
         assert result.exit_code == 2 and message in result.output, result.output
         assert f"cannot be split to --tp {3 if flag == '--tp' else 2}" in result.output
     result = _invoke("convert", "--ckpt", str(out / "ckpt"), "--out", str(out / "ckpt"))

@@ -84,16 +84,36 @@ def require_kind(meta: dict, kind: str | tuple[str, ...], what: str, where) -> N
         )
 
 
+def forward_pipeline_layout(num_layers: int, pp: int, mtp_num_layers: int | None) -> str | None:
+    """The layers of a forward pass's `pp` stages: None (the even split) where pp divides
+    them, else the first num_layers % pp stages take a layer more than the rest (the last,
+    which also holds the output layer, fewer), as a pipeline layout string: DeepSeek-V3's
+    61 layers at pp 8 are 8, 8, 8, 8, 8, 7, 7, 7."""
+    if pp == 1 or num_layers % pp == 0:
+        return None
+    each, more = divmod(num_layers, pp)
+    stages = [each + (stage < more) for stage in range(pp)]
+    text = "|".join(f"t*{n}" if n else "" for n in stages)
+    return f"E{text}{'m' * (mtp_num_layers or 0)}L"
+
+
+def _forward_stages(config: Config) -> None:
+    """`config`'s stages for a forward pass at its pp: the saved virtual stages and layout are
+    the training run's (its pp x vpp), so the layers split over this pp instead."""
+    p, m = config.parallel, config.model
+    p.virtual_pipeline_model_parallel_size = None
+    p.pipeline_model_parallel_layout = forward_pipeline_layout(
+        m.num_layers, p.pipeline_model_parallel_size, m.mtp_num_layers
+    )
+
+
 def checkpoint_model_config(meta: dict) -> TransformerConfig:
     """The checkpoint's model at this process's layout, for forward passes only."""
 
     config = Config.from_dict(meta["config"])
     config.parallel.tensor_model_parallel_size = ps.get_tensor_model_parallel_world_size()
     config.parallel.pipeline_model_parallel_size = ps.get_pipeline_model_parallel_world_size()
-    config.parallel.virtual_pipeline_model_parallel_size = None
-    # The saved stages' layout is the training run's (its pp x vpp): forward passes split
-    # the layers evenly over this process's pp, as `check_layout` checked.
-    config.parallel.pipeline_model_parallel_layout = None
+    _forward_stages(config)  # as `check_layout` checked them
     config.parallel.sequence_parallel = config.parallel.tp_comm_overlap = False
     config.model.recompute = "none"
     return run_model_config(config, meta["vocab_size"])
@@ -136,7 +156,8 @@ def load_model(
 def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
     """The checkpoint's run config at tensor-parallel `tp` and pipeline-parallel `pp`, refused
     (naming the field) when the model cannot be split so: megatrain.config's own checks
-    (heads, ffn and layers divisible; vocabulary padding follows tp).  Checked before any
+    (heads and ffn divisible; vocabulary padding follows tp; the layers split over pp as
+    `forward_pipeline_layout` splits them, so at most one a stage more).  Checked before any
     worker starts."""
     from megatrain.config import ConfigError, validate
 
@@ -144,12 +165,18 @@ def check_layout(meta: dict, tp: int, pp: int, where: Path) -> Config:
         raise CheckpointError(f"{where / 'meta.json'} has no run config to check a layout against")
     config = Config.from_dict(meta["config"])
     p = config.parallel
+    if pp > config.model.num_layers:
+        raise CheckpointError(
+            f"{where}: cannot be split to --tp {tp} --pp {pp}: the model has "
+            f"{config.model.num_layers} transformer layers, fewer than the pipeline stages; use "
+            f"--pp {config.model.num_layers} or fewer"
+        )
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     # The saved interleaving, stage layout (its pp x vpp stages), dp and cp belong to the old
     # layout; a run at the new one sets its own (context parallelism splits sequences, not the
-    # model), and here the layers split evenly over `pp`.
-    p.virtual_pipeline_model_parallel_size, p.data_parallel_size = None, None
-    p.pipeline_model_parallel_layout = None
+    # model), and here the layers split over `pp` as forward passes split them.
+    _forward_stages(config)
+    p.data_parallel_size = None
     p.context_parallel_size = 1
     p.tp_comm_overlap = False  # a training overlap; forward passes run without it
     # Forward passes split experts over tp (expert tensor parallelism, no expert parallelism)
