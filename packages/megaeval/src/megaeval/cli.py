@@ -63,7 +63,8 @@ def run_options(command: Callable) -> Callable:
             type=click.IntRange(min=1),
             default=1,
             show_default=True,
-            help="Pipeline-parallel size to run a --ckpt model at.",
+            help="Pipeline-parallel size to run a --ckpt model at (at most its layers; where "
+            "it does not divide them, the first stages take a layer more).",
         ),
         click.option(
             "--cp",
