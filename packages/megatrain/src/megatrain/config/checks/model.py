@@ -204,7 +204,7 @@ def _check_router_groups(config: Config) -> None:
                 "model.moe_router_num_groups and model.moe_router_group_topk, or leave it unset"
             )
         return
-    if not (groups is not None and group_topk is not None):
+    if groups is None or group_topk is None:
         raise ConfigError(
             "model.moe_router_num_groups and model.moe_router_group_topk go together (HF's n_group "
             f"and topk_group), got {groups} and {group_topk}"

@@ -133,7 +133,7 @@ def _check_layout(config: Config) -> None:
             f"parallel.sequence_parallel needs training.seq_length ({t.seq_length}) divisible "
             f"by parallel.tensor_model_parallel_size ({tp})"
         )
-    if not (not p.tp_comm_overlap or (tp > 1 and p.sequence_parallel)):
+    if p.tp_comm_overlap and not (tp > 1 and p.sequence_parallel):
         raise ConfigError(
             "parallel.tp_comm_overlap = true overlaps sequence parallelism's all-gathers and "
             "reduce-scatters with the GEMMs: it needs parallel.tensor_model_parallel_size > 1 "
@@ -292,7 +292,7 @@ def _check_expert_parallel(config: Config, world_size: int | None) -> None:
     etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
     E = m.num_moe_experts
     if E is None:
-        if not (ep == 1 and p.expert_tensor_parallel_size is None):
+        if ep != 1 or p.expert_tensor_parallel_size is not None:
             raise ConfigError(
                 "parallel.expert_model_parallel_size / expert_tensor_parallel_size split the "
                 "experts of a mixture of experts: set model.num_moe_experts, or leave them unset"
