@@ -3,6 +3,7 @@ of one stage: the first stages take a layer more (`forward_pipeline_layout`), as
 61 layers must split over any pp > 1.  A GPT-2 and the shipped deepseek-tiny (multi-latent
 attention, experts, an MTP depth on the last stage), 4 layers each, at pp 3: 2, 1 and 1."""
 
+import json
 import math
 from pathlib import Path
 
@@ -120,3 +121,18 @@ def test_the_split_is_checked_before_any_worker_starts(evaluated):
     args = ["wikitext103", "--ckpt", str(root / "gpt"), "--data", str(wiki), "--pp", "5"]
     result = CliRunner().invoke(main, [*args, "--seq-len", "24", "--stride", "8"])
     assert result.exit_code != 0 and "--pp 5" in result.output and "4 transformer" in result.output
+
+
+def test_the_command_line_evaluates_at_three_stages(evaluated, tmp_path):
+    """`megaeval wikitext103 --pp 3` (its own 3 workers) gives the in-process pp 1 numbers."""
+    root, wiki, ranks = evaluated
+    expected = ranks[0]["gpt", 1]["wikitext"]
+    out = tmp_path / "wiki.json"
+    args = ["wikitext103", "--ckpt", str(root / "gpt"), "--data", str(wiki), "--seq-len", "24",
+            "--stride", "8", "--pp", "3", "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["model"]["pipeline_model_parallel_size"] == 3
+    for key in ("mean_loss", "adjusted_ppl"):
+        assert saved[key] == pytest.approx(expected[key], rel=1e-5), key
